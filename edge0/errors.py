@@ -1,0 +1,77 @@
+"""Every error Edge0 raises on purpose.
+
+Edge0Error
+ +-- ConfigError              a bad config.json, EngineConfig value or CLI flag
+ |    +-- UnsupportedModelError   model_type Edge0 cannot stream
+ +-- CheckpointError          a checkpoint file or directory is malformed
+ |    +-- HeaderError             a safetensors header is invalid (names file, tensor)
+ |    +-- LayoutError             tensors disagree with config.json or each other
+ |    +-- UnsafeModelError        the directory asks to run code or holds pickles
+ +-- ExpertReadError          reading an expert's byte range failed while serving
+
+Each error carries the offending file / tensor / parameter as attributes and names them
+in its message, so a test (or a user) can see what was wrong without a traceback.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class Edge0Error(Exception):
+    """Base class of every error Edge0 raises on purpose."""
+
+
+class ConfigError(Edge0Error, ValueError):
+    """A configuration value (config.json, EngineConfig, CLI flag) is invalid."""
+
+
+class UnsupportedModelError(ConfigError):
+    """config.json names a model_type Edge0 has no MoE spec for."""
+
+
+class CheckpointError(Edge0Error):
+    """A checkpoint is malformed; names the file and, where known, the tensor."""
+
+    def __init__(self, message: str, *, file: str | Path | None = None, tensor: str | None = None):
+        self.file = str(file) if file is not None else None
+        self.tensor = tensor
+        where = []
+        if self.file is not None:
+            where.append(f"file {self.file}")
+        if tensor is not None:
+            where.append(f"tensor {tensor!r}")
+        prefix = (", ".join(where) + ": ") if where else ""
+        super().__init__(prefix + message)
+        self.reason = message
+
+
+class HeaderError(CheckpointError):
+    """A safetensors header is invalid (raised before any tensor data is read)."""
+
+
+class LayoutError(CheckpointError):
+    """Tensors are inconsistent with config.json or with each other."""
+
+
+class UnsafeModelError(CheckpointError):
+    """The model directory asks Edge0 to execute code or load pickles."""
+
+
+class ExpertReadError(Edge0Error, OSError):
+    """Reading an expert's byte range from disk failed or came back short."""
+
+    def __init__(self, message: str, *, file: str | Path | None = None, tensor: str | None = None,
+                 layer: int | None = None, expert: int | None = None):
+        self.file = str(file) if file is not None else None
+        self.tensor = tensor
+        self.layer = layer
+        self.expert = expert
+        parts = [p for p in (
+            f"file {self.file}" if self.file else None,
+            f"tensor {tensor!r}" if tensor else None,
+            f"layer {layer}" if layer is not None else None,
+            f"expert {expert}" if expert is not None else None,
+        ) if p]
+        super().__init__((", ".join(parts) + ": " if parts else "") + message)
+        self.reason = message
