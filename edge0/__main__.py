@@ -1,0 +1,5 @@
+import sys
+
+from edge0.cli import main
+
+sys.exit(main())

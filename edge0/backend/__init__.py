@@ -1,0 +1,39 @@
+"""The array-library facade.
+
+Core logic (spec, checkpoint index, routing, engine) reaches the array library only
+through these four modules, so another backend can implement the same surface:
+
+- ``core``:  arrays, dtypes, evaluation, memory counters, the ops routing needs;
+- ``nn``:    model classes, building and loading the resident part of a model;
+- ``io``:    device buffers that reader threads can fill in place;
+- ``quant``: the quantized gather matmul and dequantization.
+
+Only the MLX implementation exists today; it is chosen by name so a second one (for
+example a NumPy reference) plugs in without touching callers.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from edge0.errors import ConfigError
+
+BACKENDS = {"mlx": "edge0.backend.mlx"}
+NAME = "mlx"
+
+
+def load(name: str = NAME) -> ModuleType:
+    """Return the backend package ``name`` (it has ``core``, ``nn``, ``io``, ``quant``)."""
+    if name not in BACKENDS:
+        raise ConfigError(f"unknown backend {name!r}; available: {sorted(BACKENDS)}")
+    return importlib.import_module(BACKENDS[name])
+
+
+_default = load(NAME)
+core = _default.core
+nn = _default.nn
+io = _default.io
+quant = _default.quant
+
+__all__ = ["BACKENDS", "NAME", "core", "io", "load", "nn", "quant"]

@@ -1,0 +1,75 @@
+"""Arrays, dtypes, evaluation and memory counters (MLX)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from edge0.errors import ConfigError
+
+Array = mx.array
+
+# Re-exported ops: routing and the executors use exactly mlx's own functions so that
+# their results are bit-identical to mlx-lm's model code.
+argpartition = mx.argpartition
+argsort = mx.argsort
+array = mx.array
+compile = mx.compile
+eval = mx.eval
+async_eval = mx.async_eval
+flatten = mx.flatten
+put_along_axis = mx.put_along_axis
+sigmoid = mx.sigmoid
+softmax = mx.softmax
+stop_gradient = mx.stop_gradient
+take = mx.take
+take_along_axis = mx.take_along_axis
+topk = mx.topk
+unflatten = mx.unflatten
+zeros = mx.zeros
+expand_dims = mx.expand_dims
+concatenate = mx.concatenate
+
+float32 = mx.float32
+int32 = mx.int32
+uint32 = mx.uint32
+
+DTYPES = {
+    "float32": mx.float32,
+    "bfloat16": mx.bfloat16,
+    "float16": mx.float16,
+}
+
+# safetensors dtype names -> mlx dtypes (for tensors Edge0 reads itself)
+SAFETENSORS_DTYPES = {
+    "U8": mx.uint8, "I8": mx.int8, "U16": mx.uint16, "I16": mx.int16,
+    "U32": mx.uint32, "I32": mx.int32, "U64": mx.uint64, "I64": mx.int64,
+    "F16": mx.float16, "BF16": mx.bfloat16, "F32": mx.float32, "BOOL": mx.bool_,
+}
+
+
+def dtype(name: str):
+    """The compute dtype called ``name`` ('float32', 'bfloat16', 'float16')."""
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ConfigError(f"compute_dtype must be one of {sorted(DTYPES)}, got {name!r}") from None
+
+
+def active_memory() -> int:
+    return mx.get_active_memory()
+
+
+def peak_memory() -> int:
+    return mx.get_peak_memory()
+
+
+def reset_peak_memory() -> None:
+    mx.reset_peak_memory()
+
+
+def clear_cache() -> None:
+    mx.clear_cache()
+
+
+def seed(value: int) -> None:
+    mx.random.seed(value)

@@ -1,0 +1,217 @@
+"""The checkpoint index: every routed expert's nine byte ranges, validated up front.
+
+Opening a model directory reads only the safetensors headers (``safetensors_header``),
+checks them against config.json (``MoESpec``) and maps each (layer, expert) to the byte
+ranges of its gate/up/down x weight/scales/biases rows in the (possibly sharded) files.
+Any inconsistency is a typed error naming the file and tensor before a data byte is read.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from edge0.errors import LayoutError, UnsafeModelError
+from edge0.safetensors_header import SafetensorsHeader, TensorEntry, read_header
+from edge0.spec import PARTS, PROJECTIONS, MoESpec
+
+# Files that would make a loader execute code or unpickle data.
+_UNSAFE_SUFFIXES = (".py", ".pyc", ".pkl", ".pickle", ".bin", ".pt", ".pth", ".ckpt")
+_SCALE_DTYPES = ("BF16", "F16", "F32")
+
+
+@dataclass(frozen=True)
+class TensorLocation:
+    """Where one stacked expert tensor lives: expert e is ``row_bytes`` at ``offset + e*row_bytes``."""
+
+    key: str
+    file: str
+    dtype: str
+    offset: int  # absolute file offset of expert 0
+    row_bytes: int  # bytes of one expert
+    row_shape: tuple[int, ...]  # shape of one expert's slice
+
+    def expert_range(self, expert: int) -> tuple[int, int]:
+        start = self.offset + expert * self.row_bytes
+        return start, start + self.row_bytes
+
+
+@dataclass(frozen=True)
+class LayerExperts:
+    """The nine stacked tensors of one MoE layer, in (proj, part) order of PROJECTIONS x PARTS."""
+
+    layer: int
+    tensors: tuple[TensorLocation, ...]
+    bits: dict[str, int]
+    group_size: dict[str, int]
+
+    def location(self, proj: str, part: str) -> TensorLocation:
+        return self.tensors[PROJECTIONS.index(proj) * 3 + PARTS.index(part)]
+
+    @property
+    def expert_bytes(self) -> int:
+        return sum(t.row_bytes for t in self.tensors)
+
+
+def refuse_unsafe(model_dir: Path, config: dict) -> None:
+    """Refuse directories that ask to run code or hold pickles; nothing is executed."""
+    if config.get("model_file") is not None:
+        raise UnsafeModelError(
+            f"config.json asks to import custom code (model_file={config['model_file']!r}); refused",
+            file=model_dir / "config.json",
+        )
+    for path in sorted(model_dir.iterdir()):
+        if path.is_file() and path.suffix in _UNSAFE_SUFFIXES:
+            raise UnsafeModelError(
+                f"model directory holds {path.name!r}: code and pickle files are refused "
+                "(Edge0 loads safetensors and JSON only)", file=path,
+            )
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    files = sorted(model_dir.glob("model*.safetensors"))
+    if not files:
+        raise LayoutError("no model*.safetensors file in the model directory", file=model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
+            named = set(weight_map.values())
+        except (json.JSONDecodeError, AttributeError, UnicodeDecodeError) as e:
+            raise LayoutError(f"invalid shard index: {e}", file=index) from None
+        missing = sorted(n for n in named if not (model_dir / n).is_file())
+        if missing:
+            raise LayoutError(f"shard index names missing files: {missing}", file=index)
+    return files
+
+
+class CheckpointIndex:
+    """Headers of every shard, and the expert byte ranges of every MoE layer."""
+
+    def __init__(self, model_dir: str | Path, spec: MoESpec, config: dict | None = None):
+        self.model_dir = Path(model_dir)
+        self.spec = spec
+        if config is not None:
+            refuse_unsafe(self.model_dir, config)
+        self.headers: list[SafetensorsHeader] = [read_header(p) for p in weight_files(self.model_dir)]
+        self.entries: dict[str, tuple[SafetensorsHeader, TensorEntry]] = {}
+        for header in self.headers:
+            for name, entry in header.tensors.items():
+                if name in self.entries:
+                    raise LayoutError(
+                        f"duplicate key: also stored in {self.entries[name][0].path}",
+                        file=header.path, tensor=name)
+                self.entries[name] = (header, entry)
+        if config is not None:
+            self._check_quantized_triples(config)
+        self.layers: dict[int, LayerExperts] = {l: self._layer(l) for l in spec.moe_layers}
+
+    # -- queries --------------------------------------------------------------------------
+    def resident_keys(self) -> list[str]:
+        return [k for k in self.entries if not self.spec.is_expert_key(k)]
+
+    @property
+    def expert_bytes_total(self) -> int:
+        return sum(le.expert_bytes * self.spec.num_experts for le in self.layers.values())
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(e.nbytes for _, e in self.entries.values())
+
+    @property
+    def files(self) -> list[str]:
+        return [h.path for h in self.headers]
+
+    # -- validation -------------------------------------------------------------------------
+    def _entry(self, key: str) -> tuple[SafetensorsHeader, TensorEntry]:
+        try:
+            return self.entries[key]
+        except KeyError:
+            raise LayoutError(
+                f"missing tensor: expected {key!r} for MoE layer (config.json lists it as MoE) "
+                f"in {', '.join(Path(h.path).name for h in self.headers)}",
+                file=self.model_dir, tensor=key) from None
+
+    def _layer(self, layer: int) -> LayerExperts:
+        spec = self.spec
+        locs: list[TensorLocation] = []
+        bits: dict[str, int] = {}
+        groups: dict[str, int] = {}
+        for proj in PROJECTIONS:
+            q = spec.expert_quant(layer, proj)
+            out_dim, in_dim = spec.proj_shape(proj)
+            if in_dim % q.group_size or (in_dim * q.bits) % 32:
+                raise LayoutError(
+                    f"input width {in_dim} is not a multiple of group size {q.group_size} "
+                    f"(bits {q.bits})", file=self.model_dir, tensor=spec.expert_key(layer, proj, "weight"))
+            expected = {
+                "weight": ("U32", (spec.num_experts, out_dim, in_dim * q.bits // 32)),
+                "scales": (None, (spec.num_experts, out_dim, in_dim // q.group_size)),
+                "biases": (None, (spec.num_experts, out_dim, in_dim // q.group_size)),
+            }
+            scale_dtype = None
+            for part in PARTS:
+                key = spec.expert_key(layer, proj, part)
+                header, entry = self._entry(key)
+                want_dtype, want_shape = expected[part]
+                if want_dtype is None:
+                    if entry.dtype not in _SCALE_DTYPES:
+                        raise LayoutError(f"dtype {entry.dtype}, expected one of {_SCALE_DTYPES}",
+                                          file=header.path, tensor=key)
+                    if scale_dtype is not None and entry.dtype != scale_dtype:
+                        raise LayoutError(f"dtype {entry.dtype} differs from the scales' {scale_dtype}",
+                                          file=header.path, tensor=key)
+                    scale_dtype = entry.dtype
+                elif entry.dtype != want_dtype:
+                    raise LayoutError(f"dtype {entry.dtype}, expected {want_dtype} (packed int{q.bits})",
+                                      file=header.path, tensor=key)
+                if len(entry.shape) != 3:
+                    raise LayoutError(f"shape {list(entry.shape)} is not [experts, out, in]",
+                                      file=header.path, tensor=key)
+                if entry.shape[0] != spec.num_experts:
+                    raise LayoutError(
+                        f"expert count {entry.shape[0]} differs from config.json's {spec.num_experts}",
+                        file=header.path, tensor=key)
+                if tuple(entry.shape) != want_shape:
+                    raise LayoutError(
+                        f"shape {list(entry.shape)} is inconsistent with int{q.bits} group {q.group_size} "
+                        f"packing of a {out_dim}x{in_dim} projection: expected {list(want_shape)}",
+                        file=header.path, tensor=key)
+                row = entry.nbytes // spec.num_experts
+                locs.append(TensorLocation(key, header.path, entry.dtype,
+                                           entry.file_offset(header.data_start), row, tuple(entry.shape[1:])))
+            bits[proj], groups[proj] = q.bits, q.group_size
+        return LayerExperts(layer, tuple(locs), bits, groups)
+
+    def _check_quantized_triples(self, config: dict) -> None:
+        """Every quantized module's weight/scales/biases agree with its bits and group size."""
+        q = config.get("quantization") or (config.get("text_config") or {}).get("quantization") or {}
+        for key in self.entries:
+            if not key.endswith(".scales"):
+                continue
+            module = key[: -len(".scales")]
+            override = q.get(module) if isinstance(q.get(module), dict) else {}
+            bits = override.get("bits", q.get("bits"))
+            group = override.get("group_size", q.get("group_size"))
+            if not isinstance(bits, int) or not isinstance(group, int):
+                continue
+            w_key, b_key = module + ".weight", module + ".biases"
+            header, scales = self.entries[key]
+            if w_key not in self.entries:
+                raise LayoutError(f"quantized module has scales but no weight {w_key!r}",
+                                  file=header.path, tensor=key)
+            wh, weight = self.entries[w_key]
+            if b_key in self.entries and tuple(self.entries[b_key][1].shape) != tuple(scales.shape):
+                bh, biases = self.entries[b_key]
+                raise LayoutError(f"biases shape {list(biases.shape)} differs from scales shape "
+                                  f"{list(scales.shape)}", file=bh.path, tensor=b_key)
+            if not weight.shape or not scales.shape:
+                continue
+            in_from_weight = weight.shape[-1] * 32 // bits
+            in_from_scales = scales.shape[-1] * group
+            if weight.shape[:-1] != scales.shape[:-1] or in_from_weight != in_from_scales:
+                raise LayoutError(
+                    f"int{bits} packed shape {list(weight.shape)} is inconsistent with scales "
+                    f"{list(scales.shape)} at group size {group}: weight implies {in_from_weight} "
+                    f"inputs, scales imply {in_from_scales}", file=wh.path, tensor=w_key)

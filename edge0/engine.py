@@ -1,0 +1,224 @@
+"""The engine: open a checkpoint for streaming and generate tokens.
+
+Contract: everything except the routed experts is resident (mlx-lm's model classes); each
+MoE block is a ``StreamingMoE`` whose experts are read from the checkpoint on demand. The
+engine owns one compute thread; the async API runs every MLX step there, so an event loop
+embedding Edge0 is never blocked by compute or reads.
+
+    async with Engine.open("model_dir") as engine:
+        async for event in engine.generate("def f(x):", max_tokens=32):
+            print(event.text, end="")
+
+    text = edge0.generate("model_dir", "def f(x):", max_tokens=32)   # synchronous helper
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import AsyncIterator, Iterator, Sequence
+
+import anyio
+
+from edge0.backend import core as B
+from edge0.backend import nn as bnn
+from edge0.checkpoint import CheckpointIndex, refuse_unsafe
+from edge0.config import EngineConfig
+from edge0.errors import ConfigError
+from edge0.exec.exact import ExactExecutor
+from edge0.exec.moe_layer import StreamingMoE
+from edge0.io_sched.reader import ExpertReader
+from edge0.routing import make_route_fn
+from edge0.spec import load_config, spec_from_config
+from edge0.stats import GenerationStats, peak_rss_bytes
+
+
+@dataclass
+class TokenEvent:
+    """One generated token. ``stats`` is filled on the last event (finish_reason set)."""
+
+    token: int
+    text: str
+    finish_reason: str | None = None  # "stop" (EOS) or "length"
+    stats: GenerationStats | None = field(default=None, repr=False)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 256
+    temp: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self):
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or not 1 <= self.max_tokens <= 1_000_000:
+            raise ConfigError(f"max_tokens must be an integer in 1..1000000, got {self.max_tokens!r}")
+        if not isinstance(self.temp, (int, float)) or not 0.0 <= self.temp <= 100.0:
+            raise ConfigError(f"temp must be a number in [0, 100], got {self.temp!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p!r}")
+
+
+def load_streaming_model(model_dir: str | Path, config: EngineConfig):
+    """Build the streaming model of ``model_dir``: (model, spec, index, reader, executor)."""
+    model_dir = Path(model_dir)
+    raw = load_config(model_dir)
+    refuse_unsafe(model_dir, raw)
+    spec = spec_from_config(raw)
+    index = CheckpointIndex(model_dir, spec, raw)
+    reader = ExpertReader(index, threads=config.reader_threads)
+    executor = ExactExecutor(index, reader, config.bundle_capacity)
+    route = make_route_fn(spec)
+
+    def replace_blocks(model):
+        for layer in spec.moe_layers:
+            path = spec.block_path(layer)
+            original = bnn.module_at(model, path)
+            if original is None or "switch_mlp" not in original:
+                raise ConfigError(f"{spec.model_type}: expected a MoE block at {path!r}; config.json and "
+                                  "mlx-lm's model class disagree about which layers are MoE")
+            bnn.set_module_at(model, path, StreamingMoE(spec, layer, original, route, executor))
+
+    try:
+        model = bnn.load_resident(model_dir, raw, index.files, spec.is_expert_key, replace_blocks,
+                                  B.dtype(config.compute_dtype))
+    except BaseException:
+        reader.close()
+        raise
+    return model, spec, index, reader, executor
+
+
+class Engine:
+    """A streaming MoE model ready to generate. Use ``Engine.open`` from async code."""
+
+    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None):
+        self.model_dir = Path(model_dir)
+        self.config = config or EngineConfig()
+        self.model, self.spec, self.index, self.reader, self.executor = load_streaming_model(
+            self.model_dir, self.config)
+        self.tokenizer = bnn.load_tokenizer(self.model_dir)
+        self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edge0-compute")
+        self._lock = anyio.Lock()
+        self._closed = False
+
+    # -- lifecycle ----------------------------------------------------------------------
+    @classmethod
+    @asynccontextmanager
+    async def open(cls, model_dir: str | Path, config: EngineConfig | None = None) -> AsyncIterator["Engine"]:
+        engine = await anyio.to_thread.run_sync(cls, model_dir, config)
+        try:
+            yield engine
+        finally:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(engine.close)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._compute.shutdown(wait=True)
+            self.reader.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- generation -----------------------------------------------------------------------
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            bos = self.tokenizer.bos_token
+            ids = self.tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise ConfigError("prompt is empty: give at least one token")
+        vocab = self.model.args.vocab_size if hasattr(self.model.args, "vocab_size") else None
+        if vocab is not None and any(not 0 <= t < vocab for t in ids):
+            raise ConfigError(f"prompt token ids must be in [0, {vocab})")
+        return ids
+
+    def stream(self, prompt: str | Sequence[int], **sampling) -> Iterator[TokenEvent]:
+        """Synchronous token stream (runs in the calling thread)."""
+        if self._closed:
+            raise ConfigError("the engine is closed")
+        params = SamplingParams(**sampling)
+        ids = self.encode(prompt)
+        if params.seed is not None:
+            B.seed(params.seed)
+        detok = self.tokenizer.detokenizer
+        detok.reset()
+        eos = set(self.tokenizer.eos_token_ids)
+        stats = GenerationStats(prompt_tokens=len(ids))
+        reads = self.reader.stats
+        bytes0, wait0 = reads.bytes, reads.seconds
+        t0 = time.perf_counter()
+        steps = bnn.generate_step(ids, self.model, max_tokens=params.max_tokens, temp=params.temp,
+                                  top_p=params.top_p, prefill_step_size=self.config.prefill_step_size)
+        t_first = bytes_first = None
+        token = None
+        try:
+            for n, (token, _) in enumerate(steps):
+                now = time.perf_counter()
+                if n == 0:
+                    t_first, bytes_first = now, reads.bytes
+                    stats.prefill_seconds = now - t0
+                    stats.prefill_expert_bytes = bytes_first - bytes0
+                stats.generated_tokens = n + 1
+                stats.decode_seconds = now - t_first
+                stats.decode_expert_bytes = reads.bytes - bytes_first
+                finish = None
+                if token in eos:
+                    finish = "stop"
+                elif n + 1 == params.max_tokens:
+                    finish = "length"
+                if finish is None:
+                    detok.add_token(token)
+                    yield TokenEvent(token, detok.last_segment)
+                    continue
+                if finish == "length":
+                    detok.add_token(token)
+                detok.finalize()
+                stats.read_wait_seconds = reads.seconds - wait0
+                stats.peak_active_memory = B.peak_memory()
+                stats.peak_rss = peak_rss_bytes()
+                yield TokenEvent(token, detok.last_segment, finish, stats)
+                return
+        finally:
+            steps.close()
+
+    async def generate(self, prompt: str | Sequence[int], **sampling) -> AsyncIterator[TokenEvent]:
+        """Async token stream: each step runs on the engine's compute thread."""
+        async with self._lock:
+            gen = self.stream(prompt, **sampling)
+            try:
+                while True:
+                    future = self._compute.submit(next, gen, None)
+                    event = await anyio.to_thread.run_sync(future.result, abandon_on_cancel=True)
+                    if event is None:
+                        return
+                    yield event
+                    if event.finish_reason is not None:
+                        return
+            finally:
+                # Runs after any in-flight step, on the same thread; never leaves work behind.
+                closing = self._compute.submit(gen.close)
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(closing.result)
+
+    def generate_text(self, prompt: str | Sequence[int], **sampling) -> tuple[str, GenerationStats]:
+        text, stats = [], None
+        for event in self.stream(prompt, **sampling):
+            text.append(event.text)
+            stats = event.stats or stats
+        return "".join(text), stats
+
+
+def generate(model_dir: str | Path, prompt: str | Sequence[int], config: EngineConfig | None = None,
+             **sampling) -> str:
+    """Synchronous helper: open ``model_dir``, generate, close; returns the text."""
+    with Engine(model_dir, config) as engine:
+        return engine.generate_text(prompt, **sampling)[0]

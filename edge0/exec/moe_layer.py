@@ -1,0 +1,51 @@
+"""StreamingMoE: the one layer that replaces every family's routed-expert block.
+
+It keeps the original block's resident children (router, shared expert) under their own
+names, so their checkpoint keys load unchanged, and hands the routed experts to an
+executor path. Routing goes through the family's routing function (``edge0.routing``).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from edge0.backend import core as B
+from edge0.backend import nn as bnn
+from edge0.routing import RouteFn, combine
+from edge0.spec import MoESpec
+
+Executor = Callable[..., object]  # (layer, x, inds) -> [..., k, D]
+
+
+class StreamingMoE(bnn.Module):
+    def __init__(self, spec: MoESpec, layer: int, original, route: RouteFn, executor: Executor):
+        super().__init__()
+        for name in spec.resident_children:
+            setattr(self, name, getattr(original, name))
+        self.layer_id = layer
+        self.router_kind = spec.router_kind
+        self.router_bias_attr = spec.router_bias_attr
+        self.shared_kind = spec.shared_expert
+        self.route = route
+        self.executor = executor
+
+    def router_logits(self, x):
+        if self.router_kind == "linear":
+            return self.gate(x)
+        if self.router_kind == "matmul":
+            return x @ self.gate.weight.T
+        return self.gate.gate_proj(x)
+
+    def routing(self, x):
+        """(inds, scores) the model's own router picks for hidden states ``x``."""
+        bias = getattr(self.gate, self.router_bias_attr) if self.router_bias_attr else None
+        return self.route(self.router_logits(x), bias)
+
+    def __call__(self, x):
+        inds, scores = self.routing(x)
+        y = combine(self.executor(self.layer_id, x, inds), scores)
+        if self.shared_kind == "plain":
+            y = y + self.shared_experts(x)
+        elif self.shared_kind == "gated":
+            y = y + B.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return y

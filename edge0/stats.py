@@ -1,0 +1,66 @@
+"""Generation statistics: speed per phase, memory peaks, expert bytes read."""
+
+from __future__ import annotations
+
+import resource
+import sys
+from dataclasses import asdict, dataclass
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process.
+
+    On Linux, VmHWM of /proc/self/status: ru_maxrss survives exec, so a process started by
+    a large parent would report the parent's peak. Elsewhere ru_maxrss (bytes on macOS).
+    """
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    prefill_expert_bytes: int = 0
+    decode_expert_bytes: int = 0
+    read_wait_seconds: float = 0.0
+    peak_active_memory: int = 0  # bytes, MLX buffers
+    peak_rss: int = 0  # bytes, whole process
+
+    @property
+    def prefill_tps(self) -> float:
+        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds > 0 else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        # the first token comes out of prefill; decode covers the ones after it
+        steps = self.generated_tokens - 1
+        return steps / self.decode_seconds if steps > 0 and self.decode_seconds > 0 else 0.0
+
+    @property
+    def expert_bytes_per_token(self) -> float:
+        steps = self.generated_tokens - 1
+        return self.decode_expert_bytes / steps if steps > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(prefill_tps=self.prefill_tps, decode_tps=self.decode_tps,
+                 expert_bytes_per_token=self.expert_bytes_per_token)
+        return d
+
+    def line(self) -> str:
+        mib = 1024 * 1024
+        return (f"prefill {self.prefill_tps:.1f} tok/s ({self.prompt_tokens} tok) | "
+                f"decode {self.decode_tps:.1f} tok/s ({self.generated_tokens} tok) | "
+                f"peak MLX active {self.peak_active_memory / mib:.1f} MiB | "
+                f"peak RSS {self.peak_rss / mib:.1f} MiB | "
+                f"expert reads {self.expert_bytes_per_token / mib:.2f} MiB/token")

@@ -1,0 +1,57 @@
+"""The edge0 command line, run as a user would run it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from edge0.cli import main
+
+
+def run_cli(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "edge0", *args], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, **(env or {})})
+
+
+def test_generate_streams_text_and_stats(tiny_model_factory):
+    d = tiny_model_factory("qwen3_moe")
+    r = run_cli("generate", "--model", str(d), "--prompt", "def f(x):", "--max-tokens", "8")
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert out.startswith("==========\ndef f(x):")
+    assert "prefill" in out and "decode" in out and "tok/s" in out
+    assert "peak MLX active" in out and "peak RSS" in out and "MiB/token" in out
+    assert "qwen3_moe, 4 MoE layers x 16 experts, k=4" in out
+
+
+def test_generate_missing_model_is_a_clear_error(tmp_path, capsys):
+    assert main(["generate", "--model", str(tmp_path / "nope"), "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("edge0: error: ") and "is not a model directory" in err
+
+
+def test_bad_flag_value_is_a_clear_error(tiny_model_factory, capsys):
+    d = tiny_model_factory("qwen3_moe")
+    assert main(["generate", "--model", str(d), "--prompt", "x", "--top-p", "2"]) == 2
+    assert "top_p must be in (0, 1], got 2.0" in capsys.readouterr().err
+
+
+def test_make_tiny_then_generate(tmp_path, capsys):
+    out = tmp_path / "m"
+    assert main(["make-tiny", "mixtral", str(out), "--layers", "2", "--experts", "8", "--k", "2"]) == 0
+    assert (out / "config.json").exists() and (out / "tokenizer.json").exists()
+    assert main(["generate", "--model", str(out), "--prompt", "x = ", "--max-tokens", "4"]) == 0
+    assert "mixtral, 2 MoE layers x 8 experts, k=2" in capsys.readouterr().out
+
+
+def test_demo_builds_default_model_once(tmp_path):
+    env = {"EDGE0_CACHE": str(tmp_path / "cache")}
+    first = run_cli("demo", "--max-tokens", "5", env=env)
+    assert first.returncode == 0, first.stderr
+    assert "building the demo model" in first.stderr and "tok/s" in first.stdout
+    second = run_cli("demo", "--max-tokens", "5", env=env)
+    assert second.returncode == 0 and "building" not in second.stderr
+    assert second.stdout.split("==========")[1] == first.stdout.split("==========")[1]

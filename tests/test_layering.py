@@ -1,0 +1,52 @@
+"""Core logic reaches the array library only through the backend facade."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import edge0
+
+ROOT = Path(edge0.__file__).parent
+# tiny.py builds test checkpoints *with* mlx-lm's classes by design (a tool, not the engine).
+EXEMPT = {"tiny.py"}
+
+
+def imported_modules(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
+def test_only_the_backend_imports_mlx():
+    offenders = {}
+    for path in ROOT.rglob("*.py"):
+        rel = path.relative_to(ROOT)
+        if rel.parts[0] == "backend" or rel.name in EXEMPT:
+            continue
+        bad = {m for m in imported_modules(path) if m.split(".")[0] in ("mlx", "mlx_lm")}
+        if bad:
+            offenders[str(rel)] = sorted(bad)
+    assert offenders == {}
+
+
+def test_spec_and_header_reader_need_no_array_library():
+    for name in ("spec.py", "safetensors_header.py", "checkpoint.py", "errors.py", "config.py"):
+        mods = imported_modules(ROOT / name)
+        assert not {m for m in mods if m.split(".")[0] in ("mlx", "mlx_lm", "numpy", "edge0.backend")}, name
+        assert "edge0.backend" not in mods, name
+
+
+def test_public_surface():
+    assert set(edge0.__all__) == {
+        "CheckpointError", "ConfigError", "Edge0Error", "Engine", "EngineConfig", "ExpertReadError",
+        "GenerationStats", "HeaderError", "LayoutError", "MoESpec", "SUPPORTED_MODEL_TYPES", "SamplingParams",
+        "TokenEvent", "UnsafeModelError", "UnsupportedModelError", "generate", "load_spec",
+    }
+    for name in edge0.__all__:
+        assert hasattr(edge0, name), name
