@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -27,15 +28,18 @@ def cache_dir() -> Path:
 
 
 def demo_model_dir() -> Path:
-    """The default model: built once (a few seconds) and cached, nothing downloaded."""
-    from edge0.tiny import make_tiny
+    """The default model: built once (a few seconds) and cached, nothing downloaded.
 
+    It is built in a child process so that this process's memory peaks (shown in the
+    stats line) are those of streaming, not of building a model in memory.
+    """
     path = cache_dir() / f"demo-{DEMO_FAMILY}-v{DEMO_VERSION}"
     if not (path / "config.json").exists():
         print(f"[edge0] building the demo model once into {path} ...", file=sys.stderr)
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-        make_tiny(DEMO_FAMILY, tmp, seed=0, overwrite=True, layers=8, experts=64, k=4, hidden=256,
-                  moe_intermediate=256)
+        shape = ["--layers", "8", "--experts", "64", "--k", "4", "--hidden", "256", "--moe-intermediate", "256"]
+        subprocess.run([sys.executable, "-m", "edge0", "make-tiny", DEMO_FAMILY, str(tmp), "--overwrite", *shape],
+                       check=True, stdout=subprocess.DEVNULL)
         if path.exists():  # another process built it meanwhile
             shutil.rmtree(tmp, ignore_errors=True)
         else:

@@ -133,3 +133,24 @@ def test_bad_prompts(engine):
 def test_bad_engine_config(kwargs, match):
     with pytest.raises(ConfigError, match=match):
         EngineConfig(**kwargs)
+
+
+def test_truncated_checkpoint_fails_the_request_not_the_engine(tiny_model_factory, tmp_path):
+    """A shard truncated after open: the request fails with a typed error naming the file,
+    tensor, layer and expert; once the file is whole again the engine serves correctly."""
+    from edge0.errors import ExpertReadError
+    from tests.ckpt_tools import copy_model
+
+    d = copy_model(tiny_model_factory("qwen3_moe"), tmp_path / "m")
+    shard = d / "model.safetensors"
+    original = shard.read_bytes()
+    with Engine(d) as engine:
+        expected = [e.token for e in engine.stream(PROMPT, max_tokens=6)]
+        with open(shard, "r+b") as f:
+            f.truncate(len(original) // 2)
+        with pytest.raises(ExpertReadError, match="short read") as err:
+            list(engine.stream(PROMPT, max_tokens=6))
+        assert err.value.file == str(shard) and ".switch_mlp." in err.value.tensor
+        assert err.value.layer is not None and err.value.expert is not None
+        shard.write_bytes(original)
+        assert [e.token for e in engine.stream(PROMPT, max_tokens=6)] == expected
