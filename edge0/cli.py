@@ -138,6 +138,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     t.add_argument("--overwrite", action="store_true")
     t.set_defaults(func=cmd_make_tiny)
+
+    from edge0.benchmark.command import add_parser as add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 

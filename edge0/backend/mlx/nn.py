@@ -44,13 +44,14 @@ def set_module_at(root: nn.Module, path: str, module: nn.Module) -> None:
     setattr(parent, name, module)
 
 
-def cast_model(model: nn.Module, dtype) -> None:
+def cast_model(model: nn.Module, dtype, skip: Callable[[str], bool] = lambda _: False) -> None:
     """Cast floating parameters to ``dtype``, honouring the model's ``cast_predicate``
-    (e.g. DeepSeek's e_score_correction_bias stays float32), as mlx_lm.convert does."""
+    (e.g. DeepSeek's e_score_correction_bias stays float32), as mlx_lm.convert does.
+    Parameters whose path ``skip`` accepts keep their dtype."""
     keep = getattr(model, "cast_predicate", lambda _: True)
     params = tree_flatten(model.parameters())
     cast = [(k, v.astype(dtype)) for k, v in params
-            if mx.issubdtype(v.dtype, mx.floating) and v.dtype != dtype and keep(k)]
+            if mx.issubdtype(v.dtype, mx.floating) and v.dtype != dtype and keep(k) and not skip(k)]
     if cast:
         model.update(tree_unflatten(cast))
 
@@ -128,3 +129,17 @@ def generate_step(prompt, model, *, max_tokens: int, temp: float, top_p: float, 
     sampler = make_sampler(temp, top_p if top_p < 1.0 else 0.0)
     return _generate_step(mx.array(prompt), model, max_tokens=max_tokens, sampler=sampler,
                           prefill_step_size=prefill_step_size)
+
+
+def load_full_model(model_dir: Path) -> nn.Module:
+    """mlx-lm's own loader: every weight, experts included, resident (the baseline)."""
+    from mlx_lm.utils import load_model
+
+    return load_model(Path(model_dir))[0]
+
+
+def make_cache(model: nn.Module) -> list:
+    """A fresh KV / state cache for ``model`` (mlx-lm's, so hybrid models get theirs)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    return make_prompt_cache(model)

@@ -1,0 +1,71 @@
+"""``edge0 bench``: build (once) the 35B-shaped checkpoint and run the A/B harness."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from edge0.benchmark.harness import CACHE_MODES, BenchSettings, run_bench
+from edge0.benchmark.report import chart, markdown
+from edge0.config import COMPUTE_DTYPES
+
+
+def default_bench_model(layers: int) -> Path:
+    from edge0.benchmark.checkpoint import BenchShape, make_bench_checkpoint
+    from edge0.cli import cache_dir
+
+    path = cache_dir() / f"bench-35b-{layers}L"
+    if not (path / "config.json").exists():
+        shape = BenchShape(layers=layers)
+        print(f"[edge0] writing the 35B-shaped bench checkpoint ({shape.expert_bytes / 1e9:.1f} GB of experts) "
+              f"to {path} ...", file=sys.stderr)
+        make_bench_checkpoint(path, shape, overwrite=True)
+    return path
+
+
+def add_parser(sub) -> None:
+    b = sub.add_parser("bench", help="same-session A/B benchmark of resident vs streaming arms",
+                       description="Each arm runs in its own process, arm order rotates every round, all arms "
+                                   "replay one token sequence, the page cache is evicted or warmed before each "
+                                   "run; figures are medians over rounds with their spread.")
+    b.add_argument("--model", default=None,
+                   help="checkpoint directory (default: the 35B-shaped bench checkpoint, written once)")
+    b.add_argument("--layers", type=int, default=12, help="layers of the default bench checkpoint (default 12)")
+    b.add_argument("--arms", default="resident,exact", help="comma-separated arms (default resident,exact)")
+    b.add_argument("--rounds", type=int, default=3, help="rounds (default 3)")
+    b.add_argument("--cache", default="cold,warm", help="page cache before each run: cold, warm or both "
+                                                        "(default cold,warm)")
+    b.add_argument("--prompt-tokens", type=int, default=32)
+    b.add_argument("--decode-tokens", type=int, default=16)
+    b.add_argument("--compute-dtype", choices=COMPUTE_DTYPES, default="float32")
+    b.add_argument("--cache-budget-mb", type=int, default=None, help="expert cache of arms that have one")
+    b.add_argument("--out", default="bench-results", help="directory for JSON, markdown and chart")
+    b.add_argument("--chart", action="store_true", help="also draw bench.png (needs matplotlib)")
+    b.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from edge0.errors import ConfigError
+
+    modes = [m.strip() for m in args.cache.split(",") if m.strip()]
+    if not modes or any(m not in CACHE_MODES for m in modes):
+        raise ConfigError(f"--cache must name {' and/or '.join(CACHE_MODES)}, got {args.cache!r}")
+    model = Path(args.model) if args.model else default_bench_model(args.layers)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    docs = []
+    for mode in modes:
+        settings = BenchSettings(arms=tuple(a.strip() for a in args.arms.split(",") if a.strip()), rounds=args.rounds,
+                                 cache=mode, prompt_tokens=args.prompt_tokens, decode_tokens=args.decode_tokens,
+                                 compute_dtype=args.compute_dtype, cache_budget_mb=args.cache_budget_mb)
+        doc = run_bench(model, settings, progress=lambda s: print(f"[bench] {s}", file=sys.stderr))
+        (out / f"bench-{mode}.json").write_text(json.dumps(doc, indent=2))
+        docs.append(doc)
+        print(markdown(doc))
+    (out / "bench.md").write_text("\n".join(markdown(d) for d in docs))
+    if args.chart:
+        chart(docs, out / "bench.png")
+    print(f"[bench] results in {out}/", file=sys.stderr)
+    return 0

@@ -1,0 +1,174 @@
+"""The same-session A/B harness.
+
+Protocol (the paper's): each arm runs in its own process; the arm order rotates every
+round; every arm replays the same token sequence (a prompt, then a continuation sampled
+once by the exact path and fed back token by token); the checkpoint's page cache is
+evicted (``posix_fadvise(DONTNEED)``) or warmed (read through) before each run; arms with
+an expert cache get the same budget; every figure is the median over rounds, with its
+spread (min..max). Ratios are arm median / resident median.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from edge0.benchmark.arms import ARMS, BASELINE
+from edge0.errors import ConfigError
+
+SCHEMA_VERSION = 1
+FIGURES = ("decode_tps", "prefill_tps", "peak_active_memory", "peak_rss", "expert_bytes_per_token",
+           "read_wait_ms_per_step", "load_seconds")
+CACHE_MODES = ("cold", "warm")
+PROMPT_TEXT = ("import os\nimport sys\n\n\ndef read_config(path):\n    \"\"\"Read a JSON config file.\"\"\"\n"
+               "    with open(path) as f:\n        return json.load(f)\n\n\nclass Cache:\n    def __init__(self):\n")
+
+
+@dataclass
+class BenchSettings:
+    arms: tuple[str, ...] = ("resident", "exact")
+    rounds: int = 3
+    cache: str = "cold"
+    prompt_tokens: int = 32
+    decode_tokens: int = 16
+    compute_dtype: str = "float32"
+    cache_budget_mb: int | None = None  # expert cache per arm that has one (same for all)
+    extra: dict = field(default_factory=dict)
+
+    def validate(self) -> None:
+        unknown = [a for a in self.arms if a not in ARMS]
+        if unknown:
+            raise ConfigError(f"unknown arm(s) {unknown}; available: {sorted(ARMS)}")
+        if self.cache not in CACHE_MODES:
+            raise ConfigError(f"cache must be one of {CACHE_MODES}, got {self.cache!r}")
+        for name in ("rounds", "prompt_tokens", "decode_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    def arm_settings(self) -> dict:
+        s = {"compute_dtype": self.compute_dtype, **self.extra}
+        if self.cache_budget_mb is not None:
+            s["cache_budget_mb"] = self.cache_budget_mb
+        return s
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    return sorted(model_dir.glob("model*.safetensors"))
+
+
+def evict(files: list[Path]) -> None:
+    """Drop the files' pages from the page cache (clean pages only; these are read-only)."""
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def warm(files: list[Path]) -> None:
+    """Read every byte once so the files sit in the page cache."""
+    buf = bytearray(16 * 2**20)
+    for f in files:
+        with open(f, "rb", buffering=0) as fh:
+            while fh.readinto(buf):
+                pass
+
+
+def rotation(arms: tuple[str, ...], round_index: int) -> list[str]:
+    k = round_index % len(arms)
+    return list(arms[k:] + arms[:k])
+
+
+def make_replay(model_dir: Path, prompt_tokens: int, decode_tokens: int, seed: int = 0) -> dict:
+    """The token sequence every arm replays: a fixed prompt, then a continuation sampled
+    once (temperature 0.8) with the exact path. Runs in a child process."""
+    code = (
+        "import json,sys\n"
+        "from edge0 import Engine\n"
+        "d, n_prompt, n_decode, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])\n"
+        "with Engine(d) as e:\n"
+        f"    ids = e.encode({PROMPT_TEXT!r} * 64)[:n_prompt]\n"
+        "    cont = [ev.token for ev in e.stream(ids, max_tokens=n_decode, temp=0.8, seed=seed)]\n"
+        "print(json.dumps({'prompt': ids, 'continuation': cont, 'seed': seed}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(model_dir), str(prompt_tokens), str(decode_tokens),
+                          str(seed)], capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"sampling the replay sequence failed:\n{out.stderr[-2000:]}")
+    replay = json.loads(out.stdout.strip().splitlines()[-1])
+    if len(replay["prompt"]) < prompt_tokens:
+        raise ConfigError(f"the prompt text tokenizes to only {len(replay['prompt'])} tokens")
+    # the continuation may stop early at EOS; pad by repeating it so every arm gets n steps
+    cont = replay["continuation"] or [0]
+    replay["continuation"] = (cont * (decode_tokens // len(cont) + 1))[:decode_tokens]
+    return replay
+
+
+def run_arm_process(name: str, model_dir: Path, replay: dict, settings: dict) -> dict:
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump({"arm": name, "model": str(model_dir), "prompt": replay["prompt"],
+                   "continuation": replay["continuation"], "settings": settings}, f)
+    try:
+        out = subprocess.run([sys.executable, "-m", "edge0.benchmark.arms", f.name], capture_output=True, text=True)
+    finally:
+        os.unlink(f.name)
+    if out.returncode:
+        raise RuntimeError(f"arm {name!r} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def summarize(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def run_bench(model_dir: str | Path, settings: BenchSettings, progress: Callable[[str], None] = lambda s: None,
+              runner=run_arm_process) -> dict:
+    """Run every arm ``settings.rounds`` times in rotating order; returns the result document."""
+    settings.validate()
+    model_dir = Path(model_dir)
+    files = checkpoint_files(model_dir)
+    if not files:
+        raise ConfigError(f"{model_dir} holds no model*.safetensors")
+    progress("sampling the replay sequence")
+    replay = make_replay(model_dir, settings.prompt_tokens, settings.decode_tokens)
+    runs: dict[str, list[dict]] = {a: [] for a in settings.arms}
+    orders = []
+    for r in range(settings.rounds):
+        order = rotation(settings.arms, r)
+        orders.append(order)
+        for name in order:
+            if settings.cache == "cold":
+                evict(files)
+            else:
+                warm(files)
+            progress(f"round {r + 1}/{settings.rounds}: {name} ({settings.cache})")
+            runs[name].append(runner(name, model_dir, replay, settings.arm_settings()))
+    arms = {}
+    for name, results in runs.items():
+        arms[name] = {
+            "runs": results,
+            **{fig: summarize([res[fig] for res in results]) for fig in FIGURES},
+            "consumed_digest": sorted({res["consumed_digest"] for res in results}),
+            "argmax_digest": sorted({res["argmax_digest"] for res in results}),
+        }
+    if BASELINE in arms:
+        base = arms[BASELINE]
+        for name, a in arms.items():
+            a["ratio_to_resident"] = {
+                fig: (a[fig]["median"] / base[fig]["median"]) if base[fig]["median"] else None
+                for fig in ("decode_tps", "prefill_tps", "peak_active_memory", "peak_rss")
+            }
+    return {
+        "schema": SCHEMA_VERSION, "model": str(model_dir), "checkpoint_bytes": sum(f.stat().st_size for f in files),
+        "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in settings.__dict__.items()},
+        "replay": replay, "orders": orders, "arms": arms,
+    }

@@ -1,0 +1,68 @@
+"""Render a benchmark result document as a markdown table and (optionally) a PNG chart."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+MIB = 2**20
+
+
+def _fmt(fig: dict, scale: float = 1.0, digits: int = 1) -> str:
+    m, lo, hi = fig["median"] / scale, fig["min"] / scale, fig["max"] / scale
+    return f"{m:.{digits}f} [{lo:.{digits}f}–{hi:.{digits}f}]"
+
+
+def markdown(doc: dict) -> str:
+    s = doc["settings"]
+    lines = [
+        f"Model `{Path(doc['model']).name}` ({doc['checkpoint_bytes'] / 1e9:.2f} GB), page cache **{s['cache']}**, "
+        f"{s['rounds']} rounds, {s['prompt_tokens']} prompt + {s['decode_tokens']} decode tokens, "
+        f"compute {s['compute_dtype']}. Median [min–max] over rounds.",
+        "",
+        "| arm | decode tok/s | prefill tok/s | peak MLX active (MiB) | peak RSS (MiB) | expert MiB/token "
+        "| read wait ms/step | load s | decode vs resident | active mem vs resident |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, a in doc["arms"].items():
+        ratio = a.get("ratio_to_resident") or {}
+        dec = ratio.get("decode_tps")
+        mem = ratio.get("peak_active_memory")
+        lines.append(
+            f"| {name} | {_fmt(a['decode_tps'], digits=2)} | {_fmt(a['prefill_tps'], digits=2)} "
+            f"| {_fmt(a['peak_active_memory'], MIB, 0)} | {_fmt(a['peak_rss'], MIB, 0)} "
+            f"| {_fmt(a['expert_bytes_per_token'], MIB, 1)} | {_fmt(a['read_wait_ms_per_step'], digits=1)} "
+            f"| {_fmt(a['load_seconds'], digits=1)} "
+            f"| {'' if dec is None else f'{dec:.2f}x'} | {'' if mem is None else f'{mem:.1%}'} |")
+    return "\n".join(lines) + "\n"
+
+
+def chart(docs: list[dict], path: str | Path) -> None:
+    """Decode tok/s and peak MLX active memory per arm (one group of bars per cache mode)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise RuntimeError("the chart needs matplotlib: pip install 'edge0[plot]'") from e
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    width = 0.8 / max(len(docs), 1)
+    for i, doc in enumerate(docs):
+        names = list(doc["arms"])
+        xs = [j + i * width for j in range(len(names))]
+        tps = [doc["arms"][n]["decode_tps"] for n in names]
+        mem = [doc["arms"][n]["peak_active_memory"] for n in names]
+        label = doc["settings"]["cache"]
+        ax1.bar(xs, [t["median"] for t in tps], width, label=label,
+                yerr=[[t["median"] - t["min"] for t in tps], [t["max"] - t["median"] for t in tps]])
+        ax2.bar(xs, [m["median"] / MIB for m in mem], width, label=label)
+        for ax in (ax1, ax2):
+            ax.set_xticks([j + width * (len(docs) - 1) / 2 for j in range(len(names))], names)
+    ax1.set_title("decode tok/s (median, min-max)")
+    ax2.set_title("peak MLX active memory (MiB)")
+    ax2.set_yscale("log")
+    ax1.legend()
+    fig.suptitle(Path(docs[0]["model"]).name)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

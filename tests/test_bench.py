@@ -1,0 +1,125 @@
+"""The benchmark checkpoint writer and the A/B harness, on tiny shapes (no heavy runs)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections import namedtuple
+
+import mlx.core as mx
+import pytest
+
+from edge0 import EngineConfig
+from edge0.backend import nn as bnn
+from edge0.benchmark import arms as arms_mod
+from edge0.benchmark import harness
+from edge0.benchmark.checkpoint import BYTES_PER_EXPERT_35B, BenchShape, make_bench_checkpoint
+from edge0.benchmark.report import markdown
+from edge0.engine import load_streaming_model
+from edge0.errors import ConfigError
+
+SMALL = BenchShape(layers=2, experts=16, k=4, hidden=256, moe_intermediate=128, heads=2, kv_heads=1)
+
+
+@pytest.fixture(scope="module")
+def bench_model(tmp_path_factory):
+    return make_bench_checkpoint(tmp_path_factory.mktemp("bench") / "m", SMALL, seed=3)
+
+
+def test_default_shape_is_the_35b_tier():
+    shape = BenchShape()
+    assert shape.bytes_per_expert == BYTES_PER_EXPERT_35B == 1_769_472
+    assert (shape.hidden, shape.experts, shape.moe_intermediate, shape.k) == (2048, 256, 512, 8)
+    assert round(shape.expert_bytes / 1e9, 1) == 5.4
+    assert round(BenchShape(layers=40).expert_bytes / 1e9, 1) == 18.1
+
+
+def test_bench_checkpoint_loads_and_streams_like_resident(bench_model):
+    from mlx_lm import load
+
+    model, tokenizer = load(str(bench_model))  # mlx-lm itself accepts it
+    bnn.cast_model(model, mx.float32)
+    streaming, spec, index, reader, _ = load_streaming_model(bench_model, EngineConfig(bundle_capacity=4))
+    try:
+        assert index.layers[0].expert_bytes == SMALL.bytes_per_expert
+        tokens = mx.array([tokenizer.encode("def f(x):\n    return x * 2\n")])
+        assert mx.array_equal(streaming(tokens), model(tokens)).item()
+        # routing is spread: a 24-token prompt touches most experts of each layer
+        inds = streaming.layers[1].mlp.routing(mx.random.normal((1, 24, SMALL.hidden)))[0]
+        assert len(set(inds.flatten().tolist())) >= SMALL.experts // 2
+    finally:
+        reader.close()
+
+
+def test_bench_checkpoint_refuses_without_disk_room(tmp_path, monkeypatch):
+    Usage = namedtuple("Usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: Usage(10**12, 10**12, 10**6))
+    with pytest.raises(ConfigError, match=r"not enough disk space .* needs 0.0\d GB"):
+        make_bench_checkpoint(tmp_path / "m", SMALL)
+    assert not list((tmp_path / "m").glob("*.safetensors"))
+
+
+def test_bench_checkpoint_does_not_overwrite(bench_model):
+    with pytest.raises(FileExistsError, match="pass --overwrite"):
+        make_bench_checkpoint(bench_model, SMALL)
+
+
+def fake_runner(calls):
+    def run(name, model_dir, replay, settings):
+        calls.append(name)
+        n = len(calls)
+        return dict(arm=name, consumed_digest=arms_mod.tokens_digest(replay["prompt"] + replay["continuation"]),
+                    argmax_digest="x", decode_tps=10.0 + n, prefill_tps=20.0, peak_active_memory=100 * n,
+                    peak_rss=1000, expert_bytes_per_token=0.0, read_wait_ms_per_step=0.0, load_seconds=1.0)
+    return run
+
+
+def test_order_rotates_and_a_new_arm_plugs_in(bench_model, monkeypatch):
+    monkeypatch.setitem(arms_mod.ARMS, "later-arm", lambda d, s: None)
+    monkeypatch.setattr(harness, "make_replay", lambda *a: {"prompt": [1, 2], "continuation": [3]})
+    calls = []
+    settings = harness.BenchSettings(arms=("resident", "exact", "later-arm"), rounds=4, cache="warm")
+    doc = harness.run_bench(bench_model, settings, runner=fake_runner(calls))
+    assert doc["orders"] == [["resident", "exact", "later-arm"], ["exact", "later-arm", "resident"],
+                             ["later-arm", "resident", "exact"], ["resident", "exact", "later-arm"]]
+    assert calls == sum(doc["orders"], [])
+    a = doc["arms"]["exact"]
+    assert a["decode_tps"]["n"] == 4 and a["decode_tps"]["min"] <= a["decode_tps"]["median"] <= a["decode_tps"]["max"]
+    assert doc["arms"]["resident"]["ratio_to_resident"]["decode_tps"] == 1.0
+
+
+def test_bad_settings_are_refused(bench_model):
+    with pytest.raises(ConfigError, match=r"unknown arm\(s\) \['nope'\]; available:"):
+        harness.run_bench(bench_model, harness.BenchSettings(arms=("nope",)))
+    with pytest.raises(ConfigError, match="cache must be one of"):
+        harness.run_bench(bench_model, harness.BenchSettings(cache="lukewarm"))
+
+
+RESULT_KEYS = {"schema", "model", "checkpoint_bytes", "settings", "replay", "orders", "arms"}
+ARM_KEYS = {"runs", "consumed_digest", "argmax_digest", "ratio_to_resident", *harness.FIGURES}
+RUN_KEYS = {"arm", "settings", "info", "load_seconds", "prompt_tokens", "decode_tokens", "consumed_digest",
+            "argmax_digest", "prefill_tps", "decode_tps", "step_ms", "read_wait_ms_per_step",
+            "expert_bytes_per_token", "prefill_expert_bytes", "peak_active_memory", "peak_rss", "total_wait_ms"}
+
+
+def test_real_arms_replay_the_same_tokens(bench_model, tmp_path):
+    """Two rounds of real child processes, cold cache: identical inputs (and, since exact
+    reproduces resident, identical outputs) in every run; stable JSON schema."""
+    settings = harness.BenchSettings(arms=("resident", "exact"), rounds=2, cache="cold", prompt_tokens=12,
+                                     decode_tokens=4)
+    doc = harness.run_bench(bench_model, settings)
+    assert set(doc) == RESULT_KEYS and doc["schema"] == harness.SCHEMA_VERSION
+    assert len(doc["replay"]["prompt"]) == 12 and len(doc["replay"]["continuation"]) == 4
+    digests = {d for a in doc["arms"].values() for d in a["consumed_digest"]}
+    outputs = {d for a in doc["arms"].values() for d in a["argmax_digest"]}
+    assert len(digests) == 1 and len(outputs) == 1
+    for name, a in doc["arms"].items():
+        assert set(a) == ARM_KEYS, name
+        for run in a["runs"]:
+            assert set(run) == RUN_KEYS and run["arm"] == name and len(run["step_ms"]) == 4
+    exact, resident = doc["arms"]["exact"], doc["arms"]["resident"]
+    assert exact["expert_bytes_per_token"]["median"] >= SMALL.k * SMALL.layers * SMALL.bytes_per_expert
+    assert resident["expert_bytes_per_token"]["median"] == 0
+    json.dumps(doc)  # serialisable
+    table = markdown(doc)
+    assert table.count("\n| ") == 3 and "| exact |" in table and "cold" in table
