@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from edge0.config import COMPUTE_DTYPES, EngineConfig
+from edge0.config import EngineConfig
 from edge0.errors import Edge0Error
 
 DEMO_FAMILY = "qwen3_moe"
@@ -48,27 +48,26 @@ def demo_model_dir() -> Path:
 
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
-    d = EngineConfig()
+    from edge0.config_sources import add_config_flags
+
     p.add_argument("--prompt", "-p", default=None, help="prompt text (default: a short code prompt)")
     p.add_argument("--max-tokens", "-m", type=int, default=100, help="tokens to generate (default 100)")
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 = greedy (default 0)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1: off)")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
-    p.add_argument("--compute-dtype", choices=COMPUTE_DTYPES, default=d.compute_dtype,
-                   help=f"activation dtype (default {d.compute_dtype})")
-    p.add_argument("--bundle-capacity", type=int, default=d.bundle_capacity,
-                   help=f"experts the exact path holds at once (default {d.bundle_capacity})")
-    p.add_argument("--reader-threads", type=int, default=d.reader_threads,
-                   help=f"threads reading expert byte ranges (default {d.reader_threads})")
-    p.add_argument("--prefill-step-size", type=int, default=d.prefill_step_size,
-                   help=f"prompt tokens per prefill pass (default {d.prefill_step_size})")
+    add_config_flags(p)  # every EngineConfig field (docs/CONFIG.md)
+
+
+def _engine_config(args) -> EngineConfig:
+    from edge0.config_sources import resolve_config
+
+    return resolve_config(args)
 
 
 def _run_generation(model_dir: Path, args) -> int:
     from edge0.engine import Engine
 
-    config = EngineConfig(compute_dtype=args.compute_dtype, bundle_capacity=args.bundle_capacity,
-                          reader_threads=args.reader_threads, prefill_step_size=args.prefill_step_size)
+    config = _engine_config(args)
     prompt = args.prompt if args.prompt is not None else DEMO_PROMPT
     with Engine(model_dir, config) as engine:
         print("=" * 10)
@@ -86,6 +85,20 @@ def _run_generation(model_dir: Path, args) -> int:
               f"{engine.index.expert_bytes_total / 2**20:.1f} MiB of {engine.index.total_bytes / 2**20:.1f} MiB)")
         if stats is not None:
             print(stats.line())
+    return 0
+
+
+def cmd_record_routing(args) -> int:
+    from edge0.engine import Engine
+
+    config = _engine_config(args)
+    with Engine(Path(args.model), config) as engine:
+        routing = engine.record_routing(args.prompt if args.prompt is not None else DEMO_PROMPT,
+                                        max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p,
+                                        seed=args.seed)
+    routing.save(args.out)
+    print(f"recorded {len(routing)} decode steps x {len(routing.steps[0]) if routing.steps else 0} MoE layers "
+          f"to {args.out}")
     return 0
 
 
@@ -125,6 +138,15 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="generate from the built-in default model (nothing downloaded)")
     _add_engine_flags(d)
     d.set_defaults(func=cmd_demo)
+
+    r = sub.add_parser("record-routing", help="record a generation's routing (the oracle for --decode-path staged)",
+                       description="Runs the generation on the exact path and writes, per decode step and MoE "
+                                   "layer, the experts it routed to. A staged run of the same model, prompt and "
+                                   "sampling replays it with --decode-path staged --oracle-file FILE.")
+    r.add_argument("--model", required=True, help="an mlx-lm int4 MoE checkpoint directory")
+    r.add_argument("--out", required=True, help="the routing file to write (JSON)")
+    _add_engine_flags(r)
+    r.set_defaults(func=cmd_record_routing)
 
     t = sub.add_parser("make-tiny", help="write a small random int4 MoE checkpoint of a supported family")
     t.add_argument("family", choices=SUPPORTED_MODEL_TYPES)

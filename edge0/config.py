@@ -1,12 +1,21 @@
-"""EngineConfig: the typed settings of an Edge0 engine."""
+"""EngineConfig: the typed settings of an Edge0 engine.
+
+One frozen dataclass; every field has a default and a comment. It can be built from
+Python, a TOML file, environment variables and CLI flags (``edge0.config_sources``),
+and every value is validated here, whichever way it came.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from edge0.errors import ConfigError
 
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+PATHS = ("exact", "staged", "hot", "whole_layer")
+PHASES = ("prefill", "decode")
+LOG_FORMATS = ("console", "json")
+STAGED_SOURCES = ("oracle",)
 
 
 @dataclass(frozen=True)
@@ -21,15 +30,75 @@ class EngineConfig:
     reader_threads: int = 2
     # Prompt tokens per prefill forward pass (as mlx-lm's prefill_step_size).
     prefill_step_size: int = 2048
+    # Executor path of every MoE layer at decode (one token) and at prefill (several).
+    decode_path: str = "exact"
+    prefill_path: str = "exact"
+    # Per-layer exceptions: ((layer, phase, path), ...), e.g. ((3, "decode", "hot"),).
+    layer_paths: tuple[tuple[int, str, str], ...] = ()
+    # Staged layers: slots per layer (0 = 2 x k: double buffered). Must be >= k.
+    slots_per_layer: int = 0
+    # Staged layers: how many layer reads the scheduler may run ahead of compute.
+    prefetch_depth: int = 4
+    # Where a staged layer's routing comes from before the step: "oracle" (recorded).
+    staged_source: str = "oracle"
+    # Oracle routing recorded by `edge0 record-routing` (required when a layer is staged).
+    oracle_file: str | None = None
+    # Hot path: resident experts per layer (LRU).
+    hot_experts: int = 16
+    # Refuse to open when slots + bundle + hot sets + whole-layer buffers exceed this (MiB).
+    memory_budget_mb: int | None = None
+    # Structured logs: "console" (human) or "json" (one object per line), and the level.
+    log_format: str = "console"
+    log_level: str = "warning"
 
     def __post_init__(self):
         if self.compute_dtype not in COMPUTE_DTYPES:
             raise ConfigError(f"compute_dtype must be one of {COMPUTE_DTYPES}, got {self.compute_dtype!r}")
-        for name in ("bundle_capacity", "reader_threads", "prefill_step_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("bundle_capacity", "reader_threads", "prefill_step_size", "prefetch_depth", "hot_experts"):
+            _positive(name, getattr(self, name))
+        if isinstance(self.slots_per_layer, bool) or not isinstance(self.slots_per_layer, int) \
+                or self.slots_per_layer < 0:
+            raise ConfigError(f"slots_per_layer must be 0 (= 2 x k) or a positive integer, got {self.slots_per_layer!r}")
+        for name in ("decode_path", "prefill_path"):
+            if getattr(self, name) not in PATHS:
+                raise ConfigError(f"{name} must be one of {PATHS}, got {getattr(self, name)!r}")
+        if self.prefill_path == "staged":
+            raise ConfigError("prefill_path 'staged' is not supported: staging needs the routing one token "
+                              "ahead; use 'whole_layer' or 'exact' for prefill")
+        object.__setattr__(self, "layer_paths", tuple(tuple(x) for x in self.layer_paths))
+        for entry in self.layer_paths:
+            if len(entry) != 3:
+                raise ConfigError(f"layer_paths entries are (layer, phase, path), got {entry!r}")
+            layer, phase, path = entry
+            if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
+                raise ConfigError(f"layer_paths: layer must be a non-negative integer, got {layer!r}")
+            if phase not in PHASES:
+                raise ConfigError(f"layer_paths: phase must be one of {PHASES}, got {phase!r}")
+            if path not in PATHS or (phase == "prefill" and path == "staged"):
+                raise ConfigError(f"layer_paths: path {path!r} is not valid for {phase}")
+        if self.staged_source not in STAGED_SOURCES:
+            raise ConfigError(f"staged_source must be one of {STAGED_SOURCES}, got {self.staged_source!r}")
+        if self.memory_budget_mb is not None:
+            _positive("memory_budget_mb", self.memory_budget_mb)
+        if self.log_format not in LOG_FORMATS:
+            raise ConfigError(f"log_format must be one of {LOG_FORMATS}, got {self.log_format!r}")
+        if self.log_level not in ("debug", "info", "warning", "error"):
+            raise ConfigError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
+
+    def path_for(self, layer: int, phase: str) -> str:
+        for l, p, path in self.layer_paths:
+            if l == layer and p == phase:
+                return path
+        return self.decode_path if phase == "decode" else self.prefill_path
+
+    def uses(self, path: str, layers) -> bool:
+        return any(self.path_for(l, ph) == path for l in layers for ph in PHASES)
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in fields(cls))
+
+
+def _positive(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")

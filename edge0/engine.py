@@ -26,11 +26,17 @@ import anyio
 from edge0.backend import core as B
 from edge0.backend import nn as bnn
 from edge0.checkpoint import CheckpointIndex, refuse_unsafe
-from edge0.config import EngineConfig
+from edge0.config import PATHS, PHASES, EngineConfig
 from edge0.errors import ConfigError
 from edge0.exec.exact import ExactExecutor
+from edge0.exec.hot import HotExecutor
 from edge0.exec.moe_layer import StreamingMoE
+from edge0.exec.oracle import OracleRouting, RoutingRecorder
+from edge0.exec.staged import StagedExecutor, Stager
+from edge0.exec.whole_layer import WholeLayerExecutor
 from edge0.io_sched.reader import ExpertReader
+from edge0.logs import configure as configure_logs
+from edge0.logs import get_logger
 from edge0.routing import make_route_fn
 from edge0.spec import load_config, spec_from_config
 from edge0.stats import GenerationStats, peak_rss_bytes
@@ -62,43 +68,131 @@ class SamplingParams:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p!r}")
 
 
-def load_streaming_model(model_dir: str | Path, config: EngineConfig):
-    """Build the streaming model of ``model_dir``: (model, spec, index, reader, executor)."""
+class Streaming:
+    """A loaded streaming model and the machinery behind its MoE layers."""
+
+    def __init__(self, model, spec, index, reader, exact, hot, whole, stager, recorder):
+        self.model, self.spec, self.index, self.reader = model, spec, index, reader
+        self.exact, self.hot, self.whole, self.stager, self.recorder = exact, hot, whole, stager, recorder
+
+    def begin_step(self, inputs) -> None:
+        """Called before every forward pass (the step hook)."""
+        if self.recorder is not None:
+            self.recorder.begin_step(inputs.shape[-1])
+        if self.stager is not None:
+            self.stager.begin_step(inputs)
+
+    @property
+    def buffer_bytes(self) -> int:
+        return sum(x.nbytes for x in (self.exact, self.hot, self.whole, self.stager) if x is not None) \
+            if self.exact is None else self.exact.resident_bytes + sum(
+                x.nbytes for x in (self.hot, self.whole, self.stager) if x is not None)
+
+    def close(self) -> None:
+        try:
+            if self.stager is not None:
+                self.stager.close()
+            if self.whole is not None:
+                self.whole.close()
+        finally:
+            self.reader.close()
+
+
+class StepModel:
+    """The model as mlx-lm's generation loop sees it, with Edge0's step hook in front."""
+
+    def __init__(self, streaming: Streaming):
+        self._streaming = streaming
+
+    def __call__(self, inputs, cache=None, **kwargs):
+        self._streaming.begin_step(inputs)
+        return self._streaming.model(inputs, cache=cache, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._streaming.model, name)
+
+
+def _check_budget(spec, index, config: EngineConfig, staged, hot, whole) -> None:
+    per_expert = max(le.expert_bytes for le in index.layers.values())
+    parts = {"exact bundle": config.bundle_capacity * per_expert}
+    if staged:
+        parts["staged slots"] = len(staged) * max(config.slots_per_layer or 2 * spec.k, spec.k) * per_expert
+    if hot:
+        parts["hot sets"] = len(hot) * max(config.hot_experts, spec.k) * per_expert
+    if whole:
+        parts["whole-layer buffers"] = 2 * spec.num_experts * per_expert
+    total = sum(parts.values())
+    if config.memory_budget_mb is not None and total > config.memory_budget_mb * 2**20:
+        detail = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in parts.items())
+        raise ConfigError(f"expert buffers need {total / 2**20:.1f} MiB ({detail}), over memory_budget_mb="
+                          f"{config.memory_budget_mb}")
+
+
+def load_streaming_model(model_dir: str | Path, config: EngineConfig, *, oracle: OracleRouting | None = None,
+                         record: bool = False, log=None) -> Streaming:
+    """Open ``model_dir`` for streaming: resident model, index, reader and executor paths."""
     model_dir = Path(model_dir)
     raw = load_config(model_dir)
     refuse_unsafe(model_dir, raw)
     spec = spec_from_config(raw)
     index = CheckpointIndex(model_dir, spec, raw)
+    layers = list(spec.moe_layers)
+    on = {p: [l for l in layers if p in (config.path_for(l, "prefill"), config.path_for(l, "decode"))]
+          for p in PATHS}
+    for layer, _, _ in config.layer_paths:
+        if layer not in layers:
+            raise ConfigError(f"layer_paths names layer {layer}, which is not a MoE layer; MoE layers: {layers}")
+    _check_budget(spec, index, config, on["staged"], on["hot"], on["whole_layer"])
+    if on["staged"] and oracle is None and config.oracle_file:
+        oracle = OracleRouting.load(config.oracle_file)
     reader = ExpertReader(index, threads=config.reader_threads)
-    executor = ExactExecutor(index, reader, config.bundle_capacity)
-    route = make_route_fn(spec)
-
-    def replace_blocks(model):
-        for layer in spec.moe_layers:
-            path = spec.block_path(layer)
-            original = bnn.module_at(model, path)
-            if original is None or "switch_mlp" not in original:
-                raise ConfigError(f"{spec.model_type}: expected a MoE block at {path!r}; config.json and "
-                                  "mlx-lm's model class disagree about which layers are MoE")
-            bnn.set_module_at(model, path, StreamingMoE(spec, layer, original, route, executor))
-
+    stager = None
     try:
+        exact = ExactExecutor(index, reader, config.bundle_capacity)
+        recorder = RoutingRecorder() if record else None
+        exact.recorder = recorder
+        hot = HotExecutor(index, reader, config.hot_experts, exact, log=log) if on["hot"] else None
+        whole = WholeLayerExecutor(index, reader, on["whole_layer"], log=log) if on["whole_layer"] else None
+        if on["staged"]:
+            stager = Stager(index, on["staged"], config.slots_per_layer or 2 * spec.k, reader, oracle,
+                            readers=config.reader_threads, prefetch_depth=config.prefetch_depth, log=log)
+        paths = {"exact": exact, "hot": hot, "whole_layer": whole,
+                 "staged": StagedExecutor(stager) if stager is not None else None}
+        route = make_route_fn(spec)
+
+        def replace_blocks(model):
+            for layer in layers:
+                path = spec.block_path(layer)
+                original = bnn.module_at(model, path)
+                if original is None or "switch_mlp" not in original:
+                    raise ConfigError(f"{spec.model_type}: expected a MoE block at {path!r}; config.json and "
+                                      "mlx-lm's model class disagree about which layers are MoE")
+                executors = {ph: paths[config.path_for(layer, ph)] for ph in PHASES}
+                bnn.set_module_at(model, path, StreamingMoE(spec, layer, original, route, executors))
+
         model = bnn.load_resident(model_dir, raw, index.files, spec.is_expert_key, replace_blocks,
                                   B.dtype(config.compute_dtype))
     except BaseException:
+        if stager is not None:
+            stager.close()
         reader.close()
         raise
-    return model, spec, index, reader, executor
+    return Streaming(model, spec, index, reader, exact, hot, whole, stager, recorder)
 
 
 class Engine:
     """A streaming MoE model ready to generate. Use ``Engine.open`` from async code."""
 
-    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None):
+    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None, *,
+                 oracle: OracleRouting | None = None):
         self.model_dir = Path(model_dir)
         self.config = config or EngineConfig()
-        self.model, self.spec, self.index, self.reader, self.executor = load_streaming_model(
-            self.model_dir, self.config)
+        configure_logs(self.config.log_format, self.config.log_level)
+        self.log = get_logger("edge0")
+        self.streaming = load_streaming_model(self.model_dir, self.config, oracle=oracle, log=self.log)
+        self.model, self.spec, self.index = self.streaming.model, self.streaming.spec, self.streaming.index
+        self.reader = self.streaming.reader
+        self._step_model = StepModel(self.streaming)
         self.tokenizer = bnn.load_tokenizer(self.model_dir)
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edge0-compute")
         self._lock = anyio.Lock()
@@ -119,7 +213,7 @@ class Engine:
         if not self._closed:
             self._closed = True
             self._compute.shutdown(wait=True)
-            self.reader.close()
+            self.streaming.close()
 
     def __enter__(self) -> "Engine":
         return self
@@ -155,8 +249,12 @@ class Engine:
         stats = GenerationStats(prompt_tokens=len(ids))
         reads = self.reader.stats
         bytes0, wait0 = reads.bytes, reads.seconds
+        stager = self.streaming.stager
+        if stager is not None:
+            stager.reset()
+            stall0, steps0 = stager.stall_seconds, stager.steps_run
         t0 = time.perf_counter()
-        steps = bnn.generate_step(ids, self.model, max_tokens=params.max_tokens, temp=params.temp,
+        steps = bnn.generate_step(ids, self._step_model, max_tokens=params.max_tokens, temp=params.temp,
                                   top_p=params.top_p, prefill_step_size=self.config.prefill_step_size)
         t_first = bytes_first = None
         token = None
@@ -183,6 +281,8 @@ class Engine:
                     detok.add_token(token)
                 detok.finalize()
                 stats.read_wait_seconds = reads.seconds - wait0
+                if stager is not None and stager.steps_run > steps0:
+                    stats.stall_ms_per_step = 1e3 * (stager.stall_seconds - stall0) / (stager.steps_run - steps0)
                 stats.peak_active_memory = B.peak_memory()
                 stats.peak_rss = peak_rss_bytes()
                 yield TokenEvent(token, detok.last_segment, finish, stats)
@@ -208,6 +308,17 @@ class Engine:
                 closing = self._compute.submit(gen.close)
                 with anyio.CancelScope(shield=True):
                     await anyio.to_thread.run_sync(closing.result)
+
+    def record_routing(self, prompt: str | Sequence[int], **sampling) -> OracleRouting:
+        """Run a generation on the exact path and return its per-step routing (the oracle)."""
+        rec = RoutingRecorder()
+        self.streaming.recorder = self.streaming.exact.recorder = rec
+        try:
+            for _ in self.stream(prompt, **sampling):
+                pass
+        finally:
+            self.streaming.recorder = self.streaming.exact.recorder = None
+        return rec.routing(str(self.model_dir))
 
     def generate_text(self, prompt: str | Sequence[int], **sampling) -> tuple[str, GenerationStats]:
         text, stats = [], None

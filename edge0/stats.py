@@ -33,6 +33,7 @@ class GenerationStats:
     prefill_expert_bytes: int = 0
     decode_expert_bytes: int = 0
     read_wait_seconds: float = 0.0
+    stall_ms_per_step: float = 0.0  # staged layers: compute waiting on reads, per decode step
     peak_active_memory: int = 0  # bytes, MLX buffers
     peak_rss: int = 0  # bytes, whole process
 
@@ -63,4 +64,5 @@ class GenerationStats:
                 f"decode {self.decode_tps:.1f} tok/s ({self.generated_tokens} tok) | "
                 f"peak MLX active {self.peak_active_memory / mib:.1f} MiB | "
                 f"peak RSS {self.peak_rss / mib:.1f} MiB | "
-                f"expert reads {self.expert_bytes_per_token / mib:.2f} MiB/token")
+                f"expert reads {self.expert_bytes_per_token / mib:.2f} MiB/token | "
+                f"stall {self.stall_ms_per_step:.1f} ms/step")

@@ -39,16 +39,16 @@ def test_bench_checkpoint_loads_and_streams_like_resident(bench_model):
 
     model, tokenizer = load(str(bench_model))  # mlx-lm itself accepts it
     bnn.cast_model(model, mx.float32)
-    streaming, spec, index, reader, _ = load_streaming_model(bench_model, EngineConfig(bundle_capacity=4))
+    s = load_streaming_model(bench_model, EngineConfig(bundle_capacity=4))
     try:
-        assert index.layers[0].expert_bytes == SMALL.bytes_per_expert
+        assert s.index.layers[0].expert_bytes == SMALL.bytes_per_expert
         tokens = mx.array([tokenizer.encode("def f(x):\n    return x * 2\n")])
-        assert mx.array_equal(streaming(tokens), model(tokens)).item()
+        assert mx.array_equal(s.model(tokens), model(tokens)).item()
         # routing is spread: a 24-token prompt touches most experts of each layer
-        inds = streaming.layers[1].mlp.routing(mx.random.normal((1, 24, SMALL.hidden)))[0]
+        inds = s.model.layers[1].mlp.routing(mx.random.normal((1, 24, SMALL.hidden)))[0]
         assert len(set(inds.flatten().tolist())) >= SMALL.experts // 2
     finally:
-        reader.close()
+        s.close()
 
 
 def test_bench_checkpoint_refuses_without_disk_room(tmp_path, monkeypatch):
@@ -69,7 +69,7 @@ def fake_runner(calls):
         calls.append(name)
         n = len(calls)
         return dict(arm=name, consumed_digest=arms_mod.tokens_digest(replay["prompt"] + replay["continuation"]),
-                    argmax_digest="x", decode_tps=10.0 + n, prefill_tps=20.0, peak_active_memory=100 * n,
+                    argmax_digest="x", decode_tps=10.0 + n, step_ms_median=100.0 / (10.0 + n), prefill_tps=20.0, peak_active_memory=100 * n,
                     peak_rss=1000, expert_bytes_per_token=0.0, read_wait_ms_per_step=0.0, load_seconds=1.0)
     return run
 
@@ -95,10 +95,10 @@ def test_bad_settings_are_refused(bench_model):
         harness.run_bench(bench_model, harness.BenchSettings(cache="lukewarm"))
 
 
-RESULT_KEYS = {"schema", "model", "checkpoint_bytes", "settings", "replay", "orders", "arms"}
+RESULT_KEYS = {"schema", "overlap", "model", "checkpoint_bytes", "settings", "replay", "orders", "arms"}
 ARM_KEYS = {"runs", "consumed_digest", "argmax_digest", "ratio_to_resident", *harness.FIGURES}
 RUN_KEYS = {"arm", "settings", "info", "load_seconds", "prompt_tokens", "decode_tokens", "consumed_digest",
-            "argmax_digest", "prefill_tps", "decode_tps", "step_ms", "read_wait_ms_per_step",
+            "argmax_digest", "prefill_tps", "decode_tps", "step_ms", "step_ms_median", "read_wait_ms_per_step",
             "expert_bytes_per_token", "prefill_expert_bytes", "peak_active_memory", "peak_rss", "total_wait_ms"}
 
 

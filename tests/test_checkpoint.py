@@ -50,9 +50,9 @@ def test_sharded_checkpoint_streams_identically(qwen, tmp_path):
     tokens = mx.array([[3, 1, 4, 1, 5, 9, 2, 6]])
     outs = []
     for d in (qwen, sharded):
-        model, _, index, reader, _ = load_streaming_model(d, EngineConfig())
-        outs.append(model(tokens))
-        reader.close()
+        s = load_streaming_model(d, EngineConfig())
+        outs.append(s.model(tokens))
+        s.close()
     assert mx.array_equal(outs[0], outs[1]).item()
 
 

@@ -30,8 +30,8 @@ def prompt_ids(model_dir, n_repeat=1):
 @pytest.mark.parametrize("capacity", [32, None])
 def test_first_step_logits_match_resident(tiny_model, capacity):
     """capacity None = k: any prompt has more distinct experts than the bundle (chunking)."""
-    streaming, spec, index, reader, executor = load_streaming_model(
-        tiny_model, EngineConfig(bundle_capacity=capacity or 1))
+    s = load_streaming_model(tiny_model, EngineConfig(bundle_capacity=capacity or 1))
+    streaming, reader = s.model, s.reader
     try:
         ref = resident_reference(tiny_model)
         tokens = mx.array([prompt_ids(tiny_model)])
@@ -42,7 +42,7 @@ def test_first_step_logits_match_resident(tiny_model, capacity):
         assert mx.array_equal(ours, theirs).item()
         assert reader.stats.bytes > 0
     finally:
-        reader.close()
+        s.close()
 
 
 def test_greedy_generation_matches_mlx_lm(tiny_model):
@@ -68,7 +68,8 @@ def test_bf16_compute_matches_mlx_lm_in_bf16(tiny_model_factory):
 
 def test_expert_tensors_never_materialised(tiny_model):
     """The model holds no routed-expert tensor; only the bundle (capacity rows) holds expert bytes."""
-    streaming, spec, index, reader, executor = load_streaming_model(tiny_model, EngineConfig(bundle_capacity=8))
+    s = load_streaming_model(tiny_model, EngineConfig(bundle_capacity=8))
+    streaming, spec, index, executor = s.model, s.spec, s.index, s.exact
     try:
         streaming(mx.array([prompt_ids(tiny_model)]))
         params = tree_flatten(streaming.parameters())
@@ -78,4 +79,4 @@ def test_expert_tensors_never_materialised(tiny_model):
         assert resident <= 2 * (index.total_bytes - index.expert_bytes_total)
         assert executor.resident_bytes == 8 * index.layers[spec.moe_layers[0]].expert_bytes
     finally:
-        reader.close()
+        s.close()

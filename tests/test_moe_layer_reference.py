@@ -22,7 +22,8 @@ def shared_output(layer: StreamingMoE, x):
 
 @pytest.mark.parametrize("tokens,capacity", [(3, 32), (40, 1)])
 def test_streaming_layer_matches_float64_reference(tiny_model, tokens, capacity):
-    model, spec, index, reader, _ = load_streaming_model(tiny_model, EngineConfig(bundle_capacity=capacity))
+    s = load_streaming_model(tiny_model, EngineConfig(bundle_capacity=capacity))
+    model, spec, reader = s.model, s.spec, s.reader
     rng = np.random.default_rng(1234 + tokens)
     try:
         for layer_id in spec.moe_layers:
@@ -49,4 +50,4 @@ def test_streaming_layer_matches_float64_reference(tiny_model, tokens, capacity)
             err = rel_l2(y, ref)
             assert err <= 1e-3, f"layer {layer_id}: relative L2 {err:.2e}"
     finally:
-        reader.close()
+        s.close()

@@ -51,18 +51,105 @@ def resident(model_dir: str, settings: dict) -> Loaded:
     return Loaded(model)
 
 
+def _engine_config(settings: dict, **paths):
+    from edge0.config import EngineConfig
+
+    keys = ("bundle_capacity", "reader_threads", "slots_per_layer", "prefetch_depth", "hot_experts")
+    return EngineConfig(compute_dtype=settings["compute_dtype"], **{k: settings[k] for k in keys if k in settings},
+                        **paths)
+
+
+def _streaming(model_dir: str, settings: dict, oracle=None, **paths) -> Loaded:
+    from edge0.engine import StepModel, load_streaming_model
+
+    cfg = _engine_config(settings, **paths)
+    s = load_streaming_model(model_dir, cfg, oracle=oracle)
+    if s.stager is not None:
+        s.stager.reset()
+    stall = (lambda: s.stager.stall_seconds) if s.stager is not None else (lambda: s.reader.stats.seconds)
+    return Loaded(StepModel(s), lambda: s.reader.stats.bytes, stall, s.close,
+                  info={k: getattr(cfg, k) for k in ("bundle_capacity", "slots_per_layer", "prefetch_depth",
+                                                     "hot_experts", "reader_threads")})
+
+
+def _oracle(settings: dict):
+    from edge0.exec.oracle import OracleRouting
+
+    if "oracle_file" not in settings:
+        raise RuntimeError("staged arms need the harness's recorded oracle (settings['oracle_file'])")
+    return OracleRouting.load(settings["oracle_file"])
+
+
 @arm("exact")
 def exact(model_dir: str, settings: dict) -> Loaded:
     """Edge0's exact streaming path: experts read on demand every step."""
-    from edge0.config import EngineConfig
-    from edge0.engine import load_streaming_model
+    return _streaming(model_dir, settings)
 
-    cfg = EngineConfig(compute_dtype=settings["compute_dtype"],
-                       bundle_capacity=settings.get("bundle_capacity", EngineConfig.bundle_capacity),
-                       reader_threads=settings.get("reader_threads", EngineConfig.reader_threads))
-    model, _, _, reader, executor = load_streaming_model(model_dir, cfg)
-    return Loaded(model, lambda: reader.stats.bytes, lambda: reader.stats.seconds, reader.close,
-                  info={"bundle_capacity": cfg.bundle_capacity})
+
+@arm("hot")
+def hot(model_dir: str, settings: dict) -> Loaded:
+    """Per-layer LRU hot sets of ``hot_experts``; misses read on demand."""
+    return _streaming(model_dir, settings, decode_path="hot")
+
+
+@arm("staged+oracle")
+def staged_oracle(model_dir: str, settings: dict) -> Loaded:
+    """Staged decode with the recorded true routing: reads scheduled before each step.
+    The read-wait figure is the time compute waited on slots (stalls)."""
+    return _streaming(model_dir, settings, oracle=_oracle(settings), decode_path="staged")
+
+
+class _NoReads:
+    def read(self, layer, expert, slot):
+        return 0
+
+
+@arm("compute-only")
+def compute_only(model_dir: str, settings: dict) -> Loaded:
+    """The staged computation with reads switched off (slots keep whatever they hold):
+    the compute floor of a staged step, measured in the same run."""
+    loaded = _streaming(model_dir, settings, oracle=_oracle(settings), decode_path="staged")
+    stager = loaded.model._streaming.stager
+    stager.scheduler.store = _NoReads()
+    stager.check_routing = False  # unread slots give other activations, hence other routing
+    loaded.info["reads"] = "off"
+    return loaded
+
+
+@arm("read-only")
+def read_only(model_dir: str, settings: dict) -> Loaded:
+    """The staged step's reads with no compute: the scheduler fills the slots for each
+    step's plan; a "step" is done when every layer is ready."""
+    return _streaming(model_dir, settings, oracle=_oracle(settings), decode_path="staged")
+
+
+def _read_only_step(model) -> None:
+    stager = model._streaming.stager
+    stager.advance_step()
+    for layer in stager.layers:
+        stager.portal.call(stager.scheduler.ready, stager.step, layer)
+
+
+def record_oracle(model_dir: str, prompt: list[int], continuation: list[int], path: str) -> int:
+    """Record the exact path's routing over the replay sequence (prefill, then one token
+    per step), the oracle the staged arms replay. Returns the number of steps."""
+    from edge0.backend import core as B
+    from edge0.backend import nn as bnn
+    from edge0.config import EngineConfig
+    from edge0.engine import StepModel, load_streaming_model
+
+    s = load_streaming_model(model_dir, EngineConfig(), record=True)
+    try:
+        model = StepModel(s)
+        cache = bnn.make_cache(model)
+        B.eval(model(B.array([prompt]), cache=cache))
+        for token in continuation:
+            B.eval(model(B.array([[token]]), cache=cache))
+        routing = s.recorder.routing(model_dir)
+        routing.save(path)
+        return len(routing)
+    finally:
+        s.close()
 
 
 def tokens_digest(tokens: list[int]) -> str:
@@ -93,19 +180,23 @@ def replay(name: str, model_dir: str, prompt: list[int], continuation: list[int]
         for token in continuation:
             b, w = loaded.read_bytes(), loaded.read_seconds()
             t0 = time.perf_counter()
-            logits = model(B.array([[token]]), cache=cache)
-            B.eval(logits)
+            if name == "read-only":
+                _read_only_step(model)
+            else:
+                logits = model(B.array([[token]]), cache=cache)
+                B.eval(logits)
             steps.append(time.perf_counter() - t0)
             step_bytes.append(loaded.read_bytes() - b)
             step_waits.append(loaded.read_seconds() - w)
-            argmax.append(int(logits[0, -1].argmax().item()))
+            if name not in ("read-only", "compute-only"):
+                argmax.append(int(logits[0, -1].argmax().item()))
         decode_seconds = sum(steps)
         return dict(
             arm=name, settings=settings, info=loaded.info, load_seconds=load_seconds,
             prompt_tokens=len(prompt), decode_tokens=len(continuation),
             consumed_digest=tokens_digest(prompt + continuation), argmax_digest=tokens_digest(argmax),
             prefill_tps=len(prompt) / prefill_seconds, decode_tps=len(continuation) / decode_seconds,
-            step_ms=[s * 1e3 for s in steps],
+            step_ms=[s * 1e3 for s in steps], step_ms_median=1e3 * sorted(steps)[len(steps) // 2],
             read_wait_ms_per_step=1e3 * sum(step_waits) / len(steps),
             expert_bytes_per_token=sum(step_bytes) / len(steps), prefill_expert_bytes=prefill_bytes,
             peak_active_memory=B.peak_memory(), peak_rss=peak_rss_bytes(),
@@ -118,6 +209,10 @@ def replay(name: str, model_dir: str, prompt: list[int], continuation: list[int]
 def main() -> int:
     """Child-process entry: ``python -m edge0.benchmark.arms JOB.json`` prints one JSON line."""
     job = json.loads(open(sys.argv[1], encoding="utf-8").read())
+    if job.get("record_oracle"):
+        n = record_oracle(job["model"], job["prompt"], job["continuation"], job["record_oracle"])
+        print(json.dumps({"oracle_steps": n}))
+        return 0
     result = replay(job["arm"], job["model"], job["prompt"], job["continuation"], job["settings"])
     print(json.dumps(result))
     return 0

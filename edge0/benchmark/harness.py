@@ -24,7 +24,7 @@ from edge0.benchmark.arms import ARMS, BASELINE
 from edge0.errors import ConfigError
 
 SCHEMA_VERSION = 1
-FIGURES = ("decode_tps", "prefill_tps", "peak_active_memory", "peak_rss", "expert_bytes_per_token",
+FIGURES = ("decode_tps", "step_ms_median", "prefill_tps", "peak_active_memory", "peak_rss", "expert_bytes_per_token",
            "read_wait_ms_per_step", "load_seconds")
 CACHE_MODES = ("cold", "warm")
 PROMPT_TEXT = ("import os\nimport sys\n\n\ndef read_config(path):\n    \"\"\"Read a JSON config file.\"\"\"\n"
@@ -113,17 +113,30 @@ def make_replay(model_dir: Path, prompt_tokens: int, decode_tokens: int, seed: i
     return replay
 
 
-def run_arm_process(name: str, model_dir: Path, replay: dict, settings: dict) -> dict:
+STAGED_ARMS = ("staged+oracle", "compute-only", "read-only")
+
+
+def _child(job: dict) -> dict:
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump({"arm": name, "model": str(model_dir), "prompt": replay["prompt"],
-                   "continuation": replay["continuation"], "settings": settings}, f)
+        json.dump(job, f)
     try:
         out = subprocess.run([sys.executable, "-m", "edge0.benchmark.arms", f.name], capture_output=True, text=True)
     finally:
         os.unlink(f.name)
     if out.returncode:
-        raise RuntimeError(f"arm {name!r} failed:\n{out.stderr[-3000:]}")
+        raise RuntimeError(f"{job.get('arm') or 'oracle recording'} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def record_oracle(model_dir: Path, replay: dict, path: Path) -> int:
+    """The staged arms' oracle: the exact path's routing over the replay sequence."""
+    return _child({"record_oracle": str(path), "model": str(model_dir), "prompt": replay["prompt"],
+                   "continuation": replay["continuation"]})["oracle_steps"]
+
+
+def run_arm_process(name: str, model_dir: Path, replay: dict, settings: dict) -> dict:
+    return _child({"arm": name, "model": str(model_dir), "prompt": replay["prompt"],
+                   "continuation": replay["continuation"], "settings": settings})
 
 
 def summarize(values: list[float]) -> dict:
@@ -140,6 +153,18 @@ def run_bench(model_dir: str | Path, settings: BenchSettings, progress: Callable
         raise ConfigError(f"{model_dir} holds no model*.safetensors")
     progress("sampling the replay sequence")
     replay = make_replay(model_dir, settings.prompt_tokens, settings.decode_tokens)
+    arm_settings = settings.arm_settings()
+    with tempfile.TemporaryDirectory(prefix="edge0-bench-") as tmp:
+        if any(a in STAGED_ARMS for a in settings.arms):
+            progress("recording the oracle routing of the replay sequence")
+            oracle = Path(tmp) / "oracle.json"
+            record_oracle(model_dir, replay, oracle)
+            arm_settings["oracle_file"] = str(oracle)
+        runs, orders = _rounds(model_dir, files, settings, replay, arm_settings, progress, runner)
+    return _document(model_dir, files, settings, replay, runs, orders)
+
+
+def _rounds(model_dir, files, settings, replay, arm_settings, progress, runner):
     runs: dict[str, list[dict]] = {a: [] for a in settings.arms}
     orders = []
     for r in range(settings.rounds):
@@ -151,7 +176,11 @@ def run_bench(model_dir: str | Path, settings: BenchSettings, progress: Callable
             else:
                 warm(files)
             progress(f"round {r + 1}/{settings.rounds}: {name} ({settings.cache})")
-            runs[name].append(runner(name, model_dir, replay, settings.arm_settings()))
+            runs[name].append(runner(name, model_dir, replay, arm_settings))
+    return runs, orders
+
+
+def _document(model_dir, files, settings, replay, runs, orders) -> dict:
     arms = {}
     for name, results in runs.items():
         arms[name] = {
@@ -167,8 +196,17 @@ def run_bench(model_dir: str | Path, settings: BenchSettings, progress: Callable
                 fig: (a[fig]["median"] / base[fig]["median"]) if base[fig]["median"] else None
                 for fig in ("decode_tps", "prefill_tps", "peak_active_memory", "peak_rss")
             }
+    overlap = None
+    if {"staged+oracle", "compute-only", "read-only"} <= set(arms):
+        staged = arms["staged+oracle"]["step_ms_median"]["median"]
+        floor = max(arms["compute-only"]["step_ms_median"]["median"], arms["read-only"]["step_ms_median"]["median"])
+        overlap = {"staged_step_ms": staged, "compute_only_step_ms": arms["compute-only"]["step_ms_median"]["median"],
+                   "read_only_step_ms": arms["read-only"]["step_ms_median"]["median"],
+                   "staged_over_max": staged / floor}
+        if "exact" in arms:
+            overlap["exact_step_ms"] = arms["exact"]["step_ms_median"]["median"]
     return {
-        "schema": SCHEMA_VERSION, "model": str(model_dir), "checkpoint_bytes": sum(f.stat().st_size for f in files),
+        "schema": SCHEMA_VERSION, "overlap": overlap, "model": str(model_dir), "checkpoint_bytes": sum(f.stat().st_size for f in files),
         "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in settings.__dict__.items()},
         "replay": replay, "orders": orders, "arms": arms,
     }

@@ -33,6 +33,13 @@ def markdown(doc: dict) -> str:
             f"| {_fmt(a['expert_bytes_per_token'], MIB, 1)} | {_fmt(a['read_wait_ms_per_step'], digits=1)} "
             f"| {_fmt(a['load_seconds'], digits=1)} "
             f"| {'' if dec is None else f'{dec:.2f}x'} | {'' if mem is None else f'{mem:.1%}'} |")
+    ov = doc.get("overlap")
+    if ov:
+        lines += ["", f"Staged+oracle decode step {ov['staged_step_ms']:.1f} ms = {ov['staged_over_max']:.3f} x "
+                      f"max(compute-only {ov['compute_only_step_ms']:.1f} ms, read-only {ov['read_only_step_ms']:.1f} ms)"
+                      + (f"; exact {ov['exact_step_ms']:.1f} ms vs compute + read "
+                         f"{ov['compute_only_step_ms'] + ov['read_only_step_ms']:.1f} ms" if "exact_step_ms" in ov else "")
+                      + " (median step times)."]
     return "\n".join(lines) + "\n"
 
 

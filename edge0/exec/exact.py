@@ -45,8 +45,9 @@ def switch_glu(x, inds, weights: dict, layer: LayerExperts):
     return out.squeeze(-2)
 
 
-class Bundle:
-    """Nine row buffers (one per stacked tensor) of ``capacity`` experts each."""
+class ExpertRows:
+    """Nine row buffers (one per stacked tensor) of ``capacity`` expert rows each: the exact
+    path's bundle, a staged layer's slots, a hot set, a whole-layer buffer."""
 
     def __init__(self, layer: LayerExperts, capacity: int):
         self.capacity = capacity
@@ -77,26 +78,29 @@ class ExactExecutor:
         self.reader = reader
         self.num_experts = index.spec.num_experts
         self.capacity = max(capacity, index.spec.k)
-        self._bundles: dict[tuple, Bundle] = {}
+        self._bundles: dict[tuple, ExpertRows] = {}
+        self.recorder = None  # a RoutingRecorder while an oracle is being recorded
 
-    def bundle_for(self, layer: LayerExperts) -> Bundle:
+    def bundle_for(self, layer: LayerExperts) -> ExpertRows:
         key = tuple((t.dtype, t.row_shape, t.row_bytes) for t in layer.tensors)
         if key not in self._bundles:
-            self._bundles[key] = Bundle(layer, self.capacity)
+            self._bundles[key] = ExpertRows(layer, self.capacity)
         return self._bundles[key]
 
     @property
     def resident_bytes(self) -> int:
         return sum(b.nbytes for b in self._bundles.values())
 
-    def _load(self, bundle: Bundle, layer: int, experts: np.ndarray) -> None:
+    def _load(self, bundle: ExpertRows, layer: int, experts: np.ndarray) -> None:
         bundle.settle()
         self.reader.read_experts(layer, experts, range(len(experts)), bundle.buffers)
 
     def __call__(self, layer_id: int, x, inds):
         layer = self.index.layers[layer_id]
         bundle = self.bundle_for(layer)
-        ids = np.array(inds)  # the host sync the exact path pays per layer
+        ids = B.to_host(inds)  # the host sync the exact path pays per layer
+        if self.recorder is not None:
+            self.recorder.record(layer_id, ids)
         distinct = np.unique(ids)
         if len(distinct) <= bundle.capacity:
             self._load(bundle, layer_id, distinct)
@@ -107,7 +111,7 @@ class ExactExecutor:
             return out
         return self._chunked(bundle, layer, x, ids, distinct)
 
-    def _chunked(self, bundle: Bundle, layer: LayerExperts, x, ids: np.ndarray, distinct: np.ndarray):
+    def _chunked(self, bundle: ExpertRows, layer: LayerExperts, x, ids: np.ndarray, distinct: np.ndarray):
         """Pairs grouped by expert, one bundle-full of experts at a time."""
         k = ids.shape[-1]
         flat = ids.reshape(-1)

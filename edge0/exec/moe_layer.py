@@ -15,10 +15,11 @@ from edge0.routing import RouteFn, combine
 from edge0.spec import MoESpec
 
 Executor = Callable[..., object]  # (layer, x, inds) -> [..., k, D]
+PHASES = ("prefill", "decode")
 
 
 class StreamingMoE(bnn.Module):
-    def __init__(self, spec: MoESpec, layer: int, original, route: RouteFn, executor: Executor):
+    def __init__(self, spec: MoESpec, layer: int, original, route: RouteFn, executors: dict[str, Executor]):
         super().__init__()
         for name in spec.resident_children:
             setattr(self, name, getattr(original, name))
@@ -27,7 +28,8 @@ class StreamingMoE(bnn.Module):
         self.router_bias_attr = spec.router_bias_attr
         self.shared_kind = spec.shared_expert
         self.route = route
-        self.executor = executor
+        # one executor path per phase: "decode" for one-token steps, "prefill" otherwise
+        self.executors = dict(executors)
 
     def router_logits(self, x):
         if self.router_kind == "linear":
@@ -43,7 +45,8 @@ class StreamingMoE(bnn.Module):
 
     def __call__(self, x):
         inds, scores = self.routing(x)
-        y = combine(self.executor(self.layer_id, x, inds), scores)
+        executor = self.executors["decode" if x.shape[-2] == 1 else "prefill"]
+        y = combine(executor(self.layer_id, x, inds), scores)
         if self.shared_kind == "plain":
             y = y + self.shared_experts(x)
         elif self.shared_kind == "gated":

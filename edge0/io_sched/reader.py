@@ -72,14 +72,34 @@ class ExpertReader:
             done += n
         return want
 
-    def read_experts(self, layer: int, experts, rows, buffers) -> int:
+    def read_layer(self, layer: int, buffers) -> int:
+        """Read every expert of ``layer``: nine whole stacked tensors, one range each, into
+        ``buffers`` (rows = experts). Returns bytes read."""
+        locs = self.index.layers[layer].tensors
+        jobs = [(loc, buf) for loc, buf in zip(locs, buffers)]
+        t0 = time.perf_counter()
+
+        def one(job):
+            loc, buf = job
+            whole = TensorLocation(loc.key, loc.file, loc.dtype, loc.offset, loc.row_bytes * buf.rows, loc.row_shape)
+            return self._read_one(whole, 0, buf.host.reshape(-1), layer)
+
+        total = sum(self._pool.map(one, jobs)) if self._pool is not None else sum(map(one, jobs))
+        with self._lock:
+            self.stats.bytes += total
+            self.stats.reads += len(jobs)
+            self.stats.seconds += time.perf_counter() - t0
+        return total
+
+    def read_experts(self, layer: int, experts, rows, buffers, parallel: bool = True) -> int:
         """Read each expert ``experts[i]`` of ``layer`` into row ``rows[i]`` of ``buffers``
-        (nine buffers, one per stacked tensor, in the index's order). Returns bytes read."""
+        (nine buffers, one per stacked tensor, in the index's order). Returns bytes read.
+        ``parallel=False`` reads in the calling thread (callers that are reader threads)."""
         locs = self.index.layers[layer].tensors
         jobs = [(loc, int(e), buf.host[r], layer)
                 for e, r in zip(experts, rows) for loc, buf in zip(locs, buffers)]
         t0 = time.perf_counter()
-        if self._pool is None or len(jobs) < 4:
+        if self._pool is None or not parallel or len(jobs) < 4:
             total = sum(self._read_one(*job) for job in jobs)
         else:
             total = sum(self._pool.map(lambda job: self._read_one(*job), jobs))

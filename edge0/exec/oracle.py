@@ -1,0 +1,85 @@
+"""Oracle routing: the true routing of a run, recorded, to stage an identical run.
+
+The paper's oracle experiment: with perfect knowledge of each decode step's experts, a
+staged run reads them before the step starts. ``RoutingRecorder`` records, per decode step
+(one-token forward) and MoE layer, the distinct experts the layer routed to; the file is
+JSON. ``OracleRouting`` answers "which experts will layer l use at step s".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from edge0.errors import ConfigError
+
+FORMAT = "edge0-oracle-routing/1"
+
+
+class OracleRouting:
+    def __init__(self, steps: list[dict[int, tuple[int, ...]]], model: str = ""):
+        self.steps = steps
+        self.model = model
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def experts(self, step: int, layer: int) -> tuple[int, ...]:
+        if step >= len(self.steps):
+            raise ConfigError(f"the oracle routing covers {len(self.steps)} decode steps; step {step} was "
+                              "requested (record a run at least as long as this one)")
+        try:
+            return self.steps[step][layer]
+        except KeyError:
+            raise ConfigError(f"the oracle routing has no layer {layer} at step {step}") from None
+
+    def save(self, path: str | Path) -> None:
+        doc = {"format": FORMAT, "model": self.model,
+               "steps": [{str(l): list(e) for l, e in s.items()} for s in self.steps]}
+        path = Path(path)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(doc, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "OracleRouting":
+        try:
+            doc = json.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"oracle routing file {path} does not exist") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"oracle routing file {path} is not valid JSON: {e}") from None
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("steps"), list):
+            raise ConfigError(f"{path} is not an oracle routing file (format {FORMAT!r})")
+        try:
+            steps = [{int(l): tuple(int(e) for e in es) for l, es in s.items()} for s in doc["steps"]]
+        except (AttributeError, TypeError, ValueError):
+            raise ConfigError(f"{path}: malformed steps") from None
+        return cls(steps, doc.get("model", ""))
+
+
+class RoutingRecorder:
+    """Collects each one-token forward's routing, layer by layer (host syncs: recording only)."""
+
+    def __init__(self):
+        self.steps: list[dict[int, tuple[int, ...]]] = []
+        self._current: dict[int, tuple[int, ...]] | None = None
+
+    def begin_step(self, n_tokens: int) -> None:
+        if n_tokens == 1:
+            self._current = {}
+            self.steps.append(self._current)
+        else:
+            self._current = None
+
+    def record(self, layer: int, ids) -> None:
+        if self._current is not None:
+            self._current[layer] = tuple(sorted({int(e) for e in ids.reshape(-1)}))
+
+    def routing(self, model: str = "") -> OracleRouting:
+        return OracleRouting(self.steps, model)

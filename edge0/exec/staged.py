@@ -1,0 +1,163 @@
+"""The staged path: routing known before the step, experts read ahead into sticky slots.
+
+Each staged layer owns S slots (nine row buffers of S experts). Before a decode step the
+``Stager`` hands that step's per-layer expert sets (from the oracle now, the prerouter
+later) to the async ``PrefetchScheduler``, which reads the misses into free slots while
+the step runs. A staged layer then:
+
+1. starts computing everything below it (``async_eval`` of its input: not a host sync),
+2. waits until its slots are READY (the only wait; logged as ``stage.wait``),
+3. maps its routing indices to slots with ``take`` through a table built on the host from
+   the plan (the indices never leave the device), and runs the same gather matmul as exact.
+
+No host sync per staged layer. Once per step (``begin_step``) the previous step is awaited
+so its slots can be unpinned: O(1) syncs per step, whatever the number of layers.
+Routed experts missing from the plan map to slot 0 and are counted on device; the count
+is checked once per step and a mismatch raises (never silently wrong output).
+"""
+
+from __future__ import annotations
+
+import time
+
+import anyio.from_thread
+import numpy as np
+
+from edge0.backend import core as B
+from edge0.checkpoint import CheckpointIndex
+from edge0.errors import ConfigError
+from edge0.exec.exact import ExpertRows, switch_glu
+from edge0.exec.oracle import OracleRouting
+from edge0.io_sched.plan import LayerPlan, StepPlan
+from edge0.io_sched.reader import ExpertReader
+from edge0.io_sched.scheduler import PrefetchScheduler
+from edge0.io_sched.store import SlotStore
+
+
+class RoutingMismatchError(ConfigError):
+    """A staged layer routed to an expert its plan did not stage."""
+
+
+class Stager:
+    """Owns the staged layers' slots, the scheduler (on its own event-loop thread), and the
+    step bookkeeping. One per engine."""
+
+    def __init__(self, index: CheckpointIndex, layers: list[int], slots: int, reader: ExpertReader,
+                 oracle: OracleRouting | None, *, readers: int, prefetch_depth: int, log=None):
+        spec = index.spec
+        if slots < spec.k:
+            raise ConfigError(f"slots_per_layer must be >= k = {spec.k}, got {slots}")
+        self.index = index
+        self.layers = list(layers)
+        self.num_experts = spec.num_experts
+        self.slots = slots
+        self.oracle = oracle
+        self.log = log
+        self.rows = {l: ExpertRows(index.layers[l], slots) for l in self.layers}
+        self._portal_cm = anyio.from_thread.start_blocking_portal(name="edge0-io")
+        self.portal = self._portal_cm.__enter__()
+        self.scheduler = PrefetchScheduler(SlotStore(reader, {l: r.buffers for l, r in self.rows.items()}),
+                                           {l: slots for l in self.layers}, readers=readers,
+                                           prefetch_depth=prefetch_depth, log=log)
+        self._sched_cm = self.portal.wrap_async_context_manager(self.scheduler)
+        self._sched_cm.__enter__()
+        self.step = -1
+        self._submitted: set[int] = set()
+        self._misses = B.zeros((), dtype=B.int32)
+        self.check_routing = True  # off only for timing runs that compute on unread slots
+        self.stall_seconds = 0.0
+        self.steps_run = 0
+        self._step_t0 = None
+        self._step_stall = 0.0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.nbytes for r in self.rows.values())
+
+    # -- step boundaries (called by the engine's step hook) ------------------------------
+    def reset(self, oracle: OracleRouting | None = None) -> None:
+        """Forget the previous generation: cancel its reads, unpin its slots (slots keep
+        their experts: sticky across generations)."""
+        for step in sorted(self._submitted):
+            self.portal.call(self.scheduler.cancel, step)
+        self._submitted.clear()
+        if oracle is not None:
+            self.oracle = oracle
+        self.step = -1
+
+    def begin_step(self, inputs) -> None:
+        if inputs.shape[-1] != 1:
+            return  # prefill: staged layers run their prefill path
+        if self.oracle is None:
+            raise ConfigError("a staged decode path needs a routing source: set oracle_file "
+                              "(record one with `edge0 record-routing`)")
+        B.eval(inputs, self._misses)  # the previous step is done: its slots may be unpinned
+        if self.check_routing and int(B.to_host(self._misses)):
+            raise RoutingMismatchError(
+                f"step {self.step}: a staged layer routed to an expert its plan did not stage; the oracle "
+                "routing does not belong to this prompt, model and sampling")
+        self.advance_step()
+
+    def advance_step(self) -> None:
+        """Close the previous step (unpin its slots) and submit this step's plan, and the
+        next one's so its reads can start as soon as slots are free."""
+        if self.step >= 0:
+            self._end_step()
+            self.portal.call(self.scheduler.release, self.step)
+            self._submitted.discard(self.step)
+        self.step += 1
+        for s in (self.step, self.step + 1):  # this step, and the next one ahead of time
+            if s not in self._submitted and s < len(self.oracle):
+                plan = StepPlan(s, tuple(LayerPlan(l, self.oracle.experts(s, l)) for l in self.layers))
+                self.portal.call(self.scheduler.submit, plan)
+                self._submitted.add(s)
+        if self.step not in self._submitted:
+            self.oracle.experts(self.step, self.layers[0])  # raises the "covers N steps" error
+        self._step_t0, self._step_stall = time.perf_counter(), 0.0
+        self._io0 = (self.scheduler.stats.reads, self.scheduler.stats.bytes, self.scheduler.stats.hits,
+                     self.scheduler.stats.misses)
+
+    def _end_step(self) -> None:
+        self.steps_run += 1
+        self.stall_seconds += self._step_stall
+        if self.log is not None and self._step_t0 is not None:
+            st = self.scheduler.stats
+            r0, b0, h0, m0 = self._io0
+            self.log.info("step", step=self.step, stall_ms=round(1e3 * self._step_stall, 3),
+                          reads=st.reads - r0, bytes=st.bytes - b0, hits=st.hits - h0, misses=st.misses - m0)
+
+    def close(self) -> None:
+        try:
+            self.reset()
+        finally:
+            self._sched_cm.__exit__(None, None, None)
+            self._portal_cm.__exit__(None, None, None)
+
+    # -- the layer computation --------------------------------------------------------------
+    def compute(self, layer: int, x, inds):
+        B.async_eval(x)  # let the layers below run while this layer's reads finish
+        t0 = time.perf_counter()
+        slot_map = self.portal.call(self.scheduler.ready, self.step, layer)
+        waited = time.perf_counter() - t0
+        self._step_stall += waited
+        if self.log is not None:
+            self.log.debug("stage.wait", step=self.step, layer=layer, ms=round(1e3 * waited, 3),
+                           hits=slot_map.hits, misses=slot_map.misses)
+        table = np.full(self.num_experts, -1, dtype=np.int32)
+        table[list(slot_map.slot_of)] = list(slot_map.slot_of.values())
+        raw = B.take(B.array(table), inds)
+        self._misses = self._misses + (raw < 0).sum()
+        local = B.maximum(raw, 0)
+        rows = self.rows[layer]
+        out = switch_glu(x, local, rows.weights, self.index.layers[layer])
+        return out
+
+
+class StagedExecutor:
+    """Executor adapter: a staged layer's decode path."""
+
+    def __init__(self, stager: Stager):
+        self.stager = stager
+
+    def __call__(self, layer: int, x, inds):
+        return self.stager.compute(layer, x, inds)

@@ -1,0 +1,240 @@
+"""The async prefetch scheduler: step plans in, byte-range reads out, readiness per layer.
+
+Contract (the tests drive it with a fake store, no MLX, no model):
+
+- ``submit(plan)`` queues one job per staged layer of a step. Jobs are served in priority
+  order (earlier step, then earlier layer), at most ``prefetch_depth`` unconsumed jobs at
+  a time: a job entering that window claims its slots (``SlotTable.claim``): resident
+  experts are hits, misses become ``ReadRequest``s.
+- A bounded pool of reader threads (``anyio.to_thread`` behind a ``CapacityLimiter`` of
+  ``readers``) performs the reads, highest priority first.
+- ``await ready(step, layer)`` returns the layer's ``SlotMap`` once every planned expert
+  sits in a READY slot, or raises the typed read error. Consuming a job slides the window.
+- ``release(step)`` unpins the step's slots once its computation has been evaluated.
+- ``await cancel(step)`` drops the step's queued reads, waits for its in-flight ones, leaves
+  their slots EMPTY and unpins everything the step held. Nothing half-written is READY.
+- Transient read errors are retried ``retries`` times, then fail that job with an
+  ``ExpertReadError``; the scheduler keeps serving later steps.
+
+All state lives on the scheduler's event loop; only ``store.read`` runs in threads.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import anyio
+
+from edge0.errors import Edge0Error, ExpertReadError
+from edge0.io_sched.plan import ReadRequest, SchedulerStats, SlotMap, StepPlan
+from edge0.io_sched.slots import LOADING, READY, SlotTable
+from edge0.io_sched.store import Store
+
+
+class SchedulerError(Edge0Error):
+    """The scheduler was asked for something it has no plan for, or is closed."""
+
+
+@dataclass(eq=False)
+class _Job:
+    step: int
+    layer: int
+    order: int
+    experts: tuple[int, ...]
+    slots: dict[int, int] = field(default_factory=dict)  # expert -> slot (claimed)
+    unclaimed: list[int] = field(default_factory=list)
+    hits: int = 0
+    misses: int = 0
+    error: BaseException | None = None
+    done: anyio.Event = field(default_factory=anyio.Event)
+
+
+class PrefetchScheduler:
+    def __init__(self, store: Store, slots_per_layer: dict[int, int], *, readers: int = 2,
+                 prefetch_depth: int = 4, retries: int = 2, log=None):
+        if readers < 1 or prefetch_depth < 1 or retries < 0:
+            raise ValueError("readers and prefetch_depth must be >= 1, retries >= 0")
+        self.store = store
+        self.tables = {layer: SlotTable(layer, n) for layer, n in slots_per_layer.items()}
+        self.readers = readers
+        self.prefetch_depth = prefetch_depth
+        self.retries = retries
+        self.stats = SchedulerStats()
+        self._log = log
+        self._jobs: list[_Job] = []  # unconsumed, in priority order
+        self._heap: list[tuple[tuple, int, ReadRequest]] = []
+        self._seq = itertools.count()
+        self._in_flight: dict[int, int] = {}  # step -> reads in flight
+        self._drained: dict[int, anyio.Event] = {}
+        self._cancelled: set[int] = set()
+        self._limiter = anyio.CapacityLimiter(readers)
+        self._tg = None
+
+    # -- lifecycle ----------------------------------------------------------------------
+    async def __aenter__(self) -> "PrefetchScheduler":
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc) -> bool | None:
+        tg, self._tg = self._tg, None
+        tg.cancel_scope.cancel()
+        return await tg.__aexit__(*exc)
+
+    # -- the interface ------------------------------------------------------------------
+    def submit(self, plan: StepPlan) -> None:
+        if self._tg is None:
+            raise SchedulerError("the scheduler is not running (use `async with scheduler:`)")
+        for order, lp in enumerate(plan.layers):
+            if lp.layer not in self.tables:
+                raise SchedulerError(f"layer {lp.layer} has no slot table (not a staged layer)")
+            experts = tuple(dict.fromkeys(int(e) for e in lp.experts))
+            if len(experts) > self.tables[lp.layer].num_slots:
+                raise SchedulerError(f"step {plan.step} layer {lp.layer}: {len(experts)} experts do not fit in "
+                                     f"{self.tables[lp.layer].num_slots} slots")
+            self._jobs.append(_Job(plan.step, lp.layer, order, experts, unclaimed=list(experts)))
+        self._jobs.sort(key=lambda j: (j.step, j.order))
+        self._emit("io.plan", step=plan.step, layers=len(plan.layers),
+                   experts=sum(len(lp.experts) for lp in plan.layers))
+        self._pump()
+
+    async def ready(self, step: int, layer: int) -> SlotMap:
+        job = next((j for j in self._jobs if j.step == step and j.layer == layer), None)
+        if job is None:
+            raise SchedulerError(f"no pending plan for step {step}, layer {layer}")
+        await job.done.wait()
+        self._jobs.remove(job)
+        self._pump()
+        if job.error is not None:
+            raise job.error
+        return SlotMap(step, layer, dict(job.slots), job.hits, job.misses)
+
+    def release(self, step: int) -> None:
+        for table in self.tables.values():
+            table.release(step)
+        self._pump()
+
+    async def cancel(self, step: int) -> None:
+        self._cancelled.add(step)
+        dropped = [j for j in self._jobs if j.step == step]
+        for job in dropped:
+            self._jobs.remove(job)
+            job.error = job.error or SchedulerError(f"step {step} was cancelled")
+            job.done.set()
+        self.stats.cancelled += len(dropped)
+        if self._in_flight.get(step):
+            event = self._drained.setdefault(step, anyio.Event())
+            with anyio.CancelScope(shield=True):
+                await event.wait()
+        for table in self.tables.values():
+            table.release(step)
+        self._cancelled.discard(step)
+        self._emit("io.cancel", step=step, jobs=len(dropped))
+        self._pump()
+
+    def pending_reads(self) -> int:
+        return len(self._heap) + sum(self._in_flight.values())
+
+    # -- internals ----------------------------------------------------------------------
+    def _emit(self, event: str, **kw) -> None:
+        if self._log is not None:
+            self._log.debug(event, **kw)
+
+    def _pump(self) -> None:
+        """Claim slots for the jobs in the window, start reads, wake finished jobs."""
+        window = self._jobs[: self.prefetch_depth]
+        for job in window:
+            if job.unclaimed:
+                self._claim(job)
+        while self._heap and sum(self._in_flight.values()) < self.readers and self._tg is not None:
+            _, _, req = heapq.heappop(self._heap)
+            if req.step in self._cancelled:
+                self.tables[req.layer].complete(req.slot, False)
+                continue
+            self._in_flight[req.step] = self._in_flight.get(req.step, 0) + 1
+            self._tg.start_soon(self._read, req)
+        for job in window:
+            self._check(job)
+
+    def _claim(self, job: _Job) -> None:
+        table = self.tables[job.layer]
+        layer_stats = self.stats.per_layer.setdefault(job.layer, {"hits": 0, "misses": 0})
+        still = []
+        for expert in job.unclaimed:
+            got = table.claim(expert, job.step)
+            if got is None:  # every slot pinned by other steps: retry after a release
+                still.append(expert)
+                continue
+            slot, needs_read = got
+            job.slots[expert] = slot
+            if needs_read:
+                job.misses += 1
+                layer_stats["misses"] += 1
+                self.stats.misses += 1
+                req = ReadRequest(job.step, job.layer, expert, slot, (job.step, job.order, expert))
+                heapq.heappush(self._heap, (req.priority, next(self._seq), req))
+            else:
+                job.hits += 1
+                layer_stats["hits"] += 1
+                self.stats.hits += 1
+        job.unclaimed = still
+
+    def _check(self, job: _Job) -> None:
+        if job.done.is_set() or job.unclaimed:
+            return
+        table = self.tables[job.layer]
+        states = [table.state[s] if table.expert_of[s] == e else None for e, s in job.slots.items()]
+        if all(s == READY for s in states):
+            job.done.set()
+        elif any(s not in (READY, LOADING) for s in states):
+            job.error = job.error or ExpertReadError("a slot this layer depends on failed to load",
+                                                     layer=job.layer)
+            job.done.set()
+
+    async def _read(self, req: ReadRequest) -> None:
+        ok, error, t0 = False, None, time.perf_counter()
+        try:
+            for attempt in range(self.retries + 1):
+                try:
+                    nbytes = await anyio.to_thread.run_sync(self.store.read, req.layer, req.expert, req.slot,
+                                                            limiter=self._limiter)
+                    ok = True
+                    self.stats.reads += 1
+                    self.stats.bytes += nbytes
+                    self._emit("io.read", step=req.step, layer=req.layer, expert=req.expert, slot=req.slot,
+                               bytes=nbytes, ms=round(1e3 * (time.perf_counter() - t0), 3))
+                    break
+                except OSError as e:  # ExpertReadError is an OSError too
+                    error = e if isinstance(e, ExpertReadError) else ExpertReadError(
+                        str(e), layer=req.layer, expert=req.expert)
+                    if attempt < self.retries:
+                        self.stats.retries += 1
+                        self._emit("io.retry", layer=req.layer, expert=req.expert, attempt=attempt + 1,
+                                   error=str(e))
+        finally:
+            self.stats.read_seconds += time.perf_counter() - t0
+            self._finish(req, ok and req.step not in self._cancelled, error)
+
+    def _finish(self, req: ReadRequest, ok: bool, error: BaseException | None) -> None:
+        table = self.tables[req.layer]
+        if table.expert_of[req.slot] == req.expert:
+            table.complete(req.slot, ok)
+        self._in_flight[req.step] -= 1
+        if not self._in_flight[req.step]:
+            del self._in_flight[req.step]
+            if req.step in self._drained:
+                self._drained.pop(req.step).set()
+        if not ok and error is not None and req.step not in self._cancelled:
+            self.stats.failures += 1
+            if self._log is not None:
+                self._log.warning("io.read_error", step=req.step, layer=req.layer, expert=req.expert,
+                                  error=str(error))
+            for job in self._jobs:
+                if job.layer == req.layer and job.slots.get(req.expert) == req.slot and not job.done.is_set():
+                    job.error = error
+                    job.done.set()
+        if self._tg is not None:
+            self._pump()

@@ -1,0 +1,80 @@
+"""SlotTable: which expert each of a layer's slots holds, and who still needs it.
+
+A slot is EMPTY, LOADING (a read is writing it) or READY. Steps *pin* the slots they will
+compute with; a pinned slot is never chosen as a victim, so no slot that a pending
+computation references is overwritten (with 2k slots, the next step's misses land in the
+other half: double buffering). An expert already READY in a slot is a hit and is not read
+again (sticky slots). A read that fails or is cancelled leaves its slot EMPTY, never READY.
+"""
+
+from __future__ import annotations
+
+EMPTY, LOADING, READY = "empty", "loading", "ready"
+
+
+class SlotTable:
+    def __init__(self, layer: int, num_slots: int):
+        if num_slots < 1:
+            raise ValueError(f"layer {layer}: a slot table needs at least one slot, got {num_slots}")
+        self.layer = layer
+        self.num_slots = num_slots
+        self.expert_of: list[int | None] = [None] * num_slots
+        self.state: list[str] = [EMPTY] * num_slots
+        self.pins: list[set[int]] = [set() for _ in range(num_slots)]
+        self.last_used: list[int] = [-1] * num_slots
+        self.slot_of: dict[int, int] = {}
+        self._clock = 0
+
+    def lookup(self, expert: int) -> int | None:
+        slot = self.slot_of.get(expert)
+        return slot if slot is not None and self.state[slot] == READY else None
+
+    def _victim(self) -> int | None:
+        free = [s for s in range(self.num_slots) if not self.pins[s] and self.state[s] != LOADING]
+        if not free:
+            return None
+        empty = [s for s in free if self.state[s] == EMPTY]
+        return empty[0] if empty else min(free, key=lambda s: self.last_used[s])
+
+    def claim(self, expert: int, step: int) -> tuple[int, bool] | None:
+        """Pin a slot holding (or about to hold) ``expert`` for ``step``.
+
+        Returns (slot, needs_read), or None when every slot is pinned by other steps."""
+        self._clock += 1
+        slot = self.slot_of.get(expert)
+        if slot is not None and self.state[slot] in (READY, LOADING):
+            self.pins[slot].add(step)
+            self.last_used[slot] = self._clock
+            return slot, False
+        slot = self._victim()
+        if slot is None:
+            return None
+        old = self.expert_of[slot]
+        if old is not None:
+            self.slot_of.pop(old, None)
+        self.expert_of[slot] = expert
+        self.slot_of[expert] = slot
+        self.state[slot] = LOADING
+        self.pins[slot] = {step}
+        self.last_used[slot] = self._clock
+        return slot, True
+
+    def complete(self, slot: int, ok: bool) -> None:
+        if ok:
+            self.state[slot] = READY
+            return
+        self.state[slot] = EMPTY
+        expert = self.expert_of[slot]
+        if expert is not None:
+            self.slot_of.pop(expert, None)
+        self.expert_of[slot] = None
+
+    def release(self, step: int) -> None:
+        for pins in self.pins:
+            pins.discard(step)
+
+    def pinned(self) -> int:
+        return sum(1 for p in self.pins if p)
+
+    def loading(self) -> int:
+        return sum(1 for s in self.state if s == LOADING)
