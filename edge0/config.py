@@ -7,7 +7,7 @@ and every value is validated here, whichever way it came.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
 from edge0.errors import ConfigError
 
@@ -15,7 +15,8 @@ COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 PATHS = ("exact", "staged", "hot", "whole_layer")
 PHASES = ("prefill", "decode")
 LOG_FORMATS = ("console", "json")
-STAGED_SOURCES = ("oracle",)
+STAGED_SOURCES = ("auto", "oracle", "prerouter")
+PREROUTER_MODES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -39,10 +40,20 @@ class EngineConfig:
     slots_per_layer: int = 0
     # Staged layers: how many layer reads the scheduler may run ahead of compute.
     prefetch_depth: int = 4
-    # Where a staged layer's routing comes from before the step: "oracle" (recorded).
-    staged_source: str = "oracle"
+    # Where a staged layer's routing comes from before the step: "prerouter" (the heads'
+    # prediction IS the routing), "oracle" (recorded), or "auto" (oracle_file if set, else
+    # the prerouter).
+    staged_source: str = "auto"
     # Oracle routing recorded by `edge0 record-routing` (required when a layer is staged).
     oracle_file: str | None = None
+    # Prerouter heads: "auto" uses prerouter.safetensors when the model directory has one
+    # (its consumer layers then decode staged), "on" requires it, "off" ignores it.
+    prerouter: str = "auto"
+    # A heads file elsewhere than <model>/prerouter.safetensors.
+    prerouter_file: str | None = None
+    # Quality guard: every N decode steps, also run the true router of the staged layers and
+    # log recall@k of the prediction (0 = off, costs nothing).
+    guard_every: int = 0
     # Hot path: resident experts per layer (LRU).
     hot_experts: int = 16
     # Refuse to open when slots + bundle + hot sets + whole-layer buffers exceed this (MiB).
@@ -78,6 +89,10 @@ class EngineConfig:
                 raise ConfigError(f"layer_paths: path {path!r} is not valid for {phase}")
         if self.staged_source not in STAGED_SOURCES:
             raise ConfigError(f"staged_source must be one of {STAGED_SOURCES}, got {self.staged_source!r}")
+        if self.prerouter not in PREROUTER_MODES:
+            raise ConfigError(f"prerouter must be one of {PREROUTER_MODES}, got {self.prerouter!r}")
+        if isinstance(self.guard_every, bool) or not isinstance(self.guard_every, int) or self.guard_every < 0:
+            raise ConfigError(f"guard_every must be 0 (off) or a positive integer, got {self.guard_every!r}")
         if self.memory_budget_mb is not None:
             _positive("memory_budget_mb", self.memory_budget_mb)
         if self.log_format not in LOG_FORMATS:

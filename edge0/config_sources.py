@@ -59,6 +59,7 @@ _CHOICES = {
     "prefill_path": "PATHS",
     "log_format": "LOG_FORMATS",
     "staged_source": "STAGED_SOURCES",
+    "prerouter": "PREROUTER_MODES",
 }
 
 # Field kinds this module knows how to read from text.

@@ -34,6 +34,8 @@ from edge0.exec.moe_layer import StreamingMoE
 from edge0.exec.oracle import OracleRouting, RoutingRecorder
 from edge0.exec.staged import StagedExecutor, Stager
 from edge0.exec.whole_layer import WholeLayerExecutor
+from edge0.prerouter.files import HEADS_FILENAME, load_heads
+from edge0.prerouter.runtime import Prerouter
 from edge0.io_sched.reader import ExpertReader
 from edge0.logs import configure as configure_logs
 from edge0.logs import get_logger
@@ -71,9 +73,15 @@ class SamplingParams:
 class Streaming:
     """A loaded streaming model and the machinery behind its MoE layers."""
 
-    def __init__(self, model, spec, index, reader, exact, hot, whole, stager, recorder):
+    def __init__(self, model, spec, index, reader, exact, hot, whole, stager, recorder, prerouter=None,
+                 heads_meta=None):
         self.model, self.spec, self.index, self.reader = model, spec, index, reader
         self.exact, self.hot, self.whole, self.stager, self.recorder = exact, hot, whole, stager, recorder
+        self.prerouter, self.heads_meta = prerouter, heads_meta
+
+    def blocks(self) -> dict:
+        """MoE layer -> its StreamingMoE."""
+        return {l: bnn.module_at(self.model, self.spec.block_path(l)) for l in self.spec.moe_layers}
 
     def begin_step(self, inputs) -> None:
         """Called before every forward pass (the step hook)."""
@@ -137,14 +145,26 @@ def load_streaming_model(model_dir: str | Path, config: EngineConfig, *, oracle:
     spec = spec_from_config(raw)
     index = CheckpointIndex(model_dir, spec, raw)
     layers = list(spec.moe_layers)
-    on = {p: [l for l in layers if p in (config.path_for(l, "prefill"), config.path_for(l, "decode"))]
-          for p in PATHS}
     for layer, _, _ in config.layer_paths:
         if layer not in layers:
             raise ConfigError(f"layer_paths names layer {layer}, which is not a MoE layer; MoE layers: {layers}")
-    _check_budget(spec, index, config, on["staged"], on["hot"], on["whole_layer"])
-    if on["staged"] and oracle is None and config.oracle_file:
+    if oracle is None and config.oracle_file and config.staged_source != "prerouter":
         oracle = OracleRouting.load(config.oracle_file)
+    heads, heads_meta = _load_heads(model_dir, config, oracle)
+    decode_paths = {l: config.path_for(l, "decode") for l in layers}
+    if heads is not None:
+        explicit = {l for l, ph, _ in config.layer_paths if ph == "decode"}
+        for l in heads.consumers():
+            if l in decode_paths and l not in explicit:
+                decode_paths[l] = "staged"
+        unpredicted = [l for l, p in decode_paths.items() if p == "staged" and l not in heads.consumers()]
+        if unpredicted:
+            raise ConfigError(f"layers {unpredicted} decode staged but no prerouter head predicts them "
+                              f"(heads predict {heads.consumers()})")
+    path_of = {(l, "decode"): decode_paths[l] for l in layers}
+    path_of.update({(l, "prefill"): config.path_for(l, "prefill") for l in layers})
+    on = {p: [l for l in layers if p in (path_of[l, "prefill"], path_of[l, "decode"])] for p in PATHS}
+    _check_budget(spec, index, config, on["staged"], on["hot"], on["whole_layer"])
     reader = ExpertReader(index, threads=config.reader_threads)
     stager = None
     try:
@@ -153,12 +173,16 @@ def load_streaming_model(model_dir: str | Path, config: EngineConfig, *, oracle:
         exact.recorder = recorder
         hot = HotExecutor(index, reader, config.hot_experts, exact, log=log) if on["hot"] else None
         whole = WholeLayerExecutor(index, reader, on["whole_layer"], log=log) if on["whole_layer"] else None
+        route = make_route_fn(spec)
+        bias_of: dict[int, object] = {}
+        prerouter = Prerouter(heads, route, lambda l: bias_of.get(l)) if heads is not None else None
         if on["staged"]:
-            stager = Stager(index, on["staged"], config.slots_per_layer or 2 * spec.k, reader, oracle,
-                            readers=config.reader_threads, prefetch_depth=config.prefetch_depth, log=log)
+            stager = Stager(index, on["staged"], config.slots_per_layer or 2 * spec.k, reader,
+                            None if prerouter is not None else oracle,
+                            readers=config.reader_threads, prefetch_depth=config.prefetch_depth, log=log,
+                            prerouter=prerouter, fallback=exact, guard_every=config.guard_every)
         paths = {"exact": exact, "hot": hot, "whole_layer": whole,
                  "staged": StagedExecutor(stager) if stager is not None else None}
-        route = make_route_fn(spec)
 
         def replace_blocks(model):
             for layer in layers:
@@ -167,7 +191,7 @@ def load_streaming_model(model_dir: str | Path, config: EngineConfig, *, oracle:
                 if original is None or "switch_mlp" not in original:
                     raise ConfigError(f"{spec.model_type}: expected a MoE block at {path!r}; config.json and "
                                       "mlx-lm's model class disagree about which layers are MoE")
-                executors = {ph: paths[config.path_for(layer, ph)] for ph in PHASES}
+                executors = {ph: paths[path_of[layer, ph]] for ph in PHASES}
                 bnn.set_module_at(model, path, StreamingMoE(spec, layer, original, route, executors))
 
         model = bnn.load_resident(model_dir, raw, index.files, spec.is_expert_key, replace_blocks,
@@ -177,7 +201,31 @@ def load_streaming_model(model_dir: str | Path, config: EngineConfig, *, oracle:
             stager.close()
         reader.close()
         raise
-    return Streaming(model, spec, index, reader, exact, hot, whole, stager, recorder)
+    streaming = Streaming(model, spec, index, reader, exact, hot, whole, stager, recorder, prerouter, heads_meta)
+    if prerouter is not None:
+        blocks = streaming.blocks()
+        for l, block in blocks.items():
+            if spec.router_bias_attr:
+                bias_of[l] = getattr(block.gate, spec.router_bias_attr)
+            if l in prerouter.owners:
+                block.observer = prerouter.observe
+            if stager is not None and l in stager.layers:
+                block.planned = stager.planned_routing
+                block.guard = stager
+    return streaming
+
+
+def _load_heads(model_dir: Path, config: EngineConfig, oracle):
+    """The prerouter heads to use, or (None, None)."""
+    if config.prerouter == "off" or config.staged_source == "oracle" or (
+            config.staged_source == "auto" and oracle is not None):
+        return None, None
+    path = Path(config.prerouter_file) if config.prerouter_file else model_dir / HEADS_FILENAME
+    if not path.exists():
+        if config.prerouter == "on" or config.staged_source == "prerouter" or config.prerouter_file:
+            raise ConfigError(f"prerouter heads {path} do not exist (train them with `edge0 train heads`)")
+        return None, None
+    return load_heads(path, model_dir)
 
 
 class Engine:
@@ -283,6 +331,8 @@ class Engine:
                 stats.read_wait_seconds = reads.seconds - wait0
                 if stager is not None and stager.steps_run > steps0:
                     stats.stall_ms_per_step = 1e3 * (stager.stall_seconds - stall0) / (stager.steps_run - steps0)
+                if stager is not None and stager.guard_recall:
+                    stats.guard_recall = {l: sum(v) / len(v) for l, v in stager.guard_recall.items()}
                 stats.peak_active_memory = B.peak_memory()
                 stats.peak_rss = peak_rss_bytes()
                 yield TokenEvent(token, detok.last_segment, finish, stats)

@@ -34,6 +34,7 @@ class GenerationStats:
     decode_expert_bytes: int = 0
     read_wait_seconds: float = 0.0
     stall_ms_per_step: float = 0.0  # staged layers: compute waiting on reads, per decode step
+    guard_recall: dict | None = None  # quality guard: staged layer -> mean recall@k of the prediction
     peak_active_memory: int = 0  # bytes, MLX buffers
     peak_rss: int = 0  # bytes, whole process
 
@@ -65,4 +66,6 @@ class GenerationStats:
                 f"peak MLX active {self.peak_active_memory / mib:.1f} MiB | "
                 f"peak RSS {self.peak_rss / mib:.1f} MiB | "
                 f"expert reads {self.expert_bytes_per_token / mib:.2f} MiB/token | "
-                f"stall {self.stall_ms_per_step:.1f} ms/step")
+                f"stall {self.stall_ms_per_step:.1f} ms/step"
+                + (f" | guard recall@k {sum(self.guard_recall.values()) / len(self.guard_recall):.3f}"
+                   if self.guard_recall else ""))

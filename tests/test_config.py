@@ -221,7 +221,8 @@ def test_cli_help_text():
     assert "(default: 32; env EDGE0_BUNDLE_CAPACITY)" in actions["bundle_capacity"].help
     assert actions["compute_dtype"].choices == ("float32", "bfloat16", "float16")
     assert "hot" in actions["decode_path"].choices and "json" in actions["log_format"].choices
-    assert actions["staged_source"].choices == ("oracle",)
+    assert actions["staged_source"].choices == ("auto", "oracle", "prerouter")
+    assert actions["prerouter"].choices == ("auto", "on", "off")
     assert "--layer-path" in actions["layer_paths"].option_strings
     parser().format_help()  # renders (no stray % in help strings)
 

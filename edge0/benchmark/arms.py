@@ -55,6 +55,7 @@ def _engine_config(settings: dict, **paths):
     from edge0.config import EngineConfig
 
     keys = ("bundle_capacity", "reader_threads", "slots_per_layer", "prefetch_depth", "hot_experts")
+    paths.setdefault("prerouter", "off")  # only the prerouter arm uses heads, even if the model has them
     return EngineConfig(compute_dtype=settings["compute_dtype"], **{k: settings[k] for k in keys if k in settings},
                         **paths)
 
@@ -97,6 +98,15 @@ def staged_oracle(model_dir: str, settings: dict) -> Loaded:
     """Staged decode with the recorded true routing: reads scheduled before each step.
     The read-wait figure is the time compute waited on slots (stalls)."""
     return _streaming(model_dir, settings, oracle=_oracle(settings), decode_path="staged")
+
+
+@arm("staged+prerouter")
+def staged_prerouter(model_dir: str, settings: dict) -> Loaded:
+    """Prediction as routing: heads predict every consumer layer's routing one token ahead;
+    the prediction is the routing and plans the reads. The read-wait figure is the stall."""
+    if "prerouter_file" not in settings:
+        raise RuntimeError("the staged+prerouter arm needs settings['prerouter_file']")
+    return _streaming(model_dir, {**settings}, prerouter_file=settings["prerouter_file"], prerouter="on")
 
 
 class _NoReads:
@@ -209,6 +219,12 @@ def replay(name: str, model_dir: str, prompt: list[int], continuation: list[int]
 def main() -> int:
     """Child-process entry: ``python -m edge0.benchmark.arms JOB.json`` prints one JSON line."""
     job = json.loads(open(sys.argv[1], encoding="utf-8").read())
+    if job.get("warm_heads"):
+        from edge0.prerouter.train import make_warm_heads
+
+        make_warm_heads(job["model"], job["warm_heads"])
+        print(json.dumps({"warm_heads": job["warm_heads"]}))
+        return 0
     if job.get("record_oracle"):
         n = record_oracle(job["model"], job["prompt"], job["continuation"], job["record_oracle"])
         print(json.dumps({"oracle_steps": n}))

@@ -41,6 +41,8 @@ def add_parser(sub) -> None:
     b.add_argument("--decode-tokens", type=int, default=16)
     b.add_argument("--compute-dtype", choices=COMPUTE_DTYPES, default="float32")
     b.add_argument("--cache-budget-mb", type=int, default=None, help="expert cache of arms that have one")
+    b.add_argument("--heads", default=None, help="prerouter heads for the staged+prerouter arm (default: "
+                                                 "warm-start heads written for the run)")
     b.add_argument("--out", default="bench-results", help="directory for JSON, markdown and chart")
     b.add_argument("--chart", action="store_true", help="also draw bench.png (needs matplotlib)")
     b.set_defaults(func=run)
@@ -59,7 +61,8 @@ def run(args) -> int:
     for mode in modes:
         settings = BenchSettings(arms=tuple(a.strip() for a in args.arms.split(",") if a.strip()), rounds=args.rounds,
                                  cache=mode, prompt_tokens=args.prompt_tokens, decode_tokens=args.decode_tokens,
-                                 compute_dtype=args.compute_dtype, cache_budget_mb=args.cache_budget_mb)
+                                 compute_dtype=args.compute_dtype, cache_budget_mb=args.cache_budget_mb,
+                                 extra={"prerouter_file": str(Path(args.heads).resolve())} if args.heads else {})
         doc = run_bench(model, settings, progress=lambda s: print(f"[bench] {s}", file=sys.stderr))
         (out / f"bench-{mode}.json").write_text(json.dumps(doc, indent=2))
         docs.append(doc)

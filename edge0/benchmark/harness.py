@@ -160,6 +160,12 @@ def run_bench(model_dir: str | Path, settings: BenchSettings, progress: Callable
             oracle = Path(tmp) / "oracle.json"
             record_oracle(model_dir, replay, oracle)
             arm_settings["oracle_file"] = str(oracle)
+        if "staged+prerouter" in settings.arms and "prerouter_file" not in arm_settings:
+            progress("writing warm-start prerouter heads (no --heads given)")
+            heads = Path(tmp) / "prerouter.safetensors"
+            _child({"warm_heads": str(heads), "model": str(model_dir)})
+            arm_settings["prerouter_file"] = str(heads)
+            arm_settings["heads"] = "warm start (untrained)"
         runs, orders = _rounds(model_dir, files, settings, replay, arm_settings, progress, runner)
     return _document(model_dir, files, settings, replay, runs, orders)
 

@@ -30,6 +30,12 @@ class StreamingMoE(bnn.Module):
         self.route = route
         # one executor path per phase: "decode" for one-token steps, "prefill" otherwise
         self.executors = dict(executors)
+        # At decode, a staged layer's routing may come from the prerouter's prediction
+        # (``planned(layer) -> (inds, scores) | None``); ``observer(layer, x, inds)`` sees
+        # every call's input and executed routing (prerouter state, trace collection).
+        self.planned = None
+        self.observer = None
+        self.guard = None  # the Stager, when the quality guard may compare with the true router
 
     def router_logits(self, x):
         if self.router_kind == "linear":
@@ -44,8 +50,14 @@ class StreamingMoE(bnn.Module):
         return self.route(self.router_logits(x), bias)
 
     def __call__(self, x):
-        inds, scores = self.routing(x)
-        executor = self.executors["decode" if x.shape[-2] == 1 else "prefill"]
+        decode = x.shape[-2] == 1
+        routed = self.planned(self.layer_id) if decode and self.planned is not None else None
+        inds, scores = routed if routed is not None else self.routing(x)
+        if routed is not None and self.guard is not None and self.guard.guard_wanted(self.layer_id):
+            self.guard.guard_observe(self.layer_id, inds, self.routing(x)[0])
+        if self.observer is not None:
+            self.observer(self.layer_id, x, inds)
+        executor = self.executors["decode" if decode else "prefill"]
         y = combine(executor(self.layer_id, x, inds), scores)
         if self.shared_kind == "plain":
             y = y + self.shared_experts(x)

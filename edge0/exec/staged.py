@@ -43,7 +43,8 @@ class Stager:
     step bookkeeping. One per engine."""
 
     def __init__(self, index: CheckpointIndex, layers: list[int], slots: int, reader: ExpertReader,
-                 oracle: OracleRouting | None, *, readers: int, prefetch_depth: int, log=None):
+                 oracle: OracleRouting | None, *, readers: int, prefetch_depth: int, log=None,
+                 prerouter=None, fallback=None, guard_every: int = 0):
         spec = index.spec
         if slots < spec.k:
             raise ConfigError(f"slots_per_layer must be >= k = {spec.k}, got {slots}")
@@ -65,6 +66,15 @@ class Stager:
         self._submitted: set[int] = set()
         self._misses = B.zeros((), dtype=B.int32)
         self.check_routing = True  # off only for timing runs that compute on unread slots
+        # prediction as routing: the prerouter plans each step, and its prediction is the
+        # staged layers' routing; a step it cannot plan (no state yet) runs on ``fallback``
+        self.prerouter = prerouter
+        self.fallback = fallback
+        self.predicted: dict[int, tuple] = {}
+        self.guard_every = guard_every
+        self._guard = None  # per-layer recall sums of the current step (lazy), when guarded
+        self._guard_n = 1
+        self.guard_recall: dict[int, list[float]] = {}
         self.stall_seconds = 0.0
         self.steps_run = 0
         self._step_t0 = None
@@ -83,29 +93,92 @@ class Stager:
         self._submitted.clear()
         if oracle is not None:
             self.oracle = oracle
+        if self.prerouter is not None:
+            self.prerouter.reset()
+        self.predicted = {}
+        self._guard = None
+        self.guard_recall = {}
         self.step = -1
+
+    def planned_routing(self, layer: int):
+        return self.predicted.get(layer)
+
+    def _predict_and_plan(self) -> None:
+        """One batched flush of every head, one host read of all predicted sets, one plan."""
+        preds = self.prerouter.flush() if self.prerouter.ready() else None
+        guard = self._guard
+        parts = [self._misses.reshape(1)]
+        if guard is not None:
+            parts += [guard[l].reshape(1) for l in self.layers]
+        if preds is not None:
+            parts += [preds[l][0].reshape(-1).astype(B.int32) for l in self.layers]
+        host = B.to_host(B.concat([p.astype(B.int32) for p in parts]))
+        self._check_misses(int(host[0]))
+        pos = 1
+        if guard is not None:
+            for l in self.layers:
+                self.guard_recall.setdefault(l, []).append(float(host[pos]) / self._guard_n)
+                pos += 1
+            if self.log is not None:
+                self.log.info("guard", step=self.step, recall={l: round(v[-1], 4) for l, v in self.guard_recall.items()})
+        self._guard = None
+        self.advance_step(plan=False)
+        self.predicted = {}
+        if preds is None:
+            return  # nothing observed yet: this step runs on the fallback path
+        n = host[pos:].reshape(len(self.layers), -1)
+        plan = StepPlan(self.step, tuple(LayerPlan(l, tuple(sorted(set(n[i].tolist())))) for i, l in
+                                         enumerate(self.layers)))
+        self.portal.call(self.scheduler.submit, plan)
+        self._submitted.add(self.step)
+        self.predicted = preds
+        if self.guard_every and self.step % self.guard_every == 0:
+            self._guard = {l: B.zeros((), dtype=B.float32) for l in self.layers}
+
+    def guard_wanted(self, layer: int) -> bool:
+        return self._guard is not None and layer in self._guard
+
+    def guard_observe(self, layer: int, predicted, true) -> None:
+        """Quality guard: recall@k of the prediction against the true router (on device)."""
+        if self._guard is None or layer not in self._guard:
+            return
+        k = predicted.shape[-1]
+        hit = (B.expand_dims(predicted, -1) == B.expand_dims(true, -2)).any(axis=-1).sum()
+        self._guard[layer] = self._guard[layer] + hit.astype(B.float32)
+        self._guard_n = k * max(1, predicted.size // k)
+
+    def _check_misses(self, misses: int) -> None:
+        if self.check_routing and misses:
+            raise RoutingMismatchError(
+                f"step {self.step}: a staged layer routed to an expert its plan did not stage; the oracle "
+                "routing does not belong to this prompt, model and sampling")
 
     def begin_step(self, inputs) -> None:
         if inputs.shape[-1] != 1:
             return  # prefill: staged layers run their prefill path
+        if self.oracle is None and self.prerouter is None:
+            raise ConfigError("a staged decode path needs a routing source: prerouter heads "
+                              "(`edge0 train heads`) or an oracle_file (`edge0 record-routing`)")
+        B.eval(inputs)  # the previous step is done: its slots may be unpinned
         if self.oracle is None:
-            raise ConfigError("a staged decode path needs a routing source: set oracle_file "
-                              "(record one with `edge0 record-routing`)")
-        B.eval(inputs, self._misses)  # the previous step is done: its slots may be unpinned
-        if self.check_routing and int(B.to_host(self._misses)):
-            raise RoutingMismatchError(
-                f"step {self.step}: a staged layer routed to an expert its plan did not stage; the oracle "
-                "routing does not belong to this prompt, model and sampling")
+            self._predict_and_plan()
+            return
+        self._check_misses(int(B.to_host(self._misses)))
         self.advance_step()
 
-    def advance_step(self) -> None:
-        """Close the previous step (unpin its slots) and submit this step's plan, and the
-        next one's so its reads can start as soon as slots are free."""
+    def advance_step(self, plan: bool = True) -> None:
+        """Close the previous step (unpin its slots) and, with an oracle, submit this step's
+        plan and the next one's so its reads can start as soon as slots are free."""
         if self.step >= 0:
             self._end_step()
             self.portal.call(self.scheduler.release, self.step)
             self._submitted.discard(self.step)
         self.step += 1
+        self._step_t0, self._step_stall = time.perf_counter(), 0.0
+        self._io0 = (self.scheduler.stats.reads, self.scheduler.stats.bytes, self.scheduler.stats.hits,
+                     self.scheduler.stats.misses)
+        if not plan:
+            return
         for s in (self.step, self.step + 1):  # this step, and the next one ahead of time
             if s not in self._submitted and s < len(self.oracle):
                 plan = StepPlan(s, tuple(LayerPlan(l, self.oracle.experts(s, l)) for l in self.layers))
@@ -113,9 +186,6 @@ class Stager:
                 self._submitted.add(s)
         if self.step not in self._submitted:
             self.oracle.experts(self.step, self.layers[0])  # raises the "covers N steps" error
-        self._step_t0, self._step_stall = time.perf_counter(), 0.0
-        self._io0 = (self.scheduler.stats.reads, self.scheduler.stats.bytes, self.scheduler.stats.hits,
-                     self.scheduler.stats.misses)
 
     def _end_step(self) -> None:
         self.steps_run += 1
@@ -135,6 +205,8 @@ class Stager:
 
     # -- the layer computation --------------------------------------------------------------
     def compute(self, layer: int, x, inds):
+        if self.step not in self._submitted:  # an unplanned step (no prerouter state yet)
+            return self.fallback(layer, x, inds)
         B.async_eval(x)  # let the layers below run while this layer's reads finish
         t0 = time.perf_counter()
         slot_map = self.portal.call(self.scheduler.ready, self.step, layer)

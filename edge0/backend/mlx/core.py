@@ -91,3 +91,21 @@ def clear_cache() -> None:
 
 def seed(value: int) -> None:
     mx.random.seed(value)
+
+
+def one_hot_k(inds, num: int, dtype=mx.float32):
+    """[..., k] expert indices -> [..., num] multi-hot."""
+    return (mx.expand_dims(inds, -1) == mx.arange(num)).any(axis=-2).astype(dtype)
+
+
+def save_safetensors(path: str, arrays: dict, metadata: dict) -> None:
+    mx.save_safetensors(path, arrays, metadata=metadata)
+
+
+def load_safetensors(path: str) -> tuple[dict, dict]:
+    return mx.load(path, return_metadata=True)
+
+
+concat = mx.concatenate
+float16 = mx.float16
+log_softmax = lambda x, axis=-1: x - mx.logsumexp(x, axis=axis, keepdims=True)

@@ -143,3 +143,35 @@ def make_cache(model: nn.Module) -> list:
     from mlx_lm.models.cache import make_prompt_cache
 
     return make_prompt_cache(model)
+
+
+# Building blocks for Edge0's own small trainable modules (the prerouter heads).
+Linear = nn.Linear
+silu = nn.silu
+value_and_grad = nn.value_and_grad
+
+
+def adamw(learning_rate: float, weight_decay: float = 0.0):
+    import mlx.optimizers as optim
+
+    return optim.AdamW(learning_rate=learning_rate, weight_decay=weight_decay)
+
+
+def parameters_flat(module: nn.Module) -> dict:
+    return dict(tree_flatten(module.parameters()))
+
+
+def load_parameters_flat(module: nn.Module, flat: dict) -> None:
+    module.update(tree_unflatten(list(flat.items())))
+
+
+def router_weight(gate: nn.Module, kind: str):
+    """The router's [E, D] weight as a float32 array, dequantized if it is quantized."""
+    lin = gate.gate_proj if kind == "gate_proj" else gate
+    if isinstance(lin, nn.QuantizedLinear):
+        w = mx.dequantize(lin.weight, lin.scales, lin.biases, group_size=lin.group_size, bits=lin.bits)
+    else:
+        w = lin.weight
+    return w.astype(mx.float32)
+
+log_sigmoid = nn.log_sigmoid

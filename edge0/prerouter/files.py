@@ -1,0 +1,101 @@
+"""Heads files: safetensors beside the checkpoint, with provenance; never merged.
+
+Metadata (all strings): format, base_identity (the checkpoint the heads were trained on:
+a hash of config.json and every weight file's name, size and header), owners, shape,
+recipe and hyperparameters (JSON), training data description, creation time, edge0
+version. A file whose base identity differs from the model's is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import tempfile
+import time
+from pathlib import Path
+
+from edge0.backend import core as B
+from edge0.backend import nn as bnn
+from edge0.errors import CheckpointError
+from edge0.prerouter.heads import PrerouterHeads
+from edge0.safetensors_header import read_header
+
+HEADS_FILENAME = "prerouter.safetensors"
+FORMAT = "edge0-prerouter/1"
+
+
+class ForeignArtifactError(CheckpointError):
+    """A heads (or adapter) file was made for another base checkpoint."""
+
+
+def checkpoint_identity(model_dir: str | Path) -> str:
+    """A stable identity of a checkpoint from its config and weight-file headers (cheap:
+    no tensor data is read)."""
+    d = Path(model_dir)
+    h = hashlib.sha256((d / "config.json").read_bytes())
+    for f in sorted(d.glob("model*.safetensors")):
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            h.update(f.name.encode() + str(f.stat().st_size).encode() + fh.read(n))
+    return h.hexdigest()[:32]
+
+
+def save_heads(heads: PrerouterHeads, path: str | Path, *, base_identity: str, recipe: dict,
+               training_data: str) -> Path:
+    """Write fp16 heads with provenance; temp file, fsync, rename."""
+    from edge0 import __version__
+
+    path = Path(path)
+    arrays = {k: v.astype(B.float16) for k, v in bnn.parameters_flat(heads).items()}
+    meta = {
+        "format": FORMAT, "base_identity": base_identity, "owners": json.dumps(heads.owners),
+        "shape": json.dumps({"hidden": heads.hidden, "experts": heads.experts, "k": heads.k, "width": heads.width}),
+        "recipe": json.dumps(recipe, sort_keys=True), "training_data": training_data,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "edge0_version": __version__,
+    }
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.stem + ".", suffix=".safetensors")
+    os.close(fd)
+    try:
+        B.save_safetensors(tmp, arrays, meta)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def load_heads(path: str | Path, model_dir: str | Path, *, dtype: str = "float16") -> tuple[PrerouterHeads, dict]:
+    """Load heads for the checkpoint in ``model_dir``; refuses malformed or foreign files."""
+    path = Path(path)
+    header = read_header(path)  # typed errors for malformed files, before any data is read
+    meta = header.metadata
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"not an Edge0 prerouter heads file (format {meta.get('format')!r}, "
+                              f"expected {FORMAT!r})", file=path)
+    expected = checkpoint_identity(model_dir)
+    if meta.get("base_identity") != expected:
+        raise ForeignArtifactError(
+            f"heads were made for another base checkpoint: base_identity {meta.get('base_identity')!r}, this "
+            f"model ({model_dir}) is {expected!r}; retrain with `edge0 train heads`", file=path)
+    try:
+        owners = json.loads(meta["owners"])
+        shape = json.loads(meta["shape"])
+    except (KeyError, json.JSONDecodeError):
+        raise CheckpointError("heads metadata lacks valid 'owners'/'shape'", file=path) from None
+    heads = PrerouterHeads(owners, shape["hidden"], shape["experts"], shape["k"], shape["width"])
+    arrays, _ = B.load_safetensors(str(path))
+    want = bnn.parameters_flat(heads)
+    if set(arrays) != set(want):
+        missing, extra = sorted(set(want) - set(arrays)), sorted(set(arrays) - set(want))
+        raise CheckpointError(f"heads tensors differ from the metadata's shape: missing {missing[:4]}, "
+                              f"unexpected {extra[:4]}", file=path)
+    for k, v in arrays.items():
+        if tuple(v.shape) != tuple(want[k].shape):
+            raise CheckpointError(f"shape {list(v.shape)}, expected {list(want[k].shape)}", file=path, tensor=k)
+    bnn.load_parameters_flat(heads, {k: v.astype(B.dtype(dtype)) for k, v in arrays.items()})
+    return heads, dict(meta)

@@ -1,0 +1,66 @@
+"""Prerouter heads: one small MLP plus a linear residual per owner layer."""
+
+from __future__ import annotations
+
+from edge0.backend import core as B
+from edge0.backend import nn as bnn
+from edge0.spec import MoESpec
+
+
+def eligible_owners(spec: MoESpec) -> list[int]:
+    """MoE layers whose next layer is a MoE layer (a head needs both)."""
+    moe = set(spec.moe_layers)
+    return [l for l in spec.moe_layers if l + 1 in moe]
+
+
+class Head(bnn.Module):
+    """logits_{l+1}(t+1) = residual(h) + fc2(silu(fc1([h, onehot_t, onehot_{t-1}])))
+
+    ``fc2`` starts at zero, so an untrained head is its residual path: warm-started from
+    layer l+1's router, "apply the next router to this hidden state"."""
+
+    def __init__(self, hidden: int, experts: int, width: int):
+        super().__init__()
+        self.residual = bnn.Linear(hidden, experts, bias=False)
+        self.fc1 = bnn.Linear(hidden + 2 * experts, width)
+        self.fc2 = bnn.Linear(width, experts)
+        self.residual.weight = B.zeros(self.residual.weight.shape)
+        self.fc2.weight = B.zeros(self.fc2.weight.shape)
+        self.fc2.bias = B.zeros(self.fc2.bias.shape)
+
+    def __call__(self, h, onehot_t, onehot_prev):
+        z = B.concat([h, onehot_t, onehot_prev], axis=-1)
+        return self.residual(h) + self.fc2(bnn.silu(self.fc1(z)))
+
+
+class PrerouterHeads(bnn.Module):
+    def __init__(self, owners: list[int], hidden: int, experts: int, k: int, width: int = 512):
+        super().__init__()
+        self.owners = list(owners)
+        self.hidden, self.experts, self.k, self.width = hidden, experts, k, width
+        # keys must not look like list indices (tree_unflatten would make a list of them)
+        self.heads = {f"layer{l}": Head(hidden, experts, width) for l in self.owners}
+
+    def consumers(self) -> list[int]:
+        return [l + 1 for l in self.owners]
+
+    def head(self, owner: int) -> Head:
+        return self.heads[f"layer{owner}"]
+
+    def warm_start(self, router_weights: dict[int, object]) -> None:
+        """Residual path of the head owned by l := layer l+1's router weight [E, D]."""
+        for owner in self.owners:
+            w = router_weights[owner + 1]
+            self.head(owner).residual.weight = w.astype(self.head(owner).residual.weight.dtype)
+
+    def features(self, inds_t, inds_prev, dtype):
+        on_t = B.one_hot_k(inds_t, self.experts, dtype)
+        on_prev = B.zeros(on_t.shape, dtype=dtype) if inds_prev is None else B.one_hot_k(inds_prev, self.experts, dtype)
+        return on_t, on_prev
+
+    def predict(self, owner: int, h, inds_t, inds_prev):
+        """Predicted router logits of layer owner+1 at the next token."""
+        head = self.head(owner)
+        dtype = head.residual.weight.dtype
+        on_t, on_prev = self.features(inds_t, inds_prev, dtype)
+        return head(h.astype(dtype), on_t, on_prev)
