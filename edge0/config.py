@@ -51,6 +51,9 @@ class EngineConfig:
     prerouter: str = "auto"
     # A heads file elsewhere than <model>/prerouter.safetensors.
     prerouter_file: str | None = None
+    # Dtype the heads run in: "auto" = float16 (as stored) on GPU backends, float32 on the CPU
+    # backend, where a float16 flush of 11 heads at 35B shapes measured 67 ms vs 8.6 ms.
+    prerouter_dtype: str = "auto"
     # Quality guard: every N decode steps, also run the true router of the staged layers and
     # log recall@k of the prediction (0 = off, costs nothing).
     guard_every: int = 0
@@ -91,6 +94,8 @@ class EngineConfig:
             raise ConfigError(f"staged_source must be one of {STAGED_SOURCES}, got {self.staged_source!r}")
         if self.prerouter not in PREROUTER_MODES:
             raise ConfigError(f"prerouter must be one of {PREROUTER_MODES}, got {self.prerouter!r}")
+        if self.prerouter_dtype not in ("auto", "float16", "float32"):
+            raise ConfigError(f"prerouter_dtype must be auto, float16 or float32, got {self.prerouter_dtype!r}")
         if isinstance(self.guard_every, bool) or not isinstance(self.guard_every, int) or self.guard_every < 0:
             raise ConfigError(f"guard_every must be 0 (off) or a positive integer, got {self.guard_every!r}")
         if self.memory_budget_mb is not None:

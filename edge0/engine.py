@@ -90,12 +90,6 @@ class Streaming:
         if self.stager is not None:
             self.stager.begin_step(inputs)
 
-    @property
-    def buffer_bytes(self) -> int:
-        return sum(x.nbytes for x in (self.exact, self.hot, self.whole, self.stager) if x is not None) \
-            if self.exact is None else self.exact.resident_bytes + sum(
-                x.nbytes for x in (self.hot, self.whole, self.stager) if x is not None)
-
     def close(self) -> None:
         try:
             if self.stager is not None:
@@ -175,7 +169,11 @@ def load_streaming_model(model_dir: str | Path, config: EngineConfig, *, oracle:
         whole = WholeLayerExecutor(index, reader, on["whole_layer"], log=log) if on["whole_layer"] else None
         route = make_route_fn(spec)
         bias_of: dict[int, object] = {}
-        prerouter = Prerouter(heads, route, lambda l: bias_of.get(l)) if heads is not None else None
+        heads_dtype = config.prerouter_dtype
+        if heads_dtype == "auto":
+            heads_dtype = "float32" if B.is_cpu() else "float16"
+        prerouter = (Prerouter(heads, route, lambda l: bias_of.get(l), dtype=B.dtype(heads_dtype))
+                     if heads is not None else None)
         if on["staged"]:
             stager = Stager(index, on["staged"], config.slots_per_layer or 2 * spec.k, reader,
                             None if prerouter is not None else oracle,

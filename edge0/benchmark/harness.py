@@ -186,7 +186,15 @@ def _rounds(model_dir, files, settings, replay, arm_settings, progress, runner):
     return runs, orders
 
 
+def _portable(settings: dict) -> dict:
+    """Results name files by their base name: a document says nothing about the machine."""
+    return {k: (Path(v).name if k.endswith("_file") and isinstance(v, str) else v) for k, v in settings.items()}
+
+
 def _document(model_dir, files, settings, replay, runs, orders) -> dict:
+    for results in runs.values():
+        for res in results:
+            res["settings"] = _portable(res.get("settings", {}))
     arms = {}
     for name, results in runs.items():
         arms[name] = {
@@ -212,7 +220,7 @@ def _document(model_dir, files, settings, replay, runs, orders) -> dict:
         if "exact" in arms:
             overlap["exact_step_ms"] = arms["exact"]["step_ms_median"]["median"]
     return {
-        "schema": SCHEMA_VERSION, "overlap": overlap, "model": str(model_dir), "checkpoint_bytes": sum(f.stat().st_size for f in files),
+        "schema": SCHEMA_VERSION, "overlap": overlap, "model": Path(model_dir).name, "checkpoint_bytes": sum(f.stat().st_size for f in files),
         "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in settings.__dict__.items()},
         "replay": replay, "orders": orders, "arms": arms,
     }

@@ -13,6 +13,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from edge0.backend import core as B
 from edge0.checkpoint import CheckpointIndex
+from edge0.errors import ConfigError
 from edge0.exec.exact import ExpertRows, switch_glu
 from edge0.io_sched.reader import ExpertReader
 
@@ -22,6 +23,10 @@ class WholeLayerExecutor:
         self.index = index
         self.reader = reader
         self.layers = sorted(layers)  # the layers on this path, in execution order
+        layouts = {tuple((t.dtype, t.row_shape) for t in index.layers[l].tensors) for l in self.layers}
+        if len(layouts) > 1:
+            raise ConfigError("whole_layer needs every layer on it to share one expert layout (bits, group "
+                              f"size, shapes); layers {self.layers} differ: use layer_paths to exclude some")
         self.log = log
         self.buffers: list[ExpertRows] = []
         self.holds: list[tuple[int, Future] | None] = [None, None]  # buffer -> (layer, load)

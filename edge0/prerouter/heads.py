@@ -58,6 +58,28 @@ class PrerouterHeads(bnn.Module):
         on_prev = B.zeros(on_t.shape, dtype=dtype) if inds_prev is None else B.one_hot_k(inds_prev, self.experts, dtype)
         return on_t, on_prev
 
+    def freeze_for_inference(self, dtype) -> None:
+        """Stack every head's weights once, so that a flush is a handful of batched ops
+        instead of a dozen per head (heads are frozen while serving)."""
+        hs = [self.head(o) for o in self.owners]
+        t = lambda w: w.astype(dtype).T
+        self._stacked = dict(
+            res=B.stack([t(h.residual.weight) for h in hs]), w1=B.stack([t(h.fc1.weight) for h in hs]),
+            b1=B.stack([h.fc1.bias.astype(dtype)[None] for h in hs]), w2=B.stack([t(h.fc2.weight) for h in hs]),
+            b2=B.stack([h.fc2.bias.astype(dtype)[None] for h in hs]))
+        B.eval(list(self._stacked.values()))
+        self._stacked_dtype = dtype
+
+    def predict_all(self, h, inds_t, inds_prev):
+        """Every head at once. h [H, 1, D], inds_* [H, 1, k] (inds_prev may hold -1 rows:
+        no previous token) -> logits [H, 1, E], in owner order."""
+        st, dtype = self._stacked, self._stacked_dtype
+        on_t = B.one_hot_k(inds_t, self.experts, dtype)
+        on_prev = B.one_hot_k(B.maximum(inds_prev, 0), self.experts, dtype) * (inds_prev[..., :1] >= 0).astype(dtype)
+        h = h.astype(dtype)
+        z = B.concat([h, on_t, on_prev], axis=-1)
+        return h @ st["res"] + bnn.silu(z @ st["w1"] + st["b1"]) @ st["w2"] + st["b2"]
+
     def predict(self, owner: int, h, inds_t, inds_prev):
         """Predicted router logits of layer owner+1 at the next token."""
         head = self.head(owner)

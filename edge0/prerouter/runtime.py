@@ -16,8 +16,9 @@ from edge0.prerouter.heads import PrerouterHeads
 
 
 class Prerouter:
-    def __init__(self, heads: PrerouterHeads, route: Callable, bias_of: Callable[[int], object]):
+    def __init__(self, heads: PrerouterHeads, route: Callable, bias_of: Callable[[int], object], dtype=None):
         self.heads = heads
+        heads.freeze_for_inference(dtype or heads.head(heads.owners[0]).residual.weight.dtype)
         self.route = route  # the family's routing function: (logits, bias) -> (inds, scores)
         self.bias_of = bias_of  # consumer layer -> its router's score-correction bias (or None)
         self.owners = set(heads.owners)
@@ -43,11 +44,13 @@ class Prerouter:
         return all(o in self.last for o in self.owners)
 
     def flush(self) -> dict[int, tuple]:
-        """consumer layer -> predicted (inds, scores) for the coming step (lazy)."""
-        out = {}
-        for owner in self.heads.owners:
-            x, inds = self.last[owner]
-            logits = self.heads.predict(owner, x, inds, self.prev.get(owner))
-            consumer = owner + 1
-            out[consumer] = self.route(logits.astype(B.float32), self.bias_of(consumer))
-        return out
+        """consumer layer -> predicted (inds, scores) for the coming step (lazy): every head
+        in one batched evaluation, then each consumer's own routing function."""
+        owners = self.heads.owners
+        x = B.concat([self.last[o][0].reshape(1, 1, -1) for o in owners])
+        inds = B.concat([self.last[o][1].reshape(1, 1, -1) for o in owners])
+        k = inds.shape[-1]
+        prev = B.concat([self.prev[o].reshape(1, 1, -1) if self.prev.get(o) is not None
+                         else B.full((1, 1, k), -1, B.int32) for o in owners])
+        logits = self.heads.predict_all(x, inds, prev).astype(B.float32)
+        return {o + 1: self.route(logits[i], self.bias_of(o + 1)) for i, o in enumerate(owners)}

@@ -65,6 +65,10 @@ def to_host(x) -> np.ndarray:
     return np.array(x)
 
 
+def is_cpu() -> bool:
+    return mx.default_device() == mx.cpu
+
+
 def dtype(name: str):
     """The compute dtype called ``name`` ('float32', 'bfloat16', 'float16')."""
     try:
@@ -107,5 +111,7 @@ def load_safetensors(path: str) -> tuple[dict, dict]:
 
 
 concat = mx.concatenate
+stack = mx.stack
+full = mx.full
 float16 = mx.float16
 log_softmax = lambda x, axis=-1: x - mx.logsumexp(x, axis=axis, keepdims=True)
