@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import mlx.core as mx
 import pytest
 
@@ -22,8 +24,9 @@ def record(model_dir, prompt=PROMPT, n=10):
     return oracle, tokens, ids
 
 
-def replay_logits(model_dir, config, ids, continuation, oracle=None):
-    """Prefill ``ids`` then feed ``continuation``; every step's logits (through the step hook)."""
+@contextmanager
+def step_model(model_dir, config, oracle=None):
+    """(model behind the step hook, its KV cache), as mlx-lm's generation loop drives it."""
     from edge0.backend import nn as bnn
 
     s = load_streaming_model(model_dir, config, oracle=oracle)
@@ -31,15 +34,20 @@ def replay_logits(model_dir, config, ids, continuation, oracle=None):
         if s.stager is not None:
             s.stager.reset()
         model = StepModel(s)
-        cache = bnn.make_cache(model)
+        yield model, bnn.make_cache(model)
+    finally:
+        s.close()
+
+
+def replay_logits(model_dir, config, ids, continuation, oracle=None):
+    """Prefill ``ids`` then feed ``continuation``; every step's logits (through the step hook)."""
+    with step_model(model_dir, config, oracle) as (model, cache):
         out = [model(mx.array([ids[:-1]]), cache=cache)] if len(ids) > 1 else []
         for t in [ids[-1]] + continuation[:-1]:
             logits = model(mx.array([[t]]), cache=cache)
             mx.eval(logits)
             out.append(logits)
         return out
-    finally:
-        s.close()
 
 
 @pytest.fixture(scope="module")
@@ -101,14 +109,7 @@ def test_staged_decode_needs_no_host_sync_per_layer(qwen):
     oracle, tokens, ids = record(qwen, n=6)
 
     def syncs_per_step(config):
-        from edge0.backend import nn as bnn
-
-        s = load_streaming_model(qwen, config, oracle=oracle)
-        try:
-            if s.stager is not None:
-                s.stager.reset()
-            model = StepModel(s)
-            cache = bnn.make_cache(model)
+        with step_model(qwen, config, oracle) as (model, cache):
             mx.eval(model(mx.array([ids[:-1]]), cache=cache))
             counts = []
             for t in [ids[-1]] + tokens[:3]:
@@ -117,8 +118,6 @@ def test_staged_decode_needs_no_host_sync_per_layer(qwen):
                 counts.append(sum(B.SYNCS[k] - before[k] for k in B.SYNCS))
                 mx.eval(logits)
             return counts
-        finally:
-            s.close()
 
     n_layers = 4
     # exact: per layer, the routing comes to the host (and the bundle's last reader is settled)

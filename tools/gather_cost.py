@@ -11,22 +11,14 @@ same selected weights and the same arithmetic.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import mlx.core as mx
+from _timing import median_ms
 
 
 def time_call(x, w, s, b, idx, repeats: int) -> float:
-    fn = lambda: mx.eval(mx.gather_qmm(x, w, s, b, rhs_indices=idx, transpose=True, group_size=64, bits=4))
-    for _ in range(3):
-        fn()
-    samples = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t)
-    return statistics.median(samples) * 1e3
+    return median_ms(lambda: mx.eval(mx.gather_qmm(x, w, s, b, rhs_indices=idx, transpose=True, group_size=64,
+                                                   bits=4)), repeats)
 
 
 def main() -> None:

@@ -10,23 +10,11 @@ heads evaluated one by one, in float16 and float32.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import mlx.core as mx
+from _timing import median_ms
 
 from edge0.prerouter.heads import PrerouterHeads
-
-
-def timed(fn, repeats: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    samples = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t)
-    return 1e3 * statistics.median(samples)
 
 
 def main() -> None:
@@ -46,8 +34,8 @@ def main() -> None:
         heads.freeze_for_inference(dtype)
         x = mx.random.normal((a.heads, 1, a.hidden))
         inds = mx.random.randint(0, a.experts, (a.heads, 1, a.k))
-        batched = timed(lambda: mx.eval(heads.predict_all(x, inds, inds)))
-        one_by_one = timed(lambda: mx.eval([heads.predict(o, x[o:o + 1], inds[o:o + 1], inds[o:o + 1])
+        batched = median_ms(lambda: mx.eval(heads.predict_all(x, inds, inds)))
+        one_by_one = median_ms(lambda: mx.eval([heads.predict(o, x[o:o + 1], inds[o:o + 1], inds[o:o + 1])
                                             for o in range(a.heads)]))
         print(f"| {dtype} | {batched:.1f} | {one_by_one:.1f} |")
 
