@@ -149,3 +149,25 @@ def test_quality_guard_reports_recall(trained):
     assert all(len(values) >= 5 for values in recall.values())
     stats = events[-1].stats
     assert stats.guard_recall and set(stats.guard_recall) == set(recall)
+
+
+def test_served_perplexity_matches_a_full_forward(trained):
+    """Own-gates served perplexity (token by token) equals a whole-sequence forward's."""
+    import math
+
+    from edge0.prerouter.quality import served_perplexity
+
+    d, _ = trained("qwen3_moe")
+    tokens = list(range(3, 60))
+    own = served_perplexity(d, tokens, EngineConfig(prerouter="off"), window=64)
+    s = load_streaming_model(d, EngineConfig(prerouter="off"))
+    try:
+        logits = s.model(mx.array([tokens[:-1]]))[0].astype(mx.float32)
+        logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        nll = -float(mx.take_along_axis(logp, mx.array(tokens[1:])[:, None], axis=-1).mean().item())
+    finally:
+        s.close()
+    assert own["tokens"] == len(tokens) - 1
+    assert abs(own["perplexity"] - math.exp(nll)) / math.exp(nll) < 1e-4
+    pre = served_perplexity(d, tokens, EngineConfig(prerouter="on"), window=64)
+    assert pre["staged_layers"] == [1, 2, 3] and math.isfinite(pre["perplexity"])
