@@ -25,7 +25,6 @@ import contextlib
 import io
 import json
 import os
-import shutil
 import sysconfig
 import threading
 from pathlib import Path

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import mlx.core as mx
-import numpy as np
 import pytest
 from mlx_lm.generate import stream_generate
 from mlx.utils import tree_flatten

@@ -34,7 +34,7 @@ async def test_changed_experts_only_are_written(tiny_model_factory):
         store = SlotStore(reader, {l: r.buffers for l, r in rows.items()})
         sets = [[1, 2, 3, 4], [1, 2, 5, 6], [1, 2, 5, 6], [7, 2, 5, 9]]  # m = 4, 2, 0, 2
         async with PrefetchScheduler(store, {l: 8 for l in layers}, readers=2) as sched:
-            previous = None
+            previous, prev_maps = None, {}
             for step, experts in enumerate(sets):
                 before_bytes, before_reads = reader.stats.bytes, reader.stats.reads
                 sched.submit(StepPlan(step, tuple(LayerPlan(l, tuple(experts)) for l in layers)))

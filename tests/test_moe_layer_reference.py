@@ -23,7 +23,7 @@ def shared_output(layer: StreamingMoE, x):
 @pytest.mark.parametrize("tokens,capacity", [(3, 32), (40, 1)])
 def test_streaming_layer_matches_float64_reference(tiny_model, tokens, capacity):
     s = load_streaming_model(tiny_model, EngineConfig(bundle_capacity=capacity))
-    model, spec, reader = s.model, s.spec, s.reader
+    model, spec = s.model, s.spec
     rng = np.random.default_rng(1234 + tokens)
     try:
         for layer_id in spec.moe_layers:

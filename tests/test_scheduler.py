@@ -12,7 +12,7 @@ import pytest
 from edge0.errors import ExpertReadError
 from edge0.io_sched.plan import LayerPlan, StepPlan
 from edge0.io_sched.scheduler import PrefetchScheduler, SchedulerError
-from edge0.io_sched.slots import EMPTY, LOADING, READY
+from edge0.io_sched.slots import EMPTY, READY
 
 pytestmark = pytest.mark.asyncio
 

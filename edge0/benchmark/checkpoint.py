@@ -81,7 +81,6 @@ def _bf16_bytes(x: np.ndarray) -> bytes:
 def _resident_tensors(shape: BenchShape, seed: int) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
     """Everything but the routed experts, built with mlx-lm's class and quantization rules."""
     import mlx.core as mx
-    import mlx.nn as nn
     from mlx.utils import tree_flatten
     from mlx_lm.utils import _get_classes, quantize_model
 

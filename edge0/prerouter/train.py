@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import hashlib
-import os
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
