@@ -27,15 +27,18 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-def demo_model_dir() -> Path:
-    """The default model: built once (a few seconds) and cached, nothing downloaded.
+PACKAGED_DEMO = Path(__file__).resolve().parent / "data" / "demo_model"
 
-    It is built in a child process so that this process's memory peaks (shown in the
-    stats line) are those of streaming, not of building a model in memory.
-    """
+
+def demo_model_dir() -> Path:
+    """The default model: the small MoE trained on Python sources that ships with Edge0
+    (edge0/data/demo_model, int4). Without it (a source tree that lacks the data), a random
+    tiny model is built once in a child process and cached: nothing is downloaded."""
+    if (PACKAGED_DEMO / "config.json").exists():
+        return PACKAGED_DEMO
     path = cache_dir() / f"demo-{DEMO_FAMILY}-v{DEMO_VERSION}"
     if not (path / "config.json").exists():
-        print(f"[edge0] building the demo model once into {path} ...", file=sys.stderr)
+        print(f"[edge0] building a random demo model once into {path} ...", file=sys.stderr)
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")
         shape = ["--layers", "8", "--experts", "64", "--k", "4", "--hidden", "256", "--moe-intermediate", "256"]
         subprocess.run([sys.executable, "-m", "edge0", "make-tiny", DEMO_FAMILY, str(tmp), "--overwrite", *shape],

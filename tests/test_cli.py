@@ -45,11 +45,27 @@ def test_make_tiny_then_generate(tmp_path, capsys):
     assert "mixtral, 2 MoE layers x 8 experts, k=2" in capsys.readouterr().out
 
 
-def test_demo_builds_default_model_once(tmp_path):
+def test_demo_streams_the_default_model(tmp_path):
+    from edge0.cli import PACKAGED_DEMO, demo_model_dir
+
     env = {"EDGE0_CACHE": str(tmp_path / "cache")}
     first = run_cli("demo", "--max-tokens", "5", env=env)
     assert first.returncode == 0, first.stderr
-    assert "building the demo model" in first.stderr and "tok/s" in first.stdout
+    assert "tok/s" in first.stdout and "MiB/token" in first.stdout
     second = run_cli("demo", "--max-tokens", "5", env=env)
     assert second.returncode == 0 and "building" not in second.stderr
     assert second.stdout.split("==========")[1] == first.stdout.split("==========")[1]
+    if (PACKAGED_DEMO / "config.json").exists():
+        assert demo_model_dir() == PACKAGED_DEMO and "building" not in first.stderr
+    else:
+        assert "building a random demo model" in first.stderr
+
+
+def test_demo_fallback_builds_a_random_model_once(tmp_path, monkeypatch):
+    import edge0.cli as cli
+
+    monkeypatch.setattr(cli, "PACKAGED_DEMO", tmp_path / "absent")
+    monkeypatch.setenv("EDGE0_CACHE", str(tmp_path / "cache"))
+    path = cli.demo_model_dir()
+    assert path.parent == tmp_path / "cache" and (path / "config.json").exists()
+    assert cli.demo_model_dir() == path
