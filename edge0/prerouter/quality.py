@@ -43,7 +43,8 @@ def served_perplexity(model_dir: str | Path, tokens: list[int], config: EngineCo
             "staged_layers": list(s.stager.layers) if s.stager is not None else []}
 
 
-def routing_replacement_report(model_dir: str | Path, tokens: list[int], window: int = 256) -> dict:
+def routing_replacement_report(model_dir: str | Path, tokens: list[int], window: int = 256,
+                               heads_file: str | None = None) -> dict:
     own = served_perplexity(model_dir, tokens, EngineConfig(prerouter="off"), window)
-    pre = served_perplexity(model_dir, tokens, EngineConfig(prerouter="on"), window)
+    pre = served_perplexity(model_dir, tokens, EngineConfig(prerouter="on", prerouter_file=heads_file), window)
     return {"own_gates": own, "prerouter": pre, "ratio": pre["perplexity"] / own["perplexity"]}
