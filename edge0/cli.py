@@ -17,7 +17,7 @@ from edge0.config import EngineConfig
 from edge0.errors import Edge0Error
 
 DEMO_FAMILY = "qwen3_moe"
-DEMO_PROMPT = "def fibonacci(n):"
+DEMO_PROMPT = "import os\n\n\ndef read_lines(path):"
 DEMO_VERSION = 1
 
 

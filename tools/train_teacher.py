@@ -49,7 +49,6 @@ def matmul_gflops(n: int = 512) -> float:
 def main(argv=None) -> int:
     from edge0.teacher import TeacherConfig
 
-    defaults = TeacherConfig()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="output directory (teacher/, int4/, held-out data)")
     p.add_argument("--deploy", default=None, help="also copy the int4 checkpoint to this directory")

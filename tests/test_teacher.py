@@ -1,0 +1,199 @@
+"""Teacher training and evaluation at tiny scale: a few steps on a small corpus subset."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from edge0 import evaluate as ev
+from edge0 import teacher as te
+
+TINY = dict(layers=2, experts=4, k=2, hidden=64, moe_intermediate=64, vocab_size=320, seq_len=32,
+            batch_size=8, steps=40, warmup_steps=3, lr=3e-3, heldout_fraction=0.2, log_every=5,
+            eval_every=20, eval_tokens=256, final_eval_tokens=1024, compile=False)
+N_FILES = 60
+
+
+@pytest.fixture(scope="module")
+def files():
+    return te.list_corpus_files()[:N_FILES]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, files):
+    out = tmp_path_factory.mktemp("teacher")
+    summary = te.train_teacher(te.TeacherConfig(**TINY), out, files=files, progress=False)
+    return out, summary
+
+
+def test_corpus_listing_excludes_tests_and_site_packages():
+    all_files = te.list_corpus_files()
+    assert all_files == sorted(all_files) and len(all_files) > 100
+    for rel in all_files:
+        parts = rel.split("/")
+        assert rel.endswith(".py")
+        assert not set(parts[:-1]) & {"test", "tests", "idle_test", "site-packages", "__pycache__"}, rel
+
+
+def test_split_is_deterministic_and_by_file():
+    all_files = te.list_corpus_files()
+    train, heldout = te.split_files(all_files, 0.05)
+    assert (train, heldout) == te.split_files(list(reversed(all_files)), 0.05)
+    assert not set(train) & set(heldout)
+    assert sorted(train + heldout) == all_files
+    assert 0 < len(heldout) < 0.15 * len(all_files)
+    assert all(te.is_heldout(f, 0.05) for f in heldout)
+    # a pure function of the path: a subset splits the same way
+    sub_train, sub_heldout = te.split_files(all_files[:50], 0.05)
+    assert set(sub_train) <= set(train) and set(sub_heldout) <= set(heldout)
+
+
+def test_outputs_and_provenance(run):
+    out, summary = run
+    files = json.loads((out / te.FILES_FILE).read_text())
+    assert files["train"] and files["heldout"]
+    assert not set(files["train"]) & set(files["heldout"])
+    for name in ("teacher", "int4"):
+        prov = json.loads((out / name / "provenance.json").read_text())
+        for key in ("corpus", "train_config", "model_config", "seed", "steps", "tokens_seen",
+                    "final_train_loss", "heldout_loss", "wall_time_s", "edge0_version", "weights_sha256"):
+            assert key in prov, (name, key)
+        assert prov["steps"] == TINY["steps"]
+        assert prov["tokens_seen"] == TINY["steps"] * TINY["batch_size"] * TINY["seq_len"]
+        corpus = prov["corpus"]
+        for key in ("train_file_list_sha256", "heldout_file_list_sha256", "train_token_stream_sha256",
+                    "heldout_token_stream_sha256", "train_tokens", "heldout_tokens"):
+            assert key in corpus, key
+        assert math.isfinite(prov["final_train_loss"]) and math.isfinite(prov["heldout_loss"])
+    int4 = json.loads((out / "int4" / "provenance.json").read_text())
+    assert int4["quantization"]["bits"] == 4 and int4["quantization"]["group_size"] == 64
+    heldout = np.load(out / te.HELDOUT_FILE)
+    assert heldout.dtype == np.uint16 and heldout.size == int4["corpus"]["heldout_tokens"]
+
+
+def test_loss_decreases(run):
+    out, _ = run
+    log = [json.loads(line) for line in (out / te.LOG_FILE).read_text().splitlines()]
+    steps = [r for r in log if "step" in r]
+    assert steps[-1]["step"] == TINY["steps"]
+    assert steps[-1]["loss"] < steps[0]["loss"] - 0.5, (steps[0], steps[-1])
+    assert all(math.isfinite(r["balance"]) for r in steps)
+    assert any("heldout_loss" in r for r in steps)  # periodic evaluation ran
+
+
+def test_checkpoints_load_with_mlx_lm(run):
+    from mlx_lm import generate, load
+
+    out, _ = run
+    cfg = json.loads((out / "int4" / "config.json").read_text())
+    q = cfg["quantization"]
+    assert q["bits"] == 4 and q["group_size"] == 64
+    assert q["model.layers.0.mlp.gate"]["bits"] == 8  # routers stay 8-bit (quant_predicate)
+    teacher_cfg = json.loads((out / "teacher" / "config.json").read_text())
+    assert "quantization" not in teacher_cfg
+    for name in ("teacher", "int4"):
+        model, tok = load(str(out / name))
+        text = generate(model, tok, prompt="def f(x):", max_tokens=5, verbose=False)
+        assert isinstance(text, str)
+
+
+def test_evaluation(run):
+    out, _ = run
+    model, tok = ev.load_model(out / "int4")
+    tokens = ev.load_tokens(out / te.HELDOUT_FILE)
+    res = ev.evaluate_tokens(model, tokens, teacher=model, seq_len=32, max_tokens=256)
+    assert res.n_tokens == 256
+    assert math.isfinite(res.perplexity) and 1.0 < res.perplexity < 320
+    assert res.top1_agreement == 1.0
+    assert abs(res.kl) < 1e-5
+    assert res.teacher_nll == pytest.approx(res.nll)
+
+    teacher, _ = ev.load_model(out / "teacher")
+    vs = ev.evaluate_tokens(model, tokens, teacher=teacher, seq_len=32, max_tokens=256)
+    assert 0.0 <= vs.top1_agreement <= 1.0 and vs.kl >= 0.0
+
+    # text data is encoded with the model's tokenizer
+    txt = out / "sample.txt"
+    txt.write_text("def add(a, b):\n    return a + b\n" * 20)
+    assert math.isfinite(ev.evaluate_tokens(model, ev.load_tokens(txt, tok), seq_len=32).perplexity)
+
+
+def test_routing_load(run):
+    out, _ = run
+    model, _ = ev.load_model(out / "teacher")
+    tokens = ev.load_tokens(out / te.HELDOUT_FILE)
+    loads = ev.routing_load(model, tokens, seq_len=32, max_tokens=512)
+    assert [ld.layer for ld in loads] == [f"model.layers.{i}.mlp.switch_mlp" for i in range(TINY["layers"])]
+    for ld in loads:
+        assert ld.n_experts == TINY["experts"]
+        assert ld.assignments == 512 * TINY["k"]
+        assert 0.0 < ld.entropy <= 1.0 + 1e-9
+        assert 1 / TINY["experts"] <= ld.max_share <= 1.0
+
+
+def test_unigram_baseline(run):
+    counts = np.array([3, 1, 0, 0])
+    toks = np.array([0, 0, 1, 2])
+    res = ev.unigram_perplexity(counts, toks)
+    p = np.array([4, 2, 1, 1]) / 8
+    assert res.n_tokens == 3
+    assert res.nll == pytest.approx(-np.mean(np.log(p[[0, 1, 2]])))
+    # uniform counts: perplexity = vocabulary size
+    assert ev.unigram_perplexity(np.zeros(10), np.arange(10)).perplexity == pytest.approx(10.0)
+
+    out, _ = run
+    counts = np.load(out / te.UNIGRAM_FILE)
+    heldout = np.load(out / te.HELDOUT_FILE)
+    uni = ev.unigram_perplexity(counts, heldout, seq_len=32, max_tokens=256)
+    assert uni.n_tokens == 256 and 1.0 < uni.perplexity < TINY["vocab_size"]
+
+
+def test_balance_capture_keeps_outputs(run):
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.models.qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    out, _ = run
+    model, _ = load(str(out / "teacher"))
+    x = mx.array(np.load(out / te.HELDOUT_FILE)[:32].astype(np.int32))[None]
+    ref = model(x)
+    with te.balance_loss_capture(model) as n_blocks:
+        got = model(x)
+        aux = list(te._AUX)
+    assert n_blocks == TINY["layers"] and len(aux) == TINY["layers"]
+    assert mx.array_equal(ref, got)
+    assert all(math.isfinite(a.item()) and a.item() > 0 for a in aux)
+    assert all(type(layer.mlp) is Qwen3MoeSparseMoeBlock for layer in model.model.layers)
+    assert te._AUX == []
+
+
+def test_eval_cli(run, tmp_path, capsys):
+    import importlib.util
+    from pathlib import Path
+
+    out, _ = run
+    path = Path(__file__).resolve().parents[1] / "tools" / "eval_model.py"
+    spec = importlib.util.spec_from_file_location("eval_model", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    js = tmp_path / "r.json"
+    rc = mod.main(["--model", str(out / "int4"), "--teacher", str(out / "teacher"),
+                   "--data", str(out / te.HELDOUT_FILE), "--max-tokens", "128", "--routing", "--json", str(js)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "top-1 agreement" in text and "unigram baseline" in text and "entropy" in text
+    res = json.loads(js.read_text())
+    assert res["seq_len"] == TINY["seq_len"] and res["eval"]["n_tokens"] == 128
+    assert mod.main(["--model", str(tmp_path / "nope"), "--data", str(out / te.HELDOUT_FILE)]) == 2
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="k=9"):
+        te.TeacherConfig(experts=4, k=9).validate()
+    with pytest.raises(ValueError, match="multiple of 64"):
+        te.TeacherConfig(hidden=100).validate()
+    with pytest.raises(ValueError, match="empty side"):
+        te.build_corpus(te.TeacherConfig(**TINY), files=te.list_corpus_files()[:1])
