@@ -196,6 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_flags(r)
     r.set_defaults(func=cmd_record_routing)
 
+    sub.add_parser("eval", help="held-out perplexity, top-1 agreement and KL vs a teacher (edge0 eval --help)",
+                   add_help=False)
     tr = sub.add_parser("train", help="train Edge0's artifacts beside a checkpoint")
     trs = tr.add_subparsers(dest="what", required=True)
     h = trs.add_parser("heads", help="phase 1: train the prerouter heads to imitate the next layer's router",
@@ -239,6 +241,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["eval"]:  # its own parser: held-out quality (docs/TEACHER.md)
+        from edge0.eval_cli import main as eval_main
+
+        return eval_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -69,3 +69,12 @@ def test_demo_fallback_builds_a_random_model_once(tmp_path, monkeypatch):
     path = cli.demo_model_dir()
     assert path.parent == tmp_path / "cache" and (path / "config.json").exists()
     assert cli.demo_model_dir() == path
+
+
+def test_eval_reports_perplexity(tiny_model_factory, tmp_path, capsys):
+    d = tiny_model_factory("qwen3_moe")
+    text = tmp_path / "heldout.txt"
+    text.write_text("def add(a, b):\n    return a + b\n" * 20)
+    assert main(["eval", "--model", str(d), "--teacher", str(d), "--data", str(text), "--max-tokens", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "perplexity" in out and "top-1 agreement 1.0000" in out
