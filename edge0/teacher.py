@@ -52,7 +52,7 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_map_with_path
 
-from edge0.tiny import EOS_TOKEN, EOS_TOKEN_ID, tiny_config
+from edge0.tiny import EOS_TOKEN, EOS_TOKEN_ID, tiny_config, write_tokenizer
 
 __all__ = [
     "TeacherConfig",
@@ -241,25 +241,6 @@ def train_tokenizer(texts: Sequence[str], vocab_size: int):
     return tok
 
 
-def write_tokenizer(tokenizer_json: str, out_dir: Path) -> None:
-    """``tokenizer.json`` plus the two small config files mlx-lm's loader reads."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
-    tok_cfg = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "eos_token": EOS_TOKEN,
-        "pad_token": EOS_TOKEN,
-        "bos_token": None,
-        "unk_token": None,
-        "add_bos_token": False,
-        "add_eos_token": False,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": 4096,
-    }
-    (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2), encoding="utf-8")
-    (out / "special_tokens_map.json").write_text(
-        json.dumps({"eos_token": EOS_TOKEN, "pad_token": EOS_TOKEN}, indent=2), encoding="utf-8")
 
 
 def _encode(tokenizer, texts: Sequence[str]) -> np.ndarray:

@@ -440,9 +440,14 @@ def build_tokenizer(out_dir, *, vocab_size: int = DEFAULT_VOCAB) -> None:
     ``special_tokens_map.json`` into ``out_dir``."""
     if not isinstance(vocab_size, int) or vocab_size < 300:
         raise ValueError(f"vocab_size={vocab_size!r} must be an int >= 300")
+    write_tokenizer(_tokenizer_json(vocab_size), out_dir)
+
+
+def write_tokenizer(tokenizer_json: str, out_dir) -> None:
+    """``tokenizer.json`` plus the two small config files mlx-lm's loader reads."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "tokenizer.json").write_text(_tokenizer_json(vocab_size), encoding="utf-8")
+    (out / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
     tok_cfg = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "eos_token": EOS_TOKEN,
@@ -454,10 +459,9 @@ def build_tokenizer(out_dir, *, vocab_size: int = DEFAULT_VOCAB) -> None:
         "clean_up_tokenization_spaces": False,
         "model_max_length": 4096,
     }
-    with open(out / "tokenizer_config.json", "w", encoding="utf-8") as fh:
-        json.dump(tok_cfg, fh, indent=2)
-    with open(out / "special_tokens_map.json", "w", encoding="utf-8") as fh:
-        json.dump({"eos_token": EOS_TOKEN, "pad_token": EOS_TOKEN}, fh, indent=2)
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2), encoding="utf-8")
+    (out / "special_tokens_map.json").write_text(
+        json.dumps({"eos_token": EOS_TOKEN, "pad_token": EOS_TOKEN}, indent=2), encoding="utf-8")
 
 
 # --------------------------------------------------------------------------
