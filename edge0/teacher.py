@@ -52,7 +52,7 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_map_with_path
 
-from edge0.tiny import EOS_TOKEN, EOS_TOKEN_ID, tiny_config, write_tokenizer
+from edge0.tiny import EOS_TOKEN_ID, tiny_config, train_tokenizer, write_tokenizer
 
 __all__ = [
     "TeacherConfig",
@@ -216,31 +216,6 @@ def _read_texts(root: Path, files: Iterable[str]) -> tuple[list[str], list[str],
         except UnicodeDecodeError:
             skipped.append(rel)
     return kept, texts, skipped
-
-
-def train_tokenizer(texts: Sequence[str], vocab_size: int):
-    """A byte-level BPE ``tokenizers.Tokenizer`` with at most ``vocab_size`` tokens and
-    ``<|endoftext|>`` as id 0, trained on ``texts``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[EOS_TOKEN],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(list(texts), trainer)
-    if tok.token_to_id(EOS_TOKEN) != EOS_TOKEN_ID:
-        raise RuntimeError(f"tokenizer: {EOS_TOKEN} did not get id {EOS_TOKEN_ID}")
-    if tok.get_vocab_size() > vocab_size:
-        raise RuntimeError(f"tokenizer has {tok.get_vocab_size()} tokens > vocab_size {vocab_size}")
-    return tok
-
-
 
 
 def _encode(tokenizer, texts: Sequence[str]) -> np.ndarray:

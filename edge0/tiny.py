@@ -404,34 +404,35 @@ def _corpus() -> list[str]:
     return texts
 
 
+def train_tokenizer(texts, vocab_size: int):
+    """A byte-level BPE ``tokenizers.Tokenizer`` with at most ``vocab_size`` tokens and
+    ``<|endoftext|>`` as id 0, trained on ``texts``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(list(texts), trainer)
+    if tok.token_to_id(EOS_TOKEN) != EOS_TOKEN_ID:
+        raise RuntimeError(f"tokenizer: {EOS_TOKEN} did not get id {EOS_TOKEN_ID}")
+    if tok.get_vocab_size() > vocab_size:
+        raise RuntimeError(f"tokenizer has {tok.get_vocab_size()} tokens > vocab_size {vocab_size}")
+    return tok
+
+
 def _tokenizer_json(vocab_size: int) -> str:
     with _tok_lock:
         cached = _tok_cache.get(vocab_size)
-        if cached is not None:
-            return cached
-        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-        from tokenizers import processors, trainers
-
-        tok = Tokenizer(models.BPE())
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        tok.decoder = decoders.ByteLevel()
-        tok.post_processor = processors.ByteLevel(trim_offsets=False)
-        trainer = trainers.BpeTrainer(
-            vocab_size=vocab_size,
-            special_tokens=[EOS_TOKEN],
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-            show_progress=False,
-        )
-        tok.train_from_iterator(_corpus(), trainer)
-        if tok.token_to_id(EOS_TOKEN) != EOS_TOKEN_ID:
-            raise RuntimeError("tokenizer: EOS token did not get id 0")
-        if tok.get_vocab_size() > vocab_size:
-            raise RuntimeError(
-                f"tokenizer has {tok.get_vocab_size()} tokens > vocab_size {vocab_size}"
-            )
-        text = tok.to_str()
-        _tok_cache[vocab_size] = text
-        return text
+        if cached is None:
+            cached = _tok_cache[vocab_size] = train_tokenizer(_corpus(), vocab_size).to_str()
+        return cached
 
 
 def build_tokenizer(out_dir, *, vocab_size: int = DEFAULT_VOCAB) -> None:

@@ -106,7 +106,7 @@ def staged_prerouter(model_dir: str, settings: dict) -> Loaded:
     the prediction is the routing and plans the reads. The read-wait figure is the stall."""
     if "prerouter_file" not in settings:
         raise RuntimeError("the staged+prerouter arm needs settings['prerouter_file']")
-    return _streaming(model_dir, {**settings}, prerouter_file=settings["prerouter_file"], prerouter="on")
+    return _streaming(model_dir, settings, prerouter_file=settings["prerouter_file"], prerouter="on")
 
 
 class _NoReads:

@@ -30,10 +30,6 @@ class HotExecutor:
         self.hits = 0
         self.misses = 0
 
-    @property
-    def nbytes(self) -> int:
-        return sum(r.nbytes for r in self.rows.values())
-
     def _layer(self, layer: int) -> tuple[ExpertRows, SlotTable]:
         if layer not in self.rows:
             self.rows[layer] = ExpertRows(self.index.layers[layer], self.size)

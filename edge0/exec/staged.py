@@ -80,19 +80,13 @@ class Stager:
         self._step_t0 = None
         self._step_stall = 0.0
 
-    @property
-    def nbytes(self) -> int:
-        return sum(r.nbytes for r in self.rows.values())
-
     # -- step boundaries (called by the engine's step hook) ------------------------------
-    def reset(self, oracle: OracleRouting | None = None) -> None:
+    def reset(self) -> None:
         """Forget the previous generation: cancel its reads, unpin its slots (slots keep
         their experts: sticky across generations)."""
         for step in sorted(self._submitted):
             self.portal.call(self.scheduler.cancel, step)
         self._submitted.clear()
-        if oracle is not None:
-            self.oracle = oracle
         if self.prerouter is not None:
             self.prerouter.reset()
         self.predicted = {}

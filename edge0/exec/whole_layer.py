@@ -33,10 +33,6 @@ class WholeLayerExecutor:
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edge0-layer-load")
         self.wait_seconds = 0.0
 
-    @property
-    def nbytes(self) -> int:
-        return sum(b.nbytes for b in self.buffers)
-
     def close(self) -> None:
         self._loader.shutdown(wait=True)
 
