@@ -113,51 +113,6 @@ def cmd_demo(args) -> int:
     return _run_generation(demo_model_dir(), args)
 
 
-def _owner_range(text: str | None) -> list[int] | None:
-    from edge0.errors import ConfigError
-
-    if text is None:
-        return None
-    try:
-        if "-" in text:
-            a, b = (int(v) for v in text.split("-", 1))
-            return list(range(a, b + 1))
-        return [int(v) for v in text.split(",")]
-    except ValueError:
-        raise ConfigError(f"--owners must look like 6-38 or 1,2,3, got {text!r}") from None
-
-
-def cmd_train_heads(args) -> int:
-    from edge0.prerouter.train import train_heads
-
-    bar = None
-
-    def progress(step, total, loss):
-        nonlocal bar
-        if bar is None:
-            from tqdm import tqdm
-
-            bar = tqdm(total=total, desc="heads", unit="step", file=sys.stderr)
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss:.4f}")
-
-    report = train_heads(args.model, data=args.data, tokens=args.tokens, heldout_tokens=args.heldout_tokens,
-                         seq_len=args.seq_len, steps=args.steps, batch=args.batch, lr=args.lr, width=args.width,
-                         owners=_owner_range(args.owners), out=args.out, seed=args.seed, progress=progress)
-    if bar is not None:
-        bar.close()
-    print("| head (owner -> consumer) | recall@k before | recall@k after | top-1 before | top-1 after |")
-    print("|---|---:|---:|---:|---:|")
-    for owner, b in report["before"].items():
-        a = report["after"][owner]
-        print(f"| {owner} -> {owner + 1} | {b['recall_at_k']:.3f} | {a['recall_at_k']:.3f} | {b['top1']:.3f} "
-              f"| {a['top1']:.3f} |")
-    mean = lambda d, key: sum(v[key] for v in d.values()) / len(d)
-    print(f"mean recall@k {mean(report['before'], 'recall_at_k'):.3f} -> {mean(report['after'], 'recall_at_k'):.3f} "
-          f"(held-out {report['recipe']['heldout_tokens']} tokens); heads written to {report['path']}")
-    return 0
-
-
 def cmd_make_tiny(args) -> int:
     from edge0.tiny import make_tiny
 
@@ -198,28 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("eval", help="held-out perplexity, top-1 agreement and KL vs a teacher (edge0 eval --help)",
                    add_help=False)
-    tr = sub.add_parser("train", help="train Edge0's artifacts beside a checkpoint")
-    trs = tr.add_subparsers(dest="what", required=True)
-    h = trs.add_parser("heads", help="phase 1: train the prerouter heads to imitate the next layer's router",
-                       description="Collects routing traces by running the frozen int4 base over text (teacher "
-                                   "forcing), trains only the heads (warm-started from the next router) on the "
-                                   "next router's distribution, reports held-out recall@k and top-1 agreement "
-                                   "per layer before and after, and writes prerouter.safetensors beside the "
-                                   "checkpoint (or --out).")
-    h.add_argument("--model", required=True, help="an mlx-lm int4 MoE checkpoint directory")
-    h.add_argument("--data", default=None, help="a text/.py file or directory (default: Python stdlib sources, "
-                                                "held out by file)")
-    h.add_argument("--tokens", type=int, default=20000, help="training tokens (default 20000)")
-    h.add_argument("--heldout-tokens", type=int, default=4000, help="held-out tokens (default 4000)")
-    h.add_argument("--seq-len", type=int, default=128)
-    h.add_argument("--steps", type=int, default=300, help="optimizer steps (default 300; 0 = warm start only)")
-    h.add_argument("--batch", type=int, default=256)
-    h.add_argument("--lr", type=float, default=1e-3)
-    h.add_argument("--width", type=int, default=512, help="MLP hidden width (default 512)")
-    h.add_argument("--owners", default=None, help="owner layers, e.g. 6-38 (default: every eligible layer)")
-    h.add_argument("--out", default=None, help="heads file (default: MODEL/prerouter.safetensors)")
-    h.add_argument("--seed", type=int, default=0)
-    h.set_defaults(func=cmd_train_heads)
+    from edge0.train.commands import add_parsers as add_train_parsers
+
+    add_train_parsers(sub)
 
     t = sub.add_parser("make-tiny", help="write a small random int4 MoE checkpoint of a supported family")
     t.add_argument("family", choices=SUPPORTED_MODEL_TYPES)
@@ -243,11 +179,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["eval"]:  # its own parser: held-out quality (docs/TEACHER.md)
-        from edge0.eval_cli import main as eval_main
+        from edge0.train.eval_cli import main as eval_main
 
         return eval_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = argv[2:]  # recorded in the provenance of what `train` writes
     try:
         return args.func(args)
     except Edge0Error as e:

@@ -10,7 +10,7 @@ import edge0
 ROOT = Path(edge0.__file__).parent
 # Checkpoint builders make checkpoints *with* mlx-lm's classes by design (tools, not the engine).
 # The teacher's trainer and evaluator likewise run mlx-lm's resident classes by design.
-EXEMPT = {"tiny.py", "benchmark/checkpoint.py", "teacher.py", "evaluate.py"}
+EXEMPT = {"tiny.py", "benchmark/checkpoint.py", "train/teacher.py", "train/evaluate.py"}
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -31,6 +31,21 @@ def test_only_the_backend_imports_mlx():
         if rel.parts[0] == "backend" or rel.as_posix() in EXEMPT:
             continue
         bad = {m for m in imported_modules(path) if m.split(".")[0] in ("mlx", "mlx_lm")}
+        if bad:
+            offenders[str(rel)] = sorted(bad)
+    assert offenders == {}
+
+
+def test_serving_path_imports_no_training_code():
+    """Training imports the serving code (it trains on the served path), never the reverse:
+    only the command line, the benchmark harness and edge0.train itself import edge0.train."""
+    allowed = {"cli.py"}
+    offenders = {}
+    for path in ROOT.rglob("*.py"):
+        rel = path.relative_to(ROOT)
+        if rel.parts[0] in ("train", "benchmark") or rel.as_posix() in allowed:
+            continue
+        bad = {m for m in imported_modules(path) if m == "edge0.train" or m.startswith("edge0.train.")}
         if bad:
             offenders[str(rel)] = sorted(bad)
     assert offenders == {}

@@ -11,7 +11,7 @@ from edge0.backend import core as B
 from edge0.backend import nn as bnn
 from edge0.engine import StepModel, load_streaming_model
 from edge0.prerouter.files import ForeignArtifactError, checkpoint_identity, load_heads, save_heads
-from edge0.prerouter.train import train_heads
+from edge0.train.heads import train_heads
 
 PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n"
 

@@ -8,8 +8,9 @@ import math
 import numpy as np
 import pytest
 
-from edge0 import evaluate as ev
-from edge0 import teacher as te
+from edge0.train import evaluate as ev
+from edge0.train import corpus as co
+from edge0.train import teacher as te
 
 TINY = dict(layers=2, experts=4, k=2, hidden=64, moe_intermediate=64, vocab_size=320, seq_len=32,
             batch_size=8, steps=40, warmup_steps=3, lr=3e-3, heldout_fraction=0.2, log_every=5,
@@ -19,7 +20,7 @@ N_FILES = 60
 
 @pytest.fixture(scope="module")
 def files():
-    return te.list_corpus_files()[:N_FILES]
+    return co.list_corpus_files()[:N_FILES]
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +31,7 @@ def run(tmp_path_factory, files):
 
 
 def test_corpus_listing_excludes_tests_and_site_packages():
-    all_files = te.list_corpus_files()
+    all_files = co.list_corpus_files()
     assert all_files == sorted(all_files) and len(all_files) > 100
     for rel in all_files:
         parts = rel.split("/")
@@ -39,15 +40,15 @@ def test_corpus_listing_excludes_tests_and_site_packages():
 
 
 def test_split_is_deterministic_and_by_file():
-    all_files = te.list_corpus_files()
-    train, heldout = te.split_files(all_files, 0.05)
-    assert (train, heldout) == te.split_files(list(reversed(all_files)), 0.05)
+    all_files = co.list_corpus_files()
+    train, heldout = co.split_files(all_files, 0.05)
+    assert (train, heldout) == co.split_files(list(reversed(all_files)), 0.05)
     assert not set(train) & set(heldout)
     assert sorted(train + heldout) == all_files
     assert 0 < len(heldout) < 0.15 * len(all_files)
-    assert all(te.is_heldout(f, 0.05) for f in heldout)
+    assert all(co.is_heldout(f, 0.05) for f in heldout)
     # a pure function of the path: a subset splits the same way
-    sub_train, sub_heldout = te.split_files(all_files[:50], 0.05)
+    sub_train, sub_heldout = co.split_files(all_files[:50], 0.05)
     assert set(sub_train) <= set(train) and set(sub_heldout) <= set(heldout)
 
 
@@ -196,4 +197,30 @@ def test_config_errors():
     with pytest.raises(ValueError, match="multiple of 64"):
         te.TeacherConfig(hidden=100).validate()
     with pytest.raises(ValueError, match="empty side"):
-        te.build_corpus(te.TeacherConfig(**TINY), files=te.list_corpus_files()[:1])
+        co.build_corpus(TINY["heldout_fraction"], TINY["vocab_size"], files=co.list_corpus_files()[:1])
+
+
+def test_resumed_training_is_bit_identical(tmp_path, files):
+    """A run interrupted at a checkpoint and resumed ends with the same weights as an
+    uninterrupted one (weights, optimizer moments, sampler state all restored)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    cfg = dict(TINY, steps=6, checkpoint_every=3, eval_every=0, final_eval_tokens=64)
+    corpus = co.build_corpus(cfg["heldout_fraction"], cfg["vocab_size"], files=files)
+    straight = te.train(te.TeacherConfig(**cfg), corpus, progress=False)
+    resume = tmp_path / "resume"
+    with pytest.raises(KeyboardInterrupt):
+        def stop_after_checkpoint(record):
+            if record.get("step") == 5:  # after the step-3 checkpoint was written
+                raise KeyboardInterrupt
+        te.train(te.TeacherConfig(**dict(cfg, log_every=1)), corpus, progress=False, resume_dir=resume,
+                 on_log=stop_after_checkpoint)
+    assert (resume / "state.json").exists()
+    resumed = te.train(te.TeacherConfig(**cfg), corpus, progress=False, resume_dir=resume, resume=True)
+    a, b = dict(tree_flatten(straight.model.parameters())), dict(tree_flatten(resumed.model.parameters()))
+    assert a.keys() == b.keys()
+    assert all(mx.array_equal(a[k], b[k]).item() for k in a)
+    assert resumed.steps_done == 6
+    with pytest.raises(ValueError, match="other settings"):
+        te.train(te.TeacherConfig(**dict(cfg, lr=1e-4)), corpus, progress=False, resume_dir=resume, resume=True)

@@ -6,7 +6,7 @@
 
 import sys
 
-from edge0.eval_cli import main
+from edge0.train.eval_cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -18,7 +18,7 @@ import numpy as np
 
 from edge0.backend import nn as bnn
 from edge0.prerouter.quality import routing_replacement_report
-from edge0.prerouter.train import default_texts, token_chunks
+from edge0.train.heads import default_texts, token_chunks
 
 
 def main() -> None:

@@ -220,7 +220,7 @@ def main() -> int:
     """Child-process entry: ``python -m edge0.benchmark.arms JOB.json`` prints one JSON line."""
     job = json.loads(open(sys.argv[1], encoding="utf-8").read())
     if job.get("warm_heads"):
-        from edge0.prerouter.train import make_warm_heads
+        from edge0.train.heads import make_warm_heads
 
         make_warm_heads(job["model"], job["warm_heads"])
         print(json.dumps({"warm_heads": job["warm_heads"]}))

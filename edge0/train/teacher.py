@@ -2,18 +2,12 @@
 
 Random tiny checkpoints (``edge0.tiny``) prove the engine computes what mlx-lm computes;
 they say nothing about quality.  This module trains a small qwen3_moe model from scratch
-with mlx-lm's own model classes, so that quality can be measured (``edge0.evaluate``) and
+with mlx-lm's own model classes, so that quality can be measured (``edge0.train.evaluate``) and
 the demo has a model whose output looks like Python.
 
 Pipeline (every step deterministic for a given Python installation and seed):
 
-1. Corpus: every ``*.py`` file under ``sysconfig.get_paths()["stdlib"]``, sorted by
-   relative path, excluding ``site-packages`` / ``dist-packages``, ``__pycache__`` and
-   test directories (any path component ``test`` or ``tests``, and ``idlelib/idle_test``).
-2. Split BY FILE: a file is held out when the first 8 bytes of sha256(relative path), as
-   an integer, fall in the lowest ``heldout_fraction`` of the range.  No file is in both.
-3. Tokenizer: a byte-level BPE trained offline with ``tokenizers`` on the TRAIN files
-   only; ``<|endoftext|>`` is id 0 and ends every file in the token stream.
+1-3. Corpus, split by file, tokenizer: ``edge0.train.corpus``.
 4. Model: ``qwen3_moe`` from :func:`edge0.tiny.tiny_config` (head_dim 32), float32.
 5. Training: random windows of ``seq_len + 1`` train tokens (NumPy generator seeded with
    ``seed``), AdamW with linear warm-up and cosine decay, gradient clipping, plus a
@@ -40,52 +34,41 @@ import os
 import platform
 import shutil
 import sys
-import sysconfig
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
-from mlx.utils import tree_map_with_path
+from mlx.utils import tree_flatten, tree_map_with_path, tree_unflatten
 
-from edge0.tiny import EOS_TOKEN_ID, tiny_config, train_tokenizer, write_tokenizer
-
-__all__ = [
-    "TeacherConfig",
-    "Corpus",
-    "TrainResult",
-    "EXCLUDED_DIRS",
-    "stdlib_root",
-    "list_corpus_files",
-    "is_heldout",
-    "split_files",
-    "build_corpus",
-    "train_tokenizer",
-    "write_tokenizer",
-    "model_config",
-    "balance_loss_capture",
-    "train",
-    "save_teacher",
-    "quantize_checkpoint",
-    "train_teacher",
-    "dir_size",
-]
+from edge0.tiny import tiny_config, write_tokenizer
+from edge0.train.corpus import Corpus, build_corpus
 
 FAMILY = "qwen3_moe"
 GROUP_SIZE = 64
 BITS = 4
 
-# Directory names that are never part of the corpus (any path component).
-EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"})
-
 HELDOUT_FILE = "heldout_tokens.npy"
 UNIGRAM_FILE = "train_unigram_counts.npy"
 FILES_FILE = "corpus_files.json"
 LOG_FILE = "train_log.jsonl"
+RESUME_DIR = "resume"  # periodic training state: ``--resume`` continues from it
+
+
+def matmul_gflops(n: int = 512) -> float:
+    """Measured float32 matmul speed of MLX on this machine (GFLOP/s): MLX's Linux CPU
+    wheel bundles a reference BLAS; training wants an optimised one preloaded."""
+    a = mx.random.normal((n, n))
+    b = mx.random.normal((n, n))
+    mx.eval(a @ b)
+    t0 = time.perf_counter()
+    for _ in range(3):
+        mx.eval(a @ b)
+    return 3 * 2 * n**3 / (time.perf_counter() - t0) / 1e9
 
 
 # --------------------------------------------------------------------------
@@ -129,6 +112,8 @@ class TeacherConfig:
     eval_tokens: int = 16384
     final_eval_tokens: int = 65536
     log_every: int = 10
+    # write the resumable training state every N steps (0 = never)
+    checkpoint_every: int = 50
     compile: bool = True
 
     def validate(self) -> None:
@@ -163,151 +148,6 @@ def model_config(tc: TeacherConfig) -> dict:
                       moe_intermediate=tc.moe_intermediate, vocab_size=tc.vocab_size)
     cfg["torch_dtype"] = "float32"
     return cfg
-
-
-# --------------------------------------------------------------------------
-# corpus
-# --------------------------------------------------------------------------
-
-
-def stdlib_root() -> Path:
-    """The Python standard library's source directory of this interpreter."""
-    root = sysconfig.get_paths().get("stdlib")
-    if not root or not Path(root).is_dir():
-        raise FileNotFoundError(f"the standard library directory {root!r} does not exist")
-    return Path(root)
-
-
-def list_corpus_files(root: Path | None = None) -> list[str]:
-    """Sorted relative (POSIX) paths of the corpus's ``*.py`` files under ``root``."""
-    root = Path(root) if root is not None else stdlib_root()
-    out = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in EXCLUDED_DIRS)
-        rel_dir = Path(dirpath).relative_to(root)
-        for name in filenames:
-            if name.endswith(".py"):
-                out.append((rel_dir / name).as_posix())
-    return sorted(out)
-
-
-def is_heldout(rel_path: str, heldout_fraction: float) -> bool:
-    """Whether the file ``rel_path`` belongs to the held-out split (a pure function of
-    the path: stable across machines, runs and file contents)."""
-    digest = hashlib.sha256(rel_path.encode("utf-8")).digest()
-    return int.from_bytes(digest[:8], "big") < heldout_fraction * 2**64
-
-
-def split_files(files: Sequence[str], heldout_fraction: float) -> tuple[list[str], list[str]]:
-    """(train, held-out) relative paths, each sorted; every file is in exactly one."""
-    train, heldout = [], []
-    for rel in sorted(files):
-        (heldout if is_heldout(rel, heldout_fraction) else train).append(rel)
-    return train, heldout
-
-
-def _read_texts(root: Path, files: Iterable[str]) -> tuple[list[str], list[str], list[str]]:
-    """(paths read, their texts, paths skipped as not UTF-8)."""
-    kept, texts, skipped = [], [], []
-    for rel in files:
-        try:
-            texts.append((root / rel).read_text(encoding="utf-8"))
-            kept.append(rel)
-        except UnicodeDecodeError:
-            skipped.append(rel)
-    return kept, texts, skipped
-
-
-def _encode(tokenizer, texts: Sequence[str]) -> np.ndarray:
-    """One uint16 stream: each text's ids followed by EOS."""
-    parts = []
-    for enc in tokenizer.encode_batch(list(texts)):
-        ids = np.asarray(enc.ids, dtype=np.uint16)
-        parts.append(ids)
-        parts.append(np.array([EOS_TOKEN_ID], dtype=np.uint16))
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint16)
-
-
-def _sha256_bytes(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def _sha256_lines(lines: Sequence[str]) -> str:
-    return _sha256_bytes("".join(line + "\n" for line in lines).encode("utf-8"))
-
-
-def _sha256_tokens(tokens: np.ndarray) -> str:
-    return _sha256_bytes(np.ascontiguousarray(tokens, dtype="<u2").tobytes())
-
-
-@dataclass
-class Corpus:
-    """The tokenized corpus: train / held-out streams, the tokenizer and provenance."""
-
-    root: str
-    train_files: list[str]
-    heldout_files: list[str]
-    skipped_files: list[str]
-    tokenizer_json: str
-    train_tokens: np.ndarray  # uint16
-    heldout_tokens: np.ndarray  # uint16
-    vocab_size: int
-
-    def unigram_counts(self) -> np.ndarray:
-        """Train-set token counts (int64, length ``vocab_size``)."""
-        return np.bincount(self.train_tokens.astype(np.int64), minlength=self.vocab_size)
-
-    def description(self) -> dict:
-        return {
-            "source": "Python standard library *.py files (sysconfig stdlib), sorted by relative path",
-            "excluded_dirs": sorted(EXCLUDED_DIRS),
-            "split": "by file: held out when int(sha256(relative path)[:8 bytes]) < fraction * 2**64",
-            "stdlib_root": self.root,
-            "python_version": platform.python_version(),
-            "train_files": len(self.train_files),
-            "heldout_files": len(self.heldout_files),
-            "skipped_not_utf8": self.skipped_files,
-            "train_file_list_sha256": _sha256_lines(self.train_files),
-            "heldout_file_list_sha256": _sha256_lines(self.heldout_files),
-            "train_tokens": int(self.train_tokens.size),
-            "heldout_tokens": int(self.heldout_tokens.size),
-            "train_token_stream_sha256": _sha256_tokens(self.train_tokens),
-            "heldout_token_stream_sha256": _sha256_tokens(self.heldout_tokens),
-            "tokenizer": "byte-level BPE (tokenizers) trained on the train files; EOS <|endoftext|> = 0 ends each file",
-            "tokenizer_vocab_size": self.vocab_size,
-            "tokenizer_json_sha256": _sha256_bytes(self.tokenizer_json.encode("utf-8")),
-        }
-
-
-def build_corpus(tc: TeacherConfig, *, root: Path | None = None,
-                 files: Sequence[str] | None = None) -> Corpus:
-    """Read, split, train the tokenizer on the train split and tokenize both splits.
-
-    ``files`` (relative paths under ``root``) restricts the corpus, e.g. for tests;
-    by default every file of :func:`list_corpus_files`.
-    """
-    root = Path(root) if root is not None else stdlib_root()
-    files = list_corpus_files(root) if files is None else sorted(files)
-    if not files:
-        raise ValueError(f"no corpus files found under {root}")
-    train_rel, heldout_rel = split_files(files, tc.heldout_fraction)
-    if not train_rel or not heldout_rel:
-        raise ValueError(f"the split of {len(files)} files left an empty side "
-                         f"(train {len(train_rel)}, held-out {len(heldout_rel)}); "
-                         "use more files or another heldout_fraction")
-    train_rel, train_texts, skipped_t = _read_texts(root, train_rel)
-    heldout_rel, heldout_texts, skipped_h = _read_texts(root, heldout_rel)
-    tokenizer = train_tokenizer(train_texts, tc.vocab_size)
-    return Corpus(
-        root=str(root),
-        train_files=train_rel,
-        heldout_files=heldout_rel,
-        skipped_files=sorted(skipped_t + skipped_h),
-        tokenizer_json=tokenizer.to_str(),
-        train_tokens=_encode(tokenizer, train_texts),
-        heldout_tokens=_encode(tokenizer, heldout_texts),
-        vocab_size=tc.vocab_size,
-    )
 
 
 # --------------------------------------------------------------------------
@@ -411,16 +251,61 @@ class TrainResult:
 
 
 def _heldout_loss(model: nn.Module, tokens: np.ndarray, seq_len: int, max_tokens: int) -> tuple[float, int]:
-    from edge0.evaluate import evaluate_tokens
+    from edge0.train.evaluate import evaluate_tokens
 
     res = evaluate_tokens(model, tokens, seq_len=seq_len, max_tokens=max_tokens, batch_size=8)
     return res.nll, res.n_tokens
 
 
+def _save_state(resume: Path, model: nn.Module, optimizer, rng: np.random.Generator, meta: dict) -> None:
+    """Write the training state (weights, optimizer moments, sampler state, counters) to
+    ``resume``: into a temp directory first, then renamed, so a kill leaves the old state."""
+    tmp = resume.with_name(resume.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    mx.save_safetensors(str(tmp / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    mx.save_safetensors(str(tmp / "optimizer.safetensors"), dict(tree_flatten(optimizer.state)))
+    meta = dict(meta, rng=rng.bit_generator.state)
+    (tmp / "state.json").write_text(json.dumps(meta), encoding="utf-8")
+    for p in tmp.iterdir():
+        with open(p, "rb") as f:
+            os.fsync(f.fileno())
+    old = resume.with_name(resume.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if resume.exists():
+        resume.rename(old)
+    tmp.rename(resume)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _load_state(resume: Path, tc: TeacherConfig, model: nn.Module, optimizer, rng: np.random.Generator) -> dict:
+    """Restore what ``_save_state`` wrote; refuses a state written for another config."""
+    meta = json.loads((resume / "state.json").read_text(encoding="utf-8"))
+    mine = {k: v for k, v in asdict(tc).items() if k not in _RESUMABLE_CHANGES}
+    theirs = {k: v for k, v in meta["train_config"].items() if k not in _RESUMABLE_CHANGES}
+    if mine != theirs:
+        diff = sorted(k for k in mine if mine.get(k) != theirs.get(k))
+        raise ValueError(f"{resume} holds a run with other settings ({', '.join(diff)}); "
+                         "start afresh with --overwrite or resume with the same settings")
+    model.load_weights(str(resume / "model.safetensors"), strict=True)
+    optimizer.state = tree_unflatten(list(mx.load(str(resume / "optimizer.safetensors")).items()))
+    rng.bit_generator.state = meta["rng"]
+    return meta
+
+
+# Settings that may differ between a run and its resumption (they do not change the math).
+_RESUMABLE_CHANGES = ("time_budget_s", "eval_every", "log_every", "checkpoint_every", "compile")
+
+
 def train(tc: TeacherConfig, corpus: Corpus, *, progress: bool = True,
-          log_path: Path | None = None, on_log: Callable[[dict], None] | None = None) -> TrainResult:
+          log_path: Path | None = None, on_log: Callable[[dict], None] | None = None,
+          resume_dir: Path | None = None, resume: bool = False) -> TrainResult:
     """Train a fresh float32 qwen3_moe on ``corpus.train_tokens``; returns the model
-    (in mlx-lm's own classes, ready for ``save_model``) and the run's numbers."""
+    (in mlx-lm's own classes, ready for ``save_model``) and the run's numbers.
+
+    With ``resume_dir`` the training state is written there every ``checkpoint_every``
+    steps; ``resume=True`` continues from it. A resumed run is bit-identical to an
+    uninterrupted one (same weights, moments, sampler state and schedule)."""
     from mlx_lm.utils import _get_classes
 
     tc.validate()
@@ -435,7 +320,17 @@ def train(tc: TeacherConfig, corpus: Corpus, *, progress: bool = True,
                             weight_decay=tc.weight_decay)
     train_tokens = corpus.train_tokens
     log: list[dict] = []
+    total, fitted, step, elapsed_before = tc.steps, False, 0, 0.0
+    ce_hist: list[float] = []
+    bal_hist: list[float] = []
+    if resume and resume_dir is not None and (resume_dir / "state.json").exists():
+        state = _load_state(resume_dir, tc, model, optimizer, rng)
+        total, fitted, step = state["total"], state["fitted"], state["step"]
+        elapsed_before, ce_hist, bal_hist, log = state["elapsed_s"], state["ce"], state["bal"], state["log"]
     log_fh = open(log_path, "w", encoding="utf-8") if log_path else None
+    if log_fh:
+        for record in log:
+            log_fh.write(json.dumps(record) + "\n")
 
     def emit(record: dict) -> None:
         log.append(record)
@@ -467,20 +362,16 @@ def train(tc: TeacherConfig, corpus: Corpus, *, progress: bool = True,
             state = [model.state, optimizer.state]
             step_fn = mx.compile(step_fn, inputs=state, outputs=state)
 
-        total = tc.steps
-        fitted = False
         stopped = False
-        ce_hist: list[float] = []
-        bal_hist: list[float] = []
         tokens_per_step = tc.batch_size * tc.seq_len
         bar = None
         if progress:
             from tqdm import tqdm
 
-            bar = tqdm(total=total, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)
-        t0 = time.perf_counter()
+            bar = tqdm(total=total, initial=step, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)
+        t0 = time.perf_counter() - elapsed_before
         t_calib = None
-        step = 0
+        start_step = step
         try:
             while step < total:
                 x, y = _batch(train_tokens, rng, tc.batch_size, tc.seq_len)
@@ -494,7 +385,7 @@ def train(tc: TeacherConfig, corpus: Corpus, *, progress: bool = True,
                 bal_hist.append(bal_v)
                 step += 1
                 elapsed = time.perf_counter() - t0
-                if step == 2:
+                if step == start_step + 2:
                     t_calib = (time.perf_counter(), step)  # excludes compile / first-step cost
                 if (tc.time_budget_s is not None and tc.fit_schedule_to_budget and not fitted
                         and t_calib is not None and step == t_calib[1] + tc.calibration_steps):
@@ -516,10 +407,15 @@ def train(tc: TeacherConfig, corpus: Corpus, *, progress: bool = True,
                         rec["heldout_loss"], _ = _heldout_loss(model, corpus.heldout_tokens, tc.seq_len,
                                                                tc.eval_tokens)
                     emit(rec)
+                if resume_dir is not None and tc.checkpoint_every and step % tc.checkpoint_every == 0 \
+                        and step < total:
+                    _save_state(resume_dir, model, optimizer, rng,
+                                dict(train_config=asdict(tc), step=step, total=total, fitted=fitted,
+                                     elapsed_s=elapsed, ce=ce_hist, bal=bal_hist, log=log))
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(loss=f"{ce_v:.3f}", bal=f"{bal_v:.3f}",
-                                    tok_s=f"{step * tokens_per_step / max(elapsed, 1e-9):.0f}")
+                                    tok_s=f"{(step - start_step) * tokens_per_step / max(elapsed - elapsed_before, 1e-9):.0f}")
                 if tc.time_budget_s is not None and elapsed >= tc.time_budget_s and step < total:
                     stopped = True
                     break
@@ -694,7 +590,7 @@ def save_data(corpus: Corpus, out_dir: Path) -> dict[str, Path]:
 
 def train_teacher(tc: TeacherConfig, out_dir: Path, *, files: Sequence[str] | None = None,
                   root: Path | None = None, progress: bool = True, command: str | None = None,
-                  say: Callable[[str], None] = lambda s: None) -> dict:
+                  say: Callable[[str], None] = lambda s: None, resume: bool = False) -> dict:
     """The whole pipeline into ``out_dir``: ``teacher/`` (float32), ``int4/`` (deployment),
     ``heldout_tokens.npy``, ``train_unigram_counts.npy``, ``corpus_files.json`` and
     ``train_log.jsonl``.  Returns a summary dict (paths and the run's numbers)."""
@@ -702,16 +598,18 @@ def train_teacher(tc: TeacherConfig, out_dir: Path, *, files: Sequence[str] | No
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    corpus = build_corpus(tc, root=root, files=files)
+    corpus = build_corpus(tc.heldout_fraction, tc.vocab_size, root=root, files=files)
     say(f"corpus: {len(corpus.train_files)} train files ({corpus.train_tokens.size:,} tokens), "
         f"{len(corpus.heldout_files)} held-out files ({corpus.heldout_tokens.size:,} tokens), "
         f"built in {time.perf_counter() - t0:.1f} s")
     data = save_data(corpus, out)
-    result = train(tc, corpus, progress=progress, log_path=out / LOG_FILE)
+    result = train(tc, corpus, progress=progress, log_path=out / LOG_FILE, resume_dir=out / RESUME_DIR,
+                   resume=resume)
     say(f"trained {result.steps_done} steps ({result.tokens_seen:,} tokens) in {result.wall_time_s:.0f} s: "
         f"train loss {result.final_train_loss:.4f}, held-out loss {result.heldout_loss:.4f} "
         f"(ppl {math.exp(result.heldout_loss):.2f}), {result.tokens_per_s:.0f} tok/s")
     teacher = save_teacher(result, corpus, tc, out / "teacher", command=command)
+    shutil.rmtree(out / RESUME_DIR, ignore_errors=True)
     int4 = quantize_checkpoint(teacher, out / "int4")
     size = dir_size(int4)
     say(f"teacher: {teacher} ({dir_size(teacher) / 2**20:.1f} MiB); int4: {int4} ({size / 2**20:.2f} MiB)")

@@ -42,8 +42,8 @@ def main(argv=None) -> int:
 
     import numpy as np
 
-    from edge0 import evaluate as ev
-    from edge0.teacher import UNIGRAM_FILE
+    from edge0.train import evaluate as ev
+    from edge0.train.teacher import UNIGRAM_FILE
 
     try:
         model, tokenizer = ev.load_model(a.model)
