@@ -111,32 +111,67 @@ def test_prerouter_off_and_required(trained, tiny_model_factory):
         load_streaming_model(tiny_model_factory("mixtral"), EngineConfig(prerouter="on"))
 
 
-def test_host_syncs_per_step_do_not_grow_with_layers(tiny_model_factory, tmp_path):
+def _staged_step_syncs(d, monkeypatch):
+    """Per decode step: MLX-level syncs of the whole forward, and of the staged blocks alone."""
+    from edge0.exec.moe_layer import StreamingMoE
+    from tests.syncs import count_syncs
+
+    s = load_streaming_model(d, EngineConfig())
+    try:
+        staged = set(s.stager.layers)
+        s.stager.reset()
+        model = StepModel(s)
+        cache = bnn.make_cache(model)
+        mx.eval(model(mx.array([[5, 6, 7, 8]]), cache=cache))
+        inside: list = []
+        call = StreamingMoE.__call__
+
+        def counted_call(self, x):
+            if self.layer_id not in staged or x.shape[-2] != 1:
+                return call(self, x)
+            before = counter.snapshot()
+            y = call(self, x)
+            after = counter.snapshot()
+            inside.append({k: after[k] - before[k] for k in after if after[k] != before[k]})
+            return y
+
+        monkeypatch.setattr(StreamingMoE, "__call__", counted_call)
+        per_step = []
+        with count_syncs() as counter:
+            for t in (9, 10, 11, 12):
+                before = counter.snapshot()
+                logits = model(mx.array([[t]]), cache=cache)
+                after = counter.snapshot()
+                per_step.append({k: after[k] - before[k] for k in after if after[k] != before[k]})
+                mx.eval(logits)
+        monkeypatch.setattr(StreamingMoE, "__call__", call)
+        return per_step, inside, len(staged)
+    finally:
+        s.close()
+
+
+def test_host_syncs_per_step_do_not_grow_with_layers(tiny_model_factory, tmp_path, monkeypatch):
+    """Counted at MLX's own level (tests/syncs.py), not through the facade: every mx.eval,
+    .item(), .tolist(), scalar conversion and NumPy conversion, whoever makes it."""
     from tests.ckpt_tools import copy_model
 
-    counts = {}
+    results = {}
     for layers in (3, 6):
         d = copy_model(tiny_model_factory("qwen3_moe", layers=layers), tmp_path / f"m{layers}")
         train_heads(d, tokens=600, heldout_tokens=300, steps=2, width=32, seq_len=64)
-        s = load_streaming_model(d, EngineConfig())
-        try:
-            assert len(s.stager.layers) == layers - 1
-            s.stager.reset()
-            model = StepModel(s)
-            cache = bnn.make_cache(model)
-            mx.eval(model(mx.array([[5, 6, 7, 8]]), cache=cache))
-            per_step = []
-            for t in (9, 10, 11, 12):
-                before = dict(B.SYNCS)
-                logits = model(mx.array([[t]]), cache=cache)
-                per_step.append(sum(B.SYNCS[k] - before[k] for k in B.SYNCS))
-                mx.eval(logits)
-            counts[layers] = per_step
-        finally:
-            s.close()
-    # 2 for the step (await the previous one; one read of every predicted set) + 2 for layer 0,
-    # which no head predicts and so routes itself on the exact path; nothing per staged layer
-    assert counts[3] == counts[6] == [4, 4, 4, 4]
+        results[layers] = _staged_step_syncs(d, monkeypatch)
+    for layers, (per_step, inside, n_staged) in results.items():
+        assert n_staged == layers - 1
+        # a staged layer waits for nothing: no sync of any kind inside it; async_eval (which
+        # schedules the layers below and returns at once) is its one call into MLX's evaluator
+        assert len(inside) == 4 * n_staged
+        assert all(c == {"async_eval": 1} for c in inside), inside
+        # per step: the step hook awaits the previous step (eval) and reads every predicted
+        # set at once (numpy); layer 0, which no head predicts, routes itself on the exact
+        # path: its routing comes to the host (numpy) and its bundle's last reader is settled
+        # (eval). Nothing grows with the number of staged layers.
+        for counts in per_step:
+            assert counts == {"eval": 2, "numpy": 2, "async_eval": n_staged}, counts
 
 
 def test_quality_guard_reports_recall(trained):
@@ -171,3 +206,125 @@ def test_served_perplexity_matches_a_full_forward(trained):
     assert abs(own["perplexity"] - math.exp(nll)) / math.exp(nll) < 1e-4
     pre = served_perplexity(d, tokens, EngineConfig(prerouter="on"), window=64)
     assert pre["staged_layers"] == [1, 2, 3] and math.isfinite(pre["perplexity"])
+
+
+def _strong_bias_deepseek(tiny_model_factory, path):
+    """A deepseek_v3 copy whose score-correction bias moves the selection (+0.5 on every
+    third expert), with warm-start heads beside it."""
+    from tests.ckpt_tools import copy_model
+    from edge0.train.heads import make_warm_heads
+
+    def mutate(tensors):
+        for t in tensors:
+            if t["name"].endswith("e_score_correction_bias"):
+                n = t["shape"][0]
+                bias = np.where(np.arange(n) % 3 == 0, 0.5, -0.1).astype(np.float32)
+                t["data"] = bias.tobytes()
+                assert t["dtype"] == "F32"
+
+    d = copy_model(tiny_model_factory("deepseek_v3"), path, mutate=mutate)
+    make_warm_heads(d, d / "prerouter.safetensors", width=32)
+    return d
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_prediction_is_the_routing_weights_included(trained, tiny_model_factory, tmp_path, family):
+    """Every staged decode layer computes combine(experts[predicted inds], predicted scores):
+    the prediction's combine weights too, not the layer's own gate's. Checked against the
+    exact executor bit for bit, and the check is sensitive: weights taken from the gate at
+    the same experts give another output."""
+    from edge0.routing import combine
+
+    d = _strong_bias_deepseek(tiny_model_factory, tmp_path / "m") if family == "deepseek_v3" else trained(family)[0]
+    seen = []
+    with Engine(d) as engine:
+        s = engine.streaming
+        blocks = s.blocks()
+        for l in s.stager.layers:
+            blk = blocks[l]
+            planned, observer = blk.planned, blk.observer
+
+            def capture(layer, x, inds, _blk=blk, _observer=observer):
+                routed = _blk.planned(layer)
+                if routed is not None and x.shape[-2] == 1:
+                    seen.append((layer, x, routed))
+                if _observer is not None:
+                    _observer(layer, x, inds)
+
+            blk.observer = capture
+        outputs = []
+        call = type(blocks[s.stager.layers[0]]).__call__
+
+        def record_output(self, x):
+            y = call(self, x)
+            if self.layer_id in s.stager.layers and x.shape[-2] == 1 and self.planned(self.layer_id) is not None:
+                outputs.append(y)
+            return y
+
+        type(blocks[s.stager.layers[0]]).__call__ = record_output
+        try:
+            list(engine.stream(PROMPT, max_tokens=12))
+        finally:
+            type(blocks[s.stager.layers[0]]).__call__ = call
+        assert len(seen) == len(outputs) >= 10 * len(s.stager.layers)
+        differs = 0
+        for (layer, x, (inds, scores)), y in zip(seen, outputs):
+            blk = blocks[layer]
+            shared = blk.shared_experts(x) if s.spec.shared_expert == "plain" else None
+            ref = combine(s.exact(layer, x, inds), scores)
+            ref = ref + shared if shared is not None else ref
+            assert mx.array_equal(y, ref).item(), f"layer {layer}"
+            own = blk.router_logits(x).astype(mx.float32)
+            at = inds.reshape(*own.shape[:-1], inds.shape[-1])
+            probs = mx.sigmoid(own) if s.spec.router_bias_attr else mx.softmax(own, axis=-1)
+            gate_scores = mx.take_along_axis(probs, at, axis=-1).reshape(scores.shape)
+            alt = combine(s.exact(layer, x, inds), gate_scores.astype(scores.dtype))
+            alt = alt + shared if shared is not None else alt
+            differs += not mx.array_equal(y, alt).item()
+        assert differs > len(seen) // 2
+
+
+def test_predicted_routing_applies_the_score_correction_bias(tiny_model_factory, tmp_path):
+    """Sigmoid-group families: the prediction goes through the consumer's routing function
+    with the consumer's e_score_correction_bias, as mlx-lm's own gate does (its
+    ``group_expert_select`` is the reference here)."""
+    from mlx_lm.models.deepseek_v3 import group_expert_select
+
+    d = _strong_bias_deepseek(tiny_model_factory, tmp_path / "m")
+    with Engine(d) as engine:
+        s = engine.streaming
+        blocks = s.blocks()
+        heads = s.prerouter.heads
+        predict_all = heads.predict_all
+        logits_seen, planned_seen = [], []
+
+        def capture_logits(*a):
+            out = predict_all(*a)
+            logits_seen.append(out)
+            return out
+
+        heads.predict_all = capture_logits
+        flush = s.prerouter.flush
+
+        def capture_flush():
+            out = flush()
+            planned_seen.append(out)
+            return out
+
+        s.prerouter.flush = capture_flush
+        list(engine.stream(PROMPT, max_tokens=12))
+    cfg = s.spec.routing
+    moved = 0
+    assert len(logits_seen) == len(planned_seen) >= 10
+    for logits, planned in zip(logits_seen, planned_seen):
+        for i, owner in enumerate(heads.owners):
+            gate = blocks[owner + 1].gate
+            z = logits[i].astype(mx.float32)
+            ref = group_expert_select(z, gate.e_score_correction_bias, cfg.k, cfg.n_group, cfg.topk_group,
+                                      cfg.routed_scaling_factor, cfg.norm_topk_prob)
+            inds, scores = planned[owner + 1]
+            assert mx.array_equal(inds, ref[0]).item() and mx.array_equal(scores, ref[1]).item()
+            unbiased = group_expert_select(z, mx.zeros_like(gate.e_score_correction_bias), cfg.k, cfg.n_group,
+                                           cfg.topk_group, cfg.routed_scaling_factor, cfg.norm_topk_prob)
+            moved += not mx.array_equal(mx.sort(unbiased[0]), mx.sort(ref[0])).item()
+    assert moved > 0  # the bias changes the selection here, so dropping it would be seen

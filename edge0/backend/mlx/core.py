@@ -15,7 +15,6 @@ argpartition = mx.argpartition
 argsort = mx.argsort
 array = mx.array
 compile = mx.compile
-async_eval = mx.async_eval  # schedules work; not a host sync
 flatten = mx.flatten
 put_along_axis = mx.put_along_axis
 sigmoid = mx.sigmoid
@@ -57,6 +56,11 @@ def eval(*arrays) -> None:
     """Evaluate ``arrays`` and wait for them: a host sync."""
     SYNCS["eval"] += 1
     mx.eval(*arrays)
+
+
+def async_eval(*arrays) -> None:
+    """Schedule ``arrays`` for evaluation and return at once: not a host sync."""
+    mx.async_eval(*arrays)
 
 
 def to_host(x) -> np.ndarray:
