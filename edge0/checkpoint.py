@@ -8,11 +8,13 @@ Any inconsistency is a typed error naming the file and tensor before a data byte
 
 from __future__ import annotations
 
-import json
+import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from edge0.errors import LayoutError, UnsafeModelError
+from edge0.model_files import check_directory, check_entry, read_json
 from edge0.safetensors_header import SafetensorsHeader, TensorEntry, read_header
 from edge0.spec import PARTS, PROJECTIONS, MoESpec
 
@@ -55,46 +57,84 @@ class LayerExperts:
 
 
 def refuse_unsafe(model_dir: Path, config: dict) -> None:
-    """Refuse directories that ask to run code or hold pickles; nothing is executed."""
+    """Refuse directories that ask to run code or hold pickles, and entries that are not
+    regular files inside the directory (FIFOs, devices, links leaving it): nothing is
+    executed, nothing outside the directory is read."""
     if config.get("model_file") is not None:
         raise UnsafeModelError(
             f"config.json asks to import custom code (model_file={config['model_file']!r}); refused",
             file=model_dir / "config.json",
         )
     for path in sorted(model_dir.iterdir()):
-        if path.is_file() and path.suffix in _UNSAFE_SUFFIXES:
+        if path.suffix in _UNSAFE_SUFFIXES and not path.is_dir():
             raise UnsafeModelError(
                 f"model directory holds {path.name!r}: code and pickle files are refused "
                 "(Edge0 loads safetensors and JSON only)", file=path,
             )
+    check_directory(model_dir)
+
+
+_SHARD_NAME = re.compile(r"model[A-Za-z0-9._-]*\.safetensors")
 
 
 def weight_files(model_dir: Path) -> list[Path]:
-    files = sorted(model_dir.glob("model*.safetensors"))
+    """The checkpoint's weight files, each a regular file inside the directory; the shard
+    index, when present, may only name such files."""
+    files = sorted(p for p in model_dir.glob("model*.safetensors") if _SHARD_NAME.fullmatch(p.name))
     if not files:
         raise LayoutError("no model*.safetensors file in the model directory", file=model_dir)
+    for f in files:
+        check_entry(model_dir, f.name)
     index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
-            named = set(weight_map.values())
-        except (json.JSONDecodeError, AttributeError, UnicodeDecodeError) as e:
-            raise LayoutError(f"invalid shard index: {e}", file=index) from None
-        missing = sorted(n for n in named if not (model_dir / n).is_file())
+    if os.path.lexists(index):
+        doc = read_json(model_dir, index.name)
+        weight_map = doc.get("weight_map", {}) if isinstance(doc, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise LayoutError("invalid shard index: 'weight_map' must map tensor names to file names",
+                              file=index)
+        named = set(weight_map.values())
+        bad = sorted(n for n in named if not _SHARD_NAME.fullmatch(n))
+        if bad:
+            raise LayoutError(f"shard index names files that are not model*.safetensors in the model "
+                              f"directory: {bad[:4]}", file=index)
+        missing = sorted(n for n in named if model_dir / n not in files)
         if missing:
             raise LayoutError(f"shard index names missing files: {missing}", file=index)
     return files
 
 
+def read_headers(model_dir: Path) -> list[SafetensorsHeader]:
+    """The validated headers of every weight file (no tensor data is read)."""
+    return [read_header(p) for p in weight_files(Path(model_dir))]
+
+
+def check_half_dtypes(headers: list[SafetensorsHeader]) -> None:
+    """Half-precision tensors of one checkpoint share one type: a tensor whose header says
+    F16 among BF16 ones (or the reverse) holds bytes of the other type, and is refused."""
+    halves = [(h, name, e.dtype) for h in headers for name, e in h.tensors.items() if e.dtype in ("F16", "BF16")]
+    kinds = [d for _, _, d in halves]
+    if len(set(kinds)) <= 1:
+        return
+    major = max(set(kinds), key=kinds.count)
+    h, name, dtype = next(x for x in halves if x[2] != major)
+    raise LayoutError(f"dtype {dtype} among {kinds.count(major)} {major} tensors: a checkpoint stores its "
+                      f"half-precision tensors in one type", file=h.path, tensor=name)
+
+
+def max_dimension(headers: list[SafetensorsHeader]) -> int:
+    return max((d for h in headers for e in h.tensors.values() for d in e.shape), default=1)
+
+
 class CheckpointIndex:
     """Headers of every shard, and the expert byte ranges of every MoE layer."""
 
-    def __init__(self, model_dir: str | Path, spec: MoESpec, config: dict | None = None):
+    def __init__(self, model_dir: str | Path, spec: MoESpec, config: dict | None = None,
+                 headers: list[SafetensorsHeader] | None = None):
         self.model_dir = Path(model_dir)
         self.spec = spec
         if config is not None:
             refuse_unsafe(self.model_dir, config)
-        self.headers: list[SafetensorsHeader] = [read_header(p) for p in weight_files(self.model_dir)]
+        self.headers: list[SafetensorsHeader] = headers if headers is not None else read_headers(self.model_dir)
         self.entries: dict[str, tuple[SafetensorsHeader, TensorEntry]] = {}
         for header in self.headers:
             for name, entry in header.tensors.items():
@@ -122,6 +162,9 @@ class CheckpointIndex:
     @property
     def files(self) -> list[str]:
         return [h.path for h in self.headers]
+
+    def header_of(self, path: str) -> SafetensorsHeader:
+        return next(h for h in self.headers if h.path == path)
 
     # -- validation -------------------------------------------------------------------------
     def _entry(self, key: str) -> tuple[SafetensorsHeader, TensorEntry]:

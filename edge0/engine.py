@@ -15,7 +15,7 @@ embedding Edge0 is never blocked by compute or reads.
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
+import weakref
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,9 +25,11 @@ import anyio
 
 from edge0.backend import core as B
 from edge0.backend import nn as bnn
-from edge0.checkpoint import CheckpointIndex, refuse_unsafe
+from edge0.checkpoint import CheckpointIndex, check_half_dtypes, max_dimension, read_headers, refuse_unsafe
+from edge0.config_check import check_quantization, check_values, layer_bound
+from edge0.model_files import check_entry
 from edge0.config import PATHS, PHASES, EngineConfig
-from edge0.errors import ConfigError
+from edge0.errors import ConfigError, ExpertReadError
 from edge0.exec.exact import ExactExecutor
 from edge0.exec.hot import HotExecutor
 from edge0.exec.moe_layer import StreamingMoE
@@ -42,6 +44,9 @@ from edge0.logs import get_logger
 from edge0.routing import make_route_fn
 from edge0.spec import load_config, spec_from_config
 from edge0.stats import GenerationStats, peak_rss_bytes
+from edge0.worker import END, ComputeThread, Job
+from edge0.worker import acquire as acquire_thread
+from edge0.worker import release as release_thread
 
 
 @dataclass
@@ -90,6 +95,24 @@ class Streaming:
         if self.stager is not None:
             self.stager.begin_step(inputs)
 
+    def invalidate(self) -> None:
+        """Forget every expert cached in slots, hot sets and whole-layer buffers."""
+        for cache in (self.stager, self.hot, self.whole):
+            if cache is not None:
+                cache.invalidate()
+
+    def check_files(self, log=None) -> None:
+        """Before a generation: a shard changed in place since the last one (size or
+        modification time) invalidates what was cached from it; a changed header raises."""
+        changed = self.reader.changed_files()
+        if changed:
+            if log is not None:
+                log.warning("checkpoint.changed", files=changed, action="cached experts invalidated")
+            self.invalidate()
+
+    def pinned_slots(self) -> int:
+        return sum(c.pinned_slots() for c in (self.stager, self.hot) if c is not None)
+
     def close(self) -> None:
         try:
             if self.stager is not None:
@@ -136,15 +159,22 @@ def load_streaming_model(model_dir: str | Path, config: EngineConfig, *, oracle:
     model_dir = Path(model_dir)
     raw = load_config(model_dir)
     refuse_unsafe(model_dir, raw)
+    check_quantization(raw)
+    headers = read_headers(model_dir)
+    check_values(raw, bnn.arg_annotations(raw), max_dim=max_dimension(headers),
+                 layers=layer_bound(name for h in headers for name in h.tensors))
+    check_half_dtypes(headers)
     spec = spec_from_config(raw)
-    index = CheckpointIndex(model_dir, spec, raw)
+    index = CheckpointIndex(model_dir, spec, raw, headers=headers)
     layers = list(spec.moe_layers)
     for layer, _, _ in config.layer_paths:
         if layer not in layers:
             raise ConfigError(f"layer_paths names layer {layer}, which is not a MoE layer; MoE layers: {layers}")
     if oracle is None and config.oracle_file and config.staged_source != "prerouter":
         oracle = OracleRouting.load(config.oracle_file)
-    heads, heads_meta = _load_heads(model_dir, config, oracle)
+    if oracle is not None:
+        oracle.check(spec.moe_layers, spec.num_experts)
+    heads, heads_meta = _load_heads(model_dir, config, oracle, spec)
     decode_paths = {l: config.path_for(l, "decode") for l in layers}
     if heads is not None:
         explicit = {l for l, ph, _ in config.layer_paths if ph == "decode"}
@@ -159,7 +189,7 @@ def load_streaming_model(model_dir: str | Path, config: EngineConfig, *, oracle:
     path_of.update({(l, "prefill"): config.path_for(l, "prefill") for l in layers})
     on = {p: [l for l in layers if p in (path_of[l, "prefill"], path_of[l, "decode"])] for p in PATHS}
     _check_budget(spec, index, config, on["staged"], on["hot"], on["whole_layer"])
-    reader = ExpertReader(index, threads=config.reader_threads)
+    reader = ExpertReader(index, threads=config.reader_threads, log=log)
     stager = None
     try:
         exact = ExactExecutor(index, reader, config.bundle_capacity)
@@ -213,7 +243,7 @@ def load_streaming_model(model_dir: str | Path, config: EngineConfig, *, oracle:
     return streaming
 
 
-def _load_heads(model_dir: Path, config: EngineConfig, oracle):
+def _load_heads(model_dir: Path, config: EngineConfig, oracle, spec):
     """The prerouter heads to use, or (None, None)."""
     if config.prerouter == "off" or config.staged_source == "oracle" or (
             config.staged_source == "auto" and oracle is not None):
@@ -223,11 +253,17 @@ def _load_heads(model_dir: Path, config: EngineConfig, oracle):
         if config.prerouter == "on" or config.staged_source == "prerouter" or config.prerouter_file:
             raise ConfigError(f"prerouter heads {path} do not exist (train them with `edge0 train heads`)")
         return None, None
-    return load_heads(path, model_dir)
+    if not config.prerouter_file:
+        check_entry(model_dir, HEADS_FILENAME)
+    return load_heads(path, model_dir, spec=spec)
 
 
 class Engine:
-    """A streaming MoE model ready to generate. Use ``Engine.open`` from async code."""
+    """A streaming MoE model ready to generate. Use ``Engine.open`` from async code.
+
+    Every MLX call of an engine runs on its compute thread (``edge0.worker``); generations
+    are jobs that thread runs one at a time, in submission order, so concurrent callers
+    wait their turn and a consumer may leave at any point without disturbing the next."""
 
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None, *,
                  oracle: OracleRouting | None = None):
@@ -235,14 +271,19 @@ class Engine:
         self.config = config or EngineConfig()
         configure_logs(self.config.log_format, self.config.log_level)
         self.log = get_logger("edge0")
-        self.streaming = load_streaming_model(self.model_dir, self.config, oracle=oracle, log=self.log)
+        self._worker = acquire_thread()
+        self._closed = False
+        try:
+            self.streaming, self.tokenizer = self._worker.call(_open, self.model_dir, self.config, oracle, self.log)
+        except BaseException:
+            release_thread(self._worker)
+            raise
         self.model, self.spec, self.index = self.streaming.model, self.streaming.spec, self.streaming.index
         self.reader = self.streaming.reader
         self._step_model = StepModel(self.streaming)
-        self.tokenizer = bnn.load_tokenizer(self.model_dir)
-        self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edge0-compute")
-        self._lock = anyio.Lock()
-        self._closed = False
+        self._jobs: set[Job] = set()
+        # closes the engine if it is garbage collected or still open at exit
+        self._finalizer = weakref.finalize(self, _shutdown, self._worker, self.streaming, self._jobs)
 
     # -- lifecycle ----------------------------------------------------------------------
     @classmethod
@@ -256,10 +297,10 @@ class Engine:
                 await anyio.to_thread.run_sync(engine.close)
 
     def close(self) -> None:
+        """Stop every generation, release the slots, threads and file descriptors."""
         if not self._closed:
             self._closed = True
-            self._compute.shutdown(wait=True)
-            self.streaming.close()
+            self._finalizer()
 
     def __enter__(self) -> "Engine":
         return self
@@ -281,14 +322,92 @@ class Engine:
             raise ConfigError(f"prompt token ids must be in [0, {vocab})")
         return ids
 
-    def stream(self, prompt: str | Sequence[int], **sampling) -> Iterator[TokenEvent]:
-        """Synchronous token stream (runs in the calling thread)."""
+    def _submit(self, prompt, sampling: dict, record: RoutingRecorder | None = None) -> Job:
+        """Validate, then queue a generation job on the compute thread."""
         if self._closed:
             raise ConfigError("the engine is closed")
         params = SamplingParams(**sampling)
         ids = self.encode(prompt)
+        job = Job()
+        self._jobs.add(job)
+        self._worker.submit(self._run, job, ids, params, record)
+        return job
+
+    def stream(self, prompt: str | Sequence[int], **sampling) -> Iterator[TokenEvent]:
+        """Synchronous token stream. Leaving the loop early stops the generation."""
+        job = self._submit(prompt, sampling)
+        try:
+            while (event := job.get()) is not END:
+                yield event
+            if job.error is not None:
+                raise job.error
+        finally:
+            job.cancel()
+
+    async def generate(self, prompt: str | Sequence[int], **sampling) -> AsyncIterator[TokenEvent]:
+        """Async token stream; the event loop is never blocked by compute or reads.
+
+        Leaving it by any route (``break``, an exception, cancellation, ``aclosing``, the
+        generator being garbage collected) stops the generation: the compute thread
+        closes it by itself, and the next generation starts from a clean state."""
+        job = self._submit(prompt, sampling)
+        try:
+            while True:
+                event = job.poll()
+                if event is None:
+                    event = await anyio.to_thread.run_sync(job.get, abandon_on_cancel=True)
+                if event is END:
+                    break
+                yield event
+            if job.error is not None:
+                raise job.error
+        finally:
+            job.cancel()  # wakes a reader thread abandoned by a cancellation, too
+
+    def _run(self, job: Job, ids: list[int], params: SamplingParams, record) -> None:
+        """One generation, on the compute thread."""
+        error = None
+        try:
+            if job.cancelled:
+                return
+            self.streaming.check_files(self.log)
+            steps = self._steps(ids, params, record)
+            try:
+                for event in steps:
+                    if not job.put(event):
+                        break
+            finally:
+                steps.close()
+        except BaseException as e:
+            error = e
+            if isinstance(e, ExpertReadError):
+                self._after_read_error(e)
+        finally:
+            self._jobs.discard(job)
+            try:
+                self._end_generation()
+            finally:
+                job.finish(error)
+
+    def _after_read_error(self, e: ExpertReadError) -> None:
+        """What was read from a file that just failed may not match it: forget it all."""
+        self.log.warning("io.read_failed", error=str(e), action="cached experts invalidated")
+        self._end_generation()
+        self.streaming.invalidate()
+
+    def _end_generation(self) -> None:
+        """Cancel what a generation left in flight and unpin its slots."""
+        stager = self.streaming.stager
+        if stager is not None:
+            stager.reset(keep_report=True)
+        if self.streaming.recorder is not None:
+            self.streaming.recorder = self.streaming.exact.recorder = None
+
+    def _steps(self, ids: list[int], params: SamplingParams, record) -> Iterator[TokenEvent]:
         if params.seed is not None:
             B.seed(params.seed)
+        if record is not None:
+            self.streaming.recorder = self.streaming.exact.recorder = record
         detok = self.tokenizer.detokenizer
         detok.reset()
         eos = set(self.tokenizer.eos_token_ids)
@@ -302,8 +421,7 @@ class Engine:
         t0 = time.perf_counter()
         steps = bnn.generate_step(ids, self._step_model, max_tokens=params.max_tokens, temp=params.temp,
                                   top_p=params.top_p, prefill_step_size=self.config.prefill_step_size)
-        t_first = bytes_first = None
-        token = None
+        t_first = None
         try:
             for n, (token, _) in enumerate(steps):
                 now = time.perf_counter()
@@ -314,11 +432,7 @@ class Engine:
                 stats.generated_tokens = n + 1
                 stats.decode_seconds = now - t_first
                 stats.decode_expert_bytes = reads.bytes - bytes_first
-                finish = None
-                if token in eos:
-                    finish = "stop"
-                elif n + 1 == params.max_tokens:
-                    finish = "length"
+                finish = "stop" if token in eos else "length" if n + 1 == params.max_tokens else None
                 if finish is None:
                     detok.add_token(token)
                     yield TokenEvent(token, detok.last_segment)
@@ -338,34 +452,14 @@ class Engine:
         finally:
             steps.close()
 
-    async def generate(self, prompt: str | Sequence[int], **sampling) -> AsyncIterator[TokenEvent]:
-        """Async token stream: each step runs on the engine's compute thread."""
-        async with self._lock:
-            gen = self.stream(prompt, **sampling)
-            try:
-                while True:
-                    future = self._compute.submit(next, gen, None)
-                    event = await anyio.to_thread.run_sync(future.result, abandon_on_cancel=True)
-                    if event is None:
-                        return
-                    yield event
-                    if event.finish_reason is not None:
-                        return
-            finally:
-                # Runs after any in-flight step, on the same thread; never leaves work behind.
-                closing = self._compute.submit(gen.close)
-                with anyio.CancelScope(shield=True):
-                    await anyio.to_thread.run_sync(closing.result)
-
     def record_routing(self, prompt: str | Sequence[int], **sampling) -> OracleRouting:
         """Run a generation on the exact path and return its per-step routing (the oracle)."""
         rec = RoutingRecorder()
-        self.streaming.recorder = self.streaming.exact.recorder = rec
-        try:
-            for _ in self.stream(prompt, **sampling):
-                pass
-        finally:
-            self.streaming.recorder = self.streaming.exact.recorder = None
+        job = self._submit(prompt, sampling, record=rec)
+        while job.get() is not END:
+            pass
+        if job.error is not None:
+            raise job.error
         return rec.routing(str(self.model_dir))
 
     def generate_text(self, prompt: str | Sequence[int], **sampling) -> tuple[str, GenerationStats]:
@@ -374,6 +468,42 @@ class Engine:
             text.append(event.text)
             stats = event.stats or stats
         return "".join(text), stats
+
+    # -- introspection (tests, the server's leak checks) ----------------------------------
+    def resources(self) -> dict:
+        """Live generations, pinned expert slots, reads in flight and open checkpoint files."""
+        def count():
+            stager = self.streaming.stager
+            return {"generations": len(self._jobs), "pinned_slots": self.streaming.pinned_slots(),
+                    "pending_reads": stager.pending_reads() if stager is not None else 0,
+                    "open_files": self.reader.open_files}
+        return self._worker.call(count)
+
+
+def _open(model_dir: Path, config: EngineConfig, oracle, log) -> tuple[Streaming, object]:
+    """Load the streaming model and the tokenizer (on the compute thread); nothing stays
+    open when either fails."""
+    streaming = load_streaming_model(model_dir, config, oracle=oracle, log=log)
+    try:
+        return streaming, bnn.load_tokenizer(model_dir)
+    except BaseException:
+        streaming.close()
+        raise
+
+
+def _shutdown(worker: ComputeThread, streaming: Streaming, jobs: set) -> None:
+    """Close an engine: stop its generations, free everything on its compute thread, give
+    the thread back to the pool. Runs from ``Engine.close``, when the engine is garbage
+    collected, or at exit."""
+    for job in list(jobs):
+        job.cancel()
+    if worker.alive:
+        try:
+            worker.call(streaming.close)
+        finally:
+            release_thread(worker)
+    else:
+        streaming.close()
 
 
 def generate(model_dir: str | Path, prompt: str | Sequence[int], config: EngineConfig | None = None,

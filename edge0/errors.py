@@ -6,7 +6,10 @@ Edge0Error
  +-- CheckpointError          a checkpoint file or directory is malformed
  |    +-- HeaderError             a safetensors header is invalid (names file, tensor)
  |    +-- LayoutError             tensors disagree with config.json or each other
- |    +-- UnsafeModelError        the directory asks to run code or holds pickles
+ |    +-- UnsafeModelError        the directory asks to run code, holds pickles, or a file that
+ |    |                            is not a regular file inside it (FIFO, device, outside link)
+ |    +-- TokenizerError          the tokenizer files do not load
+ |    +-- ForeignArtifactError    heads or an adapter made for another base checkpoint
  +-- ExpertReadError          reading an expert's byte range failed while serving
 
 Each error carries the offending file / tensor / parameter as attributes and names them
@@ -56,6 +59,14 @@ class LayoutError(CheckpointError):
 
 class UnsafeModelError(CheckpointError):
     """The model directory asks Edge0 to execute code or load pickles."""
+
+
+class TokenizerError(CheckpointError):
+    """The model directory's tokenizer files do not load."""
+
+
+class ForeignArtifactError(CheckpointError):
+    """A heads or adapter file was made for another base checkpoint (or other heads)."""
 
 
 class ExpertReadError(Edge0Error, OSError):

@@ -27,6 +27,7 @@ Contract:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import reprlib
@@ -76,6 +77,7 @@ class SafetensorsHeader:
     file_size: int
     tensors: dict[str, TensorEntry]  # in header order
     metadata: dict[str, str]
+    digest: str = ""  # sha256 of the header's JSON bytes (to notice a rewritten header)
 
 
 class _Object(dict):
@@ -156,7 +158,7 @@ def _parse(raw: bytes, size: int, path: str) -> SafetensorsHeader:
         _check_size(e, data_len, path)
     _check_tiling(tensors, data_len, path)
     return SafetensorsHeader(path=path, data_start=8 + len(raw), file_size=size,
-                             tensors=tensors, metadata=metadata)
+                             tensors=tensors, metadata=metadata, digest=hashlib.sha256(raw).hexdigest())
 
 
 def _object(pairs: list) -> _Object:

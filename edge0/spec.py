@@ -295,17 +295,17 @@ def spec_from_config(config: dict) -> MoESpec:
 
 
 def load_config(model_dir: str | Path) -> dict:
-    path = Path(model_dir) / "config.json"
+    """config.json of ``model_dir``, read through the model-directory gate (regular file
+    inside the directory, size limit, UTF-8, bounded nesting)."""
+    from edge0.model_files import read_json
+
     try:
-        text = path.read_text(encoding="utf-8")
+        config = read_json(Path(model_dir), "config.json")
     except FileNotFoundError:
-        raise ConfigError(f"{model_dir} is not a model directory: {path} does not exist") from None
-    try:
-        config = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path} is not valid JSON: {e}") from None
+        raise ConfigError(f"{model_dir} is not a model directory: {Path(model_dir) / 'config.json'} does not "
+                          "exist") from None
     if not isinstance(config, dict):
-        raise ConfigError(f"{path} must hold a JSON object")
+        raise ConfigError(f"{Path(model_dir) / 'config.json'} must hold a JSON object")
     return config
 
 

@@ -36,6 +36,14 @@ class HotExecutor:
             self.tables[layer] = SlotTable(layer, self.size)
         return self.rows[layer], self.tables[layer]
 
+    def invalidate(self) -> None:
+        """Forget every resident expert (after a read error or a changed file)."""
+        for table in self.tables.values():
+            table.invalidate()
+
+    def pinned_slots(self) -> int:
+        return sum(t.pinned() for t in self.tables.values())
+
     def __call__(self, layer: int, x, inds):
         ids = B.to_host(inds)
         distinct = np.unique(ids)

@@ -35,6 +35,19 @@ class OracleRouting:
         except KeyError:
             raise ConfigError(f"the oracle routing has no layer {layer} at step {step}") from None
 
+    def check(self, layers, num_experts: int) -> None:
+        """Every step names only MoE layers of this model, and expert ids in [0, E): an
+        oracle of another model must not make the scheduler read outside a tensor."""
+        allowed = set(layers)
+        for i, step in enumerate(self.steps):
+            for layer, experts in step.items():
+                if layer not in allowed:
+                    raise ConfigError(f"the oracle routing names layer {layer} at step {i}, which is not a MoE "
+                                      "layer of this model")
+                if any(not 0 <= e < num_experts for e in experts):
+                    raise ConfigError(f"the oracle routing names expert ids outside [0, {num_experts}) at step {i}, "
+                                      f"layer {layer}")
+
     def save(self, path: str | Path) -> None:
         doc = {"format": FORMAT, "model": self.model,
                "steps": [{str(l): list(e) for l, e in s.items()} for s in self.steps]}

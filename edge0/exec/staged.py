@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import time
 
-import anyio.from_thread
 import numpy as np
 
 from edge0.backend import core as B
@@ -28,6 +27,7 @@ from edge0.checkpoint import CheckpointIndex
 from edge0.errors import ConfigError
 from edge0.exec.exact import ExpertRows, switch_glu
 from edge0.exec.oracle import OracleRouting
+from edge0.io_sched.loop_thread import EventLoopThread
 from edge0.io_sched.plan import LayerPlan, StepPlan
 from edge0.io_sched.reader import ExpertReader
 from edge0.io_sched.scheduler import PrefetchScheduler
@@ -55,8 +55,8 @@ class Stager:
         self.oracle = oracle
         self.log = log
         self.rows = {l: ExpertRows(index.layers[l], slots) for l in self.layers}
-        self._portal_cm = anyio.from_thread.start_blocking_portal(name="edge0-io")
-        self.portal = self._portal_cm.__enter__()
+        self._loop = EventLoopThread(name="edge0-io")
+        self.portal = self._loop.portal
         self.scheduler = PrefetchScheduler(SlotStore(reader, {l: r.buffers for l, r in self.rows.items()}),
                                            {l: slots for l in self.layers}, readers=readers,
                                            prefetch_depth=prefetch_depth, log=log)
@@ -64,7 +64,7 @@ class Stager:
         self._sched_cm.__enter__()
         self.step = -1
         self._submitted: set[int] = set()
-        self._misses = B.zeros((), dtype=B.int32)
+        self._misses = self._zero_misses()
         self.check_routing = True  # off only for timing runs that compute on unread slots
         # prediction as routing: the prerouter plans each step, and its prediction is the
         # staged layers' routing; a step it cannot plan (no state yet) runs on ``fallback``
@@ -81,9 +81,10 @@ class Stager:
         self._step_stall = 0.0
 
     # -- step boundaries (called by the engine's step hook) ------------------------------
-    def reset(self) -> None:
+    def reset(self, keep_report: bool = False) -> None:
         """Forget the previous generation: cancel its reads, unpin its slots (slots keep
-        their experts: sticky across generations)."""
+        their experts: sticky across generations). ``keep_report`` keeps the quality guard's
+        per-layer recall of the generation that just ended, for whoever reads it next."""
         for step in sorted(self._submitted):
             self.portal.call(self.scheduler.cancel, step)
         self._submitted.clear()
@@ -91,8 +92,30 @@ class Stager:
             self.prerouter.reset()
         self.predicted = {}
         self._guard = None
-        self.guard_recall = {}
+        if not keep_report:
+            self.guard_recall = {}
         self.step = -1
+        self._misses = self._zero_misses()  # a mismatch raised last time must not poison the next run
+
+    @staticmethod
+    def _zero_misses():
+        zero = B.zeros((), dtype=B.int32)
+        B.eval(zero)
+        return zero
+
+    def invalidate(self) -> None:
+        """Forget every slot's expert (after a read error or a changed file): the next
+        plans read them again. Call after ``reset`` (no step holds a slot)."""
+        def forget():
+            for table in self.scheduler.tables.values():
+                table.invalidate()
+        self.portal.call(forget)
+
+    def pinned_slots(self) -> int:
+        return self.portal.call(lambda: sum(t.pinned() for t in self.scheduler.tables.values()))
+
+    def pending_reads(self) -> int:
+        return self.portal.call(self.scheduler.pending_reads)
 
     def planned_routing(self, layer: int):
         return self.predicted.get(layer)
@@ -191,11 +214,16 @@ class Stager:
                           reads=st.reads - r0, bytes=st.bytes - b0, hits=st.hits - h0, misses=st.misses - m0)
 
     def close(self) -> None:
+        if self.portal is None:
+            return
         try:
             self.reset()
         finally:
-            self._sched_cm.__exit__(None, None, None)
-            self._portal_cm.__exit__(None, None, None)
+            try:
+                self._sched_cm.__exit__(None, None, None)
+            finally:
+                self._loop.close()
+                self.portal = None
 
     # -- the layer computation --------------------------------------------------------------
     def compute(self, layer: int, x, inds):

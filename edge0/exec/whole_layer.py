@@ -36,6 +36,16 @@ class WholeLayerExecutor:
     def close(self) -> None:
         self._loader.shutdown(wait=True)
 
+    def invalidate(self) -> None:
+        """Forget which layer each buffer holds (after a read error or a changed file)."""
+        for i, hold in enumerate(self.holds):
+            if hold is not None:
+                try:
+                    hold[1].result()
+                except BaseException:
+                    pass
+            self.holds[i] = None
+
     def _buffers(self) -> list[ExpertRows]:
         if not self.buffers:
             layer = self.index.layers[self.layers[0]]

@@ -8,6 +8,8 @@ which cannot be caught; a short pread is an ordinary, typed error.
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import os
 import threading
 import time
@@ -15,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from edge0.checkpoint import CheckpointIndex, TensorLocation
-from edge0.errors import ExpertReadError
+from edge0.errors import CheckpointError, ExpertReadError
 
 
 @dataclass
@@ -31,11 +33,24 @@ class ReadStats:
 class ExpertReader:
     """Reads rows of stacked expert tensors; safe to call from one thread at a time."""
 
-    def __init__(self, index: CheckpointIndex, threads: int = 2):
+    # errnos worth another try: interrupted, would block, or a transient device error
+    RETRY_ERRNOS = (errno.EINTR, errno.EAGAIN, errno.EIO)
+
+    def __init__(self, index: CheckpointIndex, threads: int = 2, *, retries: int = 2, log=None):
         self.index = index
+        self.retries = retries
+        self.log = log
+        self.pread = os.preadv  # replaced by fault-injection tests
         self._fds: dict[str, int] = {}
-        for path in index.files:
-            self._fds[path] = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        self._identity: dict[str, tuple] = {}
+        try:
+            for path in index.files:
+                fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                self._fds[path] = fd
+                self._identity[path] = _identity(os.fstat(fd))
+        except BaseException:
+            self.close()
+            raise
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="edge0-read") if threads > 1 else None
         self.stats = ReadStats()
         self._lock = threading.Lock()
@@ -48,6 +63,35 @@ class ExpertReader:
             os.close(fd)
         self._fds.clear()
 
+    @property
+    def open_files(self) -> int:
+        return len(self._fds)
+
+    def changed_files(self) -> list[str]:
+        """Shards whose bytes may have changed since they were opened or last checked
+        (size or modification time of the open file differ). Each is checked again: a
+        changed header is a ``CheckpointError`` (the expert byte ranges are stale); an
+        unchanged one is accepted, and the caller forgets what it cached from the file.
+        A file replaced by rename is not listed: the open descriptor still reads the file
+        that was opened, consistently."""
+        changed = []
+        for path, fd in self._fds.items():
+            now = _identity(os.fstat(fd))
+            if now == self._identity[path]:
+                continue
+            header = self.index.header_of(path)
+            try:
+                raw = os.pread(fd, header.data_start, 0)
+                same = len(raw) == header.data_start and hashlib.sha256(raw[8:]).hexdigest() == header.digest
+            except OSError:
+                same = False
+            if not same:
+                raise CheckpointError("the file changed under the running engine and its header differs from "
+                                      "the one it was opened with; open the engine again", file=path)
+            self._identity[path] = now
+            changed.append(path)
+        return changed
+
     def __enter__(self) -> "ExpertReader":
         return self
 
@@ -59,10 +103,17 @@ class ExpertReader:
         fd = self._fds[loc.file]
         done, want = 0, loc.row_bytes
         mv = memoryview(view).cast("B")
+        failures = 0
         while done < want:
             try:
-                n = os.preadv(fd, [mv[done:]], start + done)
+                n = self.pread(fd, [mv[done:]], start + done)
             except OSError as e:
+                failures += 1
+                if e.errno in self.RETRY_ERRNOS and failures <= self.retries:
+                    if self.log is not None:
+                        self.log.warning("io.retry", file=loc.file, layer=layer, expert=expert, attempt=failures,
+                                         error=str(e))
+                    continue
                 raise ExpertReadError(f"read of {want} bytes at offset {start} failed: {e}",
                                       file=loc.file, tensor=loc.key, layer=layer, expert=expert) from e
             if n == 0:
@@ -96,7 +147,12 @@ class ExpertReader:
         (nine buffers, one per stacked tensor, in the index's order). Returns bytes read.
         ``parallel=False`` reads in the calling thread (callers that are reader threads)."""
         locs = self.index.layers[layer].tensors
-        jobs = [(loc, int(e), buf.host[r], layer)
+        experts = [int(e) for e in experts]
+        bad = [e for e in experts if not 0 <= e < self.index.spec.num_experts]
+        if bad:  # never read bytes that belong to another tensor
+            raise ExpertReadError(f"expert ids {bad[:4]} are outside [0, {self.index.spec.num_experts})",
+                                  layer=layer, expert=bad[0])
+        jobs = [(loc, e, buf.host[r], layer)
                 for e, r in zip(experts, rows) for loc, buf in zip(locs, buffers)]
         t0 = time.perf_counter()
         if self._pool is None or not parallel or len(jobs) < 4:
@@ -108,3 +164,7 @@ class ExpertReader:
             self.stats.reads += len(jobs)
             self.stats.seconds += time.perf_counter() - t0
         return total
+
+
+def _identity(st: os.stat_result) -> tuple:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)

@@ -69,6 +69,12 @@ class SlotTable:
             self.slot_of.pop(expert, None)
         self.expert_of[slot] = None
 
+    def invalidate(self) -> None:
+        """Every unpinned slot becomes EMPTY: its bytes may no longer match the file."""
+        for slot in range(self.num_slots):
+            if not self.pins[slot] and self.state[slot] != LOADING:
+                self.complete(slot, False)
+
     def release(self, step: int) -> None:
         for pins in self.pins:
             pins.discard(step)

@@ -18,16 +18,12 @@ from pathlib import Path
 
 from edge0.backend import core as B
 from edge0.backend import nn as bnn
-from edge0.errors import CheckpointError
+from edge0.errors import CheckpointError, ForeignArtifactError
 from edge0.prerouter.heads import PrerouterHeads
 from edge0.safetensors_header import read_header
 
 HEADS_FILENAME = "prerouter.safetensors"
 FORMAT = "edge0-prerouter/1"
-
-
-class ForeignArtifactError(CheckpointError):
-    """A heads (or adapter) file was made for another base checkpoint."""
 
 
 def checkpoint_identity(model_dir: str | Path) -> str:
@@ -69,8 +65,11 @@ def save_heads(heads: PrerouterHeads, path: str | Path, *, base_identity: str, r
     return path
 
 
-def load_heads(path: str | Path, model_dir: str | Path, *, dtype: str = "float16") -> tuple[PrerouterHeads, dict]:
-    """Load heads for the checkpoint in ``model_dir``; refuses malformed or foreign files."""
+def load_heads(path: str | Path, model_dir: str | Path, *, dtype: str = "float16",
+               spec=None) -> tuple[PrerouterHeads, dict]:
+    """Load heads for the checkpoint in ``model_dir``; refuses malformed or foreign files,
+    and (given the model's ``spec``) heads whose experts, hidden size, k or owner layers
+    are not the model's."""
     path = Path(path)
     header = read_header(path)  # typed errors for malformed files, before any data is read
     meta = header.metadata
@@ -82,11 +81,9 @@ def load_heads(path: str | Path, model_dir: str | Path, *, dtype: str = "float16
         raise ForeignArtifactError(
             f"heads were made for another base checkpoint: base_identity {meta.get('base_identity')!r}, this "
             f"model ({model_dir}) is {expected!r}; retrain with `edge0 train heads`", file=path)
-    try:
-        owners = json.loads(meta["owners"])
-        shape = json.loads(meta["shape"])
-    except (KeyError, json.JSONDecodeError):
-        raise CheckpointError("heads metadata lacks valid 'owners'/'shape'", file=path) from None
+    owners, shape = _heads_shape(meta, path)
+    if spec is not None:
+        _check_against_model(owners, shape, spec, path)
     heads = PrerouterHeads(owners, shape["hidden"], shape["experts"], shape["k"], shape["width"])
     arrays, _ = B.load_safetensors(str(path))
     want = bnn.parameters_flat(heads)
@@ -99,3 +96,38 @@ def load_heads(path: str | Path, model_dir: str | Path, *, dtype: str = "float16
             raise CheckpointError(f"shape {list(v.shape)}, expected {list(want[k].shape)}", file=path, tensor=k)
     bnn.load_parameters_flat(heads, {k: v.astype(B.dtype(dtype)) for k, v in arrays.items()})
     return heads, dict(meta)
+
+
+def _heads_shape(meta: dict, path: Path) -> tuple[list[int], dict]:
+    """owners and shape from the metadata, each value checked for type and range."""
+    try:
+        owners = json.loads(meta["owners"])
+        shape = json.loads(meta["shape"])
+    except (KeyError, ValueError, RecursionError):
+        raise CheckpointError("heads metadata lacks valid 'owners'/'shape' JSON", file=path) from None
+    if not isinstance(owners, list) or not owners or not all(
+            isinstance(o, int) and not isinstance(o, bool) and 0 <= o < 100_000 for o in owners) \
+            or len(set(owners)) != len(owners):
+        raise CheckpointError(f"heads metadata 'owners' must be a list of distinct layer numbers, got {owners!r:.80}",
+                              file=path)
+    if not isinstance(shape, dict):
+        raise CheckpointError("heads metadata 'shape' must be an object", file=path)
+    for key, top in (("hidden", 1 << 20), ("experts", 1 << 16), ("k", 1 << 16), ("width", 1 << 16)):
+        v = shape.get(key)
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= top:
+            raise CheckpointError(f"heads metadata shape.{key} must be an integer in 1..{top}, got {v!r:.40}",
+                                  file=path)
+    return owners, shape
+
+
+def _check_against_model(owners: list[int], shape: dict, spec, path: Path) -> None:
+    from edge0.prerouter.heads import eligible_owners
+
+    for key, want in (("experts", spec.num_experts), ("hidden", spec.hidden_size), ("k", spec.k)):
+        if shape[key] != want:
+            raise CheckpointError(f"heads predict for {key} = {shape[key]}, the model has {want}", file=path)
+    eligible = eligible_owners(spec)
+    bad = [o for o in owners if o not in eligible]
+    if bad:
+        raise CheckpointError(f"heads owned by layers {bad} cannot serve this model: a head's owner and the "
+                              f"layer after it must both be MoE layers (eligible owners {eligible})", file=path)

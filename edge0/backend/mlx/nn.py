@@ -16,9 +16,10 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.utils import _get_classes, infer_quant_config
 
-from edge0.errors import LayoutError
+from edge0.errors import ConfigError, Edge0Error, LayoutError, TokenizerError, UnsupportedModelError
 
 Module = nn.Module
+
 
 
 def module_at(root: nn.Module, path: str):
@@ -56,12 +57,106 @@ def cast_model(model: nn.Module, dtype, skip: Callable[[str], bool] = lambda _: 
         model.update(tree_unflatten(cast))
 
 
-def build_model(config: dict, replace_blocks: Callable[[nn.Module], None]):
-    """Instantiate the mlx-lm model of ``config`` and let ``replace_blocks`` swap modules."""
-    model_class, args_class = _get_classes(config)
-    model = model_class(args_class.from_dict(config))
+def model_classes(config: dict):
+    """(Model, ModelArgs) of mlx-lm for ``config``'s model_type."""
+    model_type, arch = config.get("model_type"), config.get("architectures")
+    if not isinstance(model_type, str):
+        raise ConfigError(f"config.json: field 'model_type' must be a string, got {model_type!r:.60}")
+    if arch is not None and not (isinstance(arch, str) or (isinstance(arch, list) and all(
+            isinstance(a, str) for a in arch))):
+        raise ConfigError(f"config.json: field 'architectures' must be a list of strings, got {arch!r:.60}")
+    try:
+        return _get_classes(config)
+    except ValueError as e:
+        raise UnsupportedModelError(f"mlx-lm has no model for model_type {config.get('model_type')!r}: {e}") from None
+
+
+def arg_annotations(config: dict) -> list[tuple[dict, dict]]:
+    """For ``config`` and each nested text config mlx-lm reads through a second args
+    class: (the dict, {field: type annotation}) of the dataclass that consumes it."""
+    import dataclasses
+    import importlib
+    import typing
+
+    model_class, args_class = model_classes(config)
+
+    def hints(cls) -> dict:
+        try:
+            types_ = typing.get_type_hints(cls)
+        except Exception:  # an annotation mlx-lm itself cannot resolve: check nothing
+            return {}
+        if not dataclasses.is_dataclass(cls):
+            return {}
+        out = {}
+        for f in dataclasses.fields(cls):
+            hint = types_.get(f.name)
+            # ``x: Dict = None``: mlx-lm's own default makes null a valid value
+            out[f.name] = typing.Optional[hint] if hint is not None and f.default is None else hint
+        return out
+
+    out = [(config, hints(args_class))]
+    module = importlib.import_module(model_class.__module__)
+    text_cls = getattr(module, "TextModelArgs", None) or getattr(module, "TextArgs", None)
+    nested = config.get("text_config")
+    if isinstance(nested, dict) and text_cls is not None:
+        out.append((nested, hints(text_cls)))
+    return out
+
+
+def build_model(config: dict, replace_blocks: Callable[[nn.Module], None], config_file: str = "config.json"):
+    """Instantiate the mlx-lm model of ``config`` and let ``replace_blocks`` swap modules.
+    Whatever mlx-lm's constructors reject is a ConfigError naming config.json."""
+    model_class, args_class = model_classes(config)
+    try:
+        model = model_class(args_class.from_dict(config))
+    except Edge0Error:
+        raise
+    except (Exception, RecursionError) as e:
+        raise ConfigError(f"{config_file}: mlx-lm's {config.get('model_type')} model rejects these values: "
+                          f"{type(e).__name__}: {e}") from None
     replace_blocks(model)
     return model
+
+
+def _check_quantizable(model: nn.Module, class_predicate, group_size: int, bits: int, model_dir) -> None:
+    """Every module about to be quantized has an input width the group size divides (and
+    no empty dimension): MLX's quantizer is not asked to divide by what it cannot."""
+    for path, module in model.named_modules():
+        if not hasattr(module, "to_quantized") or not hasattr(module, "weight"):
+            continue
+        spec = class_predicate(path, module)
+        if not spec:
+            continue
+        g = spec.get("group_size", group_size) if isinstance(spec, dict) else group_size
+        b = spec.get("bits", bits) if isinstance(spec, dict) else bits
+        shape = tuple(module.weight.shape)
+        if g not in (32, 64, 128) or b not in (2, 3, 4, 5, 6, 8):
+            raise LayoutError(f"the checkpoint's tensors imply int{b} quantization with group size {g} for {path}, "
+                              "which MLX does not support (its weight and scales shapes disagree with config.json)",
+                              file=model_dir, tensor=f"{path}.scales")
+        if not shape or min(shape) < 1 or shape[-1] % g:
+            raise LayoutError(f"config.json gives {path} the shape {list(shape)}, which int quantization with "
+                              f"group size {g} cannot hold (input width must be a positive multiple of {g})",
+                              file=model_dir, tensor=f"{path}.weight")
+
+
+def _check_dtypes(weights: dict, expected: dict, model_dir) -> None:
+    """A tensor the model holds as floating point must be stored as a float (F32, or the
+    checkpoint's own half type), an integer one with its exact dtype: a header that
+    declares another type of the same width is refused, never served as garbage."""
+    halves = [v.dtype for v in weights.values() if v.dtype in (mx.float16, mx.bfloat16)]
+    half = max(set(halves), key=halves.count) if halves else None
+    for key, value in weights.items():
+        want = expected.get(key)
+        if want is None:
+            continue
+        if mx.issubdtype(want.dtype, mx.floating):
+            ok = value.dtype == mx.float32 or (value.dtype in (mx.float16, mx.bfloat16) and value.dtype == half)
+            if not ok:
+                raise LayoutError(f"dtype {value.dtype} where the model holds a floating-point tensor (the "
+                                  f"checkpoint's floats are {half or mx.float32})", file=model_dir, tensor=key)
+        elif value.dtype != want.dtype:
+            raise LayoutError(f"dtype {value.dtype}, expected {want.dtype}", file=model_dir, tensor=key)
 
 
 def load_resident(model_dir: Path, config: dict, files: list[str], is_expert_key: Callable[[str], bool],
@@ -78,7 +173,11 @@ def load_resident(model_dir: Path, config: dict, files: list[str], is_expert_key
             if not is_expert_key(key):
                 weights[key] = value
     if hasattr(model, "sanitize"):
-        weights = model.sanitize(weights)
+        try:
+            weights = model.sanitize(weights)
+        except Exception as e:
+            raise LayoutError(f"mlx-lm's {config.get('model_type')} sanitize step rejects the checkpoint's "
+                              f"tensors: {type(e).__name__}: {e}", file=model_dir) from None
     quantization = config.get("quantization") or (config.get("text_config") or {}).get("quantization") or {}
 
     def class_predicate(path, module):
@@ -88,8 +187,10 @@ def load_resident(model_dir: Path, config: dict, files: list[str], is_expert_key
             return False
         return infer_quant_config(path, module, weights)
 
-    nn.quantize(model, group_size=quantization.get("group_size", 64), bits=quantization.get("bits", 4),
-                mode=quantization.get("mode", "affine"), class_predicate=class_predicate)
+    group_size, bits = quantization.get("group_size", 64), quantization.get("bits", 4)
+    _check_quantizable(model, class_predicate, group_size, bits, model_dir)
+    nn.quantize(model, group_size=group_size, bits=bits, mode=quantization.get("mode", "affine"),
+                class_predicate=class_predicate)
     model.eval()
     expected = dict(tree_flatten(model.parameters()))
     missing = sorted(set(expected) - set(weights))
@@ -106,6 +207,7 @@ def load_resident(model_dir: Path, config: dict, files: list[str], is_expert_key
         if tuple(value.shape) != tuple(expected[key].shape):
             raise LayoutError(f"shape {list(value.shape)}, the model expects {list(expected[key].shape)}",
                               file=model_dir, tensor=key)
+    _check_dtypes(weights, expected, model_dir)
     model.load_weights(list(weights.items()), strict=True)
     if compute_dtype is not None:
         cast_model(model, compute_dtype)
@@ -114,10 +216,17 @@ def load_resident(model_dir: Path, config: dict, files: list[str], is_expert_key
 
 
 def load_tokenizer(model_dir: Path):
-    """mlx-lm's tokenizer wrapper (with its streaming detokenizer) for a local directory."""
+    """mlx-lm's tokenizer wrapper (with its streaming detokenizer) for a local directory.
+    Anything the tokenizer libraries raise is a ``TokenizerError`` naming the directory."""
     from mlx_lm.utils import load_tokenizer as _load
 
-    return _load(Path(model_dir))
+    try:
+        return _load(Path(model_dir))
+    except Edge0Error:
+        raise
+    except (Exception, RecursionError) as e:
+        raise TokenizerError(f"the tokenizer does not load: {type(e).__name__}: {str(e)[:500]}",
+                             file=model_dir) from None
 
 
 def generate_step(prompt, model, *, max_tokens: int, temp: float, top_p: float, prefill_step_size: int):
