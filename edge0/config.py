@@ -57,6 +57,15 @@ class EngineConfig:
     # Quality guard: every N decode steps, also run the true router of the staged layers and
     # log recall@k of the prediction (0 = off, costs nothing).
     guard_every: int = 0
+    # Routing width: serve with this many experts per token instead of config.json's
+    # num_experts_per_tok (heads and adapters must have been trained for it). None = as stored.
+    experts_per_token: int | None = None
+    # Recovery LoRA adapter: "auto" uses <model>/adapter/ when present, "off" none, or an
+    # adapter directory (mlx-lm's layout: adapters.safetensors + adapter_config.json).
+    adapter: str = "auto"
+    # More adapter directories kept resident beside the default one, each selectable per
+    # generation by its directory name (the base is never reloaded to switch).
+    extra_adapters: tuple[str, ...] = ()
     # Hot path: resident experts per layer (LRU).
     hot_experts: int = 16
     # Refuse to open when slots + bundle + hot sets + whole-layer buffers exceed this (MiB).
@@ -98,6 +107,13 @@ class EngineConfig:
             raise ConfigError(f"prerouter_dtype must be auto, float16 or float32, got {self.prerouter_dtype!r}")
         if isinstance(self.guard_every, bool) or not isinstance(self.guard_every, int) or self.guard_every < 0:
             raise ConfigError(f"guard_every must be 0 (off) or a positive integer, got {self.guard_every!r}")
+        if self.experts_per_token is not None:
+            _positive("experts_per_token", self.experts_per_token)
+        if not isinstance(self.adapter, str) or not self.adapter:
+            raise ConfigError(f"adapter must be 'auto', 'off' or an adapter directory, got {self.adapter!r}")
+        object.__setattr__(self, "extra_adapters", tuple(self.extra_adapters))
+        if not all(isinstance(a, str) and a for a in self.extra_adapters):
+            raise ConfigError(f"extra_adapters must be adapter directories, got {self.extra_adapters!r}")
         if self.memory_budget_mb is not None:
             _positive("memory_budget_mb", self.memory_budget_mb)
         if self.log_format not in LOG_FORMATS:

@@ -63,7 +63,7 @@ _CHOICES = {
 }
 
 # Field kinds this module knows how to read from text.
-_INT, _OPT_INT, _STR, _OPT_STR, _LAYER_PATHS = "int", "int?", "str", "str?", "layer_paths"
+_INT, _OPT_INT, _STR, _OPT_STR, _LAYER_PATHS, _STRS = "int", "int?", "str", "str?", "layer_paths", "strs"
 _NONE_WORDS = ("none", "")
 _INT_RE = re.compile(r"[+-]?\d+")
 _LAYER_PATH_RE = re.compile(r"\s*(\d+)\s*:\s*([A-Za-z_]+)\s*=\s*([A-Za-z_]+)\s*")
@@ -99,6 +99,8 @@ def _kind(name: str, hint) -> str:
             return _OPT_STR
     if name == "layer_paths":
         return _LAYER_PATHS
+    if origin is tuple and args == (str, Ellipsis):
+        return _STRS
     raise TypeError(f"edge0.config_sources cannot read EngineConfig.{name} of type {hint!r} from "
                     "TOML/environment/CLI; teach edge0/config_sources.py this type")
 
@@ -173,7 +175,7 @@ def flag(name: str) -> str:
 
 def _expects(kind: str) -> str:
     return {_INT: "an integer", _OPT_INT: "an integer or none", _STR: "a string",
-            _OPT_STR: "a string or none",
+            _OPT_STR: "a string or none", _STRS: "a list of strings",
             _LAYER_PATHS: f"a list of [layer, phase, path] entries or {LAYER_PATH_SYNTAX} strings"}[kind]
 
 
@@ -192,6 +194,12 @@ def _check_native(name: str, kind: str, value, source: str):
         if not isinstance(value, str):
             raise bad()
         return value
+    if kind == _STRS:
+        if isinstance(value, str):
+            return (value,)
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+            raise bad()
+        return tuple(value)
     # layer_paths
     if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
         raise bad()
@@ -233,6 +241,8 @@ def _parse_text(name: str, kind: str, text: str, source: str):
         return int(text.strip())
     if kind in (_STR, _OPT_STR):
         return text
+    if kind == _STRS:
+        return tuple(part for part in (p.strip() for p in text.split(",")) if part)
     return _parse_layer_paths(text, f"{source}: field {name}")
 
 
@@ -331,13 +341,16 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
                        help=f"TOML file of engine settings (env {CONFIG_ENV})")
     for f in _fields():
         name, kind = f.name, kinds[f.name]
-        meaning = docs[name] + (" Repeatable." if kind == _LAYER_PATHS else "")
+        meaning = docs[name] + (" Repeatable." if kind in (_LAYER_PATHS, _STRS) else "")
         help_text = f"{meaning} (default: {_show(_default(f))}; env {env_var(name)})".strip()
         help_text = help_text.replace("%", "%%")
         kwargs: dict = {"dest": name, "default": None, "action": _GivenAction, "help": help_text}
         if kind == _LAYER_PATHS:
             group.add_argument(LAYER_PATH_FLAG, flag(name), metavar=LAYER_PATH_SYNTAX, append=True,
                                **kwargs)
+            continue
+        if kind == _STRS:
+            group.add_argument(flag(name), metavar="TEXT", append=True, **kwargs)
             continue
         if kind == _INT:
             kwargs.update(type=int, metavar="N")
@@ -376,6 +389,8 @@ def config_from_args(args: argparse.Namespace) -> dict:
                 else:
                     entries.extend(_check_native(name, kind, [item], f"flag {LAYER_PATH_FLAG}"))
             value = tuple(entries)
+        elif kind == _STRS:
+            value = tuple([value] if isinstance(value, str) else value or ())
         out[name] = value
     return out
 
@@ -443,6 +458,8 @@ def _field_in(message: str) -> str | None:
 def _flag_cell(name: str, kind: str) -> str:
     if kind == _LAYER_PATHS:
         return f"`{LAYER_PATH_FLAG} {LAYER_PATH_SYNTAX}` (repeatable)"
+    if kind == _STRS:
+        return f"`{flag(name)} TEXT` (repeatable)"
     return f"`{flag(name)}`"
 
 

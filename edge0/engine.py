@@ -25,28 +25,24 @@ import anyio
 
 from edge0.backend import core as B
 from edge0.backend import nn as bnn
-from edge0.checkpoint import CheckpointIndex, check_half_dtypes, max_dimension, read_headers, refuse_unsafe
-from edge0.config_check import check_quantization, check_values, layer_bound
-from edge0.model_files import check_entry
-from edge0.config import PATHS, PHASES, EngineConfig
+from edge0.config import EngineConfig
 from edge0.errors import ConfigError, ExpertReadError
-from edge0.exec.exact import ExactExecutor
-from edge0.exec.hot import HotExecutor
-from edge0.exec.moe_layer import StreamingMoE
 from edge0.exec.oracle import OracleRouting, RoutingRecorder
-from edge0.exec.staged import StagedExecutor, Stager
-from edge0.exec.whole_layer import WholeLayerExecutor
-from edge0.prerouter.files import HEADS_FILENAME, load_heads
-from edge0.prerouter.runtime import Prerouter
-from edge0.io_sched.reader import ExpertReader
+from edge0.loader import StepModel, Streaming, load_streaming_model
 from edge0.logs import configure as configure_logs
 from edge0.logs import get_logger
-from edge0.routing import make_route_fn
-from edge0.spec import load_config, spec_from_config
 from edge0.stats import GenerationStats, peak_rss_bytes
 from edge0.worker import END, ComputeThread, Job
 from edge0.worker import acquire as acquire_thread
 from edge0.worker import release as release_thread
+
+
+class _DefaultAdapter:
+    def __repr__(self) -> str:
+        return "<the engine's default adapter>"
+
+
+DEFAULT_ADAPTER = _DefaultAdapter()
 
 
 @dataclass
@@ -73,189 +69,6 @@ class SamplingParams:
             raise ConfigError(f"temp must be a number in [0, 100], got {self.temp!r}")
         if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p!r}")
-
-
-class Streaming:
-    """A loaded streaming model and the machinery behind its MoE layers."""
-
-    def __init__(self, model, spec, index, reader, exact, hot, whole, stager, recorder, prerouter=None,
-                 heads_meta=None):
-        self.model, self.spec, self.index, self.reader = model, spec, index, reader
-        self.exact, self.hot, self.whole, self.stager, self.recorder = exact, hot, whole, stager, recorder
-        self.prerouter, self.heads_meta = prerouter, heads_meta
-
-    def blocks(self) -> dict:
-        """MoE layer -> its StreamingMoE."""
-        return {l: bnn.module_at(self.model, self.spec.block_path(l)) for l in self.spec.moe_layers}
-
-    def begin_step(self, inputs) -> None:
-        """Called before every forward pass (the step hook)."""
-        if self.recorder is not None:
-            self.recorder.begin_step(inputs.shape[-1])
-        if self.stager is not None:
-            self.stager.begin_step(inputs)
-
-    def invalidate(self) -> None:
-        """Forget every expert cached in slots, hot sets and whole-layer buffers."""
-        for cache in (self.stager, self.hot, self.whole):
-            if cache is not None:
-                cache.invalidate()
-
-    def check_files(self, log=None) -> None:
-        """Before a generation: a shard changed in place since the last one (size or
-        modification time) invalidates what was cached from it; a changed header raises."""
-        changed = self.reader.changed_files()
-        if changed:
-            if log is not None:
-                log.warning("checkpoint.changed", files=changed, action="cached experts invalidated")
-            self.invalidate()
-
-    def pinned_slots(self) -> int:
-        return sum(c.pinned_slots() for c in (self.stager, self.hot) if c is not None)
-
-    def close(self) -> None:
-        try:
-            if self.stager is not None:
-                self.stager.close()
-            if self.whole is not None:
-                self.whole.close()
-        finally:
-            self.reader.close()
-
-
-class StepModel:
-    """The model as mlx-lm's generation loop sees it, with Edge0's step hook in front."""
-
-    def __init__(self, streaming: Streaming):
-        self._streaming = streaming
-
-    def __call__(self, inputs, cache=None, **kwargs):
-        self._streaming.begin_step(inputs)
-        return self._streaming.model(inputs, cache=cache, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self._streaming.model, name)
-
-
-def _check_budget(spec, index, config: EngineConfig, staged, hot, whole) -> None:
-    per_expert = max(le.expert_bytes for le in index.layers.values())
-    parts = {"exact bundle": config.bundle_capacity * per_expert}
-    if staged:
-        parts["staged slots"] = len(staged) * max(config.slots_per_layer or 2 * spec.k, spec.k) * per_expert
-    if hot:
-        parts["hot sets"] = len(hot) * max(config.hot_experts, spec.k) * per_expert
-    if whole:
-        parts["whole-layer buffers"] = 2 * spec.num_experts * per_expert
-    total = sum(parts.values())
-    if config.memory_budget_mb is not None and total > config.memory_budget_mb * 2**20:
-        detail = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in parts.items())
-        raise ConfigError(f"expert buffers need {total / 2**20:.1f} MiB ({detail}), over memory_budget_mb="
-                          f"{config.memory_budget_mb}")
-
-
-def load_streaming_model(model_dir: str | Path, config: EngineConfig, *, oracle: OracleRouting | None = None,
-                         record: bool = False, log=None) -> Streaming:
-    """Open ``model_dir`` for streaming: resident model, index, reader and executor paths."""
-    model_dir = Path(model_dir)
-    raw = load_config(model_dir)
-    refuse_unsafe(model_dir, raw)
-    check_quantization(raw)
-    headers = read_headers(model_dir)
-    check_values(raw, bnn.arg_annotations(raw), max_dim=max_dimension(headers),
-                 layers=layer_bound(name for h in headers for name in h.tensors))
-    check_half_dtypes(headers)
-    spec = spec_from_config(raw)
-    index = CheckpointIndex(model_dir, spec, raw, headers=headers)
-    layers = list(spec.moe_layers)
-    for layer, _, _ in config.layer_paths:
-        if layer not in layers:
-            raise ConfigError(f"layer_paths names layer {layer}, which is not a MoE layer; MoE layers: {layers}")
-    if oracle is None and config.oracle_file and config.staged_source != "prerouter":
-        oracle = OracleRouting.load(config.oracle_file)
-    if oracle is not None:
-        oracle.check(spec.moe_layers, spec.num_experts)
-    heads, heads_meta = _load_heads(model_dir, config, oracle, spec)
-    decode_paths = {l: config.path_for(l, "decode") for l in layers}
-    if heads is not None:
-        explicit = {l for l, ph, _ in config.layer_paths if ph == "decode"}
-        for l in heads.consumers():
-            if l in decode_paths and l not in explicit:
-                decode_paths[l] = "staged"
-        unpredicted = [l for l, p in decode_paths.items() if p == "staged" and l not in heads.consumers()]
-        if unpredicted:
-            raise ConfigError(f"layers {unpredicted} decode staged but no prerouter head predicts them "
-                              f"(heads predict {heads.consumers()})")
-    path_of = {(l, "decode"): decode_paths[l] for l in layers}
-    path_of.update({(l, "prefill"): config.path_for(l, "prefill") for l in layers})
-    on = {p: [l for l in layers if p in (path_of[l, "prefill"], path_of[l, "decode"])] for p in PATHS}
-    _check_budget(spec, index, config, on["staged"], on["hot"], on["whole_layer"])
-    reader = ExpertReader(index, threads=config.reader_threads, log=log)
-    stager = None
-    try:
-        exact = ExactExecutor(index, reader, config.bundle_capacity)
-        recorder = RoutingRecorder() if record else None
-        exact.recorder = recorder
-        hot = HotExecutor(index, reader, config.hot_experts, exact, log=log) if on["hot"] else None
-        whole = WholeLayerExecutor(index, reader, on["whole_layer"], log=log) if on["whole_layer"] else None
-        route = make_route_fn(spec)
-        bias_of: dict[int, object] = {}
-        heads_dtype = config.prerouter_dtype
-        if heads_dtype == "auto":
-            heads_dtype = "float32" if B.is_cpu() else "float16"
-        prerouter = (Prerouter(heads, route, lambda l: bias_of.get(l), dtype=B.dtype(heads_dtype))
-                     if heads is not None else None)
-        if on["staged"]:
-            stager = Stager(index, on["staged"], config.slots_per_layer or 2 * spec.k, reader,
-                            None if prerouter is not None else oracle,
-                            readers=config.reader_threads, prefetch_depth=config.prefetch_depth, log=log,
-                            prerouter=prerouter, fallback=exact, guard_every=config.guard_every)
-        paths = {"exact": exact, "hot": hot, "whole_layer": whole,
-                 "staged": StagedExecutor(stager) if stager is not None else None}
-
-        def replace_blocks(model):
-            for layer in layers:
-                path = spec.block_path(layer)
-                original = bnn.module_at(model, path)
-                if original is None or "switch_mlp" not in original:
-                    raise ConfigError(f"{spec.model_type}: expected a MoE block at {path!r}; config.json and "
-                                      "mlx-lm's model class disagree about which layers are MoE")
-                executors = {ph: paths[path_of[layer, ph]] for ph in PHASES}
-                bnn.set_module_at(model, path, StreamingMoE(spec, layer, original, route, executors))
-
-        model = bnn.load_resident(model_dir, raw, index.files, spec.is_expert_key, replace_blocks,
-                                  B.dtype(config.compute_dtype))
-    except BaseException:
-        if stager is not None:
-            stager.close()
-        reader.close()
-        raise
-    streaming = Streaming(model, spec, index, reader, exact, hot, whole, stager, recorder, prerouter, heads_meta)
-    if prerouter is not None:
-        blocks = streaming.blocks()
-        for l, block in blocks.items():
-            if spec.router_bias_attr:
-                bias_of[l] = getattr(block.gate, spec.router_bias_attr)
-            if l in prerouter.owners:
-                block.observer = prerouter.observe
-            if stager is not None and l in stager.layers:
-                block.planned = stager.planned_routing
-                block.guard = stager
-    return streaming
-
-
-def _load_heads(model_dir: Path, config: EngineConfig, oracle, spec):
-    """The prerouter heads to use, or (None, None)."""
-    if config.prerouter == "off" or config.staged_source == "oracle" or (
-            config.staged_source == "auto" and oracle is not None):
-        return None, None
-    path = Path(config.prerouter_file) if config.prerouter_file else model_dir / HEADS_FILENAME
-    if not path.exists():
-        if config.prerouter == "on" or config.staged_source == "prerouter" or config.prerouter_file:
-            raise ConfigError(f"prerouter heads {path} do not exist (train them with `edge0 train heads`)")
-        return None, None
-    if not config.prerouter_file:
-        check_entry(model_dir, HEADS_FILENAME)
-    return load_heads(path, model_dir, spec=spec)
 
 
 class Engine:
@@ -322,7 +135,21 @@ class Engine:
             raise ConfigError(f"prompt token ids must be in [0, {vocab})")
         return ids
 
-    def _submit(self, prompt, sampling: dict, record: RoutingRecorder | None = None) -> Job:
+    @property
+    def adapters(self) -> list[str]:
+        """Names of the adapters this engine holds (the first is the default)."""
+        bank = self.streaming.adapters
+        return list(bank.adapters) if bank is not None else []
+
+    def _adapter_for(self, adapter) -> str | None:
+        if adapter is DEFAULT_ADAPTER:
+            return self.adapters[0] if self.adapters and self.config.adapter != "off" else None
+        if adapter is not None and adapter not in self.adapters:
+            raise ConfigError(f"no adapter named {adapter!r}; this engine holds {self.adapters or 'none'}")
+        return adapter
+
+    def _submit(self, prompt, sampling: dict, record: RoutingRecorder | None = None,
+                adapter=None) -> Job:
         """Validate, then queue a generation job on the compute thread."""
         if self._closed:
             raise ConfigError("the engine is closed")
@@ -330,12 +157,14 @@ class Engine:
         ids = self.encode(prompt)
         job = Job()
         self._jobs.add(job)
-        self._worker.submit(self._run, job, ids, params, record)
+        self._worker.submit(self._run, job, ids, params, record, adapter)
         return job
 
-    def stream(self, prompt: str | Sequence[int], **sampling) -> Iterator[TokenEvent]:
-        """Synchronous token stream. Leaving the loop early stops the generation."""
-        job = self._submit(prompt, sampling)
+    def stream(self, prompt: str | Sequence[int], *, adapter=DEFAULT_ADAPTER, **sampling) -> Iterator[TokenEvent]:
+        """Synchronous token stream. Leaving the loop early stops the generation.
+        ``adapter``: the name of a loaded adapter, ``None`` for the bare base; by default the
+        engine's default adapter (if any)."""
+        job = self._submit(prompt, sampling, adapter=self._adapter_for(adapter))
         try:
             while (event := job.get()) is not END:
                 yield event
@@ -344,13 +173,13 @@ class Engine:
         finally:
             job.cancel()
 
-    async def generate(self, prompt: str | Sequence[int], **sampling) -> AsyncIterator[TokenEvent]:
+    async def generate(self, prompt: str | Sequence[int], *, adapter=DEFAULT_ADAPTER, **sampling) -> AsyncIterator[TokenEvent]:
         """Async token stream; the event loop is never blocked by compute or reads.
 
         Leaving it by any route (``break``, an exception, cancellation, ``aclosing``, the
         generator being garbage collected) stops the generation: the compute thread
         closes it by itself, and the next generation starts from a clean state."""
-        job = self._submit(prompt, sampling)
+        job = self._submit(prompt, sampling, adapter=self._adapter_for(adapter))
         try:
             while True:
                 event = job.poll()
@@ -364,13 +193,15 @@ class Engine:
         finally:
             job.cancel()  # wakes a reader thread abandoned by a cancellation, too
 
-    def _run(self, job: Job, ids: list[int], params: SamplingParams, record) -> None:
+    def _run(self, job: Job, ids: list[int], params: SamplingParams, record, adapter) -> None:
         """One generation, on the compute thread."""
         error = None
         try:
             if job.cancelled:
                 return
             self.streaming.check_files(self.log)
+            if self.streaming.adapters is not None:
+                self.streaming.adapters.activate(adapter)
             steps = self._steps(ids, params, record)
             try:
                 for event in steps:
@@ -412,6 +243,7 @@ class Engine:
         detok.reset()
         eos = set(self.tokenizer.eos_token_ids)
         stats = GenerationStats(prompt_tokens=len(ids))
+        stats.heads, stats.adapter = self.streaming.describe_artifacts()
         reads = self.reader.stats
         bytes0, wait0 = reads.bytes, reads.seconds
         stager = self.streaming.stager
@@ -455,7 +287,7 @@ class Engine:
     def record_routing(self, prompt: str | Sequence[int], **sampling) -> OracleRouting:
         """Run a generation on the exact path and return its per-step routing (the oracle)."""
         rec = RoutingRecorder()
-        job = self._submit(prompt, sampling, record=rec)
+        job = self._submit(prompt, sampling, record=rec, adapter=self._adapter_for(DEFAULT_ADAPTER))
         while job.get() is not END:
             pass
         if job.error is not None:

@@ -190,6 +190,8 @@ def _is_uint(v: object) -> bool:
 
 
 def _metadata(meta: object, path: str) -> dict[str, str]:
+    if meta is None:  # the reference implementation reads null as "no metadata" (MLX writes it)
+        return {}
     if not isinstance(meta, dict):
         raise HeaderError(f"__metadata__ must be an object of string -> string, found {_kind(meta)}",
                           file=path)

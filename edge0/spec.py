@@ -294,6 +294,19 @@ def spec_from_config(config: dict) -> MoESpec:
     return spec
 
 
+def with_experts_per_token(config: dict, k: int | None) -> dict:
+    """``config`` with its routing width replaced (the nested text config too): serving a
+    narrower width is a file swap of heads and adapter, never a change of the base."""
+    if k is None:
+        return config
+    cfg = dict(config)
+    if isinstance(cfg.get("text_config"), dict):
+        cfg["text_config"] = dict(cfg["text_config"], num_experts_per_tok=k)
+    else:
+        cfg["num_experts_per_tok"] = k
+    return cfg
+
+
 def load_config(model_dir: str | Path) -> dict:
     """config.json of ``model_dir``, read through the model-directory gate (regular file
     inside the directory, size limit, UTF-8, bounded nesting)."""

@@ -37,6 +37,8 @@ class GenerationStats:
     guard_recall: dict | None = None  # quality guard: staged layer -> mean recall@k of the prediction
     peak_active_memory: int = 0  # bytes, MLX buffers
     peak_rss: int = 0  # bytes, whole process
+    heads: str | None = None  # the prerouter heads in use (they change the output), or None
+    adapter: str | None = None  # the adapter applied, or None
 
     @property
     def prefill_tps(self) -> float:
@@ -68,4 +70,5 @@ class GenerationStats:
                 f"expert reads {self.expert_bytes_per_token / mib:.2f} MiB/token | "
                 f"stall {self.stall_ms_per_step:.1f} ms/step"
                 + (f" | guard recall@k {sum(self.guard_recall.values()) / len(self.guard_recall):.3f}"
-                   if self.guard_recall else ""))
+                   if self.guard_recall else "")
+                + f" | heads {self.heads or 'none'} | adapter {self.adapter or 'none'}")

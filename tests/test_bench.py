@@ -15,7 +15,7 @@ from edge0.benchmark import arms as arms_mod
 from edge0.benchmark import harness
 from edge0.benchmark.checkpoint import BYTES_PER_EXPERT_35B, BenchShape, make_bench_checkpoint
 from edge0.benchmark.report import markdown
-from edge0.engine import load_streaming_model
+from edge0.loader import load_streaming_model
 from edge0.errors import ConfigError
 
 SMALL = BenchShape(layers=2, experts=16, k=4, hidden=256, moe_intermediate=128, heads=2, kv_heads=1)

@@ -10,7 +10,7 @@ import pytest
 
 from edge0 import EngineConfig
 from edge0.checkpoint import CheckpointIndex
-from edge0.engine import load_streaming_model
+from edge0.loader import load_streaming_model
 from edge0.errors import ConfigError, HeaderError, LayoutError, UnsafeModelError, UnsupportedModelError
 from edge0.spec import PARTS, PROJECTIONS, load_config, load_spec
 from tests.ckpt_tools import copy_model, find

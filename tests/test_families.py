@@ -10,7 +10,7 @@ from mlx_lm.utils import load_model, load_tokenizer
 
 from edge0 import Engine, EngineConfig
 from edge0.backend import nn as bnn
-from edge0.engine import load_streaming_model
+from edge0.loader import load_streaming_model
 
 PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n"
 

@@ -35,7 +35,7 @@ def _replay(model_dir, config, ids, continuation, oracle=None):
 
 
 def test_exact_equals_resident_at_35b_shapes(full_size):
-    from edge0.engine import load_streaming_model
+    from edge0.loader import load_streaming_model
 
     ref = bnn.load_full_model(full_size)
     bnn.cast_model(ref, mx.float32)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from edge0 import EngineConfig
-from edge0.engine import load_streaming_model
+from edge0.loader import load_streaming_model
 from edge0.exec.moe_layer import StreamingMoE
 from tests.reference import expert_matrix, rel_l2, swiglu_expert
 

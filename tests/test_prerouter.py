@@ -9,7 +9,7 @@ import pytest
 from edge0 import ConfigError, Engine, EngineConfig, HeaderError
 from edge0.backend import core as B
 from edge0.backend import nn as bnn
-from edge0.engine import StepModel, load_streaming_model
+from edge0.loader import StepModel, load_streaming_model
 from edge0.prerouter.files import ForeignArtifactError, checkpoint_identity, load_heads, save_heads
 from edge0.train.heads import train_heads
 

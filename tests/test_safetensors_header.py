@@ -92,6 +92,7 @@ def test_header_padded_with_spaces_is_valid(tmp_path):
 
 
 def test_metadata_only_header_with_empty_data_is_valid(tmp_path):
+    assert read_header(write(tmp_path, st_bytes({"__metadata__": None}))).metadata == {}  # as MLX writes it
     h = read_header(write(tmp_path, st_bytes({"__metadata__": {"a": "b"}})))
     assert h.tensors == {} and h.metadata == {"a": "b"}
 

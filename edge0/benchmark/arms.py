@@ -66,7 +66,7 @@ def _engine_config(settings: dict, **paths):
 
 
 def _streaming(model_dir: str, settings: dict, oracle=None, **paths) -> Loaded:
-    from edge0.engine import StepModel, load_streaming_model
+    from edge0.loader import StepModel, load_streaming_model
 
     cfg = _engine_config(settings, **paths)
     s = load_streaming_model(model_dir, cfg, oracle=oracle)
@@ -151,7 +151,7 @@ def record_oracle(model_dir: str, prompt: list[int], continuation: list[int], pa
     from edge0.backend import core as B
     from edge0.backend import nn as bnn
     from edge0.config import EngineConfig
-    from edge0.engine import StepModel, load_streaming_model
+    from edge0.loader import StepModel, load_streaming_model
 
     s = load_streaming_model(model_dir, EngineConfig(), record=True)
     try:

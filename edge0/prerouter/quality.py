@@ -19,7 +19,7 @@ from edge0.config import EngineConfig
 def served_perplexity(model_dir: str | Path, tokens: list[int], config: EngineConfig, window: int = 256) -> dict:
     """Perplexity of ``tokens`` decoded one token per step, in windows of ``window`` tokens
     (the KV cache restarts per window; the first token of a window is not scored)."""
-    from edge0.engine import StepModel, load_streaming_model
+    from edge0.loader import StepModel, load_streaming_model
 
     s = load_streaming_model(Path(model_dir), config)
     nll, n = 0.0, 0

@@ -147,7 +147,7 @@ def train_heads(model_dir: str | Path, *, data: str | None = None, tokens: int =
                 seq_len: int = 128, steps: int = 300, batch: int = 256, lr: float = 1e-3, width: int = 512,
                 owners: list[int] | None = None, out: str | Path | None = None, seed: int = 0,
                 progress=None) -> dict:
-    from edge0.engine import load_streaming_model
+    from edge0.loader import load_streaming_model
 
     model_dir = Path(model_dir)
     streaming = load_streaming_model(model_dir, EngineConfig(prerouter="off"))
@@ -205,7 +205,7 @@ def make_warm_heads(model_dir: str | Path, out: str | Path, width: int = 512) ->
     """Untrained heads (each is its next router applied to its own hidden state), written
     without collecting traces: a fast stand-in for speed benchmarks, where what matters is
     that a prediction drives the reads, not how good it is."""
-    from edge0.engine import load_streaming_model
+    from edge0.loader import load_streaming_model
 
     streaming = load_streaming_model(Path(model_dir), EngineConfig(prerouter="off"))
     try:

@@ -37,6 +37,19 @@ def module_at(root: nn.Module, path: str):
     return node
 
 
+def linear_modules(root: nn.Module):
+    """(path, module) of every linear projection (float or quantized) under ``root``."""
+    return [(p, m) for p, m in root.named_modules() if isinstance(m, (nn.Linear, nn.QuantizedLinear))]
+
+
+def linear_dims(module: nn.Module) -> tuple[int, int]:
+    """(out, in) of a linear projection, unquantized."""
+    out_dim, in_dim = module.weight.shape
+    if isinstance(module, nn.QuantizedLinear):
+        in_dim = in_dim * 32 // module.bits
+    return out_dim, in_dim
+
+
 def set_module_at(root: nn.Module, path: str, module: nn.Module) -> None:
     parent_path, _, name = path.rpartition(".")
     parent = module_at(root, parent_path)
@@ -240,11 +253,19 @@ def generate_step(prompt, model, *, max_tokens: int, temp: float, top_p: float, 
                           prefill_step_size=prefill_step_size)
 
 
-def load_full_model(model_dir: Path) -> nn.Module:
-    """mlx-lm's own loader: every weight, experts included, resident (the baseline)."""
+def load_full_model(model_dir: Path, experts_per_token: int | None = None) -> nn.Module:
+    """mlx-lm's own loader: every weight, experts included, resident (the baseline);
+    optionally at another routing width."""
     from mlx_lm.utils import load_model
 
-    return load_model(Path(model_dir))[0]
+    override = {}
+    if experts_per_token is not None:
+        import json
+
+        text = json.loads((Path(model_dir) / "config.json").read_text()).get("text_config")
+        override = ({"text_config": {**text, "num_experts_per_tok": experts_per_token}} if isinstance(text, dict)
+                    else {"num_experts_per_tok": experts_per_token})
+    return load_model(Path(model_dir), model_config=override)[0]
 
 
 def make_cache(model: nn.Module) -> list:

@@ -1,0 +1,279 @@
+"""Recovery LoRA adapters, served unmerged beside the int4 base.
+
+An adapter adds ``scale * (x @ A) @ B`` to the output of an attention, linear-attention or
+shared-expert projection: ``y = base(x) + scale * (x @ A) @ B``. The base's int4 bytes are
+never touched, the routed experts (which stream from disk) and the routers never carry an
+adapter, and several adapters can stay resident on one base: each generation picks one.
+
+Files use mlx-lm's adapter layout, so adapters move both ways between Edge0 and
+``mlx_lm.load(path, adapter_path=...)``: a directory holding ``adapters.safetensors``
+(tensors ``<module path>.lora_a`` [in, r] and ``.lora_b`` [r, out]) and
+``adapter_config.json`` (``fine_tune_type``, ``num_layers``, ``lora_parameters`` with
+``rank``, ``scale``, ``dropout``, ``keys``). Edge0 writes provenance into the safetensors
+metadata (format ``edge0-adapter/1``): the base checkpoint's identity, the identity and
+routing width of the prerouter heads it was trained under, phase, recipe, data, creation
+time, version. An adapter whose provenance names another base, or other heads than the
+ones the engine serves with, is refused naming both identities; one without provenance
+(trained by ``mlx_lm.lora``) is checked by its shapes alone.
+
+The computation matches mlx-lm's ``LoRALinear`` op for op, so the logits agree with
+mlx-lm's when both route the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from edge0.backend import core as B
+from edge0.backend import nn as bnn
+from edge0.errors import CheckpointError, ConfigError, ForeignArtifactError
+from edge0.model_files import check_entry, parse_json, read_bytes
+from edge0.safetensors_header import read_header
+from edge0.spec import MoESpec
+
+ADAPTER_DIRNAME = "adapter"  # discovered beside the checkpoint, like prerouter.safetensors
+WEIGHTS_FILE = "adapters.safetensors"
+CONFIG_FILE = "adapter_config.json"
+FORMAT = "edge0-adapter/1"
+MAX_RANK = 4096
+# Attention-like children of a decoder layer (full, linear and MLA attention, Mamba mixers).
+ATTENTION_ATTRS = ("self_attn", "attention", "linear_attn", "attn", "mixer")
+SHARED_EXPERT_ATTRS = ("shared_expert", "shared_experts")
+
+
+def artifact_identity(path: str | Path) -> str:
+    """A file's identity for provenance: the hash of its safetensors header (tensor names,
+    shapes, offsets and metadata), cheap to compute and changed by any retraining."""
+    return read_header(path).digest[:32]
+
+
+def target_modules(model, spec: MoESpec) -> dict[str, object]:
+    """Every projection an adapter may wrap: linear layers inside a decoder layer's
+    attention or inside its MoE block's shared expert. Never a routed expert
+    (``switch_mlp``), a router, a gate of the shared expert, an embedding or the head."""
+    pattern = re.compile(rf"^{re.escape(spec.layer_prefix)}layers\.(\d+)\.(.+)$")
+    out = {}
+    for path, module in bnn.linear_modules(model):
+        if path.endswith(".linear") and isinstance(bnn.module_at(model, path[: -len(".linear")]), AdaptedLinear):
+            path = path[: -len(".linear")]  # already wrapped by another adapter: the projection itself
+        m = pattern.match(path)
+        if not m:
+            continue
+        rel = m.group(2)
+        first = rel.split(".")[0]
+        if first in ATTENTION_ATTRS:
+            out[path] = module
+        elif first == spec.block_attr and rel.split(".")[1:2] and rel.split(".")[1] in SHARED_EXPERT_ATTRS:
+            out[path] = module
+    return out
+
+
+@dataclass
+class Adapter:
+    """One adapter, loaded and checked, ready to be attached."""
+
+    name: str
+    path: Path
+    rank: int
+    scale: float
+    tensors: dict[str, tuple[object, object]]  # module path -> (lora_a [in, r], lora_b [r, out])
+    config: dict
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes + b.nbytes for a, b in self.tensors.values())
+
+    def describe(self) -> str:
+        phase = self.meta.get("phase")
+        return (f"{self.name} (rank {self.rank}, {len(self.tensors)} projections"
+                + (f", phase {phase}" if phase else "") + ")")
+
+
+def _lora_config(adapter_dir: Path) -> dict:
+    try:
+        raw = read_bytes(adapter_dir, CONFIG_FILE, 1 << 20)
+    except FileNotFoundError:
+        raise ConfigError(f"{adapter_dir} is not an adapter directory: {CONFIG_FILE} does not exist") from None
+    cfg = parse_json(raw, adapter_dir / CONFIG_FILE)
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{adapter_dir / CONFIG_FILE} must hold a JSON object")
+    kind = cfg.get("fine_tune_type", "lora")
+    if kind != "lora":
+        raise ConfigError(f"{adapter_dir / CONFIG_FILE}: fine_tune_type {kind!r} is not supported (only 'lora': a "
+                          "DoRA or full fine-tune changes the base weights, which Edge0 never does)")
+    lp = cfg.get("lora_parameters")
+    if not isinstance(lp, dict):
+        raise ConfigError(f"{adapter_dir / CONFIG_FILE}: 'lora_parameters' must be an object")
+    rank, scale = lp.get("rank"), lp.get("scale")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= MAX_RANK:
+        raise ConfigError(f"{adapter_dir / CONFIG_FILE}: lora_parameters.rank must be an integer in 1..{MAX_RANK}, "
+                          f"got {rank!r}")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ConfigError(f"{adapter_dir / CONFIG_FILE}: lora_parameters.scale must be a number, got {scale!r}")
+    return cfg
+
+
+def load_adapter(adapter_dir: str | Path, model, spec: MoESpec, *, base_identity: str,
+                 heads_identity: str | None, name: str | None = None) -> Adapter:
+    """Read and check an adapter directory against the loaded model; nothing is attached."""
+    adapter_dir = Path(adapter_dir)
+    cfg = _lora_config(adapter_dir)
+    weights = check_entry(adapter_dir, WEIGHTS_FILE)
+    header = read_header(weights)  # typed errors for malformed files, before any data is read
+    meta = dict(header.metadata)
+    _check_provenance(meta, weights, base_identity, heads_identity)
+    targets = target_modules(model, spec)
+    by_module: dict[str, dict] = {}
+    for key, entry in header.tensors.items():
+        module, _, leaf = key.rpartition(".")
+        if leaf not in ("lora_a", "lora_b"):
+            raise CheckpointError(f"not a LoRA tensor (expected <module>.lora_a / .lora_b); Edge0 serves LoRA "
+                                  "adapters only", file=weights, tensor=key)
+        if module not in targets:
+            why = ("a routed expert streams from disk and never carries an adapter" if ".switch_mlp." in module
+                   else "not an attention or shared-expert projection of this model")
+            raise CheckpointError(f"module {module!r}: {why}", file=weights, tensor=key)
+        if entry.dtype not in ("F32", "F16", "BF16"):
+            raise CheckpointError(f"dtype {entry.dtype}, expected a float type", file=weights, tensor=key)
+        by_module.setdefault(module, {})[leaf] = entry
+    if not by_module:
+        raise CheckpointError("the adapter holds no LoRA tensor", file=weights)
+    rank = cfg["lora_parameters"]["rank"]
+    for module, parts in by_module.items():
+        if set(parts) != {"lora_a", "lora_b"}:
+            raise CheckpointError(f"module {module!r} has {sorted(parts)} but needs both lora_a and lora_b",
+                                  file=weights)
+        out_dim, in_dim = bnn.linear_dims(targets[module])
+        want = {"lora_a": (in_dim, rank), "lora_b": (rank, out_dim)}
+        for leaf, entry in parts.items():
+            if tuple(entry.shape) != want[leaf]:
+                raise CheckpointError(f"shape {list(entry.shape)}, expected {list(want[leaf])} (rank {rank}, "
+                                      f"projection {out_dim}x{in_dim})", file=weights, tensor=f"{module}.{leaf}")
+    arrays, _ = B.load_safetensors(str(weights))
+    tensors = {m: (arrays[f"{m}.lora_a"], arrays[f"{m}.lora_b"]) for m in by_module}
+    B.eval([t for pair in tensors.values() for t in pair])
+    return Adapter(name or adapter_dir.name, adapter_dir, rank, float(cfg["lora_parameters"]["scale"]), tensors,
+                   cfg, meta)
+
+
+def _check_provenance(meta: dict, path: Path, base_identity: str, heads_identity: str | None) -> None:
+    if meta.get("format") != FORMAT:
+        return  # not made by Edge0 (e.g. mlx_lm.lora): shapes are all there is to check
+    if meta.get("base_identity") != base_identity:
+        raise ForeignArtifactError(
+            f"the adapter was made for another base checkpoint: its base_identity is "
+            f"{meta.get('base_identity')!r}, this model is {base_identity!r}", file=path)
+    trained_heads = meta.get("heads_identity") or None
+    if trained_heads and heads_identity and trained_heads != heads_identity:
+        raise ForeignArtifactError(
+            f"the adapter was trained under other prerouter heads: its heads_identity is {trained_heads!r}, this "
+            f"engine serves with heads {heads_identity!r} (retrain the adapter, or serve it with its heads)",
+            file=path)
+
+
+def save_adapter(tensors: dict[str, tuple[object, object]], out_dir: str | Path, *, rank: int, scale: float,
+                 keys: list[str], num_layers: int, provenance: dict, dropout: float = 0.0) -> Path:
+    """Write an adapter directory in mlx-lm's layout, with Edge0's provenance in the
+    safetensors metadata; each file through a temp file, fsync and rename."""
+    from edge0 import __version__
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    arrays = {}
+    for module, (a, b) in tensors.items():
+        arrays[f"{module}.lora_a"], arrays[f"{module}.lora_b"] = a, b
+    meta = {"format": FORMAT, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "edge0_version": __version__}
+    meta.update({k: v if isinstance(v, str) else json.dumps(v, sort_keys=True) for k, v in provenance.items()})
+    _atomic(out / WEIGHTS_FILE, lambda tmp: B.save_safetensors(tmp, arrays, meta))
+    config = {"fine_tune_type": "lora", "num_layers": num_layers,
+              "lora_parameters": {"rank": rank, "scale": scale, "dropout": dropout, "keys": sorted(keys)}}
+    _atomic(out / CONFIG_FILE, lambda tmp: Path(tmp).write_text(json.dumps(config, indent=2) + "\n"))
+    return out
+
+
+def _atomic(path: Path, write) -> None:
+    # the temp name keeps the suffix: mx.save_safetensors appends ".safetensors" otherwise
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.stem + ".tmp.", suffix=path.suffix)
+    os.close(fd)
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+class AdaptedLinear(bnn.Module):
+    """A projection with an optional low-rank delta: ``linear`` is the untouched base;
+    ``lora_a`` / ``lora_b`` (present while an adapter is active) are mlx-lm's names, so a
+    trainer sees exactly mlx-lm's parameter tree."""
+
+    def __init__(self, linear):
+        super().__init__()
+        self.linear = linear
+        self.scale = 0.0
+
+    def set_delta(self, a, b, scale: float) -> None:
+        if a is None:
+            for leaf in ("lora_a", "lora_b"):
+                if leaf in self:
+                    del self[leaf]
+            self.scale = 0.0
+        else:
+            self.lora_a, self.lora_b, self.scale = a, b, scale
+
+    def __call__(self, x):
+        y = self.linear(x)
+        if "lora_a" not in self:
+            return y
+        z = (x @ self.lora_a) @ self.lora_b
+        return y + (self.scale * z).astype(x.dtype)
+
+
+class AdapterBank:
+    """Adapters resident on one model, and which one is active."""
+
+    def __init__(self, model, spec: MoESpec):
+        self.model, self.spec = model, spec
+        self.adapters: dict[str, Adapter] = {}
+        self.wrapped: dict[str, AdaptedLinear] = {}
+        self.active: str | None = None
+
+    def add(self, adapter: Adapter) -> None:
+        if adapter.name in self.adapters:
+            raise ConfigError(f"two adapters are named {adapter.name!r}; give each a distinct directory name")
+        for module in adapter.tensors:
+            if module not in self.wrapped:
+                base = bnn.module_at(self.model, module)
+                wrapper = AdaptedLinear(base)
+                bnn.set_module_at(self.model, module, wrapper)
+                self.wrapped[module] = wrapper
+        self.adapters[adapter.name] = adapter
+
+    def activate(self, name: str | None) -> None:
+        """Make ``name`` (or no adapter) the one every wrapped projection applies."""
+        if name == self.active:
+            return
+        if name is not None and name not in self.adapters:
+            raise ConfigError(f"no adapter named {name!r}; loaded: {sorted(self.adapters) or 'none'}")
+        adapter = self.adapters.get(name) if name is not None else None
+        for module, wrapper in self.wrapped.items():
+            pair = adapter.tensors.get(module) if adapter is not None else None
+            wrapper.set_delta(*(pair or (None, None)), adapter.scale if pair else 0.0)
+        self.active = name
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.adapters.values())

@@ -1,0 +1,286 @@
+"""Opening a checkpoint for streaming: checks, the resident model, executors, artifacts.
+
+``load_streaming_model`` validates the directory (files, config values, headers) before any
+constructor runs, builds mlx-lm's model with every MoE block replaced by a
+``StreamingMoE``, loads the resident tensors, wires the executor paths, the prerouter heads
+and the adapters found beside the checkpoint (or named by the config), and returns a
+``Streaming``: everything a generation needs. The engine (``edge0.engine``) runs it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from edge0.adapters import ADAPTER_DIRNAME, AdapterBank, artifact_identity, load_adapter
+from edge0.backend import core as B
+from edge0.backend import nn as bnn
+from edge0.checkpoint import CheckpointIndex, check_half_dtypes, max_dimension, read_headers, refuse_unsafe
+from edge0.config import PATHS, PHASES, EngineConfig
+from edge0.config_check import check_quantization, check_values, layer_bound
+from edge0.errors import ConfigError
+from edge0.exec.exact import ExactExecutor
+from edge0.exec.hot import HotExecutor
+from edge0.exec.moe_layer import StreamingMoE
+from edge0.exec.oracle import OracleRouting, RoutingRecorder
+from edge0.exec.staged import StagedExecutor, Stager
+from edge0.exec.whole_layer import WholeLayerExecutor
+from edge0.io_sched.reader import ExpertReader
+from edge0.model_files import check_entry
+from edge0.prerouter.files import HEADS_FILENAME, checkpoint_identity, load_heads
+from edge0.prerouter.runtime import Prerouter
+from edge0.routing import make_route_fn
+from edge0.spec import load_config, spec_from_config, with_experts_per_token
+
+
+class Streaming:
+    """A loaded streaming model and the machinery behind its MoE layers."""
+
+    def __init__(self, model, spec, index, reader, exact, hot, whole, stager, recorder, prerouter=None,
+                 heads_path=None, adapters=None):
+        self.model, self.spec, self.index, self.reader = model, spec, index, reader
+        self.exact, self.hot, self.whole, self.stager, self.recorder = exact, hot, whole, stager, recorder
+        self.prerouter, self.heads_path = prerouter, heads_path
+        self.adapters: AdapterBank | None = adapters
+
+    def describe_artifacts(self) -> tuple[str | None, str | None]:
+        """(heads, adapter) as the stats line names them: what changes the output."""
+        heads = None
+        if self.prerouter is not None:
+            h = self.prerouter.heads
+            heads = f"{Path(self.heads_path).name} ({len(h.owners)} heads, k={h.k})"
+        adapter = None
+        if self.adapters is not None and self.adapters.active is not None:
+            adapter = self.adapters.adapters[self.adapters.active].describe()
+        return heads, adapter
+
+    def blocks(self) -> dict:
+        """MoE layer -> its StreamingMoE."""
+        return {l: bnn.module_at(self.model, self.spec.block_path(l)) for l in self.spec.moe_layers}
+
+    def begin_step(self, inputs) -> None:
+        """Called before every forward pass (the step hook)."""
+        if self.recorder is not None:
+            self.recorder.begin_step(inputs.shape[-1])
+        if self.stager is not None:
+            self.stager.begin_step(inputs)
+
+    def invalidate(self) -> None:
+        """Forget every expert cached in slots, hot sets and whole-layer buffers."""
+        for cache in (self.stager, self.hot, self.whole):
+            if cache is not None:
+                cache.invalidate()
+
+    def check_files(self, log=None) -> None:
+        """Before a generation: a shard changed in place since the last one (size or
+        modification time) invalidates what was cached from it; a changed header raises."""
+        changed = self.reader.changed_files()
+        if changed:
+            if log is not None:
+                log.warning("checkpoint.changed", files=changed, action="cached experts invalidated")
+            self.invalidate()
+
+    def pinned_slots(self) -> int:
+        return sum(c.pinned_slots() for c in (self.stager, self.hot) if c is not None)
+
+    def close(self) -> None:
+        try:
+            if self.stager is not None:
+                self.stager.close()
+            if self.whole is not None:
+                self.whole.close()
+        finally:
+            self.reader.close()
+
+
+class StepModel:
+    """The model as mlx-lm's generation loop sees it, with Edge0's step hook in front."""
+
+    def __init__(self, streaming: Streaming):
+        self._streaming = streaming
+
+    def __call__(self, inputs, cache=None, **kwargs):
+        self._streaming.begin_step(inputs)
+        return self._streaming.model(inputs, cache=cache, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._streaming.model, name)
+
+
+def _check_budget(spec, index, config: EngineConfig, staged, hot, whole) -> None:
+    per_expert = max(le.expert_bytes for le in index.layers.values())
+    parts = {"exact bundle": config.bundle_capacity * per_expert}
+    if staged:
+        parts["staged slots"] = len(staged) * max(config.slots_per_layer or 2 * spec.k, spec.k) * per_expert
+    if hot:
+        parts["hot sets"] = len(hot) * max(config.hot_experts, spec.k) * per_expert
+    if whole:
+        parts["whole-layer buffers"] = 2 * spec.num_experts * per_expert
+    total = sum(parts.values())
+    if config.memory_budget_mb is not None and total > config.memory_budget_mb * 2**20:
+        detail = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in parts.items())
+        raise ConfigError(f"expert buffers need {total / 2**20:.1f} MiB ({detail}), over memory_budget_mb="
+                          f"{config.memory_budget_mb}")
+
+
+def _validated(model_dir: Path, experts_per_token: int | None = None) -> tuple[dict, object, CheckpointIndex]:
+    """config.json, the spec and the checkpoint index, every check done before any
+    constructor runs and before any tensor byte is read."""
+    raw = with_experts_per_token(load_config(model_dir), experts_per_token)
+    refuse_unsafe(model_dir, raw)
+    check_quantization(raw)
+    headers = read_headers(model_dir)
+    check_values(raw, bnn.arg_annotations(raw), max_dim=max_dimension(headers),
+                 layers=layer_bound(name for h in headers for name in h.tensors))
+    check_half_dtypes(headers)
+    spec = spec_from_config(raw)
+    return raw, spec, CheckpointIndex(model_dir, spec, raw, headers=headers)
+
+
+def _paths(config: EngineConfig, layers: list[int], heads) -> dict[tuple[int, str], str]:
+    """(layer, phase) -> executor path; the heads' consumer layers decode staged."""
+    for layer, _, _ in config.layer_paths:
+        if layer not in layers:
+            raise ConfigError(f"layer_paths names layer {layer}, which is not a MoE layer; MoE layers: {layers}")
+    decode = {l: config.path_for(l, "decode") for l in layers}
+    if heads is not None:
+        explicit = {l for l, ph, _ in config.layer_paths if ph == "decode"}
+        for l in heads.consumers():
+            if l in decode and l not in explicit:
+                decode[l] = "staged"
+        unpredicted = [l for l, p in decode.items() if p == "staged" and l not in heads.consumers()]
+        if unpredicted:
+            raise ConfigError(f"layers {unpredicted} decode staged but no prerouter head predicts them "
+                              f"(heads predict {heads.consumers()})")
+    path_of = {(l, "decode"): decode[l] for l in layers}
+    path_of.update({(l, "prefill"): config.path_for(l, "prefill") for l in layers})
+    return path_of
+
+
+def load_streaming_model(model_dir: str | Path, config: EngineConfig, *, oracle: OracleRouting | None = None,
+                         record: bool = False, log=None) -> Streaming:
+    """Open ``model_dir`` for streaming: resident model, index, reader, executor paths,
+    prerouter heads and adapters."""
+    model_dir = Path(model_dir)
+    raw, spec, index = _validated(model_dir, config.experts_per_token)
+    layers = list(spec.moe_layers)
+    if oracle is None and config.oracle_file and config.staged_source != "prerouter":
+        oracle = OracleRouting.load(config.oracle_file)
+    if oracle is not None:
+        oracle.check(spec.moe_layers, spec.num_experts)
+    heads, heads_path = _load_heads(model_dir, config, oracle, spec)
+    path_of = _paths(config, layers, heads)
+    on = {p: [l for l in layers if p in (path_of[l, "prefill"], path_of[l, "decode"])] for p in PATHS}
+    _check_budget(spec, index, config, on["staged"], on["hot"], on["whole_layer"])
+    reader = ExpertReader(index, threads=config.reader_threads, log=log)
+    stager = None
+    try:
+        exact = ExactExecutor(index, reader, config.bundle_capacity)
+        recorder = RoutingRecorder() if record else None
+        exact.recorder = recorder
+        hot = HotExecutor(index, reader, config.hot_experts, exact, log=log) if on["hot"] else None
+        whole = WholeLayerExecutor(index, reader, on["whole_layer"], log=log) if on["whole_layer"] else None
+        route = make_route_fn(spec)
+        bias_of: dict[int, object] = {}
+        heads_dtype = config.prerouter_dtype
+        if heads_dtype == "auto":
+            heads_dtype = "float32" if B.is_cpu() else "float16"
+        prerouter = (Prerouter(heads, route, lambda l: bias_of.get(l), dtype=B.dtype(heads_dtype))
+                     if heads is not None else None)
+        if on["staged"]:
+            stager = Stager(index, on["staged"], config.slots_per_layer or 2 * spec.k, reader,
+                            None if prerouter is not None else oracle,
+                            readers=config.reader_threads, prefetch_depth=config.prefetch_depth, log=log,
+                            prerouter=prerouter, fallback=exact, guard_every=config.guard_every)
+        paths = {"exact": exact, "hot": hot, "whole_layer": whole,
+                 "staged": StagedExecutor(stager) if stager is not None else None}
+
+        def replace_blocks(model):
+            for layer in layers:
+                path = spec.block_path(layer)
+                original = bnn.module_at(model, path)
+                if original is None or "switch_mlp" not in original:
+                    raise ConfigError(f"{spec.model_type}: expected a MoE block at {path!r}; config.json and "
+                                      "mlx-lm's model class disagree about which layers are MoE")
+                executors = {ph: paths[path_of[layer, ph]] for ph in PHASES}
+                bnn.set_module_at(model, path, StreamingMoE(spec, layer, original, route, executors))
+
+        model = bnn.load_resident(model_dir, raw, index.files, spec.is_expert_key, replace_blocks,
+                                  B.dtype(config.compute_dtype))
+        adapters = _load_adapters(model_dir, config, model, spec, heads_path, log)
+    except BaseException:
+        if stager is not None:
+            stager.close()
+        reader.close()
+        raise
+    streaming = Streaming(model, spec, index, reader, exact, hot, whole, stager, recorder, prerouter, heads_path,
+                          adapters)
+    if prerouter is not None:
+        _wire_prerouter(streaming, prerouter, stager, bias_of)
+    return streaming
+
+
+def _wire_prerouter(streaming: Streaming, prerouter, stager, bias_of: dict) -> None:
+    """Owners feed the prerouter; consumers take its prediction as their routing."""
+    spec = streaming.spec
+    for l, block in streaming.blocks().items():
+        if spec.router_bias_attr:
+            bias_of[l] = getattr(block.gate, spec.router_bias_attr)
+        if l in prerouter.owners:
+            block.observer = prerouter.observe
+        if stager is not None and l in stager.layers:
+            block.planned = stager.planned_routing
+            block.guard = stager
+
+
+def _adapter_dirs(model_dir: Path, config: EngineConfig) -> list[tuple[str, Path]]:
+    """(name, directory) of the adapters to load: the default one first."""
+    out = []
+    if config.adapter == "auto":
+        beside = model_dir / ADAPTER_DIRNAME
+        if beside.is_dir() and not beside.is_symlink():
+            out.append((ADAPTER_DIRNAME, beside))
+    elif config.adapter != "off":
+        d = Path(config.adapter)
+        if not d.is_dir():
+            raise ConfigError(f"adapter {d} is not a directory (an adapter is a directory with "
+                              "adapters.safetensors and adapter_config.json)")
+        out.append((d.name, d))
+    for extra in config.extra_adapters:
+        d = Path(extra)
+        if not d.is_dir():
+            raise ConfigError(f"adapter {d} is not a directory")
+        out.append((d.name, d))
+    return out
+
+
+def _load_adapters(model_dir: Path, config: EngineConfig, model, spec, heads_path, log) -> AdapterBank | None:
+    dirs = _adapter_dirs(model_dir, config)
+    if not dirs:
+        return None
+    bank = AdapterBank(model, spec)
+    base = checkpoint_identity(model_dir)
+    heads_id = artifact_identity(heads_path) if heads_path is not None else None
+    for name, d in dirs:
+        adapter = load_adapter(d, model, spec, base_identity=base, heads_identity=heads_id, name=name)
+        if log is not None and adapter.meta.get("heads_identity") and heads_id is None:
+            log.warning("adapter.without_heads", adapter=name,
+                        detail="trained under prerouter heads that this engine does not use")
+        bank.add(adapter)
+    bank.activate(dirs[0][0] if config.adapter != "off" else None)
+    return bank
+
+
+def _load_heads(model_dir: Path, config: EngineConfig, oracle, spec):
+    """(the prerouter heads to use, their file), or (None, None)."""
+    if config.prerouter == "off" or config.staged_source == "oracle" or (
+            config.staged_source == "auto" and oracle is not None):
+        return None, None
+    path = Path(config.prerouter_file) if config.prerouter_file else model_dir / HEADS_FILENAME
+    if not path.exists():
+        if config.prerouter == "on" or config.staged_source == "prerouter" or config.prerouter_file:
+            raise ConfigError(f"prerouter heads {path} do not exist (train them with `edge0 train heads`)")
+        return None, None
+    if not config.prerouter_file:
+        check_entry(model_dir, HEADS_FILENAME)
+    heads, _ = load_heads(path, model_dir, spec=spec)
+    return heads, path
