@@ -190,7 +190,7 @@ def test_served_perplexity_matches_a_full_forward(trained):
     """Own-gates served perplexity (token by token) equals a whole-sequence forward's."""
     import math
 
-    from edge0.prerouter.quality import served_perplexity
+    from edge0.train.quality import served_perplexity
 
     d, _ = trained("qwen3_moe")
     tokens = list(range(3, 60))

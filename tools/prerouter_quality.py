@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from edge0.backend import nn as bnn
-from edge0.prerouter.quality import routing_replacement_report
+from edge0.train.quality import routing_replacement_report
 from edge0.train.heads import default_texts, token_chunks
 
 

@@ -79,6 +79,7 @@ class Stager:
         self.steps_run = 0
         self._step_t0 = None
         self._step_stall = 0.0
+        self._outputs: list = []  # this step's staged outputs: evaluated before their slots are reused
 
     # -- step boundaries (called by the engine's step hook) ------------------------------
     def reset(self, keep_report: bool = False) -> None:
@@ -95,6 +96,7 @@ class Stager:
         if not keep_report:
             self.guard_recall = {}
         self.step = -1
+        self._outputs = []
         self._misses = self._zero_misses()  # a mismatch raised last time must not poison the next run
 
     @staticmethod
@@ -176,7 +178,10 @@ class Stager:
         if self.oracle is None and self.prerouter is None:
             raise ConfigError("a staged decode path needs a routing source: prerouter heads "
                               "(`edge0 train heads`) or an oracle_file (`edge0 record-routing`)")
-        B.eval(inputs)  # the previous step is done: its slots may be unpinned
+        # the previous step is done (its staged layers' outputs too, even when this step's
+        # input does not depend on them: teacher forcing), so its slots may be unpinned
+        B.eval(inputs, *self._outputs)
+        self._outputs = []
         if self.oracle is None:
             self._predict_and_plan()
             return
@@ -244,6 +249,7 @@ class Stager:
         local = B.maximum(raw, 0)
         rows = self.rows[layer]
         out = switch_glu(x, local, rows.weights, self.index.layers[layer])
+        self._outputs.append(out)
         return out
 
 

@@ -97,11 +97,189 @@ def cmd_teacher(a) -> int:
 
 
 def add_parsers(sub) -> None:
-    """``edge0 train {teacher,heads,...}``."""
-    tr = sub.add_parser("train", help="train Edge0's artifacts (teacher, prerouter heads, recovery LoRA)")
-    trs = tr.add_subparsers(dest="what", required=True, metavar="{teacher,heads}")
+    """``edge0 train {teacher,heads,sft,distill,recipe}`` and ``edge0 adapter merge-report``."""
+    tr = sub.add_parser("train", help="train Edge0's artifacts (teacher, prerouter heads, recovery LoRA)",
+                        description="The recovery recipe runs heads -> sft -> distill, in that order "
+                                    "(`edge0 train recipe` does all three); docs/QUALITY.md.")
+    trs = tr.add_subparsers(dest="what", required=True, metavar="{teacher,heads,sft,distill,recipe}")
     add_teacher_parser(trs)
     add_heads_parser(trs)
+    add_lora_parsers(trs)
+    ad = sub.add_parser("adapter", help="inspect adapters (merge-report: what merging into int4 destroys)")
+    ads = ad.add_subparsers(dest="what", required=True, metavar="{merge-report}")
+    m = ads.add_parser("merge-report", help="weight- and logit-level retention of an adapter merged into the "
+                                            "int4 base and re-quantized",
+                       description="Merges the adapter's delta into the dequantized weight, re-quantizes with the "
+                                   "checkpoint's bits and group size, and reports per projection "
+                                   "<Q(W+dW)-W, dW>/||dW||^2 and on first-token logits of fixed prompts "
+                                   "<z_merged-z_base, z_unmerged-z_base>/||z_unmerged-z_base||^2 (1.0 = the "
+                                   "adapter's whole effect).")
+    m.add_argument("--model", required=True, help="the int4 checkpoint")
+    m.add_argument("--adapter", required=True, help="the adapter directory")
+    m.add_argument("--json", default=None, help="also write the full report here")
+    m.set_defaults(func=cmd_merge_report)
+
+
+def _lora_flags(p, defaults, *, teacher: bool = True) -> None:
+    p.add_argument("--model", required=True, help="the int4 checkpoint (the base stays frozen)")
+    if teacher:
+        p.add_argument("--teacher", required=True, help="the float32 teacher checkpoint")
+    p.add_argument("--work", default=None, help="data, checkpoints and reports (default: ~/.cache/edge0/recipe-NAME)")
+    p.add_argument("--heads", default=None, help="prerouter heads (default: MODEL/prerouter.safetensors)")
+    p.add_argument("--experts-per-token", type=int, default=None, help="train for another routing width")
+    p.add_argument("--time-budget", type=float, default=None, help="seconds of training before it stops")
+    p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --work")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    for name in ("rows", "steps", "batch", "lr", "rank", "scale", "seed"):
+        if hasattr(defaults, name):
+            value = getattr(defaults, name)
+            p.add_argument("--" + name, type=type(value), default=value, help=f"(default {value})")
+
+
+def add_lora_parsers(trs) -> None:
+    from edge0.train.distill import DistillConfig
+    from edge0.train.sft import SFTConfig
+
+    s = trs.add_parser("sft", help="phase 2: the recovery LoRA by SFT on the teacher's text, on the student path",
+                       description="The float32 teacher continues prompts from the model's training split; the "
+                                   "int4 student, routed by the prerouter's prediction at every continuation "
+                                   "position, learns them by cross-entropy. Only the LoRA trains.")
+    _lora_flags(s, SFTConfig())
+    s.add_argument("--out", default=None, help="adapter directory (default: WORK/adapter-sft)")
+    s.set_defaults(func=cmd_sft)
+    d = trs.add_parser("distill", help="phase 3: on-policy reverse KL of the served student against the teacher",
+                       description="The phase-2 student generates through the engine; the teacher scores the same "
+                                   "tokens; the LoRA learns reverse KL over the teacher's top-K plus a tail bucket.")
+    _lora_flags(d, DistillConfig())
+    d.add_argument("--adapter", required=True, help="the phase-2 adapter to start from")
+    d.add_argument("--out", default=None, help="adapter directory (default: MODEL/adapter)")
+    d.set_defaults(func=cmd_distill)
+    r = trs.add_parser("recipe", help="heads -> SFT -> distill -> report, end to end",
+                       description="Phase 1 (heads), phase 2 (SFT), phase 3 (on-policy distillation), then the "
+                                   "adapter's effect, the merge report and the quality table. --quick runs the "
+                                   "chain on a tiny model in under a minute.")
+    r.add_argument("--model", required=True, help="the int4 checkpoint")
+    r.add_argument("--teacher", required=True, help="the float32 teacher checkpoint")
+    r.add_argument("--work", default=None, help="data, checkpoints and reports (default: ~/.cache/edge0/recipe-NAME)")
+    r.add_argument("--out", default=None, help="where heads and the adapter go (default: beside the checkpoint)")
+    r.add_argument("--quick", action="store_true", help="tiny settings: the whole chain in under a minute")
+    r.add_argument("--experts-per-token", type=int, default=None, help="train heads and adapter for this width")
+    r.add_argument("--eval-tokens", type=int, default=None, help="held-out tokens of the quality table (0: none)")
+    r.add_argument("--time-budget", type=float, default=None, help="seconds per LoRA phase before it stops")
+    r.add_argument("--resume", action="store_true")
+    r.add_argument("--no-progress", action="store_true")
+    r.set_defaults(func=cmd_recipe)
+
+
+def _work(args) -> Path:
+    from edge0.cli import cache_dir
+
+    return Path(args.work) if args.work else cache_dir() / f"recipe-{Path(args.model).resolve().name}"
+
+
+def _configured(cfg, args):
+    for name in ("rows", "steps", "batch", "lr", "rank", "scale", "seed"):
+        if hasattr(cfg, name) and getattr(args, name, None) is not None:
+            setattr(cfg, name, getattr(args, name))
+    cfg.time_budget_s = args.time_budget
+    cfg.experts_per_token = args.experts_per_token
+    return cfg
+
+
+def _bars(args):
+    if args.no_progress:
+        return None
+    return lambda name: Progress(name)
+
+
+def cmd_sft(args) -> int:
+    from edge0.train.sft import SFTConfig, run_sft
+
+    work = _work(args)
+    bar = None if args.no_progress else Progress("sft")
+    result = run_sft(args.model, args.teacher, args.out or work / "adapter-sft", _configured(SFTConfig(), args),
+                     work=work, heads_file=args.heads, resume=args.resume, progress=bar, say=say)
+    if bar is not None:
+        bar.close()
+    print(json.dumps({k: v for k, v in result.items() if k != "losses"}, indent=1, default=str))
+    return 0
+
+
+def cmd_distill(args) -> int:
+    from edge0.adapters import ADAPTER_DIRNAME
+    from edge0.train.distill import DistillConfig, run_distill
+
+    work = _work(args)
+    bar = None if args.no_progress else Progress("distill")
+    result = run_distill(args.model, args.teacher, args.adapter, args.out or Path(args.model) / ADAPTER_DIRNAME,
+                         _configured(DistillConfig(), args), work=work, heads_file=args.heads, resume=args.resume,
+                         progress=bar, say=say)
+    if bar is not None:
+        bar.close()
+    print(json.dumps({k: v for k, v in result.items() if k != "losses"}, indent=1, default=str))
+    return 0
+
+
+def cmd_recipe(args) -> int:
+    import copy
+
+    from edge0.train.recipe import QUICK, RecipeConfig, run_recipe
+
+    cfg = copy.deepcopy(QUICK) if args.quick else RecipeConfig()
+    cfg.experts_per_token = args.experts_per_token
+    if args.eval_tokens is not None:
+        cfg.eval_tokens = args.eval_tokens
+    cfg.sft.time_budget_s = cfg.distill.time_budget_s = args.time_budget
+    bars: list[Progress] = []
+
+    def progress(name):
+        bars.append(Progress(name))
+        return bars[-1]
+
+    report = run_recipe(args.model, args.teacher, cfg, work=_work(args), out=args.out, resume=args.resume,
+                        progress=None if args.no_progress else progress, say=say)
+    for b in bars:
+        b.close()
+    print(recipe_summary(report))
+    return 0
+
+
+def recipe_summary(report: dict) -> str:
+    ph = report["phases"]
+    lines = [f"phase 1 heads: held-out recall@k {ph['heads']['recall_before']:.3f} -> "
+             f"{ph['heads']['recall_after']:.3f} ({ph['heads']['tokens']} traced tokens)"]
+    for name in ("sft", "distill"):
+        p = ph[name]
+        lines.append(f"phase {2 if name == 'sft' else 3} {name}: loss on a fixed batch {p['loss_before']:.4f} -> "
+                     f"{p['loss_after']:.4f} over {p['losses']['steps']} steps, {p['tokens']} tokens, "
+                     f"{p['seconds']:.0f} s")
+    lines.append(f"adapter moves the served first-token logits by {report['adapter_effect']['relative_l2']:.4f} "
+                 "(relative L2)")
+    m = report["merge"]
+    lines.append(f"merge report: weight-level retention {m['weight_retention_mean']:.3f}, logit-level retention "
+                 f"merged {m['logit_retention']['merged']:.3f} (unmerged {m['logit_retention']['unmerged']:.3f})")
+    if "quality" in report:
+        from edge0.train.quality import markdown
+
+        lines += ["", markdown(report["quality"])]
+    lines.append(f"wall time {report['wall_seconds']:.0f} s")
+    return "\n".join(lines)
+
+
+def cmd_merge_report(args) -> int:
+    from edge0.train.merge import merge_report
+
+    report = merge_report(args.model, args.adapter)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    print("| projection | weight-level retention |")
+    print("|---|---:|")
+    for kind, value in report["weight_retention_by_projection"].items():
+        print(f"| {kind} | {value:.3f} |")
+    lr = report["logit_retention"]
+    print(f"logit-level retention: unmerged {lr['unmerged']:.3f}, merged and re-quantized {lr['merged']:.3f} "
+          f"({len(report['prompts'])} prompts, first-token logits)")
+    return 0
 
 
 def add_heads_parser(trs) -> None:

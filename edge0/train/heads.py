@@ -143,29 +143,46 @@ def _loss_fn(family_sigmoid: bool):
     return loss
 
 
+def stream_chunks(stream: np.ndarray, total: int, seq_len: int) -> list[list[int]]:
+    """Consecutive ``seq_len`` windows covering the first ``total`` tokens of ``stream``."""
+    ids = stream[:total].astype(np.int64).tolist()
+    return [ids[i:i + seq_len] for i in range(0, len(ids) - seq_len + 1, seq_len)] or [ids]
+
+
 def train_heads(model_dir: str | Path, *, data: str | None = None, tokens: int = 20000, heldout_tokens: int = 4000,
                 seq_len: int = 128, steps: int = 300, batch: int = 256, lr: float = 1e-3, width: int = 512,
                 owners: list[int] | None = None, out: str | Path | None = None, seed: int = 0,
-                progress=None) -> dict:
+                progress=None, streams: tuple[np.ndarray, np.ndarray, str] | None = None,
+                experts_per_token: int | None = None) -> dict:
+    """``streams``: (train tokens, held-out tokens, description) to trace instead of text
+    (the recipe passes the model's own training split)."""
     from edge0.loader import load_streaming_model
 
     model_dir = Path(model_dir)
-    streaming = load_streaming_model(model_dir, EngineConfig(prerouter="off"))
+    streaming = load_streaming_model(model_dir, EngineConfig(prerouter="off", adapter="off",
+                                                             experts_per_token=experts_per_token))
     try:
         spec = streaming.spec
         eligible = eligible_owners(spec)
         owners = eligible if owners is None else [o for o in owners if o in eligible]
         if not owners:
             raise ConfigError(f"no owner layer to train: eligible owners are {eligible}")
-        tokenizer = bnn.load_tokenizer(model_dir)
-        train_texts, held_texts, description = texts_from(data) if data else default_texts()
-        tr = collect_traces(streaming, token_chunks(tokenizer, train_texts, tokens, seq_len), owners)
-        he = collect_traces(streaming, token_chunks(tokenizer, held_texts, heldout_tokens, seq_len), owners)
+        if streams is not None:
+            train_stream, held_stream, description = streams
+            train_chunks = stream_chunks(train_stream, tokens, seq_len)
+            held_chunks = stream_chunks(held_stream, heldout_tokens, seq_len)
+        else:
+            tokenizer = bnn.load_tokenizer(model_dir)
+            train_texts, held_texts, description = texts_from(data) if data else default_texts()
+            train_chunks = token_chunks(tokenizer, train_texts, tokens, seq_len)
+            held_chunks = token_chunks(tokenizer, held_texts, heldout_tokens, seq_len)
+        tr = collect_traces(streaming, train_chunks, owners)
+        he = collect_traces(streaming, held_chunks, owners)
         blocks = streaming.blocks()
         route = make_route_fn(spec)
         bias_of = (lambda l: getattr(blocks[l].gate, spec.router_bias_attr)) if spec.router_bias_attr else (lambda l: None)
+        B.seed(seed)  # before the heads are built: their initialisation draws from it
         heads = PrerouterHeads(owners, spec.hidden_size, spec.num_experts, spec.k, width)
-        B.seed(seed)
         heads.warm_start({o + 1: bnn.router_weight(blocks[o + 1].gate, spec.router_kind) for o in owners})
         heads16 = lambda: _cast(heads, B.float16)
         before = evaluate(heads16(), he, route, bias_of)
@@ -191,6 +208,7 @@ def train_heads(model_dir: str | Path, *, data: str | None = None, tokens: int =
                 progress(step + 1, steps, losses[-1])
         after = evaluate(heads16(), he, route, bias_of)
         recipe = dict(phase=1, steps=steps, batch=batch, lr=lr, width=width, seq_len=seq_len, tokens=tr.size(),
+                      experts_per_token=spec.k,
                       heldout_tokens=he.size(), seed=seed, owners=owners, loss="soft-CE" if not isinstance(
                           spec.routing, SigmoidGroup) else "BCE", warm_start="next router")
         path = Path(out) if out else model_dir / HEADS_FILENAME
@@ -207,7 +225,7 @@ def make_warm_heads(model_dir: str | Path, out: str | Path, width: int = 512) ->
     that a prediction drives the reads, not how good it is."""
     from edge0.loader import load_streaming_model
 
-    streaming = load_streaming_model(Path(model_dir), EngineConfig(prerouter="off"))
+    streaming = load_streaming_model(Path(model_dir), EngineConfig(prerouter="off", adapter="off"))
     try:
         spec, blocks = streaming.spec, streaming.blocks()
         owners = eligible_owners(spec)

@@ -1,0 +1,131 @@
+"""Training data for the recovery LoRA: prompts from the training split, continuations
+written by a model (the float32 teacher for phase 2, the served student for phase 3).
+
+- ``corpus_tokens(model_dir)``: the train and held-out token streams the model was trained
+  on, rebuilt from its provenance (the corpus is deterministic) and checked against the
+  hashes recorded there, so the adapter never trains on held-out text.
+- ``prompts(stream, n, length, seed)``: random windows of the train stream.
+- ``sample(model, prompts, new_tokens, temp, seed)``: batched sampling with a KV cache,
+  float32, seeded; rows run to the full length and ``continuation_mask`` drops everything
+  after an end-of-text token from the losses.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from edge0.errors import ConfigError
+
+EOS = 0
+
+
+def corpus_tokens(model_dir: str | Path) -> tuple[np.ndarray, np.ndarray, dict]:
+    """(train tokens, held-out tokens, corpus description) of the model's training corpus."""
+    from edge0.train.corpus import build_corpus
+
+    prov_path = Path(model_dir) / "provenance.json"
+    if not prov_path.exists():
+        raise ConfigError(f"{model_dir} has no provenance.json: its training corpus is unknown (the recovery "
+                          "recipe needs the teacher's train split; pass --data with a token file instead)")
+    prov = json.loads(prov_path.read_text())
+    corpus_desc, train_cfg = prov["corpus"], prov["train_config"]
+    corpus = build_corpus(train_cfg["heldout_fraction"], train_cfg["vocab_size"])
+    got = hashlib.sha256(np.ascontiguousarray(corpus.train_tokens, dtype="<u2").tobytes()).hexdigest()
+    if got != corpus_desc["train_token_stream_sha256"]:
+        raise ConfigError(f"the corpus rebuilt here differs from the one {model_dir} was trained on (train "
+                          "token stream hash mismatch: another Python standard library?)")
+    return corpus.train_tokens, corpus.heldout_tokens, corpus.description()
+
+
+def token_streams(model_dir: str | Path) -> tuple[np.ndarray, np.ndarray, str]:
+    """(train, held-out, description): the model's own training split when its provenance
+    names one (the teacher's corpus), else Python standard-library sources split by file
+    and tokenized with the model's tokenizer (tiny random models)."""
+    if (Path(model_dir) / "provenance.json").exists():
+        train, held, desc = corpus_tokens(model_dir)
+        return train, held, f"the model's training corpus (train split {desc['train_token_stream_sha256'][:16]})"
+    from edge0.backend import nn as bnn
+    from edge0.train.heads import default_texts
+
+    tok = bnn.load_tokenizer(Path(model_dir))
+    train_texts, held_texts, desc = default_texts()
+    enc = lambda texts: np.array([t for text in texts for t in tok.encode(text)], dtype=np.int64)
+    return enc(train_texts), enc(held_texts), desc
+
+
+ORDINARY_CODE = 25_000  # the teacher's held-out split: its first 25k tokens are ordinary code (docs/TEACHER.md)
+
+
+def ordinary_code(heldout: np.ndarray, n: int) -> list[int]:
+    """The first ``n`` held-out tokens (ordinary code; later ones are code-page tables and
+    pydoc text, which would flatter every row)."""
+    if n > ORDINARY_CODE:
+        raise ConfigError(f"the held-out split holds {ORDINARY_CODE} tokens of ordinary code; asked for {n}")
+    return heldout[:n].astype(np.int64).tolist()
+
+
+def prompts(stream: np.ndarray, n: int, length: int, seed: int) -> np.ndarray:
+    """``n`` random windows of ``length`` tokens from ``stream`` (int32 [n, length])."""
+    rng = np.random.default_rng(seed)
+    starts = rng.integers(0, stream.size - length - 1, size=n)
+    return np.stack([stream[s:s + length] for s in starts]).astype(np.int32)
+
+
+def sample(model, prompt_rows: np.ndarray, new_tokens: int, *, temp: float, seed: int, batch: int = 16,
+           progress=None) -> np.ndarray:
+    """Continue every prompt by ``new_tokens`` sampled tokens (temperature ``temp``) with a
+    batched KV cache; returns int32 [n, P + new_tokens]."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    key = mx.random.key(seed)
+    out = []
+    for start in range(0, len(prompt_rows), batch):
+        rows = mx.array(prompt_rows[start:start + batch])
+        cache = make_prompt_cache(model)
+        logits = model(rows, cache=cache)[:, -1].astype(mx.float32)
+        tokens = [rows]
+        for _ in range(new_tokens):
+            key, sub = mx.random.split(key)
+            nxt = mx.random.categorical(logits / temp, key=sub)[:, None].astype(mx.int32) if temp > 0 \
+                else mx.argmax(logits, axis=-1)[:, None].astype(mx.int32)
+            tokens.append(nxt)
+            logits = model(nxt, cache=cache)[:, -1].astype(mx.float32)
+            mx.eval(logits)
+        out.append(np.array(mx.concatenate(tokens, axis=1)))
+        if progress is not None:
+            progress(min(start + batch, len(prompt_rows)), len(prompt_rows))
+    return np.concatenate(out).astype(np.int32)
+
+
+def continuation_mask(rows: np.ndarray, prompt_len: int) -> np.ndarray:
+    """float32 [n, T-1]: 1 where position t+1 is a continuation token to learn (after the
+    prompt, up to and including the first end-of-text token), else 0."""
+    n, T = rows.shape
+    mask = np.zeros((n, T - 1), dtype=np.float32)
+    for i, row in enumerate(rows):
+        cont = row[prompt_len:]
+        stop = np.flatnonzero(cont == EOS)
+        end = prompt_len + (int(stop[0]) + 1 if stop.size else len(cont))
+        mask[i, prompt_len - 1:end - 1] = 1.0
+    return mask
+
+
+def cache_key(*parts) -> str:
+    """A short stable key of what determines a data file (its cache name)."""
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:12]
+
+
+def save_rows(path: Path, rows: np.ndarray, prompt_len: int, meta: dict) -> None:
+    np.save(path, rows)
+    Path(str(path) + ".json").write_text(json.dumps(dict(meta, prompt_len=prompt_len, shape=list(rows.shape)),
+                                                    indent=1))
+
+
+def load_rows(path: Path) -> tuple[np.ndarray, int, dict]:
+    meta = json.loads(Path(str(path) + ".json").read_text())
+    return np.load(path), int(meta["prompt_len"]), meta

@@ -1,0 +1,102 @@
+"""Phase 2 of the recovery recipe: supervised fine-tuning of the LoRA on the student path.
+
+The float32 teacher continues prompts taken from the training split; the student (int4
+base, prerouter routing at every continuation position, LoRA on attention and
+shared-expert projections) learns those continuations by cross-entropy. Only the adapter
+trains; heads and base are frozen. The result is an adapter directory with provenance.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from edge0.adapters import artifact_identity
+from edge0.prerouter.files import checkpoint_identity
+from edge0.train import data as D
+from edge0.train.loop import LoopConfig, train
+from edge0.train.student import StudentModel, continuation_ce
+
+
+@dataclass
+class SFTConfig:
+    rows: int = 4096  # teacher-written sequences
+    prompt_len: int = 32
+    new_tokens: int = 96
+    temp: float = 0.8  # teacher sampling temperature
+    rank: int = 8
+    scale: float = 10.0
+    steps: int = 1000
+    batch: int = 16
+    lr: float = 5e-4
+    warmup: int = 30
+    seed: int = 0
+    checkpoint_every: int = 50
+    time_budget_s: float | None = None
+    experts_per_token: int | None = None
+
+
+def teacher_rows(teacher_dir: Path, model_dir: Path, cfg: SFTConfig, work: Path, say=print) -> tuple[np.ndarray, dict]:
+    """The teacher's continuations of training-split prompts (cached in ``work``)."""
+    from edge0.backend import nn as bnn
+
+    identity = checkpoint_identity(teacher_dir)
+    key = D.cache_key(identity, cfg.rows, cfg.prompt_len, cfg.new_tokens, cfg.temp, cfg.seed)
+    path = work / f"sft_rows-{key}.npy"
+    if path.exists():
+        rows, _, meta = D.load_rows(path)
+        return rows, meta
+    train_stream, _, corpus_desc = D.token_streams(model_dir)
+    prompt_rows = D.prompts(train_stream, cfg.rows, cfg.prompt_len, seed=cfg.seed)
+    teacher = bnn.load_full_model(teacher_dir)
+    bnn.cast_model(teacher, mx.float32)
+    t0 = time.perf_counter()
+    rows = D.sample(teacher, prompt_rows, cfg.new_tokens, temp=cfg.temp, seed=cfg.seed,
+                    progress=lambda done, total: say(f"teacher wrote {done}/{total} sequences"))
+    meta = {"teacher": str(teacher_dir.name), "teacher_identity": identity,
+            "prompts": f"{cfg.rows} random {cfg.prompt_len}-token windows of the training split (seed {cfg.seed})",
+            "corpus": corpus_desc, "temp": cfg.temp,
+            "seconds": round(time.perf_counter() - t0, 1)}
+    D.save_rows(path, rows, cfg.prompt_len, meta)
+    return rows, meta
+
+
+def run_sft(model_dir: str | Path, teacher_dir: str | Path, out: str | Path, cfg: SFTConfig, *, work: str | Path,
+            heads_file: str | Path | None = None, resume: bool = False, progress=None, say=print) -> dict:
+    model_dir, teacher_dir, work, out = Path(model_dir), Path(teacher_dir), Path(work), Path(out)
+    work.mkdir(parents=True, exist_ok=True)
+    rows, data_meta = teacher_rows(teacher_dir, model_dir, cfg, work, say)
+    mask = D.continuation_mask(rows, cfg.prompt_len)
+    student = StudentModel(model_dir, heads_file=heads_file, rank=cfg.rank, scale=cfg.scale, seed=cfg.seed,
+                           experts_per_token=cfg.experts_per_token)
+    P = np.full(cfg.batch, cfg.prompt_len)
+
+    def loss(model, tokens, m):
+        return continuation_ce(student.logits(tokens, P[: tokens.shape[0]]), tokens, m)
+
+    def batches(rng):
+        idx = rng.integers(0, len(rows), size=cfg.batch)
+        return mx.array(rows[idx]), mx.array(mask[idx])
+
+    loop = LoopConfig(steps=cfg.steps, batch=cfg.batch, lr=cfg.lr, warmup=cfg.warmup, seed=cfg.seed,
+                      checkpoint_every=cfg.checkpoint_every, time_budget_s=cfg.time_budget_s)
+    fixed = (mx.array(rows[: cfg.batch]), mx.array(mask[: cfg.batch]))  # the same batch before and after
+    before = loss(student.model, *fixed).item()
+    result = train(student.model, loss, batches, loop, work=work / "sft", resume=resume, progress=progress)
+    after = loss(student.model, *fixed).item()
+    provenance = {
+        "base_identity": checkpoint_identity(model_dir),
+        "heads_identity": artifact_identity(student.heads_path) if student.heads_path else "",
+        "heads_k": student.spec.k, "phase": "2 (SFT on the student path)",
+        "recipe": {**asdict(cfg), "steps_done": result.steps_done, "loss_before": before, "loss_after": after,
+                   "seconds": round(result.seconds, 1)},
+        "data": data_meta, "teacher_identity": checkpoint_identity(teacher_dir),
+    }
+    student.save(out, provenance)
+    return {"adapter": str(out), "losses": result.losses, "loss_before": before, "loss_after": after,
+            "steps": result.steps_done, "seconds": result.seconds,
+            "tokens": int(mask.sum()), "stopped_by_budget": result.stopped_by_budget, "data": data_meta}

@@ -1,0 +1,127 @@
+"""The recovery recipe: the student path is the served path, each phase's loss falls, the
+adapter changes the served logits, and merging it into int4 loses part of its effect."""
+
+from __future__ import annotations
+
+import copy
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from edge0 import Engine, EngineConfig
+
+
+@pytest.fixture(scope="module")
+def model_with_heads(tiny_model_factory, tmp_path_factory):
+    from edge0.train.heads import make_warm_heads
+    from tests.ckpt_tools import copy_model
+
+    d = copy_model(tiny_model_factory("qwen3_moe"), tmp_path_factory.mktemp("student") / "m")
+    make_warm_heads(d, d / "prerouter.safetensors", width=32)
+    return d
+
+
+def served_logits(model_dir, config, prompt: list[int], continuation: list[int]):
+    """Prefill the prompt, then feed the continuation one token per step (as served)."""
+    from edge0.backend import nn as bnn
+    from edge0.loader import StepModel, load_streaming_model
+
+    s = load_streaming_model(model_dir, config)
+    try:
+        if s.stager is not None:
+            s.stager.reset()
+        model = StepModel(s)
+        cache = bnn.make_cache(model)
+        out = [model(mx.array([prompt]), cache=cache)[0, -1]]
+        for t in continuation[:-1]:
+            out.append(model(mx.array([[t]]), cache=cache)[0, -1])
+        return mx.stack(out).astype(mx.float32)
+    finally:
+        s.close()
+
+
+def test_student_path_is_the_served_path(model_with_heads, tmp_path):
+    """Logits of the student path (parallel over the sequence, prompt on own gates, the rest
+    on the heads' prediction) equal the engine's token-by-token logits, adapter included,
+    fed without evaluating each step (teacher forcing)."""
+    from edge0.prerouter.files import checkpoint_identity
+    from edge0.train.student import StudentModel
+
+    student = StudentModel(model_with_heads, rank=4, scale=10.0, seed=3)
+    rng = np.random.default_rng(0)
+    for w in student.adapted.values():  # a non-zero adapter, so that the delta is exercised too
+        w.lora_b = mx.array(rng.normal(0, 0.05, w.lora_b.shape).astype(np.float32))
+    student.save(tmp_path / "a", {"base_identity": checkpoint_identity(model_with_heads)})
+    prompt, continuation = [5, 17, 33, 2, 99, 41], [7, 250, 13, 77, 101, 3, 64, 9]
+    tokens = mx.array([prompt + continuation])
+    ours = student.logits(tokens, np.array([len(prompt)]))[0, len(prompt) - 1:-1].astype(mx.float32)
+    served = served_logits(model_with_heads, EngineConfig(adapter=str(tmp_path / "a")), prompt, continuation)
+    own = served_logits(model_with_heads, EngineConfig(adapter=str(tmp_path / "a"), prerouter="off"), prompt,
+                        continuation)
+    # bit for bit: same routing, same kernel, same delta (this also holds the staged path to
+    # evaluating a step's slots before reusing them when the next input is teacher-forced)
+    assert mx.array_equal(ours, served).item(), mx.abs(ours - served).max().item()
+    # and the routing replacement matters here: own-gate routing gives other logits
+    assert mx.abs(own - served).max().item() > 1e-2
+
+
+def test_reverse_kl_topk_is_kl_of_the_bucketed_distributions():
+    from edge0.train.distill import reverse_kl_topk
+
+    rng = np.random.default_rng(0)
+    s = rng.normal(0, 2, (2, 3, 10)).astype(np.float32)
+    t = rng.normal(0, 2, (2, 3, 10)).astype(np.float32)
+    tlogp = t - np.log(np.exp(t).sum(-1, keepdims=True))
+    idx = np.argsort(-tlogp, -1)[..., :4]
+    got = reverse_kl_topk(mx.array(s), mx.array(idx), mx.array(np.take_along_axis(tlogp, idx, -1)),
+                          mx.ones((2, 3))).item()
+    p = np.exp(s - np.log(np.exp(s).sum(-1, keepdims=True)))
+    q = np.exp(tlogp)
+    pk, qk = np.take_along_axis(p, idx, -1), np.take_along_axis(q, idx, -1)
+    pb = np.concatenate([pk, 1 - pk.sum(-1, keepdims=True)], -1)
+    qb = np.concatenate([qk, 1 - qk.sum(-1, keepdims=True)], -1)
+    want = float(np.mean((pb * (np.log(pb) - np.log(qb))).sum(-1)))
+    assert abs(got - want) < 1e-5
+    same = reverse_kl_topk(mx.array(t), mx.array(idx), mx.array(np.take_along_axis(tlogp, idx, -1)),
+                           mx.ones((2, 3))).item()
+    assert abs(same) < 1e-6  # zero when the student is the teacher
+
+
+def test_quick_recipe_end_to_end(tiny_model_factory, tmp_path):
+    """``edge0 train recipe --quick``: heads -> SFT -> distill -> report on a tiny model
+    (its own float32 reading as the teacher)."""
+    from edge0.train.recipe import QUICK, run_recipe
+    from tests.ckpt_tools import copy_model
+
+    d = copy_model(tiny_model_factory("qwen3_moe"), tmp_path / "m")
+    report = run_recipe(d, d, copy.deepcopy(QUICK), work=tmp_path / "work", say=lambda s: None)
+    ph = report["phases"]
+    assert ph["heads"]["losses"]["last"] < ph["heads"]["losses"]["first"]
+    assert ph["heads"]["recall_after"] > ph["heads"]["recall_before"]
+    for name in ("sft", "distill"):
+        assert ph[name]["loss_after"] < ph[name]["loss_before"], (name, ph[name])
+    assert report["adapter_effect"]["relative_l2"] > 1e-3
+    m = report["merge"]
+    assert abs(m["logit_retention"]["unmerged"] - 1.0) < 1e-6
+    assert m["logit_retention"]["merged"] != m["logit_retention"]["unmerged"]
+    assert (d / "prerouter.safetensors").exists() and (d / "adapter" / "adapters.safetensors").exists()
+    with Engine(d) as e:  # heads and adapter beside the checkpoint: found, and named in the stats
+        line = list(e.stream("def f(x):", max_tokens=3))[-1].stats.line()
+    assert "heads prerouter.safetensors" in line and "adapter adapter (rank 4" in line and "phase 3" in line
+
+
+def test_merge_report_retention(tiny_model_factory, tmp_path):
+    """An adapter whose deltas sit below the int4 group step, as trained LoRAs do: merged
+    and re-quantized, most of its effect is gone; unmerged, all of it is there."""
+    from edge0.train.merge import merge_report
+    from tests.test_adapters import random_adapter
+
+    d = tiny_model_factory("qwen3_moe")
+    a = random_adapter(d, tmp_path / "a", scale=0.1, seed=2)
+    m = merge_report(d, a)
+    assert abs(m["logit_retention"]["unmerged"] - 1.0) < 1e-6
+    assert m["logit_retention"]["merged"] < 0.8
+    assert m["weight_retention_mean"] < 0.8
+    assert all(t["delta_rms"] < t["group_step_rms"] for t in m["targets"].values())
+    assert set(m["weight_retention_by_projection"]) == {"q_proj", "k_proj", "v_proj", "o_proj"}
