@@ -48,7 +48,7 @@ def test_student_path_is_the_served_path(model_with_heads, tmp_path):
     from edge0.prerouter.files import checkpoint_identity
     from edge0.train.student import StudentModel
 
-    student = StudentModel(model_with_heads, rank=4, scale=10.0, seed=3)
+    student = StudentModel(model_with_heads, rank=4, scale=10.0, seed=3, dequantize=False)
     rng = np.random.default_rng(0)
     for w in student.adapted.values():  # a non-zero adapter, so that the delta is exercised too
         w.lora_b = mx.array(rng.normal(0, 0.05, w.lora_b.shape).astype(np.float32))
@@ -64,6 +64,19 @@ def test_student_path_is_the_served_path(model_with_heads, tmp_path):
     assert mx.array_equal(ours, served).item(), mx.abs(ours - served).max().item()
     # and the routing replacement matters here: own-gate routing gives other logits
     assert mx.abs(own - served).max().item() > 1e-2
+
+
+def test_dequantized_student_path_is_close_to_the_served_path(model_with_heads):
+    """Training runs on the dequantized reconstruction: float rounding apart, the served logits."""
+    from edge0.train.student import StudentModel
+
+    student = StudentModel(model_with_heads, rank=4, scale=10.0, seed=3)
+    prompt, continuation = [5, 17, 33, 2, 99, 41], [7, 250, 13, 77, 101, 3, 64, 9]
+    ours = student.logits(mx.array([prompt + continuation]), np.array([len(prompt)]))[0, len(prompt) - 1:-1]
+    served = served_logits(model_with_heads, EngineConfig(adapter="off"), prompt, continuation)
+    rel = (mx.abs(ours.astype(mx.float32) - served).max() / mx.abs(served).max()).item()
+    assert rel < 1e-3, rel
+    assert mx.array_equal(mx.argmax(ours, -1), mx.argmax(served, -1)).item()
 
 
 def test_reverse_kl_topk_is_kl_of_the_bucketed_distributions():

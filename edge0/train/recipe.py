@@ -34,7 +34,7 @@ from edge0.train.sft import SFTConfig, run_sft
 
 @dataclass
 class HeadsConfig:
-    tokens: int = 400_000
+    tokens: int = 600_000
     heldout_tokens: int = 20_000
     seq_len: int = 256
     steps: int = 3000

@@ -30,7 +30,7 @@ class SFTConfig:
     temp: float = 0.8  # teacher sampling temperature
     rank: int = 8
     scale: float = 10.0
-    steps: int = 1000
+    steps: int = 600
     batch: int = 16
     lr: float = 5e-4
     warmup: int = 30

@@ -37,6 +37,34 @@ def module_at(root: nn.Module, path: str):
     return node
 
 
+def dequantize_model(model: nn.Module, dtype=mx.float32) -> None:
+    """Replace every quantized linear, switch linear and embedding by its float equivalent
+    holding the dequantized weights (the "dequantized reconstruction" training runs on:
+    the same numbers as the int4 kernels, through fast float matmuls)."""
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
+
+    def deq(m):
+        return mx.dequantize(m.weight, m.scales, m.biases, group_size=m.group_size, bits=m.bits).astype(dtype)
+
+    swaps = []
+    for path, m in model.named_modules():
+        if isinstance(m, nn.QuantizedLinear):
+            out_dim, in_dim = linear_dims(m)
+            new = nn.Linear(in_dim, out_dim, bias="bias" in m)
+        elif isinstance(m, QuantizedSwitchLinear):
+            new = SwitchLinear(m.input_dims, m.output_dims, m.num_experts, bias="bias" in m)
+        elif isinstance(m, nn.QuantizedEmbedding):
+            new = nn.Embedding(m.num_embeddings, m.dims)
+        else:
+            continue
+        new.weight = deq(m)
+        if "bias" in m:
+            new.bias = m.bias.astype(dtype)
+        swaps.append((path, new))
+    for path, new in swaps:
+        set_module_at(model, path, new)
+
+
 def linear_modules(root: nn.Module):
     """(path, module) of every linear projection (float or quantized) under ``root``."""
     return [(p, m) for p, m in root.named_modules() if isinstance(m, (nn.Linear, nn.QuantizedLinear))]
@@ -52,7 +80,7 @@ def linear_dims(module: nn.Module) -> tuple[int, int]:
 
 def set_module_at(root: nn.Module, path: str, module: nn.Module) -> None:
     parent_path, _, name = path.rpartition(".")
-    parent = module_at(root, parent_path)
+    parent = module_at(root, parent_path) if parent_path else root
     if parent is None:
         raise LayoutError(f"module path {parent_path!r} does not exist in the model")
     setattr(parent, name, module)
