@@ -3,21 +3,37 @@
 Routed-expert weights stay in the int4 checkpoint on disk and are read as byte ranges
 when a step needs them; everything else is resident, so peak memory follows the active
 expert set rather than the parameter count.
+
+The public names load on first use (``edge0.Engine`` imports MLX, ``import edge0`` does
+not), so the command line starts, and answers Ctrl-C, before the array library loads.
 """
 
-from edge0.config import EngineConfig
-from edge0.engine import Engine, SamplingParams, TokenEvent, generate
-from edge0.errors import (
-    CheckpointError, ConfigError, Edge0Error, ExpertReadError, HeaderError, LayoutError,
-    UnsafeModelError, UnsupportedModelError,
-)
-from edge0.spec import SUPPORTED_MODEL_TYPES, MoESpec, load_spec
-from edge0.stats import GenerationStats
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "CheckpointError", "ConfigError", "Edge0Error", "Engine", "EngineConfig", "ExpertReadError",
-    "GenerationStats", "HeaderError", "LayoutError", "MoESpec", "SUPPORTED_MODEL_TYPES", "SamplingParams",
-    "TokenEvent", "UnsafeModelError", "UnsupportedModelError", "generate", "load_spec",
-]
+_EXPORTS = {
+    "Engine": "edge0.engine", "TokenEvent": "edge0.engine", "generate": "edge0.engine",
+    "SamplingParams": "edge0.sampling", "EngineConfig": "edge0.config", "GenerationStats": "edge0.stats",
+    "MoESpec": "edge0.spec", "SUPPORTED_MODEL_TYPES": "edge0.spec", "load_spec": "edge0.spec",
+    **{name: "edge0.errors" for name in (
+        "CheckpointError", "ConfigError", "Edge0Error", "ExpertReadError", "ForeignArtifactError", "HeaderError",
+        "LayoutError", "TokenizerError", "UnsafeModelError", "UnsupportedModelError")},
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'edge0' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -1,7 +1,10 @@
-"""The ``edge0`` command line: generate, demo, make-tiny.
+"""The ``edge0`` command line.
 
-Flags follow mlx_lm.generate's names (--model, --prompt, --max-tokens, --temp, --top-p,
---seed) so that switching between the two is a matter of the program name.
+``edge0 generate`` takes mlx_lm.generate's flags with their meanings (--model as a
+directory or a cached repo id, --prompt with ``-`` for standard input, the chat template
+applied by default, --system-prompt, --ignore-chat-template, --max-tokens, --temp,
+--top-p, --top-k, --min-p, --min-tokens-to-keep, --seed, --extra-eos-token, --max-kv-size,
+--verbose false to print only the generated text) plus every engine setting.
 """
 
 from __future__ import annotations
@@ -50,14 +53,37 @@ def demo_model_dir() -> Path:
     return path
 
 
-def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+DEFAULT_MAX_TOKENS = 100
+
+
+def _str2bool(text: str) -> bool:
+    """mlx_lm.generate's --verbose: anything but 'false'/'f' (any case) is true."""
+    return text.lower() not in ("false", "f")
+
+
+def _add_engine_flags(p: argparse.ArgumentParser, *, demo: bool = False) -> None:
     from edge0.config_sources import add_config_flags
 
-    p.add_argument("--prompt", "-p", default=None, help="prompt text (default: a short code prompt)")
-    p.add_argument("--max-tokens", "-m", type=int, default=100, help="tokens to generate (default 100)")
+    p.add_argument("--prompt", "-p", default=None,
+                   help="the prompt; '-' reads it from standard input (default: a short code prompt)")
+    p.add_argument("--system-prompt", default=None, help="system message for the chat template")
+    p.add_argument("--ignore-chat-template", action="store_true",
+                   help="use the raw prompt, not the tokenizer's chat template (applied by default when the "
+                        "tokenizer has one)")
+    p.add_argument("--max-tokens", "-m", type=int, default=DEFAULT_MAX_TOKENS,
+                   help=f"tokens to generate (default {DEFAULT_MAX_TOKENS})")
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 = greedy (default 0)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1: off)")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (default 0: off)")
+    p.add_argument("--min-p", type=float, default=0.0, help="min-p sampling threshold in [0, 1) (default 0: off)")
+    p.add_argument("--min-tokens-to-keep", type=int, default=1, help="tokens min-p always keeps (default 1)")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument("--extra-eos-token", nargs="+", default=(), metavar="TOKEN",
+                   help="more tokens that end the generation (the tokenizer's EOS always does)")
+    p.add_argument("--max-kv-size", type=int, default=None, help="a rotating KV cache of this many tokens")
+    p.add_argument("--verbose", type=_str2bool, default=True, metavar="BOOL",
+                   help="'false' or 'f' prints only the generated text (nothing else on stdout), so it pipes; "
+                        "otherwise the prompt, the text and the stats (default true)")
     add_config_flags(p)  # every EngineConfig field (docs/CONFIG.md)
 
 
@@ -67,19 +93,67 @@ def _engine_config(args) -> EngineConfig:
     return resolve_config(args)
 
 
+def _sampling(args) -> dict:
+    """Every sampling value checked before anything loads or prints."""
+    from edge0.sampling import SamplingParams
+
+    values = dict(max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                  min_tokens_to_keep=args.min_tokens_to_keep, seed=args.seed, max_kv_size=args.max_kv_size)
+    SamplingParams(**values)
+    return values
+
+
+def _prompt_ids(engine, args) -> tuple[list[int], str | None]:
+    """The prompt as mlx_lm.generate builds it: escapes, '-' for stdin, the chat template.
+    Returns the ids and, for a raw completion, the prompt text (to print before it)."""
+    prompt = args.prompt if args.prompt is not None else DEMO_PROMPT
+    prompt = prompt.replace("\\n", "\n").replace("\\t", "\t")
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    tok = engine.tokenizer
+    use_template = not args.ignore_chat_template and getattr(tok, "has_chat_template", False)
+    if use_template:
+        messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt is not None else []
+        messages.append({"role": "user", "content": prompt})
+        prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = tok.encode(prompt, add_special_tokens=not use_template)
+    return ids, None if use_template else prompt
+
+
+def _stop_ids(engine, tokens) -> tuple[int, ...]:
+    from edge0.errors import ConfigError
+
+    out = []
+    for text in tokens:
+        ids = engine.tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) != 1:
+            raise ConfigError(f"--extra-eos-token {text!r} is not a single token of this tokenizer ({ids})")
+        out.append(ids[0])
+    return tuple(out)
+
+
 def _run_generation(model_dir: Path, args) -> int:
     from edge0.engine import Engine
 
+    sampling = _sampling(args)
     config = _engine_config(args)
-    prompt = args.prompt if args.prompt is not None else DEMO_PROMPT
     with Engine(model_dir, config) as engine:
-        print("=" * 10)
-        print(prompt, end="", flush=True)
-        stats = None
-        for event in engine.stream(prompt, max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p,
-                                   seed=args.seed):
-            print(event.text, end="", flush=True)
+        ids, prompt = _prompt_ids(engine, args)
+        sampling["stop_token_ids"] = _stop_ids(engine, args.extra_eos_token)
+        engine.validate(ids, **sampling)  # before anything is printed
+        verbose = args.verbose
+        if verbose:
+            print("=" * 10)
+            print(prompt or "", end="", flush=True)
+        text, stats = [], None
+        for event in engine.stream(ids, **sampling):
+            if verbose:
+                print(event.text, end="", flush=True)
+            text.append(event.text)
             stats = event.stats or stats
+        if not verbose:
+            print("".join(text))
+            return 0
         print()
         print("=" * 10)
         spec = engine.spec
@@ -106,7 +180,9 @@ def cmd_record_routing(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    return _run_generation(Path(args.model), args)
+    from edge0.hub import resolve_model
+
+    return _run_generation(resolve_model(args.model), args)
 
 
 def cmd_demo(args) -> int:
@@ -130,15 +206,22 @@ def cmd_make_tiny(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from edge0.spec import SUPPORTED_MODEL_TYPES
 
-    parser = argparse.ArgumentParser(prog="edge0", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="edge0", description="Edge0: streaming Mixture-of-Experts inference on MLX. The routed experts of an "
+                                  "int4 checkpoint stay on disk and are read when a step needs them.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    g = sub.add_parser("generate", help="generate text, streaming routed experts from disk")
-    g.add_argument("--model", required=True, help="an mlx-lm int4 MoE checkpoint directory")
+    g = sub.add_parser("generate", help="generate text, streaming routed experts from disk (mlx_lm.generate's flags)")
+    g.add_argument("--model", required=True,
+                   help="an mlx-lm int4 MoE checkpoint: a directory, or a repo id (ORG/NAME) in the local Hugging "
+                        "Face cache")
     _add_engine_flags(g)
     g.set_defaults(func=cmd_generate)
 
-    d = sub.add_parser("demo", help="generate from the built-in default model (nothing downloaded)")
+    d = sub.add_parser("demo", help="generate from the built-in default model (nothing downloaded)",
+                       description="Streams the default model that ships with Edge0 (a small MoE trained on the "
+                                   "Python standard library, int4; docs/TEACHER.md) with its prerouter heads and "
+                                   "recovery adapter when they are beside it. Takes generate's flags.")
     _add_engine_flags(d)
     d.set_defaults(func=cmd_demo)
 
@@ -157,17 +240,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_train_parsers(sub)
 
-    t = sub.add_parser("make-tiny", help="write a small random int4 MoE checkpoint of a supported family")
-    t.add_argument("family", choices=SUPPORTED_MODEL_TYPES)
+    t = sub.add_parser("make-tiny", help="write a small random int4 MoE checkpoint of a supported family",
+                       description="Builds the model with mlx-lm's own class, randomises its routers so routing "
+                                   "varies, quantizes it (int4, group 64) and writes it with a small byte-level "
+                                   "BPE tokenizer: a test checkpoint that needs no download.")
+    t.add_argument("family", choices=SUPPORTED_MODEL_TYPES, help="the model_type to build")
     t.add_argument("out", help="output directory")
-    t.add_argument("--layers", type=int, default=4)
-    t.add_argument("--experts", type=int, default=16)
-    t.add_argument("--k", type=int, default=4)
-    t.add_argument("--hidden", type=int, default=128)
-    t.add_argument("--moe-intermediate", type=int, default=64)
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    t.add_argument("--overwrite", action="store_true")
+    t.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
+    t.add_argument("--experts", type=int, default=16, help="routed experts per MoE layer (default 16)")
+    t.add_argument("--k", type=int, default=4, help="experts per token (default 4)")
+    t.add_argument("--hidden", type=int, default=128, help="hidden size, a multiple of 64 (default 128)")
+    t.add_argument("--moe-intermediate", type=int, default=64,
+                   help="width of each expert, a multiple of 64 (default 64)")
+    t.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    t.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                   help="dtype of the unquantized tensors (default bfloat16)")
+    t.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     t.set_defaults(func=cmd_make_tiny)
 
     from edge0.benchmark.command import add_parser as add_bench_parser
@@ -177,7 +265,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    """Ctrl-C at any point (the imports included) exits quietly with status 130."""
+    try:
+        return _main(sys.argv[1:] if argv is None else argv)
+    except KeyboardInterrupt:
+        return 130
+
+
+def _main(argv: list[str]) -> int:
     if argv[:1] == ["eval"]:  # its own parser: held-out quality (docs/TEACHER.md)
         from edge0.train.eval_cli import main as eval_main
 
@@ -190,8 +285,6 @@ def main(argv: list[str] | None = None) -> int:
     except Edge0Error as e:
         print(f"edge0: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        return 130
 
 
 if __name__ == "__main__":

@@ -11,8 +11,10 @@ from dataclasses import dataclass, fields
 
 from edge0.errors import ConfigError
 
-COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+COMPUTE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 PATHS = ("exact", "staged", "hot", "whole_layer")
+PREFILL_PATHS = ("exact", "hot", "whole_layer")  # staging needs the routing a token ahead
+LOG_LEVELS = ("debug", "info", "warning", "error")
 PHASES = ("prefill", "decode")
 LOG_FORMATS = ("console", "json")
 STAGED_SOURCES = ("auto", "oracle", "prerouter")
@@ -21,9 +23,10 @@ PREROUTER_MODES = ("auto", "on", "off")
 
 @dataclass(frozen=True)
 class EngineConfig:
-    # Activation dtype. float32 by default: on the CPU backend the quantized matmul with
-    # bf16 activations is about 8x slower; scales stay as stored.
-    compute_dtype: str = "float32"
+    # Activation dtype. "auto": float32 on MLX's CPU backend (its quantized matmul with bf16
+    # activations is about 8x slower), the checkpoint's own dtype on GPU backends.
+    # mlx_lm.generate computes in the checkpoint's dtype: bfloat16 reproduces its output.
+    compute_dtype: str = "auto"
     # Experts the exact path's bundle holds at once; a prefill needing more distinct experts
     # loops over expert chunks. Memory: bundle_capacity x bytes per expert.
     bundle_capacity: int = 32
@@ -31,10 +34,14 @@ class EngineConfig:
     reader_threads: int = 2
     # Prompt tokens per prefill forward pass (as mlx-lm's prefill_step_size).
     prefill_step_size: int = 2048
-    # Executor path of every MoE layer at decode (one token) and at prefill (several).
+    # Executor path of every MoE layer at decode (one-token steps): exact, staged, hot or
+    # whole_layer. Layers a prerouter head predicts decode staged whatever this says.
     decode_path: str = "exact"
+    # Executor path of every MoE layer at prefill (several tokens): exact, hot or
+    # whole_layer (every expert of a layer in nine reads).
     prefill_path: str = "exact"
-    # Per-layer exceptions: ((layer, phase, path), ...), e.g. ((3, "decode", "hot"),).
+    # Per-layer exceptions to the two paths above, each LAYER:PHASE=PATH (e.g. 3:decode=hot);
+    # from Python a tuple of (layer, phase, path) triples.
     layer_paths: tuple[tuple[int, str, str], ...] = ()
     # Staged layers: slots per layer (0 = 2 x k: double buffered). Must be >= k.
     slots_per_layer: int = 0
@@ -70,8 +77,10 @@ class EngineConfig:
     hot_experts: int = 16
     # Refuse to open when slots + bundle + hot sets + whole-layer buffers exceed this (MiB).
     memory_budget_mb: int | None = None
-    # Structured logs: "console" (human) or "json" (one object per line), and the level.
+    # Structured logs (reads, waits, stalls, steps): "console" (human) or "json" (one
+    # object per line), on standard error.
     log_format: str = "console"
+    # Log level: debug (every read and wait), info (per step), warning, error.
     log_level: str = "warning"
 
     def __post_init__(self):
@@ -118,7 +127,7 @@ class EngineConfig:
             _positive("memory_budget_mb", self.memory_budget_mb)
         if self.log_format not in LOG_FORMATS:
             raise ConfigError(f"log_format must be one of {LOG_FORMATS}, got {self.log_format!r}")
-        if self.log_level not in ("debug", "info", "warning", "error"):
+        if self.log_level not in LOG_LEVELS:
             raise ConfigError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
 
     def path_for(self, layer: int, phase: str) -> str:

@@ -56,8 +56,9 @@ LAYER_PATH_SYNTAX = "LAYER:PHASE=PATH"
 _CHOICES = {
     "compute_dtype": "COMPUTE_DTYPES",
     "decode_path": "PATHS",
-    "prefill_path": "PATHS",
+    "prefill_path": "PREFILL_PATHS",
     "log_format": "LOG_FORMATS",
+    "log_level": "LOG_LEVELS",
     "staged_source": "STAGED_SOURCES",
     "prerouter": "PREROUTER_MODES",
 }
@@ -114,9 +115,11 @@ def _default(f: dataclasses.Field):
 
 
 def _show(value) -> str:
-    """A default as the docs show it: ``"float32"``, ``32``, ``None``, ``()``."""
+    """A default as the docs show it: ``"float32"``, ``32``, ``None``, ``none`` (empty list)."""
     if isinstance(value, str):
         return json.dumps(value)
+    if value == ():
+        return "none"
     return repr(value)
 
 

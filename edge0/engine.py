@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import AsyncIterator, Iterator, Sequence
 
 import anyio
+import numpy as np
 
 from edge0.backend import core as B
 from edge0.backend import nn as bnn
@@ -31,6 +32,7 @@ from edge0.exec.oracle import OracleRouting, RoutingRecorder
 from edge0.loader import StepModel, Streaming, load_streaming_model
 from edge0.logs import configure as configure_logs
 from edge0.logs import get_logger
+from edge0.sampling import SamplingParams
 from edge0.stats import GenerationStats, peak_rss_bytes
 from edge0.worker import END, ComputeThread, Job
 from edge0.worker import acquire as acquire_thread
@@ -51,24 +53,10 @@ class TokenEvent:
 
     token: int
     text: str
-    finish_reason: str | None = None  # "stop" (EOS) or "length"
+    finish_reason: str | None = None  # "stop" (EOS or a stop token) or "length"
     stats: GenerationStats | None = field(default=None, repr=False)
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_tokens: int = 256
-    temp: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-
-    def __post_init__(self):
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or not 1 <= self.max_tokens <= 1_000_000:
-            raise ConfigError(f"max_tokens must be an integer in 1..1000000, got {self.max_tokens!r}")
-        if not isinstance(self.temp, (int, float)) or not 0.0 <= self.temp <= 100.0:
-            raise ConfigError(f"temp must be a number in [0, 100], got {self.temp!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
-            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p!r}")
+    logprob: float | None = None  # with SamplingParams.logprobs
+    top_logprobs: list[tuple[int, float]] | None = None  # with SamplingParams.top_logprobs > 0
 
 
 class Engine:
@@ -122,6 +110,26 @@ class Engine:
         self.close()
 
     # -- generation -----------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int | None:
+        return getattr(self.model.args, "vocab_size", None) if hasattr(self.model, "args") else None
+
+    @property
+    def context_length(self) -> int | None:
+        """The longest sequence the model was built for (config.json's
+        ``max_position_embeddings``), or None when it does not say."""
+        args = getattr(self.model, "args", None)
+        n = getattr(args, "max_position_embeddings", None)
+        if n is None and isinstance(getattr(args, "text_config", None), dict):
+            n = args.text_config.get("max_position_embeddings")
+        return n if isinstance(n, int) and n > 0 else None
+
+    def _check_length(self, ids: list[int], params: SamplingParams) -> None:
+        ctx = self.context_length
+        if ctx is not None and len(ids) >= ctx:
+            raise ConfigError(f"the prompt is {len(ids)} tokens; the model's context is {ctx} tokens "
+                              "(max_position_embeddings): shorten the prompt")
+
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
             bos = self.tokenizer.bos_token
@@ -148,13 +156,24 @@ class Engine:
             raise ConfigError(f"no adapter named {adapter!r}; this engine holds {self.adapters or 'none'}")
         return adapter
 
+    def validate(self, prompt: str | Sequence[int], **sampling) -> tuple[list[int], SamplingParams]:
+        """The token ids and sampling a generation would use, every value checked (a
+        ``ConfigError`` naming the one that is wrong); nothing runs."""
+        params = SamplingParams(**sampling)
+        ids = self.encode(prompt)
+        self._check_length(ids, params)
+        vocab = self.vocab_size
+        bad = [t for t in params.stop_token_ids if vocab is not None and t >= vocab]
+        if bad:
+            raise ConfigError(f"stop_token_ids {bad} are outside the vocabulary [0, {vocab})")
+        return ids, params
+
     def _submit(self, prompt, sampling: dict, record: RoutingRecorder | None = None,
                 adapter=None) -> Job:
         """Validate, then queue a generation job on the compute thread."""
         if self._closed:
             raise ConfigError("the engine is closed")
-        params = SamplingParams(**sampling)
-        ids = self.encode(prompt)
+        ids, params = self.validate(prompt, **sampling)
         job = Job()
         self._jobs.add(job)
         self._worker.submit(self._run, job, ids, params, record, adapter)
@@ -241,9 +260,12 @@ class Engine:
             self.streaming.recorder = self.streaming.exact.recorder = record
         detok = self.tokenizer.detokenizer
         detok.reset()
-        eos = set(self.tokenizer.eos_token_ids)
+        eos = set(self.tokenizer.eos_token_ids) | set(params.stop_token_ids)
+        ctx = self.context_length
+        max_tokens = min(params.max_tokens, ctx - len(ids)) if ctx is not None else params.max_tokens
         stats = GenerationStats(prompt_tokens=len(ids))
         stats.heads, stats.adapter = self.streaming.describe_artifacts()
+        stats.compute_dtype = self.streaming.compute_dtype
         reads = self.reader.stats
         bytes0, wait0 = reads.bytes, reads.seconds
         stager = self.streaming.stager
@@ -251,11 +273,11 @@ class Engine:
             stager.reset()
             stall0, steps0 = stager.stall_seconds, stager.steps_run
         t0 = time.perf_counter()
-        steps = bnn.generate_step(ids, self._step_model, max_tokens=params.max_tokens, temp=params.temp,
-                                  top_p=params.top_p, prefill_step_size=self.config.prefill_step_size)
+        steps = bnn.generate_step(ids, self._step_model, params, max_tokens=max_tokens,
+                                  prefill_step_size=self.config.prefill_step_size)
         t_first = None
         try:
-            for n, (token, _) in enumerate(steps):
+            for n, (token, logprobs) in enumerate(steps):
                 now = time.perf_counter()
                 if n == 0:
                     t_first, bytes_first = now, reads.bytes
@@ -264,10 +286,11 @@ class Engine:
                 stats.generated_tokens = n + 1
                 stats.decode_seconds = now - t_first
                 stats.decode_expert_bytes = reads.bytes - bytes_first
-                finish = "stop" if token in eos else "length" if n + 1 == params.max_tokens else None
+                finish = "stop" if token in eos else "length" if n + 1 == max_tokens else None
+                lp = _logprobs(token, logprobs, params)
                 if finish is None:
                     detok.add_token(token)
-                    yield TokenEvent(token, detok.last_segment)
+                    yield TokenEvent(token, detok.last_segment, **lp)
                     continue
                 if finish == "length":
                     detok.add_token(token)
@@ -279,7 +302,7 @@ class Engine:
                     stats.guard_recall = {l: sum(v) / len(v) for l, v in stager.guard_recall.items()}
                 stats.peak_active_memory = B.peak_memory()
                 stats.peak_rss = peak_rss_bytes()
-                yield TokenEvent(token, detok.last_segment, finish, stats)
+                yield TokenEvent(token, detok.last_segment, finish, stats, **lp)
                 return
         finally:
             steps.close()
@@ -310,6 +333,18 @@ class Engine:
                     "pending_reads": stager.pending_reads() if stager is not None else 0,
                     "open_files": self.reader.open_files}
         return self._worker.call(count)
+
+
+def _logprobs(token: int, logprobs, params: SamplingParams) -> dict:
+    if not params.logprobs and not params.top_logprobs:
+        return {}
+    row = B.to_host(logprobs.astype(B.float32)).reshape(-1)
+    out = {"logprob": float(row[token])}
+    if params.top_logprobs:
+        top = np.argpartition(-row, params.top_logprobs - 1)[: params.top_logprobs]
+        top = top[np.argsort(-row[top], kind="stable")]
+        out["top_logprobs"] = [(int(i), float(row[i])) for i in top]
+    return out
 
 
 def _open(model_dir: Path, config: EngineConfig, oracle, log) -> tuple[Streaming, object]:

@@ -122,6 +122,16 @@ def _check_budget(spec, index, config: EngineConfig, staged, hot, whole) -> None
                           f"{config.memory_budget_mb}")
 
 
+def resolve_compute_dtype(name: str, config: dict) -> str:
+    """``auto``: float32 on MLX's CPU backend, else the checkpoint's own float dtype."""
+    if name != "auto":
+        return name
+    if B.is_cpu():
+        return "float32"
+    stored = config.get("torch_dtype") or (config.get("text_config") or {}).get("torch_dtype")
+    return stored if stored in ("bfloat16", "float16", "float32") else "bfloat16"
+
+
 def _validated(model_dir: Path, experts_per_token: int | None = None) -> tuple[dict, object, CheckpointIndex]:
     """config.json, the spec and the checkpoint index, every check done before any
     constructor runs and before any tensor byte is read."""
@@ -174,7 +184,7 @@ def load_streaming_model(model_dir: str | Path, config: EngineConfig, *, oracle:
     reader = ExpertReader(index, threads=config.reader_threads, log=log)
     stager = None
     try:
-        exact = ExactExecutor(index, reader, config.bundle_capacity)
+        exact = ExactExecutor(index, reader, config.bundle_capacity, log=log)
         recorder = RoutingRecorder() if record else None
         exact.recorder = recorder
         hot = HotExecutor(index, reader, config.hot_experts, exact, log=log) if on["hot"] else None
@@ -204,8 +214,9 @@ def load_streaming_model(model_dir: str | Path, config: EngineConfig, *, oracle:
                 executors = {ph: paths[path_of[layer, ph]] for ph in PHASES}
                 bnn.set_module_at(model, path, StreamingMoE(spec, layer, original, route, executors))
 
+        compute_dtype = resolve_compute_dtype(config.compute_dtype, raw)
         model = bnn.load_resident(model_dir, raw, index.files, spec.is_expert_key, replace_blocks,
-                                  B.dtype(config.compute_dtype))
+                                  B.dtype(compute_dtype))
         adapters = _load_adapters(model_dir, config, model, spec, heads_path, log)
     except BaseException:
         if stager is not None:
@@ -214,6 +225,7 @@ def load_streaming_model(model_dir: str | Path, config: EngineConfig, *, oracle:
         raise
     streaming = Streaming(model, spec, index, reader, exact, hot, whole, stager, recorder, prerouter, heads_path,
                           adapters)
+    streaming.compute_dtype = compute_dtype
     if prerouter is not None:
         _wire_prerouter(streaming, prerouter, stager, bias_of)
     return streaming

@@ -8,7 +8,9 @@ Events: ``io.plan`` (step, layers, experts), ``io.read`` (step, layer, expert, s
 ms), ``io.retry`` / ``io.read_error`` (layer, expert, error), ``io.cancel`` (step),
 ``stage.wait`` (step, layer, ms: compute waited for this layer's reads), ``step`` (a
 per-step summary: step, stall_ms, reads, bytes, hits, misses), ``hot.step`` (layer, hits,
-misses), ``whole_layer.load`` (layer, bytes, ms, waited_ms).
+misses), ``whole_layer.load`` (layer, bytes, ms, waited_ms), ``exact.read`` (layer, experts,
+bytes, ms, settle_ms: the exact path's on-demand reads), ``io.read_failed`` and
+``checkpoint.changed`` (cached experts invalidated), ``adapter.without_heads``.
 """
 
 from __future__ import annotations

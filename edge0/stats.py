@@ -37,6 +37,7 @@ class GenerationStats:
     guard_recall: dict | None = None  # quality guard: staged layer -> mean recall@k of the prediction
     peak_active_memory: int = 0  # bytes, MLX buffers
     peak_rss: int = 0  # bytes, whole process
+    compute_dtype: str = ""  # the activation dtype the engine resolved
     heads: str | None = None  # the prerouter heads in use (they change the output), or None
     adapter: str | None = None  # the adapter applied, or None
 
@@ -71,4 +72,4 @@ class GenerationStats:
                 f"stall {self.stall_ms_per_step:.1f} ms/step"
                 + (f" | guard recall@k {sum(self.guard_recall.values()) / len(self.guard_recall):.3f}"
                    if self.guard_recall else "")
-                + f" | heads {self.heads or 'none'} | adapter {self.adapter or 'none'}")
+                + f" | compute {self.compute_dtype} | heads {self.heads or 'none'} | adapter {self.adapter or 'none'}")

@@ -435,16 +435,24 @@ def _tokenizer_json(vocab_size: int) -> str:
         return cached
 
 
+# A ChatML-style template, so that tiny models exercise chat-template handling as instruct
+# models do (the role markers are plain text to this tokenizer).
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
 def build_tokenizer(out_dir, *, vocab_size: int = DEFAULT_VOCAB) -> None:
     """Write a byte-level BPE ``tokenizer.json`` (at most ``vocab_size`` tokens,
-    EOS ``<|endoftext|>`` = id 0), ``tokenizer_config.json`` and
+    EOS ``<|endoftext|>`` = id 0), ``tokenizer_config.json`` (with a chat template) and
     ``special_tokens_map.json`` into ``out_dir``."""
     if not isinstance(vocab_size, int) or vocab_size < 300:
         raise ValueError(f"vocab_size={vocab_size!r} must be an int >= 300")
-    write_tokenizer(_tokenizer_json(vocab_size), out_dir)
+    write_tokenizer(_tokenizer_json(vocab_size), out_dir, chat_template=CHAT_TEMPLATE)
 
 
-def write_tokenizer(tokenizer_json: str, out_dir) -> None:
+def write_tokenizer(tokenizer_json: str, out_dir, chat_template: str | None = None) -> None:
     """``tokenizer.json`` plus the two small config files mlx-lm's loader reads."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -460,6 +468,8 @@ def write_tokenizer(tokenizer_json: str, out_dir) -> None:
         "clean_up_tokenization_spaces": False,
         "model_max_length": 4096,
     }
+    if chat_template is not None:
+        tok_cfg["chat_template"] = chat_template
     (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2), encoding="utf-8")
     (out / "special_tokens_map.json").write_text(
         json.dumps({"eos_token": EOS_TOKEN, "pad_token": EOS_TOKEN}, indent=2), encoding="utf-8")

@@ -59,8 +59,9 @@ def test_field_docs_cover_every_field_with_its_comment():
     assert docs["compute_dtype"].startswith("Activation dtype.")
     assert "bf16 activations is about 8x slower" in docs["compute_dtype"]
     assert "\n" not in docs["compute_dtype"] and "#" not in docs["compute_dtype"]
-    # a field right under another, with no comment of its own, shares its comment
-    assert docs["prefill_path"] == docs["decode_path"]
+    # every field has its own comment (the --help of a flag is not its neighbour's)
+    assert len(set(docs.values())) == len(docs)
+    assert "prefill" in docs["prefill_path"] and "Log level" in docs["log_level"]
     assert docs["reader_threads"] == "Threads issuing positional reads of expert byte ranges."
 
 
@@ -85,11 +86,11 @@ def test_table_rows():
     rows = table[2:]
     assert [r.split("|")[1].strip().strip("`") for r in rows] == [f.name for f in fields(EngineConfig)]
     by_name = {r.split("|")[1].strip().strip("`"): r for r in rows}
-    assert '`"float32"`' in by_name["compute_dtype"]
+    assert '`"auto"`' in by_name["compute_dtype"]
     assert "`32`" in by_name["bundle_capacity"] and "`--bundle-capacity`" in by_name["bundle_capacity"]
     assert "`EDGE0_BUNDLE_CAPACITY`" in by_name["bundle_capacity"]
     assert "`None`" in by_name["memory_budget_mb"]
-    assert "`()`" in by_name["layer_paths"] and "--layer-path" in by_name["layer_paths"]
+    assert "`none`" in by_name["layer_paths"] and "--layer-path" in by_name["layer_paths"]
 
 
 # --------------------------------------------------------------------------- each source alone
@@ -217,9 +218,9 @@ def test_cli_help_text():
         assert actions[f.name].default is None
         assert f"env {env_var(f.name)}" in actions[f.name].help
         assert docs[f.name] in actions[f.name].help
-    assert '(default: "float32"; env EDGE0_COMPUTE_DTYPE)' in actions["compute_dtype"].help
+    assert '(default: "auto"; env EDGE0_COMPUTE_DTYPE)' in actions["compute_dtype"].help
     assert "(default: 32; env EDGE0_BUNDLE_CAPACITY)" in actions["bundle_capacity"].help
-    assert actions["compute_dtype"].choices == ("float32", "bfloat16", "float16")
+    assert actions["compute_dtype"].choices == ("auto", "float32", "bfloat16", "float16")
     assert "hot" in actions["decode_path"].choices and "json" in actions["log_format"].choices
     assert actions["staged_source"].choices == ("auto", "oracle", "prerouter")
     assert actions["prerouter"].choices == ("auto", "on", "off")
@@ -413,9 +414,9 @@ def test_validation_error_names_field_and_source(tmp_path):
     with pytest.raises(ConfigError, match=r"compute_dtype must be one of .* got 'int8' "
                                           r"\(field compute_dtype set by TOML file .*edge0\.toml\)"):
         resolve_config(environ={}, toml_path=path)
-    with pytest.raises(ConfigError, match=r"prefill_path 'staged' is not supported.*"
-                                          r"\(field prefill_path set by flag --prefill-path\)"):
-        resolve_config(parse("--prefill-path", "staged"), environ={})
+    with pytest.raises(ConfigError, match=r"slots_per_layer must be 0 .* got -1 "
+                                          r"\(field slots_per_layer set by flag --slots-per-layer\)"):
+        resolve_config(parse("--slots-per-layer", "-1"), environ={})
     with pytest.raises(ConfigError, match=r"layer_paths: phase must be one of .* got 'decoding' "
                                           r"\(field layer_paths set by flag --layer-path\)"):
         resolve_config(parse("--layer-path", "3:decoding=hot"), environ={})

@@ -110,12 +110,48 @@ def test_seeded_sampling_is_reproducible(engine):
     (dict(max_tokens=0), "max_tokens must be an integer in 1..1000000, got 0"),
     (dict(max_tokens=1.5), "max_tokens must be an integer"),
     (dict(temp=-0.1), r"temp must be a number in \[0, 100\], got -0.1"),
-    (dict(top_p=1.5), r"top_p must be in \(0, 1\], got 1.5"),
-    (dict(top_p=0.0), r"top_p must be in \(0, 1\], got 0.0"),
+    (dict(top_p=1.5), r"top_p must be a number in \(0, 1\], got 1.5"),
+    (dict(top_p=0.0), r"top_p must be a number in \(0, 1\], got 0.0"),
+    (dict(top_k=-1), r"top_k must be an integer in >= 0, got -1"),
+    (dict(min_p=1.0), r"min_p must be a number in \[0, 1\), got 1.0"),
+    (dict(repetition_penalty=0), r"repetition_penalty must be a number in \(0, 100\], got 0"),
+    (dict(top_logprobs=21), r"top_logprobs must be an integer in 0..20, got 21"),
+    (dict(stop_token_ids=(10**9,)), r"stop_token_ids \[1000000000\] are outside the vocabulary"),
+    (dict(seed=-1), r"seed must be an integer in 0..9223372036854775807, got -1"),
 ])
 def test_bad_sampling_parameters(engine, kwargs, match):
     with pytest.raises(ConfigError, match=match):
         list(engine.stream(PROMPT, **kwargs))
+
+
+def test_sampling_options_change_the_output_as_mlx_lm_does(engine):
+    """top-k 1 is greedy; logprobs are the chosen token's and the top-n, sorted; a stop
+    token ends the generation with finish "stop"."""
+    greedy = list(engine.stream(PROMPT, max_tokens=8))
+    topk1 = list(engine.stream(PROMPT, max_tokens=8, temp=1.0, top_k=1, seed=3))
+    assert [e.token for e in topk1] == [e.token for e in greedy]
+    lp = list(engine.stream(PROMPT, max_tokens=4, logprobs=True, top_logprobs=3))
+    for e in lp:
+        assert e.logprob <= 0 and len(e.top_logprobs) == 3
+        assert e.top_logprobs[0][0] == e.token and abs(e.top_logprobs[0][1] - e.logprob) < 1e-6  # greedy
+        assert [v for _, v in e.top_logprobs] == sorted((v for _, v in e.top_logprobs), reverse=True)
+    assert greedy[0].logprob is None and greedy[0].top_logprobs is None
+    stop = greedy[3].token
+    cut = list(engine.stream(PROMPT, max_tokens=8, stop_token_ids=(stop,)))
+    first = next(i for i, e in enumerate(greedy) if e.token == stop)
+    assert len(cut) == first + 1 and cut[-1].finish_reason == "stop"
+    # a repetition penalty lowers the logits of the prompt's tokens: the first step's
+    # distribution (reported after the logits processors, as mlx-lm does) moves
+    plain = list(engine.stream(PROMPT, max_tokens=1, top_logprobs=5))[0].top_logprobs
+    penalised = list(engine.stream(PROMPT, max_tokens=1, top_logprobs=5, repetition_penalty=5.0))[0].top_logprobs
+    assert plain != penalised
+
+
+def test_prompt_longer_than_the_context_is_refused(engine):
+    ctx = engine.context_length
+    assert ctx is not None
+    with pytest.raises(ConfigError, match=f"the prompt is {ctx} tokens; the model's context is {ctx} tokens"):
+        list(engine.stream([5] * ctx))
 
 
 def test_bad_prompts(engine):

@@ -62,8 +62,19 @@ def test_spec_and_header_reader_need_no_array_library():
 def test_public_surface():
     assert set(edge0.__all__) == {
         "CheckpointError", "ConfigError", "Edge0Error", "Engine", "EngineConfig", "ExpertReadError",
-        "GenerationStats", "HeaderError", "LayoutError", "MoESpec", "SUPPORTED_MODEL_TYPES", "SamplingParams",
-        "TokenEvent", "UnsafeModelError", "UnsupportedModelError", "generate", "load_spec",
+        "ForeignArtifactError", "GenerationStats", "HeaderError", "LayoutError", "MoESpec", "SUPPORTED_MODEL_TYPES",
+        "SamplingParams", "TokenEvent", "TokenizerError", "UnsafeModelError", "UnsupportedModelError", "generate",
+        "load_spec",
     }
     for name in edge0.__all__:
         assert hasattr(edge0, name), name
+
+
+def test_importing_the_package_and_the_cli_loads_no_array_library():
+    """So that the command line starts (and answers Ctrl-C) before MLX loads."""
+    import subprocess
+    import sys
+
+    code = "import edge0, edge0.cli, sys; print(sorted(m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

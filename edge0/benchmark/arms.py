@@ -56,11 +56,19 @@ def resident(model_dir: str, settings: dict) -> Loaded:
     return Loaded(model, info={"cast": f"every float to {settings['compute_dtype']}, expert scales and biases included"})
 
 
+def base_arm(name: str) -> str:
+    """``staged+prerouter@narrow`` -> ``staged+prerouter``: a variant runs its base arm with
+    the engine settings ``--arm-option`` gives it."""
+    return name.split("@", 1)[0]
+
+
 def _engine_config(settings: dict, **paths):
     from edge0.config import EngineConfig
 
     keys = ("bundle_capacity", "reader_threads", "slots_per_layer", "prefetch_depth", "hot_experts")
     paths.setdefault("prerouter", "off")  # only the prerouter arm uses heads, even if the model has them
+    paths.setdefault("adapter", "off")  # likewise adapters: an arm names its own (--arm-option ARM:adapter=DIR)
+    paths.update(settings.get("arm_options", {}).get(settings.get("arm", ""), {}))
     return EngineConfig(compute_dtype=settings["compute_dtype"], **{k: settings[k] for k in keys if k in settings},
                         **paths)
 
@@ -111,7 +119,9 @@ def staged_prerouter(model_dir: str, settings: dict) -> Loaded:
     the prediction is the routing and plans the reads. The read-wait figure is the stall."""
     if "prerouter_file" not in settings:
         raise RuntimeError("the staged+prerouter arm needs settings['prerouter_file']")
-    return _streaming(model_dir, settings, prerouter_file=settings["prerouter_file"], prerouter="on")
+    options = settings.get("arm_options", {}).get(settings.get("arm", ""), {})
+    return _streaming(model_dir, settings, prerouter="on",
+                      **({} if "prerouter_file" in options else {"prerouter_file": settings["prerouter_file"]}))
 
 
 class _NoReads:
@@ -179,7 +189,8 @@ def replay(name: str, model_dir: str, prompt: list[int], continuation: list[int]
 
     B.reset_peak_memory()
     t0 = time.perf_counter()
-    loaded = ARMS[name](model_dir, settings)
+    settings = dict(settings, arm=name)
+    loaded = ARMS[base_arm(name)](model_dir, settings)
     load_seconds = time.perf_counter() - t0
     try:
         model = loaded.model
@@ -195,7 +206,7 @@ def replay(name: str, model_dir: str, prompt: list[int], continuation: list[int]
         for token in continuation:
             b, w = loaded.read_bytes(), loaded.read_seconds()
             t0 = time.perf_counter()
-            if name == "read-only":
+            if base_arm(name) == "read-only":
                 _read_only_step(model)
             else:
                 logits = model(B.array([[token]]), cache=cache)
@@ -203,7 +214,7 @@ def replay(name: str, model_dir: str, prompt: list[int], continuation: list[int]
             steps.append(time.perf_counter() - t0)
             step_bytes.append(loaded.read_bytes() - b)
             step_waits.append(loaded.read_seconds() - w)
-            if name not in ("read-only", "compute-only"):
+            if base_arm(name) not in ("read-only", "compute-only"):
                 argmax.append(int(logits[0, -1].argmax().item()))
         decode_seconds = sum(steps)
         return dict(

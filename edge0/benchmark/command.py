@@ -38,10 +38,16 @@ def add_parser(sub) -> None:
                                                         "(default cold,warm)")
     b.add_argument("--prompt-tokens", type=int, default=32)
     b.add_argument("--decode-tokens", type=int, default=16)
-    b.add_argument("--compute-dtype", choices=COMPUTE_DTYPES, default="float32")
+    b.add_argument("--compute-dtype", choices=[d for d in COMPUTE_DTYPES if d != "auto"], default="float32",
+                   help="activation dtype of every arm (default float32)")
     b.add_argument("--cache-budget-mb", type=int, default=None, help="expert cache of arms that have one")
     b.add_argument("--heads", default=None, help="prerouter heads for the staged+prerouter arm (default: "
                                                  "warm-start heads written for the run)")
+    b.add_argument("--adapter", default=None, help="an adapter every prerouter arm applies (ARM@label variants "
+                                                   "can override it)")
+    b.add_argument("--arm-option", action="append", default=[], metavar="ARM:KEY=VALUE[,KEY=VALUE]",
+                   help="engine settings of one arm, e.g. staged+prerouter@narrow:experts_per_token=3,"
+                        "prerouter_file=H,adapter=D (repeatable; ARM@label runs ARM as a variant)")
     b.add_argument("--out", default="bench-results", help="directory for JSON, markdown and chart")
     b.add_argument("--chart", action="store_true", help="also draw bench.png (needs matplotlib)")
     b.set_defaults(func=run)
@@ -53,12 +59,23 @@ def run(args) -> int:
     modes = [m.strip() for m in args.cache.split(",") if m.strip()]
     if not modes or any(m not in CACHE_MODES for m in modes):
         raise ConfigError(f"--cache must name {' and/or '.join(CACHE_MODES)}, got {args.cache!r}")
+    if args.chart:  # before minutes of work, not after
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ConfigError("--chart needs matplotlib: pip install 'edge0[plot]' (or drop --chart)") from None
+    arms = tuple(a.strip() for a in args.arms.split(",") if a.strip())
+    options = arm_options(args.arm_option, arms)
+    if args.adapter:
+        for a in arms:
+            if a.split("@")[0] == "staged+prerouter":
+                options.setdefault(a, {}).setdefault("adapter", str(Path(args.adapter).resolve()))
     model = Path(args.model) if args.model else default_bench_model(args.layers)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     docs = []
     for mode in modes:
-        settings = BenchSettings(arms=tuple(a.strip() for a in args.arms.split(",") if a.strip()), rounds=args.rounds,
+        settings = BenchSettings(arms=arms, rounds=args.rounds, arm_options=options,
                                  cache=mode, prompt_tokens=args.prompt_tokens, decode_tokens=args.decode_tokens,
                                  compute_dtype=args.compute_dtype, cache_budget_mb=args.cache_budget_mb,
                                  extra={"prerouter_file": str(Path(args.heads).resolve())} if args.heads else {})
@@ -71,3 +88,26 @@ def run(args) -> int:
         chart(docs, out / "bench.png")
     print(f"[bench] results in {out}/", file=sys.stderr)
     return 0
+
+
+def arm_options(items: list[str], arms: tuple[str, ...]) -> dict:
+    """``ARM:KEY=VALUE,KEY=VALUE`` -> {ARM: {KEY: typed VALUE}}, each checked as an
+    EngineConfig value."""
+    from edge0.config import EngineConfig
+    from edge0.config_sources import resolve_config
+    from edge0.errors import ConfigError
+
+    out: dict = {}
+    for item in items:
+        arm, sep, rest = item.partition(":")
+        if not sep or arm not in arms:
+            raise ConfigError(f"--arm-option {item!r}: expected ARM:KEY=VALUE with ARM one of {list(arms)}")
+        values = {}
+        for pair in rest.split(","):
+            key, eq, value = pair.partition("=")
+            if not eq or key not in EngineConfig.field_names():
+                raise ConfigError(f"--arm-option {item!r}: {key!r} is not an engine setting")
+            values[key] = int(value) if value.isdigit() else value
+        resolve_config(environ={}, **values)  # typed checks now, not in a child process later
+        out.setdefault(arm, {}).update(values)
+    return out

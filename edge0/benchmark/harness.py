@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from edge0.benchmark.arms import ARMS, BASELINE
+from edge0.benchmark.arms import ARMS, BASELINE, base_arm
 from edge0.errors import ConfigError
 
 SCHEMA_VERSION = 1
@@ -40,10 +40,11 @@ class BenchSettings:
     decode_tokens: int = 16
     compute_dtype: str = "float32"
     cache_budget_mb: int | None = None  # expert cache per arm that has one (same for all)
+    arm_options: dict = field(default_factory=dict)  # arm name -> EngineConfig values (variants: ARM@label)
     extra: dict = field(default_factory=dict)
 
     def validate(self) -> None:
-        unknown = [a for a in self.arms if a not in ARMS]
+        unknown = [a for a in self.arms if base_arm(a) not in ARMS]
         if unknown:
             raise ConfigError(f"unknown arm(s) {unknown}; available: {sorted(ARMS)}")
         if self.cache not in CACHE_MODES:
@@ -53,7 +54,7 @@ class BenchSettings:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
 
     def arm_settings(self) -> dict:
-        s = {"compute_dtype": self.compute_dtype, **self.extra}
+        s = {"compute_dtype": self.compute_dtype, "arm_options": self.arm_options, **self.extra}
         if self.cache_budget_mb is not None:
             s["cache_budget_mb"] = self.cache_budget_mb
         return s
@@ -155,12 +156,12 @@ def run_bench(model_dir: str | Path, settings: BenchSettings, progress: Callable
     replay = make_replay(model_dir, settings.prompt_tokens, settings.decode_tokens)
     arm_settings = settings.arm_settings()
     with tempfile.TemporaryDirectory(prefix="edge0-bench-") as tmp:
-        if any(a in STAGED_ARMS for a in settings.arms):
+        if any(base_arm(a) in STAGED_ARMS for a in settings.arms):
             progress("recording the oracle routing of the replay sequence")
             oracle = Path(tmp) / "oracle.json"
             record_oracle(model_dir, replay, oracle)
             arm_settings["oracle_file"] = str(oracle)
-        if "staged+prerouter" in settings.arms and "prerouter_file" not in arm_settings:
+        if any(base_arm(a) == "staged+prerouter" for a in settings.arms) and "prerouter_file" not in arm_settings:
             progress("writing warm-start prerouter heads (no --heads given)")
             heads = Path(tmp) / "prerouter.safetensors"
             _child({"warm_heads": str(heads), "model": str(model_dir)})

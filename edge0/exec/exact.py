@@ -12,6 +12,8 @@ outputs are bit-identical to the resident model.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from edge0.backend import core as B
@@ -73,13 +75,14 @@ class ExpertRows:
 class ExactExecutor:
     """On-demand, deduplicated expert execution over a shared bundle (host sync per layer)."""
 
-    def __init__(self, index: CheckpointIndex, reader: ExpertReader, capacity: int):
+    def __init__(self, index: CheckpointIndex, reader: ExpertReader, capacity: int, log=None):
         self.index = index
         self.reader = reader
         self.num_experts = index.spec.num_experts
         self.capacity = max(capacity, index.spec.k)
         self._bundles: dict[tuple, ExpertRows] = {}
         self.recorder = None  # a RoutingRecorder while an oracle is being recorded
+        self.log = log
 
     def bundle_for(self, layer: LayerExperts) -> ExpertRows:
         key = tuple((t.dtype, t.row_shape, t.row_bytes) for t in layer.tensors)
@@ -92,8 +95,13 @@ class ExactExecutor:
         return sum(b.nbytes for b in self._bundles.values())
 
     def _load(self, bundle: ExpertRows, layer: int, experts: np.ndarray) -> None:
+        t0 = time.perf_counter()
         bundle.settle()
-        self.reader.read_experts(layer, experts, range(len(experts)), bundle.buffers)
+        t1 = time.perf_counter()
+        n = self.reader.read_experts(layer, experts, range(len(experts)), bundle.buffers)
+        if self.log is not None:
+            self.log.debug("exact.read", layer=layer, experts=len(experts), bytes=n,
+                           ms=round(1e3 * (time.perf_counter() - t1), 3), settle_ms=round(1e3 * (t1 - t0), 3))
 
     def __call__(self, layer_id: int, x, inds):
         layer = self.index.layers[layer_id]

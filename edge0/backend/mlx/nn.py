@@ -270,15 +270,21 @@ def load_tokenizer(model_dir: Path):
                              file=model_dir) from None
 
 
-def generate_step(prompt, model, *, max_tokens: int, temp: float, top_p: float, prefill_step_size: int):
+def generate_step(prompt, model, params, *, prefill_step_size: int, max_tokens: int | None = None,
+                  prompt_cache=None):
     """mlx-lm's token generator (prefill in chunks, then one token per step, one step of
-    look-ahead), with its sampler; yields (token, logprobs)."""
+    look-ahead), with its sampler and logits processors built from ``params`` (a
+    SamplingParams); yields (token, logprobs [V])."""
     from mlx_lm.generate import generate_step as _generate_step
-    from mlx_lm.sample_utils import make_sampler
+    from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
-    sampler = make_sampler(temp, top_p if top_p < 1.0 else 0.0)
-    return _generate_step(mx.array(prompt), model, max_tokens=max_tokens, sampler=sampler,
-                          prefill_step_size=prefill_step_size)
+    sampler = make_sampler(params.temp, params.top_p if params.top_p < 1.0 else 0.0, params.min_p,
+                           params.min_tokens_to_keep, top_k=params.top_k)
+    processors = make_logits_processors(repetition_penalty=params.repetition_penalty,
+                                        repetition_context_size=params.repetition_context_size)
+    return _generate_step(mx.array(prompt), model, max_tokens=max_tokens or params.max_tokens, sampler=sampler,
+                          logits_processors=processors or None, max_kv_size=params.max_kv_size,
+                          prompt_cache=prompt_cache, prefill_step_size=prefill_step_size)
 
 
 def load_full_model(model_dir: Path, experts_per_token: int | None = None) -> nn.Module:

@@ -1,0 +1,70 @@
+"""What one generation asks for: length, sampling, stops, log-probabilities.
+
+The names and meanings are mlx-lm's (``mlx_lm.generate`` and its server): a temperature
+of 0 is greedy; ``top_p`` 1, ``top_k`` 0 and ``min_p`` 0 switch those filters off;
+``repetition_penalty`` scales down the logits of the last ``repetition_context_size``
+tokens. Every value is checked here, so a bad one is a ``ConfigError`` naming it before
+anything runs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from edge0.errors import ConfigError
+
+MAX_TOKENS = 1_000_000
+MAX_TOP_LOGPROBS = 20
+
+
+def _int(name: str, value, lo: int, hi: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo or (hi is not None and value > hi):
+        rng = f"{lo}..{hi}" if hi is not None else f">= {lo}"
+        raise ConfigError(f"{name} must be an integer in {rng}, got {value!r}")
+
+
+def _number(name: str, value, lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = False) -> None:
+    ok = (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+          and (value > lo if lo_open else value >= lo) and (value < hi if hi_open else value <= hi))
+    if not ok:
+        brackets = ("(" if lo_open else "[") + f"{lo:g}, {hi:g}" + (")" if hi_open else "]")
+        raise ConfigError(f"{name} must be a number in {brackets}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 256
+    temp: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    min_tokens_to_keep: int = 1
+    seed: int | None = None
+    repetition_penalty: float | None = None
+    repetition_context_size: int = 20
+    stop_token_ids: tuple[int, ...] = ()  # extra end-of-generation tokens (the tokenizer's EOS always stops)
+    logprobs: bool = False  # report each generated token's log-probability
+    top_logprobs: int = 0  # and the n most likely tokens at each step
+    max_kv_size: int | None = None  # a rotating KV cache of this many tokens (mlx-lm's --max-kv-size)
+
+    def __post_init__(self):
+        _int("max_tokens", self.max_tokens, 1, MAX_TOKENS)
+        _number("temp", self.temp, 0.0, 100.0)
+        _number("top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        _int("top_k", self.top_k, 0)
+        _number("min_p", self.min_p, 0.0, 1.0, hi_open=True)
+        _int("min_tokens_to_keep", self.min_tokens_to_keep, 1)
+        if self.seed is not None:
+            _int("seed", self.seed, 0, 2**63 - 1)
+        if self.repetition_penalty is not None:
+            _number("repetition_penalty", self.repetition_penalty, 0.0, 100.0, lo_open=True)
+        _int("repetition_context_size", self.repetition_context_size, 1, 1 << 20)
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        for t in self.stop_token_ids:
+            _int("stop_token_ids entries", t, 0)
+        if not isinstance(self.logprobs, bool):
+            raise ConfigError(f"logprobs must be true or false, got {self.logprobs!r}")
+        _int("top_logprobs", self.top_logprobs, 0, MAX_TOP_LOGPROBS)
+        if self.max_kv_size is not None:
+            _int("max_kv_size", self.max_kv_size, 1)
