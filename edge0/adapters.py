@@ -45,7 +45,7 @@ FORMAT = "edge0-adapter/1"
 MAX_RANK = 4096
 # Attention-like children of a decoder layer (full, linear and MLA attention, Mamba mixers).
 ATTENTION_ATTRS = ("self_attn", "attention", "linear_attn", "attn", "mixer")
-SHARED_EXPERT_ATTRS = ("shared_expert", "shared_experts")
+
 
 
 def artifact_identity(path: str | Path) -> str:
@@ -56,23 +56,34 @@ def artifact_identity(path: str | Path) -> str:
 
 def target_modules(model, spec: MoESpec) -> dict[str, object]:
     """Every projection an adapter may wrap: linear layers inside a decoder layer's
-    attention or inside its MoE block's shared expert. Never a routed expert
-    (``switch_mlp``), a router, a gate of the shared expert, an embedding or the head."""
-    pattern = re.compile(rf"^{re.escape(spec.layer_prefix)}layers\.(\d+)\.(.+)$")
+    attention (or linear-attention / state-space mixer), and inside its MoE block's shared
+    expert. Never a routed expert, a router, a gate of the shared expert (a one-output
+    linear), a dense MLP, an embedding or the head."""
+    prefix = spec.layer_prefix
     out = {}
     for path, module in bnn.linear_modules(model):
         if path.endswith(".linear") and isinstance(bnn.module_at(model, path[: -len(".linear")]), AdaptedLinear):
             path = path[: -len(".linear")]  # already wrapped by another adapter: the projection itself
-        m = pattern.match(path)
-        if not m:
+        if not path.startswith(prefix):
             continue
-        rel = m.group(2)
-        first = rel.split(".")[0]
-        if first in ATTENTION_ATTRS:
+        index, _, rel = path[len(prefix):].partition(".")
+        if not index.isdigit():
+            continue
+        if rel.split(".")[0] in ATTENTION_ATTRS:
             out[path] = module
-        elif first == spec.block_attr and rel.split(".")[1:2] and rel.split(".")[1] in SHARED_EXPERT_ATTRS:
+            continue
+        moe = spec.layers.get(int(index))
+        if moe is None or not path.startswith(moe.block_path + ".") or path == moe.router_path:
+            continue
+        inner = path[len(moe.block_path) + 1:].split(".")
+        if len(inner) >= 2 and inner[0].startswith(("shared", "share_")) and bnn.linear_dims(module)[0] > 1:
             out[path] = module
     return out
+
+
+def adapter_key(spec: MoESpec, path: str) -> str:
+    """A target's path inside its decoder layer (mlx-lm's ``lora_parameters.keys``)."""
+    return path[len(spec.layer_prefix):].split(".", 1)[1]
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The checkpoint index: every routed expert's nine byte ranges, validated up front.
+"""The checkpoint index: every routed expert's byte ranges, validated up front.
 
 Opening a model directory reads only the safetensors headers (``safetensors_header``),
 checks them against config.json (``MoESpec``) and maps each (layer, expert) to the byte
@@ -16,7 +16,7 @@ from pathlib import Path
 from edge0.errors import LayoutError, UnsafeModelError
 from edge0.model_files import check_directory, check_entry, read_json
 from edge0.safetensors_header import SafetensorsHeader, TensorEntry, read_header
-from edge0.spec import PARTS, PROJECTIONS, MoESpec
+from edge0.spec import MoESpec
 
 # Files that would make a loader execute code or unpickle data.
 _UNSAFE_SUFFIXES = (".py", ".pyc", ".pkl", ".pickle", ".bin", ".pt", ".pth", ".ckpt")
@@ -41,19 +41,24 @@ class TensorLocation:
 
 @dataclass(frozen=True)
 class LayerExperts:
-    """The nine stacked tensors of one MoE layer, in (proj, part) order of PROJECTIONS x PARTS."""
+    """The stacked tensors of one MoE layer's experts, in the switch module's parameter
+    order (``gate_proj.weight``, ``gate_proj.scales``, ...): expert e is one row of each."""
 
     layer: int
+    names: tuple[str, ...]  # parameter names inside the switch module
     tensors: tuple[TensorLocation, ...]
-    bits: dict[str, int]
-    group_size: dict[str, int]
 
-    def location(self, proj: str, part: str) -> TensorLocation:
-        return self.tensors[PROJECTIONS.index(proj) * 3 + PARTS.index(part)]
+    def location(self, name: str) -> TensorLocation:
+        return self.tensors[self.names.index(name)]
 
     @property
     def expert_bytes(self) -> int:
         return sum(t.row_bytes for t in self.tensors)
+
+    @property
+    def layout(self) -> tuple:
+        """What two layers must share to use the same row buffers."""
+        return tuple((n, t.dtype, t.row_shape, t.row_bytes) for n, t in zip(self.names, self.tensors))
 
 
 def refuse_unsafe(model_dir: Path, config: dict) -> None:
@@ -129,7 +134,10 @@ class CheckpointIndex:
     """Headers of every shard, and the expert byte ranges of every MoE layer."""
 
     def __init__(self, model_dir: str | Path, spec: MoESpec, config: dict | None = None,
-                 headers: list[SafetensorsHeader] | None = None):
+                 headers: list[SafetensorsHeader] | None = None,
+                 layouts: dict[int, list[tuple[str, tuple[int, ...], str]]] | None = None):
+        """``layouts``: per MoE layer, (name, shape, dtype) of its switch module's stacked
+        tensors (``edge0.backend.nn.switch_layout``)."""
         self.model_dir = Path(model_dir)
         self.spec = spec
         if config is not None:
@@ -145,7 +153,7 @@ class CheckpointIndex:
                 self.entries[name] = (header, entry)
         if config is not None:
             self._check_quantized_triples(config)
-        self.layers: dict[int, LayerExperts] = {l: self._layer(l) for l in spec.moe_layers}
+        self.layers: dict[int, LayerExperts] = {l: self._layer(l, layouts[l]) for l in spec.moe_layers}
 
     # -- queries --------------------------------------------------------------------------
     def resident_keys(self) -> list[str]:
@@ -176,56 +184,43 @@ class CheckpointIndex:
                 f"in {', '.join(Path(h.path).name for h in self.headers)}",
                 file=self.model_dir, tensor=key) from None
 
-    def _layer(self, layer: int) -> LayerExperts:
+    def _layer(self, layer: int, expected: list[tuple[str, tuple[int, ...], str]]) -> LayerExperts:
+        """Each stacked tensor the model's switch module holds, found in the files with the
+        shape and dtype it must have. ``expected``: (name, shape, dtype) of the module's
+        parameters, dtype a safetensors name or "float" (any of F16, BF16, F32)."""
         spec = self.spec
+        switch = spec.switch_path(layer)
         locs: list[TensorLocation] = []
-        bits: dict[str, int] = {}
-        groups: dict[str, int] = {}
-        for proj in PROJECTIONS:
-            q = spec.expert_quant(layer, proj)
-            out_dim, in_dim = spec.proj_shape(proj)
-            if in_dim % q.group_size or (in_dim * q.bits) % 32:
-                raise LayoutError(
-                    f"input width {in_dim} is not a multiple of group size {q.group_size} "
-                    f"(bits {q.bits})", file=self.model_dir, tensor=spec.expert_key(layer, proj, "weight"))
-            expected = {
-                "weight": ("U32", (spec.num_experts, out_dim, in_dim * q.bits // 32)),
-                "scales": (None, (spec.num_experts, out_dim, in_dim // q.group_size)),
-                "biases": (None, (spec.num_experts, out_dim, in_dim // q.group_size)),
-            }
-            scale_dtype = None
-            for part in PARTS:
-                key = spec.expert_key(layer, proj, part)
-                header, entry = self._entry(key)
-                want_dtype, want_shape = expected[part]
-                if want_dtype is None:
-                    if entry.dtype not in _SCALE_DTYPES:
-                        raise LayoutError(f"dtype {entry.dtype}, expected one of {_SCALE_DTYPES}",
-                                          file=header.path, tensor=key)
-                    if scale_dtype is not None and entry.dtype != scale_dtype:
-                        raise LayoutError(f"dtype {entry.dtype} differs from the scales' {scale_dtype}",
-                                          file=header.path, tensor=key)
-                    scale_dtype = entry.dtype
-                elif entry.dtype != want_dtype:
-                    raise LayoutError(f"dtype {entry.dtype}, expected {want_dtype} (packed int{q.bits})",
-                                      file=header.path, tensor=key)
-                if len(entry.shape) != 3:
-                    raise LayoutError(f"shape {list(entry.shape)} is not [experts, out, in]",
-                                      file=header.path, tensor=key)
-                if entry.shape[0] != spec.num_experts:
-                    raise LayoutError(
-                        f"expert count {entry.shape[0]} differs from config.json's {spec.num_experts}",
-                        file=header.path, tensor=key)
-                if tuple(entry.shape) != want_shape:
-                    raise LayoutError(
-                        f"shape {list(entry.shape)} is inconsistent with int{q.bits} group {q.group_size} "
-                        f"packing of a {out_dim}x{in_dim} projection: expected {list(want_shape)}",
-                        file=header.path, tensor=key)
-                row = entry.nbytes // spec.num_experts
-                locs.append(TensorLocation(key, header.path, entry.dtype,
-                                           entry.file_offset(header.data_start), row, tuple(entry.shape[1:])))
-            bits[proj], groups[proj] = q.bits, q.group_size
-        return LayerExperts(layer, tuple(locs), bits, groups)
+        floats = set()
+        for name, shape, dtype in expected:
+            key = f"{switch}.{name}"
+            header, entry = self._entry(key)
+            if len(entry.shape) != len(shape):
+                raise LayoutError(f"shape {list(entry.shape)} has {len(entry.shape)} dimensions, the model's expert "
+                                  f"stack has {len(shape)} ({list(shape)})", file=header.path, tensor=key)
+            if entry.shape[0] != shape[0]:
+                raise LayoutError(f"expert count {entry.shape[0]} differs from config.json's {shape[0]}",
+                                  file=header.path, tensor=key)
+            if tuple(entry.shape) != tuple(shape):
+                q = spec.expert_quant(layer, name)
+                how = f"int{q.bits} group {q.group_size} packing" if q is not None else "an unquantized stack"
+                raise LayoutError(f"shape {list(entry.shape)} is inconsistent with config.json ({how}): expected "
+                                  f"{list(shape)}", file=header.path, tensor=key)
+            if dtype == "float":
+                if entry.dtype not in _SCALE_DTYPES:
+                    raise LayoutError(f"dtype {entry.dtype}, expected one of {_SCALE_DTYPES}", file=header.path,
+                                      tensor=key)
+                floats.add(entry.dtype)
+            elif entry.dtype != dtype:
+                raise LayoutError(f"dtype {entry.dtype}, expected {dtype}" + (" (packed quantized words)"
+                                  if dtype == "U32" else ""), file=header.path, tensor=key)
+            row = entry.nbytes // shape[0]
+            locs.append(TensorLocation(key, header.path, entry.dtype, entry.file_offset(header.data_start), row,
+                                       tuple(entry.shape[1:])))
+        if len(floats - {"F32"}) > 1:
+            raise LayoutError(f"the expert stack mixes half-precision types {sorted(floats)}", file=self.model_dir,
+                              tensor=switch)
+        return LayerExperts(layer, tuple(n for n, _, _ in expected), tuple(locs))
 
     def _check_quantized_triples(self, config: dict) -> None:
         """Every quantized module's weight/scales/biases agree with its bits and group size."""

@@ -204,7 +204,7 @@ def cmd_make_tiny(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from edge0.spec import SUPPORTED_MODEL_TYPES
+    from edge0.tiny.configs import ARCHITECTURES
 
     parser = argparse.ArgumentParser(
         prog="edge0", description="Edge0: streaming Mixture-of-Experts inference on MLX. The routed experts of an "
@@ -240,11 +240,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_train_parsers(sub)
 
-    t = sub.add_parser("make-tiny", help="write a small random int4 MoE checkpoint of a supported family",
+    t = sub.add_parser("make-tiny", help="write a small random int4 MoE checkpoint of a supported architecture",
                        description="Builds the model with mlx-lm's own class, randomises its routers so routing "
                                    "varies, quantizes it (int4, group 64) and writes it with a small byte-level "
                                    "BPE tokenizer: a test checkpoint that needs no download.")
-    t.add_argument("family", choices=SUPPORTED_MODEL_TYPES, help="the model_type to build")
+    t.add_argument("family", metavar="MODEL_TYPE", choices=ARCHITECTURES,
+                   help=f"the mlx-lm model_type to build, one of: {', '.join(ARCHITECTURES)}")
     t.add_argument("out", help="output directory")
     t.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
     t.add_argument("--experts", type=int, default=16, help="routed experts per MoE layer (default 16)")

@@ -38,7 +38,7 @@ class EngineConfig:
     # whole_layer. Layers a prerouter head predicts decode staged whatever this says.
     decode_path: str = "exact"
     # Executor path of every MoE layer at prefill (several tokens): exact, hot or
-    # whole_layer (every expert of a layer in nine reads).
+    # whole_layer (every expert of a layer, one read per stacked tensor).
     prefill_path: str = "exact"
     # Per-layer exceptions to the two paths above, each LAYER:PHASE=PATH (e.g. 3:decode=hot);
     # from Python a tuple of (layer, phase, path) triples.

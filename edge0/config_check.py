@@ -6,7 +6,9 @@ in MLX's quantizer. Edge0 checks first, using what mlx-lm itself declares and wh
 checkpoint files hold:
 
 - types: every value whose field the model's ``ModelArgs`` dataclass annotates must have
-  that type (an int where ``int`` is declared, a finite number for ``float``, ...);
+  that type (an int where ``int`` is declared, a finite number for ``float``, ...; a float
+  is let through for an ``int`` field that is not a size or count, because mlx-lm
+  annotates some float fields ``int``);
 - sizes: integer fields that are sizes or counts may not be negative, and may not exceed
   what the checkpoint's tensors could hold (a layer count above the layers that have
   weights, a width above 32 x the largest tensor dimension); positions and windows are
@@ -55,9 +57,17 @@ def check_values(config: dict, annotations: list[tuple[dict, dict]], *, max_dim:
             if name not in hints:
                 continue
             hint = hints[name]
-            if hint is not None and not _matches(value, hint):
+            if hint is not None and not _matches(value, hint) and not _number_for_int(name, value, hint):
                 raise ConfigError(f"{where}: field {name!r} must be {_describe(hint)}, got {value!r:.80}")
             _check_range(name, value, size_limit, layers, where)
+
+
+def _number_for_int(name: str, value: Any, hint) -> bool:
+    """mlx-lm annotates some float-valued fields ``int`` (gpt_oss ``rope_theta``, mimo_v2_flash
+    ``partial_rotary_factor``) and real configs write floats there; a float is accepted for
+    an ``int`` field unless the field is a size or count, where it would break a constructor."""
+    ints = hint is int or int in typing.get_args(hint)
+    return ints and isinstance(value, float) and not _SIZE_NAME.search(name)
 
 
 def _check_range(name: str, value: Any, size_limit: int, layers: int, where: str) -> None:

@@ -1,10 +1,12 @@
 """Opening a checkpoint for streaming: checks, the resident model, executors, artifacts.
 
 ``load_streaming_model`` validates the directory (files, config values, headers) before any
-constructor runs, builds mlx-lm's model with every MoE block replaced by a
-``StreamingMoE``, loads the resident tensors, wires the executor paths, the prerouter heads
-and the adapters found beside the checkpoint (or named by the config), and returns a
-``Streaming``: everything a generation needs. The engine (``edge0.engine``) runs it.
+constructor runs, builds mlx-lm's model, derives what to stream from it (``edge0.arch``),
+replaces every expert stack by a ``StreamingSwitch`` and every router by a ``RouterTap``
+(``edge0.exec.taps``; the blocks themselves run unchanged), loads the resident tensors,
+wires the executor paths, the prerouter heads and the adapters found beside the checkpoint
+(or named by the config), and returns a ``Streaming``: everything a generation needs. The
+engine (``edge0.engine``) runs it.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ from edge0.config_check import check_quantization, check_values, layer_bound
 from edge0.errors import ConfigError
 from edge0.exec.exact import ExactExecutor
 from edge0.exec.hot import HotExecutor
-from edge0.exec.moe_layer import StreamingMoE
 from edge0.exec.oracle import OracleRouting, RoutingRecorder
 from edge0.exec.staged import StagedExecutor, Stager
 from edge0.exec.whole_layer import WholeLayerExecutor
@@ -28,8 +29,9 @@ from edge0.io_sched.reader import ExpertReader
 from edge0.model_files import check_entry
 from edge0.prerouter.files import HEADS_FILENAME, checkpoint_identity, load_heads
 from edge0.prerouter.runtime import Prerouter
-from edge0.routing import make_route_fn
-from edge0.spec import load_config, spec_from_config, with_experts_per_token
+from edge0.arch import check_streamable, derive_spec
+from edge0.exec.taps import RouterTap, StreamingSwitch
+from edge0.spec import load_config, with_experts_per_token
 
 
 class Streaming:
@@ -54,8 +56,21 @@ class Streaming:
         return heads, adapter
 
     def blocks(self) -> dict:
-        """MoE layer -> its StreamingMoE."""
+        """MoE layer -> its block (mlx-lm's own module, running unchanged)."""
         return {l: bnn.module_at(self.model, self.spec.block_path(l)) for l in self.spec.moe_layers}
+
+    def switches(self) -> dict:
+        """MoE layer -> the StreamingSwitch standing in its expert stack's place."""
+        return {l: bnn.module_at(self.model, self.spec.switch_path(l)) for l in self.spec.moe_layers}
+
+    def routers(self) -> dict:
+        """MoE layer -> the RouterTap standing in its router's place (layers with a router)."""
+        return {l: bnn.module_at(self.model, m.router_path) for l, m in self.spec.layers.items() if m.router_path}
+
+    def route(self, layer: int, logits):
+        """The routing layer ``layer``'s own block code makes of router ``logits`` [N, E]:
+        the expert indices [N, k] its switch stack would receive (no expert runs)."""
+        return probe_routing(self, layer, logits)
 
     def begin_step(self, inputs) -> None:
         """Called before every forward pass (the step hook)."""
@@ -132,18 +147,49 @@ def resolve_compute_dtype(name: str, config: dict) -> str:
     return stored if stored in ("bfloat16", "float16", "float32") else "bfloat16"
 
 
-def _validated(model_dir: Path, experts_per_token: int | None = None) -> tuple[dict, object, CheckpointIndex]:
-    """config.json, the spec and the checkpoint index, every check done before any
-    constructor runs and before any tensor byte is read."""
+def _validated(model_dir: Path, experts_per_token: int | None = None) -> tuple[dict, list]:
+    """config.json and the weight files' headers, every check done before any constructor
+    runs and before any tensor byte is read."""
     raw = with_experts_per_token(load_config(model_dir), experts_per_token)
     refuse_unsafe(model_dir, raw)
+    check_streamable(raw)
+    if not isinstance(raw.get("quantization") or (raw.get("text_config") or {}).get("quantization"), dict):
+        raise ConfigError(f"{raw.get('model_type')} checkpoint is not quantized (config.json has no 'quantization'): "
+                          "Edge0 streams quantized mlx-lm checkpoints; convert with `mlx_lm.convert -q --q-bits 4 "
+                          "--q-group-size 64`")
     check_quantization(raw)
     headers = read_headers(model_dir)
     check_values(raw, bnn.arg_annotations(raw), max_dim=max_dimension(headers),
                  layers=layer_bound(name for h in headers for name in h.tensors))
     check_half_dtypes(headers)
-    spec = spec_from_config(raw)
-    return raw, spec, CheckpointIndex(model_dir, spec, raw, headers=headers)
+    return raw, headers
+
+
+def _templates(model, spec, raw: dict, headers) -> dict:
+    """Each MoE layer's switch module, quantized as the checkpoint stores its experts: the
+    code the executors run on their rows."""
+    shapes = {name: tuple(e.shape) for h in headers for name, e in h.tensors.items()}
+    q = raw.get("quantization") or (raw.get("text_config") or {}).get("quantization") or {}
+    out = {}
+    for layer in spec.moe_layers:
+        template = bnn.module_at(model, spec.switch_path(layer))
+        bnn.quantize_switch(template, shapes, spec.switch_path(layer), q)
+        out[layer] = template
+    return out
+
+
+def open_checkpoint(model_dir: str | Path, experts_per_token: int | None = None):
+    """(spec, index, templates) of ``model_dir``: every check of config.json and the weight
+    headers, mlx-lm's model as a skeleton, and the byte ranges of every expert. No tensor
+    byte is read."""
+    model_dir = Path(model_dir)
+    raw, headers = _validated(model_dir, experts_per_token)
+    model = bnn.build_model(raw)
+    spec = derive_spec(model, raw)
+    templates = _templates(model, spec, raw, headers)
+    index = CheckpointIndex(model_dir, spec, raw, headers=headers,
+                            layouts={l: bnn.switch_layout(t) for l, t in templates.items()})
+    return spec, index, templates
 
 
 def _paths(config: EngineConfig, layers: list[int], heads) -> dict[tuple[int, str], str]:
@@ -168,10 +214,16 @@ def _paths(config: EngineConfig, layers: list[int], heads) -> dict[tuple[int, st
 
 def load_streaming_model(model_dir: str | Path, config: EngineConfig, *, oracle: OracleRouting | None = None,
                          record: bool = False, log=None) -> Streaming:
-    """Open ``model_dir`` for streaming: resident model, index, reader, executor paths,
-    prerouter heads and adapters."""
+    """Open ``model_dir`` for streaming: mlx-lm's model with every expert stack replaced by a
+    StreamingSwitch and every router by a RouterTap, the resident tensors loaded, the
+    executor paths, prerouter heads and adapters wired."""
     model_dir = Path(model_dir)
-    raw, spec, index = _validated(model_dir, config.experts_per_token)
+    raw, headers = _validated(model_dir, config.experts_per_token)
+    model = bnn.build_model(raw)
+    spec = derive_spec(model, raw)
+    templates = _templates(model, spec, raw, headers)
+    index = CheckpointIndex(model_dir, spec, raw, headers=headers,
+                            layouts={l: bnn.switch_layout(t) for l, t in templates.items()})
     layers = list(spec.moe_layers)
     if oracle is None and config.oracle_file and config.staged_source != "prerouter":
         oracle = OracleRouting.load(config.oracle_file)
@@ -184,18 +236,16 @@ def load_streaming_model(model_dir: str | Path, config: EngineConfig, *, oracle:
     reader = ExpertReader(index, threads=config.reader_threads, log=log)
     stager = None
     try:
-        exact = ExactExecutor(index, reader, config.bundle_capacity, log=log)
+        exact = ExactExecutor(index, reader, config.bundle_capacity, templates, log=log)
         recorder = RoutingRecorder() if record else None
         exact.recorder = recorder
         hot = HotExecutor(index, reader, config.hot_experts, exact, log=log) if on["hot"] else None
-        whole = WholeLayerExecutor(index, reader, on["whole_layer"], log=log) if on["whole_layer"] else None
-        route = make_route_fn(spec)
-        bias_of: dict[int, object] = {}
+        whole = (WholeLayerExecutor(index, reader, on["whole_layer"], templates, log=log)
+                 if on["whole_layer"] else None)
         heads_dtype = config.prerouter_dtype
         if heads_dtype == "auto":
             heads_dtype = "float32" if B.is_cpu() else "float16"
-        prerouter = (Prerouter(heads, route, lambda l: bias_of.get(l), dtype=B.dtype(heads_dtype))
-                     if heads is not None else None)
+        prerouter = Prerouter(heads, dtype=B.dtype(heads_dtype)) if heads is not None else None
         if on["staged"]:
             stager = Stager(index, on["staged"], config.slots_per_layer or 2 * spec.k, reader,
                             None if prerouter is not None else oracle,
@@ -203,20 +253,17 @@ def load_streaming_model(model_dir: str | Path, config: EngineConfig, *, oracle:
                             prerouter=prerouter, fallback=exact, guard_every=config.guard_every)
         paths = {"exact": exact, "hot": hot, "whole_layer": whole,
                  "staged": StagedExecutor(stager) if stager is not None else None}
-
-        def replace_blocks(model):
-            for layer in layers:
-                path = spec.block_path(layer)
-                original = bnn.module_at(model, path)
-                if original is None or "switch_mlp" not in original:
-                    raise ConfigError(f"{spec.model_type}: expected a MoE block at {path!r}; config.json and "
-                                      "mlx-lm's model class disagree about which layers are MoE")
-                executors = {ph: paths[path_of[layer, ph]] for ph in PHASES}
-                bnn.set_module_at(model, path, StreamingMoE(spec, layer, original, route, executors))
-
+        for layer in layers:
+            template = templates[layer]
+            width_out = bnn.switch_output_width(template)
+            executors = {ph: paths[path_of[layer, ph]] for ph in PHASES}
+            bnn.set_module_at(model, spec.switch_path(layer), StreamingSwitch(layer, template, executors, width_out))
         compute_dtype = resolve_compute_dtype(config.compute_dtype, raw)
-        model = bnn.load_resident(model_dir, raw, index.files, spec.is_expert_key, replace_blocks,
-                                  B.dtype(compute_dtype))
+        model = bnn.load_resident(model, model_dir, raw, index.files, spec.is_expert_key, B.dtype(compute_dtype))
+        for layer, m in spec.layers.items():
+            if m.router_path:
+                original = bnn.module_at(model, m.router_path)
+                bnn.set_module_at(model, m.router_path, RouterTap(layer, original, m.router_kind, m.router_outputs))
         adapters = _load_adapters(model_dir, config, model, spec, heads_path, log)
     except BaseException:
         if stager is not None:
@@ -227,21 +274,42 @@ def load_streaming_model(model_dir: str | Path, config: EngineConfig, *, oracle:
                           adapters)
     streaming.compute_dtype = compute_dtype
     if prerouter is not None:
-        _wire_prerouter(streaming, prerouter, stager, bias_of)
+        _wire_prerouter(streaming, prerouter, stager)
     return streaming
 
 
-def _wire_prerouter(streaming: Streaming, prerouter, stager, bias_of: dict) -> None:
-    """Owners feed the prerouter; consumers take its prediction as their routing."""
-    spec = streaming.spec
-    for l, block in streaming.blocks().items():
-        if spec.router_bias_attr:
-            bias_of[l] = getattr(block.gate, spec.router_bias_attr)
+def _wire_prerouter(streaming: Streaming, prerouter, stager) -> None:
+    """Owners feed the prerouter (their router's input, then the experts their block routed
+    to); consumers' routers return its prediction at staged decode steps."""
+    prerouter.attach(streaming)
+    routers = streaming.routers()
+    for l, switch in streaming.switches().items():
         if l in prerouter.owners:
-            block.observer = prerouter.observe
+            routers[l].observer = prerouter.on_router_input
+            switch.observer = prerouter.on_experts
         if stager is not None and l in stager.layers:
-            block.planned = stager.planned_routing
-            block.guard = stager
+            routers[l].planned = stager.planned_logits
+            routers[l].guard = stager
+
+
+def probe_routing(streaming: Streaming, layer: int, logits):
+    """Run layer ``layer``'s block on a dummy input with its router returning ``logits``
+    [N, E] and its switch capturing instead of computing: the indices [N, k] the block's own
+    routing code makes of those logits."""
+    spec = streaming.spec
+    if spec.prerouter_problem:
+        raise ConfigError(f"{spec.model_type}: {spec.prerouter_problem}")
+    block = bnn.module_at(streaming.model, spec.block_path(layer))
+    router = bnn.module_at(streaming.model, spec.layers[layer].router_path)
+    switch = bnn.module_at(streaming.model, spec.switch_path(layer))
+    n = logits.shape[0]
+    captured: list = []
+    router.forced, switch.capture = logits, captured
+    try:
+        block(B.zeros((n, 1, spec.block_input), dtype=logits.dtype))
+    finally:
+        router.forced, switch.capture = None, None
+    return captured[0].reshape(n, -1)
 
 
 def _adapter_dirs(model_dir: Path, config: EngineConfig) -> list[tuple[str, Path]]:
@@ -294,5 +362,8 @@ def _load_heads(model_dir: Path, config: EngineConfig, oracle, spec):
         return None, None
     if not config.prerouter_file:
         check_entry(model_dir, HEADS_FILENAME)
+    if spec.prerouter_problem:
+        raise ConfigError(f"prerouter heads {path} cannot drive {spec.model_type}: {spec.prerouter_problem} "
+                          "(use --prerouter off)")
     heads, _ = load_heads(path, model_dir, spec=spec)
     return heads, path

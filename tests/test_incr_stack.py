@@ -5,13 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from edge0.checkpoint import CheckpointIndex
 from edge0.exec.exact import ExpertRows
 from edge0.io_sched.plan import LayerPlan, StepPlan
 from edge0.io_sched.reader import ExpertReader
 from edge0.io_sched.scheduler import PrefetchScheduler
 from edge0.io_sched.store import SlotStore
-from edge0.spec import load_config, load_spec
+from edge0.loader import open_checkpoint
 
 pytestmark = pytest.mark.asyncio
 
@@ -25,7 +24,7 @@ def file_bytes(loc, expert):
 
 async def test_changed_experts_only_are_written(tiny_model_factory):
     d = tiny_model_factory("qwen3_moe")
-    index = CheckpointIndex(d, load_spec(d), load_config(d))
+    _, index, _ = open_checkpoint(d)
     layers = list(index.spec.moe_layers[:2])
     per_expert = index.layers[layers[0]].expert_bytes
     with ExpertReader(index, threads=2) as reader:

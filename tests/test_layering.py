@@ -10,7 +10,7 @@ import edge0
 ROOT = Path(edge0.__file__).parent
 # Checkpoint builders make checkpoints *with* mlx-lm's classes by design (tools, not the engine).
 # Training (edge0/train/) runs mlx-lm's resident classes and MLX's autodiff by design.
-EXEMPT = {"tiny.py", "benchmark/checkpoint.py"}
+EXEMPT = {"tiny/build.py", "benchmark/checkpoint.py"}
 EXEMPT_DIRS = ("backend", "train")
 
 

@@ -49,17 +49,16 @@ def test_staged_set_equals_routed_set_for_64_steps(trained, family):
             submit(plan)
 
         stager.scheduler.submit = record_plan
-        blocks = s.blocks()
-        owners_observer = s.prerouter.observe
+        switches = s.switches()
 
-        def observe(layer, x, inds):
-            if x.shape[-2] == 1 and layer in stager.layers:
+        def observe(layer, inds, _previous):
+            if inds.size == inds.shape[-1] and layer in stager.layers:  # one token: a decode step
                 used.setdefault(stager.step, {})[layer] = set(np.array(inds).reshape(-1).tolist())
-            if layer in s.prerouter.owners:
-                owners_observer(layer, x, inds)
+            if _previous is not None:
+                _previous(layer, inds)
 
         for l in s.spec.moe_layers:
-            blocks[l].observer = observe
+            switches[l].observer = lambda layer, inds, _p=switches[l].observer: observe(layer, inds, _p)
         events = list(engine.stream(PROMPT, max_tokens=64))
     assert len(events) == 64
     planned_steps = sorted(plans)
@@ -113,21 +112,25 @@ def test_prerouter_off_and_required(trained, tiny_model_factory):
 
 def _staged_step_syncs(d, monkeypatch):
     """Per decode step: MLX-level syncs of the whole forward, and of the staged blocks alone."""
-    from edge0.exec.moe_layer import StreamingMoE
     from tests.syncs import count_syncs
 
     s = load_streaming_model(d, EngineConfig())
     try:
         staged = set(s.stager.layers)
+        blocks = s.blocks()
+        routers = s.routers()
+        staged_ids = {id(blocks[l]): routers[l] for l in staged}
+        cls = type(blocks[min(staged)])
         s.stager.reset()
         model = StepModel(s)
         cache = bnn.make_cache(model)
         mx.eval(model(mx.array([[5, 6, 7, 8]]), cache=cache))
         inside: list = []
-        call = StreamingMoE.__call__
+        call = cls.__call__
 
         def counted_call(self, x):
-            if self.layer_id not in staged or x.shape[-2] != 1:
+            # (a probe routing predicted logits through the block, forced, is not a step)
+            if id(self) not in staged_ids or x.shape[-2] != 1 or staged_ids[id(self)].forced is not None:
                 return call(self, x)
             before = counter.snapshot()
             y = call(self, x)
@@ -135,7 +138,7 @@ def _staged_step_syncs(d, monkeypatch):
             inside.append({k: after[k] - before[k] for k in after if after[k] != before[k]})
             return y
 
-        monkeypatch.setattr(StreamingMoE, "__call__", counted_call)
+        monkeypatch.setattr(cls, "__call__", counted_call)
         per_step = []
         with count_syncs() as counter:
             for t in (9, 10, 11, 12):
@@ -144,7 +147,7 @@ def _staged_step_syncs(d, monkeypatch):
                 after = counter.snapshot()
                 per_step.append({k: after[k] - before[k] for k in after if after[k] != before[k]})
                 mx.eval(logits)
-        monkeypatch.setattr(StreamingMoE, "__call__", call)
+        monkeypatch.setattr(cls, "__call__", call)
         return per_step, inside, len(staged)
     finally:
         s.close()
@@ -227,61 +230,78 @@ def _strong_bias_deepseek(tiny_model_factory, path):
     return d
 
 
+class _Returns:
+    """A router stand-in for the reference block: returns what it was given."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __call__(self, x):
+        return self.value
+
+
+def _reference_block(model_dir, spec, layer):
+    """Layer ``layer``'s block of mlx-lm's own resident model (float32, every expert loaded)."""
+    from mlx_lm.utils import load_model
+
+    ref, _ = load_model(model_dir)
+    bnn.cast_model(ref, mx.float32)
+    return bnn.module_at(ref, spec.block_path(layer))
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
 def test_prediction_is_the_routing_weights_included(trained, tiny_model_factory, tmp_path, family):
-    """Every staged decode layer computes combine(experts[predicted inds], predicted scores):
-    the prediction's combine weights too, not the layer's own gate's. Checked against the
-    exact executor bit for bit, and the check is sensitive: weights taken from the gate at
-    the same experts give another output."""
-    from edge0.routing import combine
+    """Every staged decode layer computes what mlx-lm's own block computes when its router
+    returns the predicted logits: experts and combine weights both from the prediction.
+    Checked bit for bit against mlx-lm's resident block (for deepseek_v3, whose gate
+    multiplies inline, the reference gate is mlx-lm's group_expert_select on the predicted
+    logits, with the layer's score-correction bias); and the check is sensitive: the block on
+    its own router gives another output at most steps."""
+    from mlx_lm.models.deepseek_v3 import group_expert_select
+
+    from edge0.spec import load_config
 
     d = _strong_bias_deepseek(tiny_model_factory, tmp_path / "m") if family == "deepseek_v3" else trained(family)[0]
     seen = []
     with Engine(d) as engine:
         s = engine.streaming
-        blocks = s.blocks()
-        for l in s.stager.layers:
+        stager, blocks = s.stager, s.blocks()
+        for l in stager.layers:
             blk = blocks[l]
-            planned, observer = blk.planned, blk.observer
+            cls = type(blk)
 
-            def capture(layer, x, inds, _blk=blk, _observer=observer):
-                routed = _blk.planned(layer)
-                if routed is not None and x.shape[-2] == 1:
-                    seen.append((layer, x, routed))
-                if _observer is not None:
-                    _observer(layer, x, inds)
+            def call(inner, x, _cls=cls, _l=l):
+                y = _cls.__call__(inner, x)
+                z = stager.planned_logits(_l)
+                if x.shape[-2] == 1 and z is not None:
+                    mx.eval(x, z, y)  # on the engine's compute thread, whose stream made them
+                    seen.append((_l, x, z, y))
+                return y
 
-            blk.observer = capture
-        outputs = []
-        call = type(blocks[s.stager.layers[0]]).__call__
-
-        def record_output(self, x):
-            y = call(self, x)
-            if self.layer_id in s.stager.layers and x.shape[-2] == 1 and self.planned(self.layer_id) is not None:
-                outputs.append(y)
-            return y
-
-        type(blocks[s.stager.layers[0]]).__call__ = record_output
+            blk.__class__ = type(f"Recorded{cls.__name__}", (cls,), {"__call__": call})
+        list(engine.stream(PROMPT, max_tokens=12))
+        spec = s.spec
+    cfg = load_config(d)
+    assert len(seen) >= 10 * len(stager.layers)
+    differs = 0
+    refs = {l: _reference_block(d, spec, l) for l in stager.layers}
+    for layer, x, z, y in seen:
+        ref = refs[layer]
+        gate = ref.gate
+        if family == "deepseek_v3":
+            routed = group_expert_select(z.astype(mx.float32), gate.e_score_correction_bias, cfg["num_experts_per_tok"],
+                                         cfg["n_group"], cfg["topk_group"], cfg["routed_scaling_factor"],
+                                         cfg["norm_topk_prob"])
+            ref.gate = _Returns(routed)
+        else:
+            ref.gate = _Returns(z.reshape(*x.shape[:-1], -1).astype(x.dtype))
         try:
-            list(engine.stream(PROMPT, max_tokens=12))
+            expected = ref(x)
         finally:
-            type(blocks[s.stager.layers[0]]).__call__ = call
-        assert len(seen) == len(outputs) >= 10 * len(s.stager.layers)
-        differs = 0
-        for (layer, x, (inds, scores)), y in zip(seen, outputs):
-            blk = blocks[layer]
-            shared = blk.shared_experts(x) if s.spec.shared_expert == "plain" else None
-            ref = combine(s.exact(layer, x, inds), scores)
-            ref = ref + shared if shared is not None else ref
-            assert mx.array_equal(y, ref).item(), f"layer {layer}"
-            own = blk.router_logits(x).astype(mx.float32)
-            at = inds.reshape(*own.shape[:-1], inds.shape[-1])
-            probs = mx.sigmoid(own) if s.spec.router_bias_attr else mx.softmax(own, axis=-1)
-            gate_scores = mx.take_along_axis(probs, at, axis=-1).reshape(scores.shape)
-            alt = combine(s.exact(layer, x, inds), gate_scores.astype(scores.dtype))
-            alt = alt + shared if shared is not None else alt
-            differs += not mx.array_equal(y, alt).item()
-        assert differs > len(seen) // 2
+            ref.gate = gate
+        assert mx.array_equal(y, expected).item(), f"layer {layer}: {mx.abs(y - expected).max().item()}"
+        differs += not mx.array_equal(y, ref(x)).item()
+    assert differs > len(seen) // 2
 
 
 def test_predicted_routing_applies_the_score_correction_bias(tiny_model_factory, tmp_path):
@@ -313,18 +333,22 @@ def test_predicted_routing_applies_the_score_correction_bias(tiny_model_factory,
 
         s.prerouter.flush = capture_flush
         list(engine.stream(PROMPT, max_tokens=12))
-    cfg = s.spec.routing
+    from edge0.spec import load_config
+
+    cfg = load_config(d)
+    args = (cfg["num_experts_per_tok"], cfg["n_group"], cfg["topk_group"], cfg["routed_scaling_factor"],
+            cfg["norm_topk_prob"])
     moved = 0
     assert len(logits_seen) == len(planned_seen) >= 10
     for logits, planned in zip(logits_seen, planned_seen):
         for i, owner in enumerate(heads.owners):
-            gate = blocks[owner + 1].gate
+            consumer = heads.consumer[owner]
+            bias = blocks[consumer].gate.original.e_score_correction_bias
             z = logits[i].astype(mx.float32)
-            ref = group_expert_select(z, gate.e_score_correction_bias, cfg.k, cfg.n_group, cfg.topk_group,
-                                      cfg.routed_scaling_factor, cfg.norm_topk_prob)
-            inds, scores = planned[owner + 1]
-            assert mx.array_equal(inds, ref[0]).item() and mx.array_equal(scores, ref[1]).item()
-            unbiased = group_expert_select(z, mx.zeros_like(gate.e_score_correction_bias), cfg.k, cfg.n_group,
-                                           cfg.topk_group, cfg.routed_scaling_factor, cfg.norm_topk_prob)
+            ref = group_expert_select(z, bias, *args)
+            inds, predicted = planned[consumer]
+            assert mx.array_equal(predicted, z).item()
+            assert mx.array_equal(inds, ref[0].reshape(inds.shape)).item()
+            unbiased = group_expert_select(z, mx.zeros_like(bias), *args)
             moved += not mx.array_equal(mx.sort(unbiased[0]), mx.sort(ref[0])).item()
     assert moved > 0  # the bias changes the selection here, so dropping it would be seen

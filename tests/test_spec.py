@@ -1,57 +1,87 @@
-"""MoESpec from config.json agrees with mlx-lm's own model classes."""
+"""The MoESpec Edge0 derives from mlx-lm's own model, for every architecture."""
 
 from __future__ import annotations
 
 import pytest
-from mlx_lm.utils import _get_classes
 
+from edge0.arch import NOT_STREAMABLE, SUPPORTED_MODEL_TYPES, derive_spec
 from edge0.backend import nn as bnn
 from edge0.errors import ConfigError
-from edge0.spec import SigmoidGroup, SoftmaxTopK, load_config, load_spec, spec_from_config
+from edge0.spec import load_config, load_spec
+from edge0.tiny import MIN_LAYERS, tiny_config
+from tests.ckpt_tools import copy_model
+
+# Architectures whose MoE block is the decoder layer itself (no module that routes on its
+# own input): they stream on every path, without a prerouter.
+NO_PREROUTER = {"gemma4_text", "gemma4", "gemma4_unified"}
 
 
-def test_spec_matches_model_class(tiny_model):
-    config = load_config(tiny_model)
-    spec = load_spec(tiny_model)
-    model_class, args_class = _get_classes(config)
-    model = model_class(args_class.from_dict(config))
-    moe = tuple(i for i in range(spec.num_layers)
-                if (b := bnn.module_at(model, spec.block_path(i))) is not None and "switch_mlp" in b)
-    assert moe == spec.moe_layers and moe
-    block = bnn.module_at(model, spec.block_path(moe[0]))
-    assert block.switch_mlp.up_proj.weight.shape == (spec.num_experts, spec.moe_intermediate_size, spec.hidden_size)
-    for child in spec.resident_children:
-        assert child in block, child
-    assert spec.quant.bits == 4 and spec.quant.group_size == 64
-    family = {"qwen3_moe": SoftmaxTopK, "qwen3_5_moe": SoftmaxTopK, "mixtral": SoftmaxTopK}.get(
-        spec.model_type, SigmoidGroup)
-    assert isinstance(spec.routing, family) and spec.routing.k == spec.k
+@pytest.mark.parametrize("model_type", SUPPORTED_MODEL_TYPES)
+def test_spec_matches_the_model(model_type):
+    """Layers with an expert stack, its expert count, k and the router, checked against the
+    model mlx-lm builds for the config (a skeleton: nothing is evaluated)."""
+    layers = max(4, MIN_LAYERS.get(model_type, 1))
+    config = tiny_config(model_type, layers=layers, experts=16, k=3)
+    model = bnn.build_model(config)
+    spec = derive_spec(model, config)
+    with_stack = tuple(i for i in range(spec.num_layers)
+                       if any(bnn.is_switch(m) for _, m in bnn.module_at(model, f"{spec.layer_prefix}{i}")
+                              .named_modules()))
+    assert spec.moe_layers == with_stack and with_stack
+    expected_k = 1 if model_type == "llama4" else 3  # llama4 routes one expert per token
+    assert spec.k == expected_k and spec.num_experts == 16
+    for layer in spec.moe_layers:
+        m = spec.layers[layer]
+        assert bnn.is_switch(bnn.module_at(model, m.switch_path))
+        assert bnn.switch_experts(bnn.module_at(model, m.switch_path)) == 16
+        assert m.switch_path.startswith(m.block_path + ".")
+        router = bnn.module_at(model, m.router_path)
+        assert router is not None and m.router_path.startswith(m.block_path + ".")
+        assert m.router_outputs >= 16 and router["weight"].shape[0] == m.router_outputs
+    assert (spec.prerouter_problem is not None) == (model_type in NO_PREROUTER)
 
 
 def test_expert_keys(tiny_model_factory):
     spec = load_spec(tiny_model_factory("qwen3_5_moe"))
-    assert spec.expert_key(2, "down_proj", "scales") == "language_model.model.layers.2.mlp.switch_mlp.down_proj.scales"
+    assert spec.switch_path(2) == "language_model.model.layers.2.mlp.switch_mlp"
     assert spec.is_expert_key("language_model.model.layers.0.mlp.switch_mlp.up_proj.weight")
     assert not spec.is_expert_key("language_model.model.layers.0.mlp.shared_expert.up_proj.weight")
+    assert not spec.is_expert_key("language_model.model.layers.0.mlp.gate.weight")
 
 
-@pytest.mark.parametrize("change,match", [
-    (dict(num_experts_per_tok=0), r"num_experts_per_tok must be in 1..16, got 0"),
-    (dict(num_experts_per_tok=17), r"num_experts_per_tok must be in 1..16, got 17"),
-    (dict(num_experts=-1), "'num_experts' must be a non-negative integer, got -1"),
-    (dict(num_experts="16"), "'num_experts' must be a non-negative integer, got '16'"),
-    (dict(quantization={"group_size": 64, "bits": 7}), "quantization.bits must be one of"),
-    (dict(quantization={"group_size": 64, "bits": 4, "mode": "mxfp4"}), "mode 'mxfp4' is not supported"),
+def test_quantization_is_read(tiny_model):
+    spec = load_spec(tiny_model)
+    assert spec.quant.bits == 4 and spec.quant.group_size == 64 and spec.quant.mode == "affine"
+
+
+@pytest.mark.parametrize("family,change,match", [
+    ("qwen3_moe", dict(num_experts_per_tok=0), r"field 'num_experts_per_tok' must be at least 1, got 0"),
+    ("qwen3_moe", dict(num_experts_per_tok=17), r"qwen3_moe MoE block cannot route a token .* invalid kth"),
+    ("qwen3_moe", dict(num_experts=-1), "field 'num_experts' must not be negative, got -1"),
+    ("qwen3_moe", dict(num_experts="16"), "field 'num_experts' must be an integer, got '16'"),
+    ("qwen3_moe", dict(quantization={"group_size": 64, "bits": 7}), "quantization.bits must be one of"),
+    ("qwen3_moe", dict(quantization={"group_size": 64, "bits": 4, "mode": "mxfp4"}),
+     "quantization.mode must be one of affine, got 'mxfp4'"),
+    ("deepseek_v3", dict(n_group=3), r"deepseek_v3 MoE block cannot route a token .* \(3,5\)"),
 ])
-def test_bad_config_values(tiny_model_factory, change, match):
-    config = {**load_config(tiny_model_factory("qwen3_moe")), **change}
+def test_bad_config_values(tiny_model_factory, tmp_path, family, change, match):
+    bad = copy_model(tiny_model_factory(family), tmp_path / "m", config=lambda c: c.update(change))
     with pytest.raises(ConfigError, match=match):
-        spec_from_config(config)
+        load_spec(bad)
 
 
-def test_bad_group_routing(tiny_model_factory):
-    config = load_config(tiny_model_factory("deepseek_v3"))
-    with pytest.raises(ConfigError, match="n_group 3 must divide the expert count 16"):
-        spec_from_config({**config, "n_group": 3})
-    with pytest.raises(ConfigError, match=r"topk_group must be in 1..n_group=4, got 5"):
-        spec_from_config({**config, "topk_group": 5})
+def test_unquantized_checkpoint_is_refused(tiny_model_factory, tmp_path):
+    bad = copy_model(tiny_model_factory("qwen3_moe"), tmp_path / "m", config=lambda c: c.pop("quantization"))
+    with pytest.raises(ConfigError, match="is not quantized"):
+        load_spec(bad)
+
+
+def test_not_streamable_types_name_their_reason():
+    assert set(NOT_STREAMABLE) == {"muse_spark", "dbrx"}
+    assert not set(NOT_STREAMABLE) & set(SUPPORTED_MODEL_TYPES)
+
+
+def test_experts_per_token_override(tiny_model_factory):
+    d = tiny_model_factory("mixtral")
+    assert load_spec(d).k == 4 and load_spec(d, experts_per_token=2).k == 2
+    assert load_config(d)["num_experts_per_tok"] == 4

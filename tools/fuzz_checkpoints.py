@@ -40,12 +40,12 @@ OUTCOMES = ("typed", "opened", "untyped", "hang", "crash", "memory")
 
 def build_bases(workdir: Path) -> list[Path]:
     from edge0.cli import PACKAGED_DEMO
-    from edge0.spec import SUPPORTED_MODEL_TYPES
+    from edge0.tiny import FAMILIES
     from edge0.tiny import make_tiny
     from edge0.train.heads import make_warm_heads
 
     bases = []
-    for family in SUPPORTED_MODEL_TYPES:
+    for family in FAMILIES:
         d = make_tiny(family, workdir / f"base-{family}", seed=0, overwrite=True)
         bases.append(Path(d))
     demo = workdir / "base-demo"

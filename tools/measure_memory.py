@@ -76,11 +76,10 @@ def main() -> int:
     if args.arm:
         print(json.dumps(ARMS[args.arm](args.model, args.max_tokens)))
         return 0
-    from edge0.checkpoint import CheckpointIndex
-    from edge0.spec import load_config, load_spec
+    from edge0.loader import open_checkpoint
 
     model = Path(args.model) if args.model else default_model()
-    index = CheckpointIndex(model, load_spec(model), load_config(model))
+    _, index, _ = open_checkpoint(model)
     results = {name: run_arm(name, str(model), args.max_tokens) for name in ARMS}
     base, ours = results["mlx-lm resident"], results["edge0 exact"]
     summary = dict(

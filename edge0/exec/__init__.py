@@ -1,6 +1,6 @@
-"""The compute side: executor paths and the generic streaming MoE layer."""
+"""The compute side: executor paths, and the modules Edge0 puts inside mlx-lm's MoE blocks."""
 
-from edge0.exec.exact import ExactExecutor, switch_glu
-from edge0.exec.moe_layer import StreamingMoE
+from edge0.exec.exact import ExactExecutor
+from edge0.exec.taps import RouterTap, StreamingSwitch
 
-__all__ = ["ExactExecutor", "StreamingMoE", "switch_glu"]
+__all__ = ["ExactExecutor", "RouterTap", "StreamingSwitch"]

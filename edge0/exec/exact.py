@@ -1,13 +1,14 @@
-"""The exact path: route, deduplicate, read the experts, gather matmul. The oracle.
+"""The exact path: route, deduplicate, read the experts, run the stack. The oracle.
 
-For the current tokens the distinct experts are read into a bundle (nine row buffers of
-``capacity`` rows, shared by every layer), the routing indices are mapped to bundle rows
-through a table with ``take``, and the quantized gather matmul runs over the bundle.
-When a prefill needs more distinct experts than the bundle holds, the (token, expert)
-pairs are processed in expert chunks, each pair exactly once.
+For the current tokens the distinct experts are read into a bundle (one row buffer per
+stacked tensor, ``capacity`` rows, shared by the layers with the same layout), the routing
+indices are mapped to bundle rows through a table with ``take``, and the block's own
+switch module runs on the bundle (``edge0.exec.taps.bind``). When a prefill needs more
+distinct experts than the bundle holds, the (token, expert) pairs are processed in expert
+chunks, each pair exactly once.
 
-The computation mirrors mlx-lm's SwitchGLU op for op (same sorting rule, same kernel), so
-outputs are bit-identical to the resident model.
+The computation is the switch module's own code on the same rows, so outputs are
+bit-identical to the resident model.
 """
 
 from __future__ import annotations
@@ -18,48 +19,31 @@ import numpy as np
 
 from edge0.backend import core as B
 from edge0.backend import io as bio
-from edge0.backend import quant as Q
 from edge0.checkpoint import CheckpointIndex, LayerExperts
+from edge0.exec.taps import bind
 from edge0.io_sched.reader import ExpertReader
-from edge0.spec import PARTS, PROJECTIONS
-
-
-def switch_glu(x, inds, weights: dict, layer: LayerExperts):
-    """SwitchGLU over stacked expert weights ``weights[(proj, part)]`` indexed by ``inds``.
-
-    x: [..., D]; inds: [..., k] into axis 0 of the weights. Returns [..., k, D].
-    """
-    x = B.expand_dims(x, (-2, -3))
-    inds = B.stop_gradient(inds)
-    do_sort = inds.size >= 64
-    idx, inv_order = inds, None
-    if do_sort:
-        x, idx, inv_order = Q.sort_rows(x, inds)
-
-    def proj(h, name):
-        return Q.gather_qmm(h, weights[(name, "weight")], weights[(name, "scales")], weights[(name, "biases")],
-                            idx, bits=layer.bits[name], group_size=layer.group_size[name], sorted_indices=do_sort)
-
-    h = Q.glu(proj(x, "up_proj"), proj(x, "gate_proj"))
-    out = proj(h, "down_proj")
-    if do_sort:
-        out = Q.unsort_rows(out, inv_order, inds.shape)
-    return out.squeeze(-2)
 
 
 class ExpertRows:
-    """Nine row buffers (one per stacked tensor) of ``capacity`` expert rows each: the exact
-    path's bundle, a staged layer's slots, a hot set, a whole-layer buffer."""
+    """One row buffer per stacked tensor of a layer, ``capacity`` expert rows each: the
+    exact path's bundle, a staged layer's slots, a hot set, a whole-layer buffer.
+    ``kernel(template)`` is the switch module bound to these rows."""
 
     def __init__(self, layer: LayerExperts, capacity: int):
         self.capacity = capacity
-        self.layout = tuple((t.dtype, t.row_shape, t.row_bytes) for t in layer.tensors)
+        self.layout = layer.layout
         self.buffers = [bio.RowBuffer(capacity, t.row_bytes) for t in layer.tensors]
-        self.weights = {
-            (p, q): buf.typed(t.dtype, t.row_shape)
-            for (p, q), buf, t in zip(((p, q) for p in PROJECTIONS for q in PARTS), self.buffers, layer.tensors)
-        }
+        self.views = {name: buf.typed(t.dtype, t.row_shape)
+                      for name, buf, t in zip(layer.names, self.buffers, layer.tensors)}
+        self._kernels: dict[int, object] = {}
         self.pending = None  # last lazy output that reads these buffers
+
+    def kernel(self, template):
+        """``template`` (a layer's switch module) computing over these rows (cached)."""
+        k = self._kernels.get(id(template))
+        if k is None:
+            k = self._kernels[id(template)] = bind(template, self.views)
+        return k
 
     @property
     def nbytes(self) -> int:
@@ -75,17 +59,18 @@ class ExpertRows:
 class ExactExecutor:
     """On-demand, deduplicated expert execution over a shared bundle (host sync per layer)."""
 
-    def __init__(self, index: CheckpointIndex, reader: ExpertReader, capacity: int, log=None):
+    def __init__(self, index: CheckpointIndex, reader: ExpertReader, capacity: int, templates: dict, log=None):
         self.index = index
         self.reader = reader
         self.num_experts = index.spec.num_experts
         self.capacity = max(capacity, index.spec.k)
         self._bundles: dict[tuple, ExpertRows] = {}
+        self.templates = templates  # layer -> its switch module (the kernel's code)
         self.recorder = None  # a RoutingRecorder while an oracle is being recorded
         self.log = log
 
     def bundle_for(self, layer: LayerExperts) -> ExpertRows:
-        key = tuple((t.dtype, t.row_shape, t.row_bytes) for t in layer.tensors)
+        key = layer.layout
         if key not in self._bundles:
             self._bundles[key] = ExpertRows(layer, self.capacity)
         return self._bundles[key]
@@ -114,18 +99,21 @@ class ExactExecutor:
             self._load(bundle, layer_id, distinct)
             table = np.zeros(self.num_experts, dtype=np.int32)
             table[distinct] = np.arange(len(distinct), dtype=np.int32)
-            out = switch_glu(x, B.take(B.array(table), inds), bundle.weights, layer)
+            out = bundle.kernel(self.templates[layer_id])(x, B.take(B.array(table), inds))
             bundle.pending = out
             return out
         return self._chunked(bundle, layer, x, ids, distinct)
 
     def _chunked(self, bundle: ExpertRows, layer: LayerExperts, x, ids: np.ndarray, distinct: np.ndarray):
-        """Pairs grouped by expert, one bundle-full of experts at a time."""
+        """Pairs grouped by expert, one bundle-full of experts at a time. Each chunk runs the
+        switch module on its pairs as rows of one expert each (k = 1): per pair, the same
+        computation the whole call would do."""
         k = ids.shape[-1]
         flat = ids.reshape(-1)
         order = np.argsort(flat, kind="stable")  # pair positions grouped by expert, ascending
         sorted_ids = flat[order]
-        x_rows = x.reshape(-1, 1, x.shape[-1])  # [tokens, 1, D], as SwitchGLU after sorting
+        x_rows = x.reshape(-1, x.shape[-1])  # [tokens, D]
+        kernel = bundle.kernel(self.templates[layer.layer])
         outs, positions = [], []
         for start in range(0, len(distinct), bundle.capacity):
             chunk = distinct[start:start + bundle.capacity]
@@ -135,18 +123,10 @@ class ExactExecutor:
             self._load(bundle, layer.layer, chunk)
             local = np.searchsorted(chunk, sorted_ids[lo:hi]).astype(np.int32)
             xs = x_rows[B.array((pos // k).astype(np.int32))]
-            w = bundle.weights
-
-            def proj(h, name, local_idx):
-                return Q.gather_qmm(h, w[(name, "weight")], w[(name, "scales")], w[(name, "biases")], local_idx,
-                                    bits=layer.bits[name], group_size=layer.group_size[name], sorted_indices=True)
-
-            li = B.array(local)
-            h = Q.glu(proj(xs, "up_proj", li), proj(xs, "gate_proj", li))
-            out = proj(h, "down_proj", li)
+            out = kernel(xs, B.array(local[:, None]))[:, 0]  # [pairs, D]
             B.eval(out)  # the next chunk overwrites the bundle
             outs.append(out)
             positions.append(pos)
         inverse = np.argsort(np.concatenate(positions), kind="stable").astype(np.int32)
         y = B.concatenate(outs, axis=0)[B.array(inverse)]
-        return y.reshape(*ids.shape, x.shape[-1])
+        return y.reshape(*ids.shape, y.shape[-1])

@@ -13,7 +13,7 @@ import numpy as np
 
 from edge0.backend import core as B
 from edge0.checkpoint import CheckpointIndex
-from edge0.exec.exact import ExactExecutor, ExpertRows, switch_glu
+from edge0.exec.exact import ExactExecutor, ExpertRows
 from edge0.io_sched.reader import ExpertReader
 from edge0.io_sched.slots import SlotTable
 
@@ -70,6 +70,6 @@ class HotExecutor:
             self.log.debug("hot.step", layer=layer, hits=len(distinct) - len(misses), misses=len(misses))
         lut = np.zeros(self.index.spec.num_experts, dtype=np.int32)
         lut[list(claimed)] = [slot for slot, _ in claimed.values()]
-        out = switch_glu(x, B.take(B.array(lut), inds), rows.weights, self.index.layers[layer])
+        out = rows.kernel(self.exact.templates[layer])(x, B.take(B.array(lut), inds))
         rows.pending = out
         return out

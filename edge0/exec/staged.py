@@ -1,6 +1,6 @@
 """The staged path: routing known before the step, experts read ahead into sticky slots.
 
-Each staged layer owns S slots (nine row buffers of S experts). Before a decode step the
+Each staged layer owns S slots (one row buffer of S experts per stacked tensor). Before a decode step the
 ``Stager`` hands that step's per-layer expert sets (from the oracle now, the prerouter
 later) to the async ``PrefetchScheduler``, which reads the misses into free slots while
 the step runs. A staged layer then:
@@ -25,7 +25,7 @@ import numpy as np
 from edge0.backend import core as B
 from edge0.checkpoint import CheckpointIndex
 from edge0.errors import ConfigError
-from edge0.exec.exact import ExpertRows, switch_glu
+from edge0.exec.exact import ExpertRows
 from edge0.exec.oracle import OracleRouting
 from edge0.io_sched.loop_thread import EventLoopThread
 from edge0.io_sched.plan import LayerPlan, StepPlan
@@ -119,8 +119,11 @@ class Stager:
     def pending_reads(self) -> int:
         return self.portal.call(self.scheduler.pending_reads)
 
-    def planned_routing(self, layer: int):
-        return self.predicted.get(layer)
+    def planned_logits(self, layer: int):
+        """The predicted router logits of ``layer`` for this step (its router returns them),
+        or None when this step was not planned."""
+        pred = self.predicted.get(layer)
+        return pred[1] if pred is not None else None
 
     def _predict_and_plan(self) -> None:
         """One batched flush of every head, one host read of all predicted sets, one plan."""
@@ -157,10 +160,13 @@ class Stager:
     def guard_wanted(self, layer: int) -> bool:
         return self._guard is not None and layer in self._guard
 
-    def guard_observe(self, layer: int, predicted, true) -> None:
-        """Quality guard: recall@k of the prediction against the true router (on device)."""
-        if self._guard is None or layer not in self._guard:
+    def guard_observe(self, layer: int, true_logits) -> None:
+        """Quality guard: recall@k of the prediction against what the layer's own router
+        would have routed to (on device)."""
+        if self._guard is None or layer not in self._guard or layer not in self.predicted:
             return
+        predicted = self.predicted[layer][0]
+        true = self.prerouter.streaming.route(layer, true_logits.reshape(-1, true_logits.shape[-1]))
         k = predicted.shape[-1]
         hit = (B.expand_dims(predicted, -1) == B.expand_dims(true, -2)).any(axis=-1).sum()
         self._guard[layer] = self._guard[layer] + hit.astype(B.float32)
@@ -248,7 +254,7 @@ class Stager:
         self._misses = self._misses + (raw < 0).sum()
         local = B.maximum(raw, 0)
         rows = self.rows[layer]
-        out = switch_glu(x, local, rows.weights, self.index.layers[layer])
+        out = rows.kernel(self.fallback.templates[layer])(x, local)
         self._outputs.append(out)
         return out
 

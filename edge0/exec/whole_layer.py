@@ -1,7 +1,7 @@
-"""The whole-layer path: every expert of a layer in nine reads, for prefill.
+"""The whole-layer path: every expert of a layer in one read per stacked tensor, for prefill.
 
-A prefill touches nearly every expert, so reading the layer's nine stacked tensors whole
-(nine large reads) beats assembling bundles. Two buffers of E experts alternate: while
+A prefill touches nearly every expert, so reading the layer's stacked tensors whole
+(a few large reads) beats assembling bundles. Two buffers of E experts alternate: while
 layer l computes from one, layer l+1 loads into the other. The routing indices are used
 as they are (every expert is present): no host sync on the routing.
 """
@@ -14,16 +14,17 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from edge0.backend import core as B
 from edge0.checkpoint import CheckpointIndex
 from edge0.errors import ConfigError
-from edge0.exec.exact import ExpertRows, switch_glu
+from edge0.exec.exact import ExpertRows
 from edge0.io_sched.reader import ExpertReader
 
 
 class WholeLayerExecutor:
-    def __init__(self, index: CheckpointIndex, reader: ExpertReader, layers: list[int], log=None):
+    def __init__(self, index: CheckpointIndex, reader: ExpertReader, layers: list[int], templates: dict, log=None):
         self.index = index
+        self.templates = templates
         self.reader = reader
         self.layers = sorted(layers)  # the layers on this path, in execution order
-        layouts = {tuple((t.dtype, t.row_shape) for t in index.layers[l].tensors) for l in self.layers}
+        layouts = {index.layers[l].layout for l in self.layers}
         if len(layouts) > 1:
             raise ConfigError("whole_layer needs every layer on it to share one expert layout (bits, group "
                               f"size, shapes); layers {self.layers} differ: use layer_paths to exclude some")
@@ -87,6 +88,6 @@ class WholeLayerExecutor:
             if self.holds[other] is not None:
                 self.holds[other][1].result()  # never refill a buffer a load is still writing
             self._load(later[0], other)
-        out = switch_glu(x, inds, buffers[buf].weights, self.index.layers[layer])
+        out = buffers[buf].kernel(self.templates[layer])(x, inds)
         buffers[buf].pending = out
         return out

@@ -124,7 +124,7 @@ class ExpertReader:
         return want
 
     def read_layer(self, layer: int, buffers) -> int:
-        """Read every expert of ``layer``: nine whole stacked tensors, one range each, into
+        """Read every expert of ``layer``: its whole stacked tensors, one range each, into
         ``buffers`` (rows = experts). Returns bytes read."""
         locs = self.index.layers[layer].tensors
         jobs = [(loc, buf) for loc, buf in zip(locs, buffers)]
@@ -144,7 +144,7 @@ class ExpertReader:
 
     def read_experts(self, layer: int, experts, rows, buffers, parallel: bool = True) -> int:
         """Read each expert ``experts[i]`` of ``layer`` into row ``rows[i]`` of ``buffers``
-        (nine buffers, one per stacked tensor, in the index's order). Returns bytes read.
+        (one buffer per stacked tensor, in the index's order). Returns bytes read.
         ``parallel=False`` reads in the calling thread (callers that are reader threads)."""
         locs = self.index.layers[layer].tensors
         experts = [int(e) for e in experts]

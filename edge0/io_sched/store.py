@@ -22,7 +22,7 @@ class SlotStore:
 
     def __init__(self, reader: ExpertReader, buffers: dict[int, Sequence]):
         self.reader = reader
-        self.buffers = buffers  # layer -> the nine RowBuffers of its slots
+        self.buffers = buffers  # layer -> the RowBuffers of its slots (one per stacked tensor)
 
     def read(self, layer: int, expert: int, slot: int) -> int:
         return self.reader.read_experts(layer, [expert], [slot], self.buffers[layer], parallel=False)

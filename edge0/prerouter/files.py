@@ -47,6 +47,7 @@ def save_heads(heads: PrerouterHeads, path: str | Path, *, base_identity: str, r
     arrays = {k: v.astype(B.float16) for k, v in bnn.parameters_flat(heads).items()}
     meta = {
         "format": FORMAT, "base_identity": base_identity, "owners": json.dumps(heads.owners),
+        "consumers": json.dumps(heads.consumers()),
         "shape": json.dumps({"hidden": heads.hidden, "experts": heads.experts, "k": heads.k, "width": heads.width}),
         "recipe": json.dumps(recipe, sort_keys=True), "training_data": training_data,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "edge0_version": __version__,
@@ -81,10 +82,10 @@ def load_heads(path: str | Path, model_dir: str | Path, *, dtype: str = "float16
         raise ForeignArtifactError(
             f"heads were made for another base checkpoint: base_identity {meta.get('base_identity')!r}, this "
             f"model ({model_dir}) is {expected!r}; retrain with `edge0 train heads`", file=path)
-    owners, shape = _heads_shape(meta, path)
+    owners, shape, consumers = _heads_shape(meta, path)
     if spec is not None:
-        _check_against_model(owners, shape, spec, path)
-    heads = PrerouterHeads(owners, shape["hidden"], shape["experts"], shape["k"], shape["width"])
+        _check_against_model(owners, consumers, shape, spec, path)
+    heads = PrerouterHeads(owners, shape["hidden"], shape["experts"], shape["k"], shape["width"], consumers)
     arrays, _ = B.load_safetensors(str(path))
     want = bnn.parameters_flat(heads)
     if set(arrays) != set(want):
@@ -98,8 +99,9 @@ def load_heads(path: str | Path, model_dir: str | Path, *, dtype: str = "float16
     return heads, dict(meta)
 
 
-def _heads_shape(meta: dict, path: Path) -> tuple[list[int], dict]:
-    """owners and shape from the metadata, each value checked for type and range."""
+def _heads_shape(meta: dict, path: Path) -> tuple[list[int], dict, list[int]]:
+    """owners, shape and consumers from the metadata, each value checked for type and range
+    (files without ``consumers`` predict the layer after each owner)."""
     try:
         owners = json.loads(meta["owners"])
         shape = json.loads(meta["shape"])
@@ -110,6 +112,14 @@ def _heads_shape(meta: dict, path: Path) -> tuple[list[int], dict]:
             or len(set(owners)) != len(owners):
         raise CheckpointError(f"heads metadata 'owners' must be a list of distinct layer numbers, got {owners!r:.80}",
                               file=path)
+    try:
+        consumers = json.loads(meta["consumers"]) if "consumers" in meta else [o + 1 for o in owners]
+    except (ValueError, RecursionError):
+        raise CheckpointError("heads metadata 'consumers' is not valid JSON", file=path) from None
+    if not isinstance(consumers, list) or len(consumers) != len(owners) or not all(
+            isinstance(c, int) and not isinstance(c, bool) and o < c < 100_000 for o, c in zip(owners, consumers)):
+        raise CheckpointError(f"heads metadata 'consumers' must list one later layer per owner, got "
+                              f"{consumers!r:.80}", file=path)
     if not isinstance(shape, dict):
         raise CheckpointError("heads metadata 'shape' must be an object", file=path)
     for key, top in (("hidden", 1 << 20), ("experts", 1 << 16), ("k", 1 << 16), ("width", 1 << 16)):
@@ -117,17 +127,26 @@ def _heads_shape(meta: dict, path: Path) -> tuple[list[int], dict]:
         if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= top:
             raise CheckpointError(f"heads metadata shape.{key} must be an integer in 1..{top}, got {v!r:.40}",
                                   file=path)
-    return owners, shape
+    return owners, shape, consumers
 
 
-def _check_against_model(owners: list[int], shape: dict, spec, path: Path) -> None:
-    from edge0.prerouter.heads import eligible_owners
+def _check_against_model(owners: list[int], consumers: list[int], shape: dict, spec, path: Path) -> None:
+    from edge0.prerouter.heads import consumer_of, eligible_owners
 
-    for key, want in (("experts", spec.num_experts), ("hidden", spec.hidden_size), ("k", spec.k)):
+    if spec.prerouter_problem:
+        raise CheckpointError(f"{spec.model_type} cannot be driven by prerouter heads: {spec.prerouter_problem}",
+                              file=path)
+    outputs = max(m.router_outputs for m in spec.layers.values())
+    for key, want in (("experts", outputs), ("hidden", spec.hidden_size), ("k", spec.k)):
         if shape[key] != want:
             raise CheckpointError(f"heads predict for {key} = {shape[key]}, the model has {want}", file=path)
     eligible = eligible_owners(spec)
     bad = [o for o in owners if o not in eligible]
     if bad:
-        raise CheckpointError(f"heads owned by layers {bad} cannot serve this model: a head's owner and the "
-                              f"layer after it must both be MoE layers (eligible owners {eligible})", file=path)
+        raise CheckpointError(f"heads owned by layers {bad} cannot serve this model: a head's owner must be a MoE "
+                              f"layer followed by another (eligible owners {eligible})", file=path)
+    wrong = [(o, c) for o, c in zip(owners, consumers) if consumer_of(spec, o) != c]
+    if wrong:
+        raise CheckpointError(f"heads predict layers {[c for _, c in wrong]} from owners {[o for o, _ in wrong]}; in "
+                              f"this model those owners' next MoE layers are "
+                              f"{[consumer_of(spec, o) for o, _ in wrong]}", file=path)

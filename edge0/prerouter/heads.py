@@ -7,17 +7,28 @@ from edge0.backend import nn as bnn
 from edge0.spec import MoESpec
 
 
+def consumer_of(spec: MoESpec, owner: int) -> int | None:
+    """The MoE layer a head owned by ``owner`` predicts: the next MoE layer after it (layer
+    owner+1 in models whose layers are all MoE; further on where dense or state-space
+    layers sit between MoE layers)."""
+    later = [l for l in spec.moe_layers if l > owner]
+    return later[0] if later else None
+
+
 def eligible_owners(spec: MoESpec) -> list[int]:
-    """MoE layers whose next layer is a MoE layer (a head needs both)."""
-    moe = set(spec.moe_layers)
-    return [l for l in spec.moe_layers if l + 1 in moe]
+    """MoE layers followed by another MoE layer (a head needs both), where the prerouter
+    can drive the model at all."""
+    if spec.prerouter_problem:
+        return []
+    return [l for l in spec.moe_layers if consumer_of(spec, l) is not None]
 
 
 class Head(bnn.Module):
-    """logits_{l+1}(t+1) = residual(h) + fc2(silu(fc1([h, onehot_t, onehot_{t-1}])))
+    """logits_c(t+1) = residual(h) + fc2(silu(fc1([h, onehot_t, onehot_{t-1}]))), where c is
+    the consumer (the next MoE layer) of the owner layer whose router input is h.
 
     ``fc2`` starts at zero, so an untrained head is its residual path: warm-started from
-    layer l+1's router, "apply the next router to this hidden state"."""
+    the consumer's router, "apply the next router to this hidden state"."""
 
     def __init__(self, hidden: int, experts: int, width: int):
         super().__init__()
@@ -34,23 +45,30 @@ class Head(bnn.Module):
 
 
 class PrerouterHeads(bnn.Module):
-    def __init__(self, owners: list[int], hidden: int, experts: int, k: int, width: int = 512):
+    def __init__(self, owners: list[int], hidden: int, experts: int, k: int, width: int = 512,
+                 consumers: list[int] | None = None):
+        """``consumers``: the layer each owner's head predicts (default: the next layer)."""
         super().__init__()
         self.owners = list(owners)
+        consumers = [o + 1 for o in self.owners] if consumers is None else list(consumers)
+        if len(consumers) != len(self.owners) or any(c <= o for o, c in zip(self.owners, consumers)):
+            raise ValueError(f"each owner needs one later consumer layer: owners {self.owners}, consumers {consumers}")
+        self.consumer = dict(zip(self.owners, consumers))
         self.hidden, self.experts, self.k, self.width = hidden, experts, k, width
         # keys must not look like list indices (tree_unflatten would make a list of them)
         self.heads = {f"layer{l}": Head(hidden, experts, width) for l in self.owners}
 
     def consumers(self) -> list[int]:
-        return [l + 1 for l in self.owners]
+        return [self.consumer[o] for o in self.owners]
 
     def head(self, owner: int) -> Head:
         return self.heads[f"layer{owner}"]
 
     def warm_start(self, router_weights: dict[int, object]) -> None:
-        """Residual path of the head owned by l := layer l+1's router weight [E, D]."""
+        """Residual path of each head := its consumer's router weight [E, D]
+        (``router_weights``: consumer layer -> weight)."""
         for owner in self.owners:
-            w = router_weights[owner + 1]
+            w = router_weights[self.consumer[owner]]
             self.head(owner).residual.weight = w.astype(self.head(owner).residual.weight.dtype)
 
     def features(self, inds_t, inds_prev, dtype):
@@ -81,7 +99,7 @@ class PrerouterHeads(bnn.Module):
         return h @ st["res"] + bnn.silu(z @ st["w1"] + st["b1"]) @ st["w2"] + st["b2"]
 
     def predict(self, owner: int, h, inds_t, inds_prev):
-        """Predicted router logits of layer owner+1 at the next token."""
+        """Predicted router logits of the owner's consumer layer at the next token."""
         head = self.head(owner)
         dtype = head.residual.weight.dtype
         on_t, on_prev = self.features(inds_t, inds_prev, dtype)

@@ -1,51 +1,63 @@
 """Prediction as routing at decode: observe the owner layers, flush every head once per step.
 
-``observe`` is called by each owner layer's ``StreamingMoE`` with its post-attention-norm
-input and the routing it executed (lazy arrays: no sync). ``flush`` evaluates every head
-in one batch and runs each prediction through the consumer layer's own routing function
-(``routing.make_route_fn``, with the consumer's score-correction bias): the result is that
-layer's routing at the next step, used both to plan the reads and to compute.
+Each owner layer's ``RouterTap`` hands over its router's input and its ``StreamingSwitch``
+the experts the block routed to (lazy arrays: no sync). ``flush`` evaluates every head in
+one batch: the head owned by layer l predicts the router logits of its consumer (the next
+MoE layer, l+1 in most models) for the next token. Each consumer
+layer's own block code turns those logits into its routing (``Streaming.route``): the
+plan of what to read, and, through the consumer's router at the next step, the routing
+the block computes with, combine weights included.
 """
 
 from __future__ import annotations
-
-from typing import Callable
 
 from edge0.backend import core as B
 from edge0.prerouter.heads import PrerouterHeads
 
 
 class Prerouter:
-    def __init__(self, heads: PrerouterHeads, route: Callable, bias_of: Callable[[int], object], dtype=None):
+    def __init__(self, heads: PrerouterHeads, dtype=None):
         self.heads = heads
         heads.freeze_for_inference(dtype or heads.head(heads.owners[0]).residual.weight.dtype)
-        self.route = route  # the family's routing function: (logits, bias) -> (inds, scores)
-        self.bias_of = bias_of  # consumer layer -> its router's score-correction bias (or None)
         self.owners = set(heads.owners)
+        self.streaming = None  # set by attach(): routes predicted logits through the blocks
         self.reset()
 
+    def attach(self, streaming) -> None:
+        self.streaming = streaming
+
     def reset(self) -> None:
-        self.last: dict[int, tuple] = {}  # owner -> (x at t [1,1,D], inds at t [1,1,k])
-        self.prev: dict[int, object] = {}  # owner -> inds at t-1
+        self.last: dict[int, tuple] = {}  # owner -> (router input at t [1, D], experts at t [1, k])
+        self.prev: dict[int, object] = {}  # owner -> experts at t-1
+        self._x: dict[int, object] = {}
+
+    def on_router_input(self, layer: int, x) -> None:
+        self._x[layer] = x
+
+    def on_experts(self, layer: int, inds) -> None:
+        x = self._x.pop(layer, None)
+        if x is not None and layer in self.owners:
+            self.observe(layer, x, inds)
 
     def observe(self, layer: int, x, inds) -> None:
-        if layer not in self.owners:
-            return
-        n = x.shape[-2]
+        rows_x = x.reshape(-1, x.shape[-1])
+        rows_i = inds.reshape(-1, inds.shape[-1])
+        n = rows_i.shape[0]
         if n == 1:
             if layer in self.last:
                 self.prev[layer] = self.last[layer][1]
-            self.last[layer] = (x, inds)
+            self.last[layer] = (rows_x[-1:], rows_i[-1:])
         else:  # a prefill pass: its last row is "t", the one before "t-1"
-            self.last[layer] = (x[..., -1:, :], inds[..., -1:, :])
-            self.prev[layer] = inds[..., -2:-1, :] if n >= 2 else self.prev.get(layer)
+            self.last[layer] = (rows_x[-1:], rows_i[-1:])
+            self.prev[layer] = rows_i[-2:-1]
 
     def ready(self) -> bool:
         return all(o in self.last for o in self.owners)
 
     def flush(self) -> dict[int, tuple]:
-        """consumer layer -> predicted (inds, scores) for the coming step (lazy): every head
-        in one batched evaluation, then each consumer's own routing function."""
+        """consumer layer -> (predicted experts [1, k], predicted router logits [1, E]) for
+        the coming step (lazy): every head in one batched evaluation, each prediction routed
+        by its consumer's own block (the consumer: the next MoE layer after the owner)."""
         owners = self.heads.owners
         x = B.concat([self.last[o][0].reshape(1, 1, -1) for o in owners])
         inds = B.concat([self.last[o][1].reshape(1, 1, -1) for o in owners])
@@ -53,4 +65,9 @@ class Prerouter:
         prev = B.concat([self.prev[o].reshape(1, 1, -1) if self.prev.get(o) is not None
                          else B.full((1, 1, k), -1, B.int32) for o in owners])
         logits = self.heads.predict_all(x, inds, prev).astype(B.float32)
-        return {o + 1: self.route(logits[i], self.bias_of(o + 1)) for i, o in enumerate(owners)}
+        out = {}
+        for i, o in enumerate(owners):
+            z = logits[i].reshape(1, -1)
+            c = self.heads.consumer[o]
+            out[c] = (self.streaming.route(c, z), z)
+        return out

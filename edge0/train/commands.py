@@ -355,7 +355,7 @@ def heads_report_table(report: dict) -> str:
              "|---|---:|---:|---:|---:|"]
     for owner, b in report["before"].items():
         a = report["after"][owner]
-        lines.append(f"| {owner} -> {owner + 1} | {b['recall_at_k']:.3f} | {a['recall_at_k']:.3f} | "
+        lines.append(f"| {owner} -> {report['recipe'].get('consumers', {}).get(str(owner), owner + 1)} | {b['recall_at_k']:.3f} | {a['recall_at_k']:.3f} | "
                      f"{b['top1']:.3f} | {a['top1']:.3f} |")
     mean = lambda d, key: sum(v[key] for v in d.values()) / len(d)
     lines.append(f"mean recall@k {mean(report['before'], 'recall_at_k'):.3f} -> "

@@ -1,14 +1,15 @@
 """Phase-1 training of the prerouter heads (``edge0 train heads``).
 
 1. Traces: the frozen int4 base runs over text (teacher forcing, exact path); each MoE layer
-   reports its post-attention-norm input, the experts it routed to and its router logits.
+   reports its router's input, the experts its block routed to and its router logits.
 2. Pairs for the head owned by l: input (x_l(t), experts_l(t), experts_l(t-1)), target
-   layer l+1's router logits at t+1.
+   the router logits at t+1 of its consumer c, the next MoE layer (l+1 where every layer
+   is MoE).
 3. Only the heads train, warm-started from the next router, on the router's distribution
    (soft cross-entropy for softmax routing, binary cross-entropy on the sigmoid scores for
    sigmoid routing), so they learn to predict routing rather than to fit text.
 4. recall@k and top-1 agreement per layer on held-out text, before and after, computed
-   through the family's routing function (the math used at decode).
+   through the consumer block's own routing code (the math used at decode).
 """
 
 from __future__ import annotations
@@ -26,8 +27,6 @@ from edge0.config import EngineConfig
 from edge0.errors import ConfigError
 from edge0.prerouter.files import HEADS_FILENAME, checkpoint_identity, save_heads
 from edge0.prerouter.heads import PrerouterHeads, eligible_owners
-from edge0.routing import make_route_fn
-from edge0.spec import SigmoidGroup
 
 
 @dataclass
@@ -80,32 +79,33 @@ def token_chunks(tokenizer, texts: list[str], total: int, seq_len: int) -> list[
 
 
 def collect_traces(streaming, chunks: list[list[int]], owners: list[int]) -> Traces:
-    blocks = streaming.blocks()
-    want = set(owners) | {o + 1 for o in owners}
-    captured: dict[int, tuple] = {}
+    """Run the model over ``chunks`` (teacher forcing) and record, for every owner layer, its
+    router's input and the experts its block routed to, and its consumer's router logits."""
+    from edge0.prerouter.heads import consumer_of
 
-    def observe(layer, x, inds):
-        if layer in want:
-            captured[layer] = (x, inds, blocks[layer].router_logits(x))
-
+    routers, switches = streaming.routers(), streaming.switches()
+    consumer = {o: consumer_of(streaming.spec, o) for o in owners}
+    want = set(owners) | set(consumer.values())
+    seen: dict[tuple[int, str], object] = {}
     for layer in want:
-        blocks[layer].observer = observe
+        routers[layer].observer = lambda l, x: seen.__setitem__((l, "x"), x)
+        routers[layer].logits_observer = lambda l, z: seen.__setitem__((l, "logits"), z)
+        switches[layer].observer = lambda l, inds: seen.__setitem__((l, "inds"), inds)
     xs, it, ip, tg = ({o: [] for o in owners} for _ in range(4))
     try:
         for chunk in chunks:
-            captured.clear()
+            seen.clear()
             B.eval(streaming.model(B.array([chunk])))
+            n = len(chunk) - 1  # pairs (t, t+1)
             for o in owners:
-                x, inds, _ = captured[o]
-                logits_next = captured[o + 1][2]
-                x, inds = B.to_host(x.astype(B.float32))[0], B.to_host(inds)[0]
-                nxt = B.to_host(logits_next.astype(B.float32))[0]
-                n = len(chunk) - 1  # pairs (t, t+1)
+                x = B.to_host(seen[o, "x"].astype(B.float32)).reshape(len(chunk), -1)
+                inds = B.to_host(seen[o, "inds"]).reshape(len(chunk), -1)
+                nxt = B.to_host(seen[consumer[o], "logits"].astype(B.float32)).reshape(len(chunk), -1)
                 prev = np.concatenate([np.full((1, inds.shape[1]), -1), inds[:-1]])
                 xs[o].append(x[:n]); it[o].append(inds[:n]); ip[o].append(prev[:n]); tg[o].append(nxt[1:n + 1])
     finally:
         for layer in want:
-            blocks[layer].observer = None
+            routers[layer].observer = routers[layer].logits_observer = switches[layer].observer = None
     cat = lambda d: {o: np.concatenate(v) for o, v in d.items()}
     return Traces(cat(xs), cat(it), cat(ip), cat(tg))
 
@@ -117,20 +117,35 @@ def _predict(heads: PrerouterHeads, owner: int, x, inds_t, inds_prev):
     return heads.head(owner)(x.astype(dtype), on_t, on_prev).astype(B.float32)
 
 
-def evaluate(heads: PrerouterHeads, traces: Traces, route, bias_of) -> dict[int, dict]:
-    """Per owner: recall@k and top-1 agreement of the predicted routing of layer owner+1."""
+def evaluate(heads: PrerouterHeads, traces: Traces, streaming) -> dict[int, dict]:
+    """Per owner: recall@k of the predicted routing of its consumer layer against the routing its
+    router's own logits give (both through the consumer block's routing code), and top-1
+    agreement of the two logit vectors."""
     out = {}
     for o in heads.owners:
         pred = _predict(heads, o, B.array(traces.x[o]), B.array(traces.inds_t[o]), B.array(traces.inds_prev[o]))
-        p_inds, p_scores = route(pred, bias_of(o + 1))
-        t_inds, t_scores = route(B.array(traces.target[o]), bias_of(o + 1))
-        p_inds, t_inds = B.to_host(p_inds), B.to_host(t_inds)
-        p_top = p_inds[np.arange(len(p_inds)), B.to_host(p_scores.astype(B.float32)).argmax(-1)]
-        t_top = t_inds[np.arange(len(t_inds)), B.to_host(t_scores.astype(B.float32)).argmax(-1)]
+        true = B.array(traces.target[o])
+        c = heads.consumer[o]
+        p_inds = B.to_host(streaming.route(c, pred))
+        t_inds = B.to_host(streaming.route(c, true))
         k = p_inds.shape[-1]
         recall = np.mean([len(set(a) & set(b)) / k for a, b in zip(p_inds.tolist(), t_inds.tolist())])
-        out[o] = {"recall_at_k": float(recall), "top1": float(np.mean(p_top == t_top))}
+        top1 = np.mean(B.to_host(pred).argmax(-1) == traces.target[o].argmax(-1))
+        out[o] = {"recall_at_k": float(recall), "top1": float(top1)}
     return out
+
+
+def _sigmoid_routed(streaming) -> bool:
+    """Whether the routers' scores are sigmoids (trained with binary cross-entropy) rather
+    than a softmax: guessed from a score-correction bias beside the router, which only
+    sigmoid routers carry in mlx-lm's models."""
+    for layer in streaming.spec.moe_layers:
+        block = streaming.blocks()[layer]
+        for name, value in bnn.parameters_flat(block).items():
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf in ("e_score_correction_bias", "expert_bias", "router_bias") or leaf.endswith("correction_bias"):
+                return True
+    return False
 
 
 def _loss_fn(family_sigmoid: bool):
@@ -163,6 +178,8 @@ def train_heads(model_dir: str | Path, *, data: str | None = None, tokens: int =
                                                              experts_per_token=experts_per_token))
     try:
         spec = streaming.spec
+        if spec.prerouter_problem:
+            raise ConfigError(f"{spec.model_type} cannot be driven by prerouter heads: {spec.prerouter_problem}")
         eligible = eligible_owners(spec)
         owners = eligible if owners is None else [o for o in owners if o in eligible]
         if not owners:
@@ -178,15 +195,13 @@ def train_heads(model_dir: str | Path, *, data: str | None = None, tokens: int =
             held_chunks = token_chunks(tokenizer, held_texts, heldout_tokens, seq_len)
         tr = collect_traces(streaming, train_chunks, owners)
         he = collect_traces(streaming, held_chunks, owners)
-        blocks = streaming.blocks()
-        route = make_route_fn(spec)
-        bias_of = (lambda l: getattr(blocks[l].gate, spec.router_bias_attr)) if spec.router_bias_attr else (lambda l: None)
+        routers = streaming.routers()
         B.seed(seed)  # before the heads are built: their initialisation draws from it
-        heads = PrerouterHeads(owners, spec.hidden_size, spec.num_experts, spec.k, width)
-        heads.warm_start({o + 1: bnn.router_weight(blocks[o + 1].gate, spec.router_kind) for o in owners})
+        heads = _new_heads(spec, routers, owners, width)
         heads16 = lambda: _cast(heads, B.float16)
-        before = evaluate(heads16(), he, route, bias_of)
-        loss_fn = _loss_fn(isinstance(spec.routing, SigmoidGroup))
+        before = evaluate(heads16(), he, streaming)
+        sigmoid = _sigmoid_routed(streaming)
+        loss_fn = _loss_fn(sigmoid)
         opt = bnn.adamw(lr)
         rng = np.random.default_rng(seed)
 
@@ -206,11 +221,12 @@ def train_heads(model_dir: str | Path, *, data: str | None = None, tokens: int =
             losses.append(float(B.to_host(loss)))
             if progress is not None:
                 progress(step + 1, steps, losses[-1])
-        after = evaluate(heads16(), he, route, bias_of)
+        after = evaluate(heads16(), he, streaming)
         recipe = dict(phase=1, steps=steps, batch=batch, lr=lr, width=width, seq_len=seq_len, tokens=tr.size(),
                       experts_per_token=spec.k,
-                      heldout_tokens=he.size(), seed=seed, owners=owners, loss="soft-CE" if not isinstance(
-                          spec.routing, SigmoidGroup) else "BCE", warm_start="next router")
+                      heldout_tokens=he.size(), seed=seed, owners=owners,
+                      consumers={str(o): c for o, c in zip(heads.owners, heads.consumers())}, loss="BCE" if sigmoid else "soft-CE",
+                      warm_start="next router")
         path = Path(out) if out else model_dir / HEADS_FILENAME
         save_heads(heads, path, base_identity=checkpoint_identity(model_dir), recipe=recipe,
                    training_data=description)
@@ -227,10 +243,11 @@ def make_warm_heads(model_dir: str | Path, out: str | Path, width: int = 512) ->
 
     streaming = load_streaming_model(Path(model_dir), EngineConfig(prerouter="off", adapter="off"))
     try:
-        spec, blocks = streaming.spec, streaming.blocks()
+        spec, routers = streaming.spec, streaming.routers()
+        if spec.prerouter_problem:
+            raise ConfigError(f"{spec.model_type} cannot be driven by prerouter heads: {spec.prerouter_problem}")
         owners = eligible_owners(spec)
-        heads = PrerouterHeads(owners, spec.hidden_size, spec.num_experts, spec.k, width)
-        heads.warm_start({o + 1: bnn.router_weight(blocks[o + 1].gate, spec.router_kind) for o in owners})
+        heads = _new_heads(spec, routers, owners, width)
         return save_heads(heads, out, base_identity=checkpoint_identity(model_dir),
                           recipe=dict(phase=0, steps=0, warm_start="next router", width=width, owners=owners),
                           training_data="none (warm start only)")
@@ -238,7 +255,23 @@ def make_warm_heads(model_dir: str | Path, out: str | Path, width: int = 512) ->
         streaming.close()
 
 
+def _new_heads(spec, routers, owners: list[int], width: int) -> PrerouterHeads:
+    """Heads for ``owners``, each predicting its next MoE layer, warm-started from that
+    layer's router."""
+    from edge0.prerouter.heads import consumer_of
+
+    consumers = [consumer_of(spec, o) for o in owners]
+    heads = PrerouterHeads(owners, spec.hidden_size, _outputs(spec), spec.k, width, consumers)
+    heads.warm_start({c: bnn.router_weight(routers[c]) for c in consumers})
+    return heads
+
+
+def _outputs(spec) -> int:
+    """The width of the routers' logits (the experts, plus zero experts where a model has them)."""
+    return max(m.router_outputs for m in spec.layers.values())
+
+
 def _cast(heads: PrerouterHeads, dtype) -> PrerouterHeads:
-    copy = PrerouterHeads(heads.owners, heads.hidden, heads.experts, heads.k, heads.width)
+    copy = PrerouterHeads(heads.owners, heads.hidden, heads.experts, heads.k, heads.width, heads.consumers())
     bnn.load_parameters_flat(copy, {k: v.astype(dtype) for k, v in bnn.parameters_flat(heads).items()})
     return copy

@@ -29,65 +29,71 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from edge0.adapters import AdaptedLinear, save_adapter, target_modules
+from edge0.adapters import AdaptedLinear, adapter_key, save_adapter, target_modules
+from edge0.arch import derive_spec
+from edge0.backend import core as B
 from edge0.backend import nn as bnn
-from edge0.exec.moe_layer import StreamingMoE
+from edge0.exec.taps import RouterTap
 from edge0.prerouter.files import HEADS_FILENAME, load_heads
-from edge0.routing import combine, make_route_fn
-from edge0.spec import load_config, spec_from_config, with_experts_per_token
+from edge0.spec import load_config, with_experts_per_token
+
+
+class ObservedSwitch(nn.Module):
+    """The resident expert stack of an owner layer, reporting the experts its block routed
+    to before computing them (the original stack, unchanged, does the work)."""
+
+    def __init__(self, layer: int, original, observer):
+        super().__init__()
+        self.layer_id = layer
+        self.original = original
+        object.__setattr__(self, "_observer", observer)
+
+    def __call__(self, x, indices, *args, **kwargs):
+        self._observer(self.layer_id, indices)
+        return self.original(x, indices, *args, **kwargs)
 
 
 class _Context:
-    """What the layers of one student forward share: the prompt mask and the predictions
-    owners hand to their consumers."""
+    """What the layers of one student forward share: the prompt mask, and for each owner
+    its router input, which the experts it routed to turn into the consumer's predicted
+    logits (set on the consumer's RouterTap before the consumer's block runs)."""
 
-    def __init__(self, heads, route, bias_of):
-        self.heads, self.route, self.bias_of = heads, route, bias_of
-        self.owners = set(heads.owners) if heads is not None else set()
+    def __init__(self, heads, routers: dict[int, RouterTap]):
+        self.heads, self.routers = heads, routers
         self.mask = None  # [B, T, 1] bool: position routes by prediction
-        self.predicted: dict[int, tuple] = {}
+        self._x: dict[int, object] = {}
 
     def start(self, mask) -> None:
-        self.mask, self.predicted = mask, {}
+        self.mask, self._x = mask, {}
+        for tap in self.routers.values():
+            tap.mix = None
 
-    def predict_next(self, owner: int, x, inds) -> None:
+    def on_router_input(self, owner: int, x) -> None:
+        self._x[owner] = x
+
+    def on_experts(self, owner: int, inds) -> None:
+        x = self._x.pop(owner, None)
+        if x is None or self.mask is None:
+            return
         heads = self.heads
-        on_t = (mx.expand_dims(inds, -1) == mx.arange(heads.experts)).any(axis=-2).astype(x.dtype)
+        batch, steps = self.mask.shape[:2]
+        x = x.reshape(batch, steps, x.shape[-1])
+        inds = inds.reshape(batch, steps, inds.shape[-1])
+        on_t = B.one_hot_k(inds, heads.experts, x.dtype)
         on_prev = mx.concatenate([mx.zeros_like(on_t[:, :1]), on_t[:, :-1]], axis=1)
-        logits = heads.head(owner)(x, on_t, on_prev)  # predicts layer owner+1 at t+1
+        logits = heads.head(owner)(x, on_t, on_prev)  # at t: the consumer's logits for t+1
         logits = mx.concatenate([logits[:, :1], logits[:, :-1]], axis=1).astype(mx.float32)
-        self.predicted[owner + 1] = self.route(logits, self.bias_of(owner + 1))
-
-
-class StudentMoE(StreamingMoE):
-    """A MoE block on the student path: own routing at prompt positions, the owner's
-    prediction afterwards; experts from the resident int4 stack."""
-
-    def __init__(self, spec, layer: int, original, route, ctx: _Context):
-        super().__init__(spec, layer, original, route, executors={})
-        self.switch_mlp = original.switch_mlp
-        self._ctx = ctx
-
-    def __call__(self, x):
-        ctx = self._ctx
-        inds, scores = self.routing(x)
-        pred = ctx.predicted.get(self.layer_id)
-        if pred is not None and ctx.mask is not None:
-            inds = mx.where(ctx.mask, pred[0], inds)
-            scores = mx.where(ctx.mask, pred[1].astype(scores.dtype), scores)
-        if self.layer_id in ctx.owners:
-            ctx.predict_next(self.layer_id, x, inds)
-        y = combine(self.switch_mlp(x, inds), scores)
-        if self.shared_kind == "plain":
-            y = y + self.shared_experts(x)
-        elif self.shared_kind == "gated":
-            y = y + mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return y
+        self.routers[heads.consumer[owner]].mix = (self.mask, logits)
 
 
 class StudentModel:
     """The int4 base (resident, float32 activations) on the student path, with a LoRA on
-    every attention and shared-expert projection. Only the LoRA trains."""
+    every attention and shared-expert projection. Only the LoRA trains.
+
+    Any architecture Edge0 streams: the blocks run mlx-lm's own code; each consumer's
+    router is a RouterTap whose ``mix`` substitutes the predicted logits at continuation
+    positions, so the block's own routing turns them into experts and combine weights,
+    as the engine does at a staged decode step."""
 
     def __init__(self, model_dir: str | Path, *, heads_file: str | Path | None = None, rank: int = 8,
                  scale: float = 10.0, seed: int = 0, use_heads: bool = True, experts_per_token: int | None = None,
@@ -97,12 +103,11 @@ class StudentModel:
         backward pass) rather than on the int4 kernels themselves (bit-identical to serving)."""
         self.model_dir = Path(model_dir)
         raw = with_experts_per_token(load_config(self.model_dir), experts_per_token)
-        self.spec = spec_from_config(raw)
         self.model = bnn.load_full_model(self.model_dir, experts_per_token=experts_per_token)
+        self.spec = derive_spec(self.model, raw)
         bnn.cast_model(self.model, mx.float32)
         if dequantize:
             bnn.dequantize_model(self.model)
-        route = make_route_fn(self.spec)
         heads = None
         self.heads_path = None
         if use_heads:
@@ -110,12 +115,19 @@ class StudentModel:
             heads, _ = load_heads(self.heads_path, self.model_dir, spec=self.spec)
             bnn.load_parameters_flat(heads, {k: v.astype(mx.float32) for k, v in bnn.parameters_flat(heads).items()})
             heads.freeze()
-        blocks = {l: bnn.module_at(self.model, self.spec.block_path(l)) for l in self.spec.moe_layers}
-        bias_attr = self.spec.router_bias_attr
-        self.ctx = _Context(heads, route, (lambda l: getattr(blocks[l].gate, bias_attr)) if bias_attr
-                            else (lambda l: None))
-        for l, block in blocks.items():
-            bnn.set_module_at(self.model, self.spec.block_path(l), StudentMoE(self.spec, l, block, route, self.ctx))
+        routers = {}
+        for l, m in self.spec.layers.items():
+            if m.router_path:
+                tap = RouterTap(l, bnn.module_at(self.model, m.router_path), m.router_kind, m.router_outputs)
+                bnn.set_module_at(self.model, m.router_path, tap)
+                routers[l] = tap
+        self.ctx = _Context(heads, routers)
+        if heads is not None:
+            for owner in heads.owners:
+                routers[owner].observer = self.ctx.on_router_input
+                path = self.spec.switch_path(owner)
+                bnn.set_module_at(self.model, path, ObservedSwitch(owner, bnn.module_at(self.model, path),
+                                                                   self.ctx.on_experts))
         self.model.freeze()
         self.rank, self.scale = rank, scale
         self.adapted = self._attach_lora(rank, scale, seed)
@@ -153,7 +165,7 @@ class StudentModel:
 
     def save(self, out_dir: str | Path, provenance: dict) -> Path:
         tensors = {p: (w.lora_a, w.lora_b) for p, w in self.adapted.items()}
-        keys = sorted({p.split(".layers.")[1].split(".", 1)[1] for p in tensors})
+        keys = sorted({adapter_key(self.spec, p) for p in tensors})
         return save_adapter(tensors, out_dir, rank=self.rank, scale=self.scale, keys=keys,
                             num_layers=self.spec.num_layers, provenance=provenance)
 

@@ -37,6 +37,73 @@ def module_at(root: nn.Module, path: str):
     return node
 
 
+def is_linear(module) -> bool:
+    return isinstance(module, (nn.Linear, nn.QuantizedLinear))
+
+
+def is_switch(module) -> bool:
+    """A stack of routed experts: mlx-lm's SwitchGLU or SwitchMLP (not a bare SwitchLinear:
+    some attention projections are one)."""
+    from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
+
+    return isinstance(module, (SwitchGLU, SwitchMLP))
+
+
+def switch_experts(switch) -> int:
+    """The number of experts stacked in a switch module (axis 0 of its weights)."""
+    shapes = {v.shape[0] for k, v in tree_flatten(switch.parameters()) if k.endswith("weight")}
+    if len(shapes) != 1:
+        raise LayoutError(f"a switch stack whose weights stack different expert counts: {sorted(shapes)}")
+    return shapes.pop()
+
+
+def switch_output_width(switch) -> int:
+    """Width of a switch module's output rows (its last projection's outputs)."""
+    last = switch["down_proj"] if "down_proj" in switch else switch["fc2"] if "fc2" in switch else None
+    if last is None:
+        raise LayoutError(f"an expert stack of type {type(switch).__name__} without down_proj or fc2")
+    return last["weight"].shape[1]
+
+
+def children(module) -> dict:
+    return module.children() if isinstance(module, nn.Module) else {}
+
+
+def hidden_width(model) -> int:
+    args = getattr(model, "args", None)
+    for source in (args, getattr(args, "text_config", None)):
+        for name in ("hidden_size", "model_dim", "d_model"):
+            value = source.get(name) if isinstance(source, dict) else getattr(source, name, None)
+            if isinstance(value, int):
+                return value
+    raise LayoutError("the model's config names no hidden_size")
+
+
+class intercept:
+    """``with intercept(module, fn):`` calls ``fn(*args)`` before each call of ``module``
+    (by swapping the instance's class for the duration; ``module`` None does nothing)."""
+
+    def __init__(self, module, fn):
+        self.module, self.fn = module, fn
+
+    def __enter__(self):
+        if self.module is None:
+            return self
+        cls, fn = type(self.module), self.fn
+
+        def call(inner, *args, **kwargs):
+            fn(*args, **kwargs)
+            return cls.__call__(inner, *args, **kwargs)
+
+        self._cls = cls
+        self.module.__class__ = type(f"Intercepted{cls.__name__}", (cls,), {"__call__": call})
+        return self
+
+    def __exit__(self, *exc):
+        if self.module is not None:
+            self.module.__class__ = self._cls
+
+
 def dequantize_model(model: nn.Module, dtype=mx.float32) -> None:
     """Replace every quantized linear, switch linear and embedding by its float equivalent
     holding the dequantized weights (the "dequantized reconstruction" training runs on:
@@ -63,6 +130,41 @@ def dequantize_model(model: nn.Module, dtype=mx.float32) -> None:
         swaps.append((path, new))
     for path, new in swaps:
         set_module_at(model, path, new)
+
+
+_ST_NAMES = {mx.uint32: "U32", mx.uint8: "U8", mx.int8: "I8", mx.int32: "I32", mx.uint16: "U16", mx.int16: "I16"}
+
+
+def switch_layout(template) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, safetensors dtype) of a switch module's stacked tensors; "float" for
+    any floating type (F16, BF16 or F32 are all accepted for scales, biases and float
+    weights)."""
+    return [(name, tuple(v.shape), "float" if mx.issubdtype(v.dtype, mx.floating) else _ST_NAMES.get(v.dtype, str(v.dtype)))
+            for name, v in tree_flatten(template.parameters())]
+
+
+def quantize_switch(template, header_shapes: dict, prefix: str, quantization: dict) -> None:
+    """Quantize the switch module ``template`` (at module path ``prefix``) the way the
+    checkpoint stores it: each projection whose ``scales`` the files hold, with config.json's
+    bits, group size and mode for it (a per-module override first), else what its packed
+    shape implies."""
+    for name, child in list(template.children().items()):
+        if not hasattr(child, "to_quantized"):
+            continue
+        key = f"{prefix}.{name}"
+        if f"{key}.scales" not in header_shapes:
+            continue
+        override = quantization.get(key)
+        spec = dict(override) if isinstance(override, dict) else {}
+        in_dim = child.weight.shape[-1]
+        packed, groups = header_shapes[f"{key}.weight"][-1], header_shapes[f"{key}.scales"][-1]
+        bits = spec.get("bits", quantization.get("bits") or packed * 32 // max(in_dim, 1))
+        group = spec.get("group_size", quantization.get("group_size") or in_dim // max(groups, 1))
+        mode = spec.get("mode", quantization.get("mode", "affine"))
+        if group not in (32, 64, 128) or bits not in (2, 3, 4, 5, 6, 8) or in_dim % group:
+            raise LayoutError(f"the expert projection is {in_dim} wide: int{bits} quantization with group size "
+                              f"{group} cannot hold it", tensor=f"{key}.weight")
+        setattr(template, name, child.to_quantized(group_size=group, bits=bits, mode=mode))
 
 
 def linear_modules(root: nn.Module):
@@ -144,9 +246,11 @@ def arg_annotations(config: dict) -> list[tuple[dict, dict]]:
     return out
 
 
-def build_model(config: dict, replace_blocks: Callable[[nn.Module], None], config_file: str = "config.json"):
-    """Instantiate the mlx-lm model of ``config`` and let ``replace_blocks`` swap modules.
-    Whatever mlx-lm's constructors reject is a ConfigError naming config.json."""
+def build_model(config: dict, replace_blocks: Callable[[nn.Module], None] = lambda m: None,
+                config_file: str = "config.json"):
+    """Instantiate the mlx-lm model of ``config`` (its arrays stay lazy: nothing is
+    allocated) and let ``replace_blocks`` swap modules. Whatever mlx-lm's constructors
+    reject is a ConfigError naming config.json."""
     model_class, args_class = model_classes(config)
     try:
         model = model_class(args_class.from_dict(config))
@@ -200,14 +304,14 @@ def _check_dtypes(weights: dict, expected: dict, model_dir) -> None:
             raise LayoutError(f"dtype {value.dtype}, expected {want.dtype}", file=model_dir, tensor=key)
 
 
-def load_resident(model_dir: Path, config: dict, files: list[str], is_expert_key: Callable[[str], bool],
-                  replace_blocks: Callable[[nn.Module], None], compute_dtype=None) -> nn.Module:
-    """Build the model, quantize it as config.json says and load every non-expert tensor.
+def load_resident(model: nn.Module, model_dir: Path, config: dict, files: list[str],
+                  is_expert_key: Callable[[str], bool], compute_dtype=None) -> nn.Module:
+    """Quantize ``model`` (built, its expert stacks already replaced) as config.json says
+    and load every non-expert tensor.
 
     Loading is strict: a resident parameter missing from the files, or a resident tensor the
     model does not have, is an error naming the key.
     """
-    model = build_model(config, replace_blocks)
     weights: dict = {}
     for f in files:
         for key, value in mx.load(str(f)).items():
@@ -329,9 +433,10 @@ def load_parameters_flat(module: nn.Module, flat: dict) -> None:
     module.update(tree_unflatten(list(flat.items())))
 
 
-def router_weight(gate: nn.Module, kind: str):
-    """The router's [E, D] weight as a float32 array, dequantized if it is quantized."""
-    lin = gate.gate_proj if kind == "gate_proj" else gate
+def router_weight(router: nn.Module):
+    """The router's [E, D] weight as a float32 array, dequantized if it is quantized
+    (``router``: a RouterTap, or the router module itself)."""
+    lin = router.original if hasattr(router, "original") else router
     if isinstance(lin, nn.QuantizedLinear):
         w = mx.dequantize(lin.weight, lin.scales, lin.biases, group_size=lin.group_size, bits=lin.bits)
     else:

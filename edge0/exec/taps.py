@@ -1,0 +1,135 @@
+"""The two modules Edge0 puts inside an mlx-lm MoE block, which otherwise runs unchanged.
+
+A block keeps its own routing code, combine and shared experts, so every architecture's
+math is mlx-lm's, bit for bit. Edge0 replaces only:
+
+- the **switch stack** (``SwitchGLU`` / ``SwitchMLP``, the routed experts) by a
+  ``StreamingSwitch``: same call ``switch(x, inds)``, same ops, but the expert rows come
+  from the checkpoint on disk through an executor path (exact, staged, hot, whole-layer).
+  The computation is the original module's own ``__call__`` on a clone whose stacked
+  weights are a small buffer of rows, with the indices remapped into it;
+- the **router** (the linear map whose output the block routes on) by a ``RouterTap``: it
+  passes the router's output through, lets the prerouter see the router's input, and at
+  a decode step whose routing was predicted it returns the predicted logits instead, so
+  the block's own routing code turns the prediction into the routing (prediction as
+  routing). Gates that multiply by their weight inline (DeepSeek's ``MoEGate``) are called
+  on the predicted logits with their weight set to the identity, which reproduces the
+  logits exactly.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from edge0.backend import core as B
+from edge0.backend import nn as bnn
+
+
+def switch_params(template) -> list[tuple[str, tuple[int, ...], object]]:
+    """(name, shape, dtype) of every stacked tensor of a switch module, e.g.
+    ``gate_proj.weight``: each has the experts on axis 0."""
+    return [(name, tuple(v.shape), v.dtype) for name, v in bnn.parameters_flat(template).items()]
+
+
+def bind(template, views: dict):
+    """A clone of ``template`` whose stacked tensors are ``views`` (name -> array with a
+    leading axis of buffer rows): calling it computes the template's ops on those rows."""
+    clone = copy.copy(template)
+    by_child: dict[str, dict] = {}
+    for name, view in views.items():
+        child, _, leaf = name.rpartition(".")
+        by_child.setdefault(child, {})[leaf] = view
+    for child, leaves in by_child.items():
+        c = copy.copy(bnn.module_at(template, child))
+        for leaf, view in leaves.items():
+            c[leaf] = view
+        bnn.set_module_at(clone, child, c)
+    return clone
+
+
+class StreamingSwitch(bnn.Module):
+    """Stands where the block's switch stack stood; the experts stream from disk."""
+
+    def __init__(self, layer: int, template, executors: dict, width_out: int):
+        super().__init__()
+        self.layer_id = layer
+        object.__setattr__(self, "_template", template)  # not a parameter: its weights are on disk
+        self.executors = executors  # phase -> (layer, x, inds) -> [..., k, D]
+        self.width_out = width_out
+        self.observer = None  # (layer, inds) for the prerouter and tracing
+        self.capture = None  # probing: a list that receives the indices; no expert runs
+
+    @property
+    def template(self):
+        return self._template
+
+    def __call__(self, x, indices):
+        if self.capture is not None:
+            self.capture.append(indices)
+            return B.zeros((*indices.shape, self.width_out), dtype=x.dtype)
+        if self.observer is not None:
+            self.observer(self.layer_id, indices)
+        decode = (indices.size // indices.shape[-1]) == 1
+        return self.executors["decode" if decode else "prefill"](self.layer_id, x, indices)
+
+
+class RouterTap(bnn.Module):
+    """Stands where the block's router stood (``kind`` "linear": a module mapping x to
+    logits; "inline": a gate module that multiplies by its ``weight`` itself and returns
+    the routing)."""
+
+    def __init__(self, layer: int, original, kind: str, num_outputs: int):
+        super().__init__()
+        self.layer_id = layer
+        self.original = original
+        self.kind = kind
+        self.num_outputs = num_outputs
+        self.planned = None  # () -> predicted logits [tokens, E] for this step, or None
+        self.observer = None  # (layer, x) : the router's input at every call
+        self.logits_observer = None  # (layer, logits) : the router's own output (heads training)
+        self.forced = None  # probing and training: logits to route on, whatever x is
+        self.mix = None  # training: (mask [.., 1] bool, logits) replacing the router's at masked positions
+        self.guard = None  # the Stager: may compare a predicted step with the router's own routing
+        self._eye = None
+
+    def logits(self, x):
+        """The router's own logits for ``x``."""
+        if self.kind == "linear":
+            return self.original(x)
+        w = self.original.weight
+        return x.astype(B.float32) @ w.astype(B.float32).T
+
+    def __call__(self, x):
+        forced = self.forced
+        if forced is None:  # a real forward (not a probe): observers see it
+            if self.observer is not None:
+                self.observer(self.layer_id, x)
+            if self.logits_observer is not None:
+                self.logits_observer(self.layer_id, self.logits(x))
+            if self.mix is not None:
+                mask, predicted = self.mix
+                forced = B.where(mask.reshape(*x.shape[:-1], 1), predicted.reshape(*x.shape[:-1], predicted.shape[-1]),
+                                 self.logits(x).astype(predicted.dtype))
+            elif self.planned is not None and x.size // x.shape[-1] == 1:
+                forced = self.planned(self.layer_id)
+                if forced is not None and self.guard is not None and self.guard.guard_wanted(self.layer_id):
+                    self.guard.guard_observe(self.layer_id, self.logits(x))
+        if forced is None:
+            return self.original(x)
+        forced = forced.reshape(*x.shape[:-1], forced.shape[-1])
+        if self.kind == "linear":
+            return forced.astype(x.dtype)  # what a linear router on x would have returned
+        return self._route_inline(forced)
+
+    def _route_inline(self, logits):
+        """The gate's own routing of ``logits``: its weight set to the identity for the call."""
+        gate = self.original
+        if self._eye is None or self._eye.shape[0] != logits.shape[-1]:
+            self._eye = B.eye(logits.shape[-1], dtype=gate.weight.dtype)
+            B.eval(self._eye)
+        weight = gate.weight
+        gate.weight = self._eye
+        try:
+            return gate(logits.astype(weight.dtype))
+        finally:
+            gate.weight = weight
