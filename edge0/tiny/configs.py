@@ -2,9 +2,9 @@
 
 ``tiny_config(model_type, layers=, experts=, k=, hidden=, moe_intermediate=,
 vocab_size=)`` builds a complete config (before quantization) that mlx-lm's own class for
-that model type accepts. The first six families were the first Edge0 supported and keep
-their exact shapes (tests depend on them); every other architecture has a builder below
-that fills its own fields (attention layout, layer patterns of hybrid models, routing
+that model type accepts. The first six families (``edge0.tiny.classic``) keep their exact
+shapes (tests depend on them); every other architecture has a builder below that fills its
+own fields (attention layout, layer patterns of hybrid models, routing
 parameters) around the shared shape. ``ARCHITECTURES`` is the list the test suite runs
 and the README's table shows.
 """
@@ -18,12 +18,7 @@ from edge0.tiny.tokenizer import DEFAULT_VOCAB, EOS_TOKEN_ID
 GROUP_SIZE = 64
 BITS = 4
 
-# Families with sigmoid group routing (n_group / topk_group).
-_GROUPED = ("deepseek_v3", "glm4_moe_lite", "bailing_moe")
-N_GROUP = 4
-TOPK_GROUP = 2
-
-CLASSIC = ("qwen3_moe", "qwen3_5_moe", "mixtral", "deepseek_v3", "bailing_moe", "glm4_moe_lite")
+from edge0.tiny.classic import CLASSIC, CLASSIC_BUILDERS, CLASSIC_MIN_LAYERS, N_GROUP, TOPK_GROUP, check_groups
 
 
 def _check_family(family: str) -> None:
@@ -37,220 +32,6 @@ def _mult64(name: str, value: int) -> None:
             f"{name}={value!r} must be a positive multiple of {GROUP_SIZE} "
             "(quantized input dims need whole groups)"
         )
-
-
-def _classic_config(
-    family: str,
-    *,
-    layers: int = 4,
-    experts: int = 16,
-    k: int = 4,
-    hidden: int = 128,
-    moe_intermediate: int = 64,
-    vocab_size: int | None = None,
-) -> dict:
-    """A complete config.json dict (before quantization) for ``family``.
-
-    Derived sizes: attention head_dim 32 (``hidden // 32`` heads, half as many
-    KV heads), dense / first-layer MLP intermediate ``2 * moe_intermediate``,
-    shared experts ``moe_intermediate`` wide.  For the MLA families:
-    ``max(2, hidden // 64)`` heads, q_lora_rank = kv_lora_rank =
-    qk_nope_head_dim = v_head_dim = 64, qk_rope_head_dim = 32.
-    """
-    _mult64("hidden", hidden)
-    _mult64("moe_intermediate", moe_intermediate)
-    if vocab_size is None:
-        vocab_size = DEFAULT_VOCAB
-    if not isinstance(vocab_size, int) or vocab_size < 300:
-        raise ValueError(f"vocab_size={vocab_size!r} must be an int >= 300")
-    if not isinstance(experts, int) or experts < 2:
-        raise ValueError(f"experts={experts!r} must be an int >= 2")
-    if not isinstance(k, int) or not 1 <= k <= experts:
-        raise ValueError(f"k={k!r} must be in [1, experts={experts}]")
-    min_layers = 2 if family in ("deepseek_v3", "glm4_moe_lite", "bailing_moe") else 1
-    if family == "qwen3_5_moe":
-        min_layers = 2  # at least one linear-attention and one full-attention layer
-    if not isinstance(layers, int) or layers < min_layers:
-        raise ValueError(f"layers={layers!r} must be an int >= {min_layers} for {family}")
-    if family in _GROUPED:
-        if experts % N_GROUP or experts // N_GROUP < 2:
-            raise ValueError(
-                f"experts={experts} must be divisible by n_group={N_GROUP} with at "
-                f"least 2 experts per group for {family}"
-            )
-        if k > (experts // N_GROUP) * TOPK_GROUP:
-            raise ValueError(
-                f"k={k} exceeds the experts reachable through topk_group={TOPK_GROUP} "
-                f"groups of {experts // N_GROUP}"
-            )
-
-    head_dim = 32
-    heads = hidden // head_dim
-    kv_heads = max(1, heads // 2)
-    dense_intermediate = 2 * moe_intermediate
-    common = {
-        "eos_token_id": EOS_TOKEN_ID,
-        "tie_word_embeddings": False,
-        "max_position_embeddings": 4096,
-        "vocab_size": vocab_size,
-        "hidden_size": hidden,
-        "num_hidden_layers": layers,
-        "hidden_act": "silu",
-        "torch_dtype": "bfloat16",
-    }
-
-    if family == "qwen3_moe":
-        return {
-            "architectures": ["Qwen3MoeForCausalLM"],
-            "model_type": "qwen3_moe",
-            **common,
-            "intermediate_size": dense_intermediate,
-            "num_attention_heads": heads,
-            "num_key_value_heads": kv_heads,
-            "head_dim": head_dim,
-            "num_experts": experts,
-            "num_experts_per_tok": k,
-            "decoder_sparse_step": 1,
-            "mlp_only_layers": [],
-            "moe_intermediate_size": moe_intermediate,
-            "norm_topk_prob": True,
-            "rms_norm_eps": 1e-6,
-            "rope_theta": 1000000.0,
-            "rope_scaling": None,
-            "attention_bias": False,
-        }
-
-    if family == "qwen3_5_moe":
-        interval = 2
-        text = {
-            "model_type": "qwen3_5_moe_text",
-            **common,
-            "intermediate_size": dense_intermediate,
-            "num_attention_heads": heads,
-            "num_key_value_heads": kv_heads,
-            "head_dim": head_dim,
-            "rms_norm_eps": 1e-6,
-            "attention_bias": False,
-            "full_attention_interval": interval,
-            "layer_types": [
-                "full_attention" if (i + 1) % interval == 0 else "linear_attention"
-                for i in range(layers)
-            ],
-            "linear_num_key_heads": 2,
-            "linear_num_value_heads": 4,
-            "linear_key_head_dim": 32,
-            "linear_value_head_dim": 32,
-            "linear_conv_kernel_dim": 4,
-            "num_experts": experts,
-            "num_experts_per_tok": k,
-            "moe_intermediate_size": moe_intermediate,
-            "shared_expert_intermediate_size": moe_intermediate,
-            "norm_topk_prob": True,
-            "rope_parameters": {
-                "rope_type": "default",
-                "rope_theta": 10000000.0,
-                "partial_rotary_factor": 0.25,
-                "mrope_interleaved": True,
-                "mrope_section": [11, 11, 10],
-            },
-        }
-        return {
-            "architectures": ["Qwen3_5MoeForConditionalGeneration"],
-            "model_type": "qwen3_5_moe",
-            "eos_token_id": EOS_TOKEN_ID,
-            "tie_word_embeddings": False,
-            "torch_dtype": "bfloat16",
-            "text_config": text,
-        }
-
-    if family == "mixtral":
-        return {
-            "architectures": ["MixtralForCausalLM"],
-            "model_type": "mixtral",
-            **common,
-            # mixtral's experts are ``intermediate_size`` wide
-            "intermediate_size": moe_intermediate,
-            "num_attention_heads": heads,
-            "num_key_value_heads": kv_heads,
-            "num_local_experts": experts,
-            "num_experts_per_tok": k,
-            "rms_norm_eps": 1e-5,
-            "rope_theta": 1000000.0,
-            "sliding_window": None,
-        }
-
-    if family in ("deepseek_v3", "glm4_moe_lite"):
-        mla_heads = max(2, hidden // 64)
-        cfg = {
-            "architectures": [
-                "DeepseekV3ForCausalLM"
-                if family == "deepseek_v3"
-                else "Glm4MoeLiteForCausalLM"
-            ],
-            "model_type": family,
-            **common,
-            "intermediate_size": dense_intermediate,
-            "moe_intermediate_size": moe_intermediate,
-            "num_attention_heads": mla_heads,
-            "num_key_value_heads": mla_heads,
-            "n_shared_experts": 1,
-            "n_routed_experts": experts,
-            "num_experts_per_tok": k,
-            "routed_scaling_factor": 2.5 if family == "deepseek_v3" else 1.8,
-            "q_lora_rank": 64,
-            "kv_lora_rank": 64,
-            "qk_nope_head_dim": 64,
-            "qk_rope_head_dim": 32,
-            "v_head_dim": 64,
-            "topk_method": "noaux_tc",
-            "scoring_func": "sigmoid",
-            "norm_topk_prob": True,
-            "n_group": N_GROUP,
-            "topk_group": TOPK_GROUP,
-            "moe_layer_freq": 1,
-            "first_k_dense_replace": 1,
-            "num_nextn_predict_layers": 0,
-            "rms_norm_eps": 1e-6 if family == "deepseek_v3" else 1e-5,
-            "rope_theta": 10000.0 if family == "deepseek_v3" else 1000000.0,
-            "rope_scaling": None,
-            "attention_bias": False,
-        }
-        if family == "glm4_moe_lite":
-            cfg["partial_rotary_factor"] = 1.0
-        return cfg
-
-    # bailing_moe
-    return {
-        "architectures": ["BailingMoeForCausalLM"],
-        "model_type": "bailing_moe",
-        **common,
-        "intermediate_size": dense_intermediate,
-        "moe_intermediate_size": moe_intermediate,
-        "moe_shared_expert_intermediate_size": moe_intermediate,
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "head_dim": head_dim,
-        "num_experts": experts,
-        "num_experts_per_tok": k,
-        "num_shared_experts": 1,
-        "first_k_dense_replace": 1,
-        "norm_topk_prob": True,
-        "score_function": "sigmoid",
-        "moe_router_enable_expert_bias": True,
-        "moe_router_enable_routed_scaling": True,
-        "routed_scaling_factor": 2.5,
-        "n_group": N_GROUP,
-        "topk_group": TOPK_GROUP,
-        "use_bias": False,
-        "use_qkv_bias": False,
-        "use_qk_norm": True,
-        # norm_head=True makes sanitize renormalise lm_head.weight on every load,
-        # which zeroes a quantized (uint32) lm_head: keep it off.
-        "norm_head": False,
-        "partial_rotary_factor": 0.5,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 600000.0,
-    }
 
 
 def _apply_overrides(family: str, cfg: dict, overrides: dict[str, Any]) -> None:
@@ -505,20 +286,21 @@ BUILDERS: dict[str, Callable[[dict], dict]] = {
 def _text_of(model_type: str, inner: str, s: dict, text_extra: dict | None = None, **extra) -> dict:
     """A wrapper config (vision-language models, aliases with a nested text model) whose
     ``text_config`` is the tiny ``inner`` model; mlx-lm builds its language model only."""
-    text = BUILDERS[inner](s) if inner in BUILDERS else _classic_config(inner, layers=s["layers"],
-                                                                          experts=s["experts"], k=s["k"],
-                                                                          hidden=s["hidden"],
-                                                                          moe_intermediate=s["moe"],
-                                                                          vocab_size=s["vocab"])
+    text = _builder(inner)(s)
     text.pop("architectures", None)
     text.update(text_extra or {})
     return {"model_type": model_type, "eos_token_id": EOS_TOKEN_ID, "vocab_size": s["vocab"],
             "text_config": text, **extra}
 
 
+def _builder(model_type: str) -> Callable[[dict], dict]:
+    return CLASSIC_BUILDERS.get(model_type) or BUILDERS[model_type]
+
+
 def _renamed(model_type: str, inner: str):
-    """An mlx-lm alias: another model type name for the same model file."""
-    return lambda s: {**BUILDERS[inner](s), "model_type": model_type}
+    """An mlx-lm alias (or a sibling file taking the same config): another model type name
+    over the same builder."""
+    return lambda s: {**_builder(inner)(s), "model_type": model_type}
 
 
 BUILDERS.update({
@@ -526,12 +308,8 @@ BUILDERS.update({
     "phi-msft": _renamed("phi-msft", "phixtral"),
     "minimax_m2": _renamed("minimax_m2", "minimax"),
     "deepseek_v41_text": _renamed("deepseek_v41_text", "deepseek_v41"),
-    "kimi_k2": lambda s: {**_classic_config("deepseek_v3", layers=s["layers"], experts=s["experts"], k=s["k"],
-                                            hidden=s["hidden"], moe_intermediate=s["moe"], vocab_size=s["vocab"]),
-                          "model_type": "kimi_k2"},
-    "joyai_llm_flash": lambda s: {**_classic_config("deepseek_v3", layers=s["layers"], experts=s["experts"],
-                                                    k=s["k"], hidden=s["hidden"], moe_intermediate=s["moe"],
-                                                    vocab_size=s["vocab"]), "model_type": "joyai_llm_flash"},
+    "kimi_k2": _renamed("kimi_k2", "deepseek_v3"),
+    "joyai_llm_flash": _renamed("joyai_llm_flash", "deepseek_v3"),
     # model files of their own, built around a sibling's MoE block
     "glm_moe_dsa": lambda s: _deepseek_family("glm_moe_dsa", s, topk_method="noaux_tc", scoring_func="sigmoid",
                                               index_head_dim=32, index_n_heads=4, index_topk=16,
@@ -545,9 +323,7 @@ BUILDERS.update({
                                       "ngram_vocab_size_ratio": 2, "emb_neighbor_num": 3, "emb_split_num": 2},
     # wrappers whose language model is another model type's
     "qwen3_vl_moe": lambda s: _text_of("qwen3_vl_moe", "qwen3_moe", s),
-    "qwen3_5": lambda s: {**_classic_config("qwen3_5_moe", layers=s["layers"], experts=s["experts"], k=s["k"],
-                                            hidden=s["hidden"], moe_intermediate=s["moe"], vocab_size=s["vocab"]),
-                          "model_type": "qwen3_5"},
+    "qwen3_5": _renamed("qwen3_5", "qwen3_5_moe"),
     "kimi_vl": lambda s: _text_of("kimi_vl", "deepseek_v3", s),
     "kimi_k25": lambda s: _text_of("kimi_k25", "deepseek_v3", s),
     "mistral3": lambda s: _text_of("mistral3", "mistral4", s),
@@ -573,6 +349,7 @@ MIN_LAYERS = {"kimi_k3": 2, "minimax_m3_vl": 2, "gemma4": 1, "kimi_vl": 2, "kimi
               "nemotron_h": 4, "bailing_moe_linear": 4, "bailing_hybrid": 4, "exaone_moe": 2, "step3p5": 2,
               "mimo_v2_flash": 2, "deepseek": 2, "deepseek_v2": 2, "deepseek_v32": 2, "glm4_moe": 2, "dots1": 2,
               "afmoe": 2, "ernie4_5_moe": 2, "laguna": 2, "mistral4": 2, "gpt_oss": 2}
+MIN_LAYERS.update(CLASSIC_MIN_LAYERS)
 ARCHITECTURES: tuple[str, ...] = CLASSIC + tuple(sorted(BUILDERS, key=str.lower))
 
 
@@ -580,17 +357,20 @@ def tiny_config(family: str, *, layers: int = 4, experts: int = 16, k: int = 4, 
                 moe_intermediate: int = 64, vocab_size: int | None = None) -> dict:
     """A complete config.json dict (before quantization) of a tiny ``family`` model."""
     _check_family(family)
-    if family in CLASSIC:
-        return _classic_config(family, layers=layers, experts=experts, k=k, hidden=hidden,
-                               moe_intermediate=moe_intermediate, vocab_size=vocab_size)
     _mult64("hidden", hidden)
     _mult64("moe_intermediate", moe_intermediate)
     vocab = DEFAULT_VOCAB if vocab_size is None else vocab_size
-    if not isinstance(experts, int) or experts < 2 or not isinstance(k, int) or not 1 <= k <= experts:
-        raise ValueError(f"experts={experts!r} must be >= 2 and k={k!r} in [1, experts]")
-    if layers < MIN_LAYERS.get(family, 1):
-        raise ValueError(f"layers={layers!r} must be >= {MIN_LAYERS[family]} for {family}")
-    cfg = BUILDERS[family](dict(layers=layers, experts=experts, k=k, hidden=hidden, moe=moe_intermediate,
+    if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 300:
+        raise ValueError(f"vocab_size={vocab!r} must be an int >= 300")
+    if isinstance(experts, bool) or not isinstance(experts, int) or experts < 2:
+        raise ValueError(f"experts={experts!r} must be an int >= 2")
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= experts:
+        raise ValueError(f"k={k!r} must be in [1, experts={experts}]")
+    least = MIN_LAYERS.get(family, 1)
+    if isinstance(layers, bool) or not isinstance(layers, int) or layers < least:
+        raise ValueError(f"layers={layers!r} must be an int >= {least} for {family}")
+    check_groups(family, experts, k)
+    cfg = _builder(family)(dict(layers=layers, experts=experts, k=k, hidden=hidden, moe=moe_intermediate,
                                 vocab=vocab))
     cfg.setdefault("architectures", [])
     return cfg
