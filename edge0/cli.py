@@ -239,6 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
     from edge0.train.commands import add_parsers as add_train_parsers
 
     add_train_parsers(sub)
+    from edge0.server.command import add_parser as add_serve_parser
+
+    add_serve_parser(sub)
 
     t = sub.add_parser("make-tiny", help="write a small random int4 MoE checkpoint of a supported architecture",
                        description="Builds the model with mlx-lm's own class, randomises its routers so routing "

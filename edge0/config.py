@@ -77,6 +77,10 @@ class EngineConfig:
     hot_experts: int = 16
     # Refuse to open when slots + bundle + hot sets + whole-layer buffers exceed this (MiB).
     memory_budget_mb: int | None = None
+    # Keep the KV caches of finished generations, up to this many MiB (LRU), and reuse one
+    # when a prompt extends its tokens (the next turn of a chat): only the new tokens are
+    # prefilled. 0 = off.
+    prompt_cache_mb: int = 0
     # Structured logs (reads, waits, stalls, steps): "console" (human) or "json" (one
     # object per line), on standard error.
     log_format: str = "console"
@@ -118,6 +122,9 @@ class EngineConfig:
             raise ConfigError(f"guard_every must be 0 (off) or a positive integer, got {self.guard_every!r}")
         if self.experts_per_token is not None:
             _positive("experts_per_token", self.experts_per_token)
+        if isinstance(self.prompt_cache_mb, bool) or not isinstance(self.prompt_cache_mb, int) \
+                or self.prompt_cache_mb < 0:
+            raise ConfigError(f"prompt_cache_mb must be 0 (off) or a positive integer, got {self.prompt_cache_mb!r}")
         if not isinstance(self.adapter, str) or not self.adapter:
             raise ConfigError(f"adapter must be 'auto', 'off' or an adapter directory, got {self.adapter!r}")
         object.__setattr__(self, "extra_adapters", tuple(self.extra_adapters))

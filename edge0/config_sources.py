@@ -319,6 +319,22 @@ class _GivenAction(argparse.Action):
         given.add(self.dest)
 
 
+class _AdapterAction(_GivenAction):
+    """``--adapter DIR [DIR ...]`` (and repeated): the first directory is the default
+    adapter, every other one is kept resident too (appended to ``extra_adapters``)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        values = list(values)
+        given = getattr(namespace, _GIVEN_ATTR, None) or set()
+        if "adapter" not in given:
+            super().__call__(parser, namespace, values[0], option_string)
+            values = values[1:]
+        if values:
+            extra = list(getattr(namespace, "extra_adapters", None) or [])
+            setattr(namespace, "extra_adapters", extra + values)
+            getattr(namespace, _GIVEN_ATTR).add("extra_adapters")
+
+
 def _int_or_none(text: str):
     if text.strip().lower() == "none":
         return None
@@ -354,6 +370,13 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
             continue
         if kind == _STRS:
             group.add_argument(flag(name), metavar="TEXT", append=True, **kwargs)
+            continue
+        if name == "adapter":
+            kwargs.update(action=_AdapterAction, nargs="+", metavar="DIR",
+                          help=help_text.replace(" (default:", " Several directories (or the flag repeated): the "
+                                                 "first is the default, the others stay resident too (as "
+                                                 "--extra-adapters). (default:", 1))
+            group.add_argument(flag(name), **kwargs)
             continue
         if kind == _INT:
             kwargs.update(type=int, metavar="N")
@@ -401,8 +424,9 @@ def config_from_args(args: argparse.Namespace) -> dict:
 # --------------------------------------------------------------------------- merge
 
 def resolve_config(args: argparse.Namespace | None = None, *, environ: Mapping[str, str] | None = None,
-                   toml_path=None, **overrides) -> EngineConfig:
-    """Merge defaults < TOML < environment < CLI flags < ``overrides`` into one EngineConfig.
+                   toml_path=None, defaults: dict | None = None, **overrides) -> EngineConfig:
+    """Merge defaults < TOML < environment < CLI flags < ``overrides`` into one EngineConfig
+    (``defaults``: a command's own defaults, in place of the dataclass's).
 
     The TOML file is ``toml_path``, else ``args.config`` (``--config``), else ``$EDGE0_CONFIG``;
     none of them: no file. ``environ`` defaults to ``os.environ``. A list value (layer_paths)
@@ -428,6 +452,8 @@ def resolve_config(args: argparse.Namespace | None = None, *, environ: Mapping[s
             merged[name] = value
             origin[name] = describe(name)
 
+    layer({n: _check_native(n, kinds[n], v, "default") for n, v in (defaults or {}).items()},
+          lambda n: "the command's default")
     if toml_path is not None:
         layer(config_from_toml(toml_path), lambda n: f"TOML file {toml_path}")
     layer(config_from_env(environ), lambda n: f"environment variable {env_var(n)}")

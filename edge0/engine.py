@@ -30,11 +30,12 @@ from edge0.config import EngineConfig
 from edge0.errors import ConfigError, ExpertReadError
 from edge0.exec.oracle import OracleRouting, RoutingRecorder
 from edge0.loader import StepModel, Streaming, load_streaming_model
+from edge0.prompt_cache import PromptCache
 from edge0.logs import configure as configure_logs
 from edge0.logs import get_logger
-from edge0.sampling import SamplingParams
+from edge0.sampling import SamplingParams, StopMatcher
 from edge0.stats import GenerationStats, peak_rss_bytes
-from edge0.worker import END, ComputeThread, Job
+from edge0.worker import END, TIMEOUT, ComputeThread, Job
 from edge0.worker import acquire as acquire_thread
 from edge0.worker import release as release_thread
 
@@ -45,6 +46,7 @@ class _DefaultAdapter:
 
 
 DEFAULT_ADAPTER = _DefaultAdapter()
+QUEUED_POLL_S = 0.005  # how often a queued async generation checks whether its turn came
 
 
 @dataclass
@@ -82,6 +84,7 @@ class Engine:
         self.model, self.spec, self.index = self.streaming.model, self.streaming.spec, self.streaming.index
         self.reader = self.streaming.reader
         self._step_model = StepModel(self.streaming)
+        self.prompt_cache = PromptCache(self.config.prompt_cache_mb * 2**20) if self.config.prompt_cache_mb else None
         self._jobs: set[Job] = set()
         # closes the engine if it is garbage collected or still open at exit
         self._finalizer = weakref.finalize(self, _shutdown, self._worker, self.streaming, self._jobs)
@@ -192,20 +195,36 @@ class Engine:
         finally:
             job.cancel()
 
-    async def generate(self, prompt: str | Sequence[int], *, adapter=DEFAULT_ADAPTER, **sampling) -> AsyncIterator[TokenEvent]:
+    async def generate(self, prompt: str | Sequence[int], *, adapter=DEFAULT_ADAPTER, heartbeat: float | None = None,
+                       **sampling) -> AsyncIterator[TokenEvent | None]:
         """Async token stream; the event loop is never blocked by compute or reads.
 
         Leaving it by any route (``break``, an exception, cancellation, ``aclosing``, the
         generator being garbage collected) stops the generation: the compute thread
-        closes it by itself, and the next generation starts from a clean state."""
+        closes it by itself, and the next generation starts from a clean state.
+
+        Generations run one at a time, in the order they were asked for; one waiting its
+        turn holds no thread. ``heartbeat``: yield ``None`` whenever that many seconds pass
+        without a token (waiting in line, a long prefill), e.g. to keep a connection alive."""
         job = self._submit(prompt, sampling, adapter=self._adapter_for(adapter))
         try:
+            last = time.monotonic()
             while True:
                 event = job.poll()
-                if event is None:
-                    event = await anyio.to_thread.run_sync(job.get, abandon_on_cancel=True)
+                if event is None and not job.started:  # queued behind other generations
+                    await anyio.sleep(QUEUED_POLL_S)
+                    event = TIMEOUT
+                elif event is None:
+                    wait = max(0.0, last + heartbeat - time.monotonic()) if heartbeat else None
+                    event = await anyio.to_thread.run_sync(job.get, wait, abandon_on_cancel=True)
+                if event is TIMEOUT:
+                    if heartbeat and time.monotonic() - last >= heartbeat:
+                        last = time.monotonic()
+                        yield None
+                    continue
                 if event is END:
                     break
+                last = time.monotonic()
                 yield event
             if job.error is not None:
                 raise job.error
@@ -215,13 +234,14 @@ class Engine:
     def _run(self, job: Job, ids: list[int], params: SamplingParams, record, adapter) -> None:
         """One generation, on the compute thread."""
         error = None
+        job.start()
         try:
             if job.cancelled:
                 return
             self.streaming.check_files(self.log)
             if self.streaming.adapters is not None:
                 self.streaming.adapters.activate(adapter)
-            steps = self._steps(ids, params, record)
+            steps = self._steps(ids, params, record, adapter)
             try:
                 for event in steps:
                     if not job.put(event):
@@ -253,17 +273,41 @@ class Engine:
         if self.streaming.recorder is not None:
             self.streaming.recorder = self.streaming.exact.recorder = None
 
-    def _steps(self, ids: list[int], params: SamplingParams, record) -> Iterator[TokenEvent]:
+    def _steps(self, ids: list[int], params: SamplingParams, record, adapter=None) -> Iterator[TokenEvent]:
         if params.seed is not None:
             B.seed(params.seed)
+        cache, cached = None, 0
+        reuse = self.prompt_cache is not None and params.max_kv_size is None and record is None
+        if reuse:
+            cache, cached = self.prompt_cache.take(adapter, ids)
+            if cache is None:
+                cache = bnn.make_cache(self._step_model)
+        generated: list[int] = []
+        self._step_model.tokens_seen = cached
+
+        def keep():  # a generation that failed keeps nothing: its cache may hold bad values
+            covered = (ids + generated)[: self._step_model.tokens_seen]
+            if reuse and len(covered) == self._step_model.tokens_seen:
+                self.prompt_cache.put(adapter, covered, cache)
+
+        try:
+            yield from self._generate(ids, params, record, cache, cached, generated)
+        except GeneratorExit:  # the consumer left: what was computed is sound
+            keep()
+            raise
+        keep()
+
+    def _generate(self, ids: list[int], params: SamplingParams, record, cache, cached: int,
+                  generated: list[int]) -> Iterator[TokenEvent]:
         if record is not None:
             self.streaming.recorder = self.streaming.exact.recorder = record
         detok = self.tokenizer.detokenizer
         detok.reset()
         eos = set(self.tokenizer.eos_token_ids) | set(params.stop_token_ids)
+        stops = StopMatcher(params.stop)
         ctx = self.context_length
         max_tokens = min(params.max_tokens, ctx - len(ids)) if ctx is not None else params.max_tokens
-        stats = GenerationStats(prompt_tokens=len(ids))
+        stats = GenerationStats(prompt_tokens=len(ids), cached_tokens=cached)
         stats.heads, stats.adapter = self.streaming.describe_artifacts()
         stats.compute_dtype = self.streaming.compute_dtype
         reads = self.reader.stats
@@ -273,11 +317,12 @@ class Engine:
             stager.reset()
             stall0, steps0 = stager.stall_seconds, stager.steps_run
         t0 = time.perf_counter()
-        steps = bnn.generate_step(ids, self._step_model, params, max_tokens=max_tokens,
-                                  prefill_step_size=self.config.prefill_step_size)
+        steps = bnn.generate_step(ids[cached:], self._step_model, params, max_tokens=max_tokens,
+                                  prefill_step_size=self.config.prefill_step_size, prompt_cache=cache)
         t_first = None
         try:
             for n, (token, logprobs) in enumerate(steps):
+                generated.append(token)
                 now = time.perf_counter()
                 if n == 0:
                     t_first, bytes_first = now, reads.bytes
@@ -288,13 +333,18 @@ class Engine:
                 stats.decode_expert_bytes = reads.bytes - bytes_first
                 finish = "stop" if token in eos else "length" if n + 1 == max_tokens else None
                 lp = _logprobs(token, logprobs, params)
+                if finish != "stop":  # an end-of-generation token's text is not part of the answer
+                    detok.add_token(token)
+                if finish is not None:
+                    detok.finalize()
+                text, stopped = stops.feed(detok.last_segment)
+                if stopped:
+                    finish = "stop"
+                elif finish is not None:
+                    text += stops.flush()
                 if finish is None:
-                    detok.add_token(token)
-                    yield TokenEvent(token, detok.last_segment, **lp)
+                    yield TokenEvent(token, text, **lp)
                     continue
-                if finish == "length":
-                    detok.add_token(token)
-                detok.finalize()
                 stats.read_wait_seconds = reads.seconds - wait0
                 if stager is not None and stager.steps_run > steps0:
                     stats.stall_ms_per_step = 1e3 * (stager.stall_seconds - stall0) / (stager.steps_run - steps0)
@@ -302,7 +352,7 @@ class Engine:
                     stats.guard_recall = {l: sum(v) / len(v) for l, v in stager.guard_recall.items()}
                 stats.peak_active_memory = B.peak_memory()
                 stats.peak_rss = peak_rss_bytes()
-                yield TokenEvent(token, detok.last_segment, finish, stats, **lp)
+                yield TokenEvent(token, text, finish, stats, **lp)
                 return
         finally:
             steps.close()

@@ -110,11 +110,14 @@ class Streaming:
 class StepModel:
     """The model as mlx-lm's generation loop sees it, with Edge0's step hook in front."""
 
+    tokens_seen = 0  # tokens forwarded through the model (the prompt cache counts what a cache holds)
+
     def __init__(self, streaming: Streaming):
         self._streaming = streaming
 
     def __call__(self, inputs, cache=None, **kwargs):
         self._streaming.begin_step(inputs)
+        self.tokens_seen += inputs.shape[-1]
         return self._streaming.model(inputs, cache=cache, **kwargs)
 
     def __getattr__(self, name):

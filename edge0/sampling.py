@@ -44,6 +44,7 @@ class SamplingParams:
     repetition_penalty: float | None = None
     repetition_context_size: int = 20
     stop_token_ids: tuple[int, ...] = ()  # extra end-of-generation tokens (the tokenizer's EOS always stops)
+    stop: tuple[str, ...] = ()  # stop strings: the text ends before the first one that appears
     logprobs: bool = False  # report each generated token's log-probability
     top_logprobs: int = 0  # and the n most likely tokens at each step
     max_kv_size: int | None = None  # a rotating KV cache of this many tokens (mlx-lm's --max-kv-size)
@@ -61,6 +62,10 @@ class SamplingParams:
             _number("repetition_penalty", self.repetition_penalty, 0.0, 100.0, lo_open=True)
         _int("repetition_context_size", self.repetition_context_size, 1, 1 << 20)
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (tuple, list)) or not all(isinstance(s, str) and s for s in stop):
+            raise ConfigError(f"stop must be a list of non-empty strings, got {self.stop!r:.60}")
+        object.__setattr__(self, "stop", tuple(stop))
         for t in self.stop_token_ids:
             _int("stop_token_ids entries", t, 0)
         if not isinstance(self.logprobs, bool):
@@ -68,3 +73,35 @@ class SamplingParams:
         _int("top_logprobs", self.top_logprobs, 0, MAX_TOP_LOGPROBS)
         if self.max_kv_size is not None:
             _int("max_kv_size", self.max_kv_size, 1)
+
+
+class StopMatcher:
+    """Stop strings over streamed text: ``feed`` returns the text safe to emit (a tail that
+    may still grow into a stop string is held back) and whether a stop string was reached
+    (the text is then cut where it begins)."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops = stops
+        self.pending = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        if not self.stops:
+            return text, False
+        self.pending += text
+        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            out, self.pending = self.pending[: min(hits)], ""
+            return out, True
+        keep = 0
+        for s in self.stops:  # the longest tail of the text that begins some stop string
+            for n in range(min(len(s) - 1, len(self.pending)), keep, -1):
+                if self.pending.endswith(s[:n]):
+                    keep = n
+                    break
+        cut = len(self.pending) - keep
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out

@@ -29,6 +29,7 @@ from concurrent.futures import Future
 from typing import Any, Callable
 
 END = object()  # the last item a job hands out
+TIMEOUT = object()  # Job.get's answer when nothing came within its timeout
 
 
 class ComputeThread:
@@ -126,6 +127,7 @@ class Job:
         self._items: deque = deque()
         self._cond = threading.Condition()
         self.cancelled = False
+        self.started = False  # the compute thread has begun it (it is no longer queued)
         self.finished = False
         self.error: BaseException | None = None
 
@@ -142,6 +144,11 @@ class Job:
             self._cond.notify_all()
             return True
 
+    def start(self) -> None:
+        with self._cond:
+            self.started = True
+            self._cond.notify_all()
+
     def finish(self, error: BaseException | None = None) -> None:
         with self._cond:
             self.error = error
@@ -149,12 +156,13 @@ class Job:
             self._cond.notify_all()
 
     # -- consumer (any thread) --------------------------------------------------------------
-    def get(self):
+    def get(self, timeout: float | None = None):
         """The next item, waiting for it; ``END`` once the job finished or was cancelled
-        (then ``error`` holds what stopped it, if anything)."""
+        (then ``error`` holds what stopped it, if anything); ``TIMEOUT`` when ``timeout``
+        seconds passed without either (nothing is consumed then)."""
         with self._cond:
-            while not self._items and not self.finished and not self.cancelled:
-                self._cond.wait()
+            if not self._cond.wait_for(lambda: self._items or self.finished or self.cancelled, timeout):
+                return TIMEOUT
             if self._items and not self.cancelled:
                 item = self._items.popleft()
                 self._cond.notify_all()

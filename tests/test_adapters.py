@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from edge0 import CheckpointError, ConfigError, Engine, EngineConfig, HeaderError
-from edge0.adapters import WEIGHTS_FILE, save_adapter, target_modules
+from edge0.adapters import WEIGHTS_FILE, adapter_key, save_adapter, target_modules
 from edge0.backend import nn as bnn
 from edge0.errors import ForeignArtifactError
 from edge0.loader import load_streaming_model
@@ -38,7 +38,7 @@ def random_adapter(model_dir: Path, out: Path, *, rank: int = 4, scale: float = 
             a = rng.normal(0, 1 / np.sqrt(in_dim), (in_dim, rank)).astype(np.float32)
             b = rng.normal(0, 0.05, (rank, out_dim)).astype(np.float32)
             tensors[path] = (mx.array(a), mx.array(b))
-            keys.add(path.split(".layers.")[1].split(".", 1)[1])
+            keys.add(adapter_key(s.spec, path))
         prov = {"base_identity": checkpoint_identity(model_dir), "phase": "test"}
         prov.update(provenance or {})
         return save_adapter(tensors, out, rank=rank, scale=scale, keys=sorted(keys), num_layers=s.spec.num_layers,

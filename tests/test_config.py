@@ -434,3 +434,21 @@ def test_validation_runs_on_merged_values(tmp_path):
     # TOML's invalid value is replaced by a valid one from a higher source: no error
     path = write(tmp_path, "bundle_capacity = 0\n")
     assert resolve_config(environ={"EDGE0_BUNDLE_CAPACITY": "4"}, toml_path=path).bundle_capacity == 4
+
+
+def test_adapter_flag_takes_several_directories():
+    """``--adapter A B`` and ``--adapter A --adapter B``: A is the default, B stays resident."""
+    import argparse
+
+    from edge0.config_sources import add_config_flags
+
+    p = argparse.ArgumentParser()
+    add_config_flags(p)
+    for argv in (["--adapter", "a", "b"], ["--adapter", "a", "--adapter", "b"]):
+        c = resolve_config(p.parse_args(argv), environ={})
+        assert (c.adapter, c.extra_adapters) == ("a", ("b",))
+    c = resolve_config(p.parse_args(["--adapter", "a", "--extra-adapters", "c", "--adapter", "b"]), environ={})
+    assert (c.adapter, set(c.extra_adapters)) == ("a", {"b", "c"})
+    assert resolve_config(p.parse_args([]), environ={}, defaults={"prompt_cache_mb": 7}).prompt_cache_mb == 7
+    assert resolve_config(p.parse_args(["--prompt-cache-mb", "0"]), environ={},
+                          defaults={"prompt_cache_mb": 7}).prompt_cache_mb == 0

@@ -190,3 +190,30 @@ def test_truncated_checkpoint_fails_the_request_not_the_engine(tiny_model_factor
         assert err.value.layer is not None and err.value.expert is not None
         shard.write_bytes(original)
         assert [e.token for e in engine.stream(PROMPT, max_tokens=6)] == expected
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_moe"])
+def test_prompt_cache_reuses_a_prefix_and_changes_nothing(tiny_model_factory, family):
+    """A prompt extending an earlier generation's tokens prefills only the new ones, with the
+    same tokens out as without the cache. qwen3_5_moe's linear-attention state cannot be
+    trimmed: it reuses an exact prefix only, and a prompt diverging inside the cached tokens
+    starts from scratch."""
+    d = tiny_model_factory(family)
+    first = "def fibonacci(n):"
+    with Engine(d, EngineConfig(prompt_cache_mb=16)) as cached, Engine(d) as plain:
+        ids = cached.encode(first)
+        out1 = [e for e in cached.stream(ids, max_tokens=6)]
+        assert out1[-1].stats.cached_tokens == 0
+        follow = ids + [e.token for e in out1] + cached.encode("\n    return 1")
+        out2 = list(cached.stream(follow, max_tokens=6))
+        ref2 = list(plain.stream(follow, max_tokens=6))
+        assert [e.token for e in out2] == [e.token for e in ref2]
+        # the cache held the prompt and the six generated tokens (mlx-lm's loop feeds each
+        # token as soon as it is sampled, one step ahead)
+        assert out2[-1].stats.cached_tokens == len(ids) + 6
+        diverging = ids[:-1] + [(ids[-1] + 1) % 256] + [7, 8, 9]
+        out3 = list(cached.stream(diverging, max_tokens=4))
+        assert [e.token for e in out3] == [e.token for e in plain.stream(diverging, max_tokens=4)]
+        trimmable = family == "qwen3_moe"
+        assert out3[-1].stats.cached_tokens == (len(ids) - 1 if trimmable else 0)
+        assert cached.prompt_cache.nbytes <= 16 * 2**20

@@ -413,6 +413,29 @@ def make_cache(model: nn.Module) -> list:
     return make_prompt_cache(model)
 
 
+def cache_nbytes(cache: list) -> int:
+    """Bytes a prompt cache (one entry per layer) holds."""
+    return sum(c.nbytes for c in cache)
+
+
+def cache_trimmable(cache: list) -> bool:
+    from mlx_lm.models.cache import can_trim_prompt_cache
+
+    return can_trim_prompt_cache(cache)
+
+
+def trim_cache(cache: list, n: int) -> bool:
+    """Drop the last ``n`` tokens of a prompt cache; False when its layers cannot be trimmed
+    (state-space and linear-attention layers keep a running state, rotating caches wrap)."""
+    from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+
+    if n == 0:
+        return True
+    if not can_trim_prompt_cache(cache):
+        return False
+    return trim_prompt_cache(cache, n) == n
+
+
 # Building blocks for Edge0's own small trainable modules (the prerouter heads).
 Linear = nn.Linear
 silu = nn.silu

@@ -1,0 +1,80 @@
+"""Reusing the KV cache of an earlier generation whose tokens the new prompt extends.
+
+The next turn of a chat is the previous prompt, the reply and the new message: with the
+earlier generation's cache, only the new tokens need a prefill. Entries are per adapter
+(an adapter changes the keys and values), bounded in bytes and evicted least recently used
+first.
+
+A generation takes its entry out of the store (one owner: the cache is extended in place)
+and puts the extended cache back when it ends, with the tokens it now covers. An entry
+matches a prompt when its tokens are a prefix of it; an entry that goes past the point
+where the prompt diverges is trimmed back to the common prefix when its layers allow
+trimming (attention KV caches do; state-space and linear-attention states do not). At
+least the prompt's last token is always computed, since its logits start the generation.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from edge0.backend import nn as bnn
+
+
+class PromptCache:
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[int, tuple[str | None, tuple[int, ...], list, int]] = OrderedDict()
+        self._next = 0
+        self.hits = self.misses = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e[3] for e in self._entries.values())
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def take(self, adapter: str | None, ids: list[int]) -> tuple[list | None, int]:
+        """(cache, tokens it already holds) for a prompt, removed from the store; (None, 0)
+        when nothing reusable is stored."""
+        best, best_len = None, 0
+        for key, (name, tokens, cache, _) in self._entries.items():
+            if name != adapter:
+                continue
+            common = _common_prefix(tokens, ids)
+            usable = min(common, len(ids) - 1)
+            if usable > best_len and (usable == len(tokens) or bnn.cache_trimmable(cache)):
+                best, best_len = key, usable
+        if best is None:
+            self.misses += 1
+            return None, 0
+        _, tokens, cache, _ = self._entries.pop(best)
+        if not bnn.trim_cache(cache, len(tokens) - best_len):
+            self.misses += 1
+            return None, 0
+        self.hits += 1
+        return cache, best_len
+
+    def put(self, adapter: str | None, tokens: list[int], cache: list) -> None:
+        """Store ``cache``, which holds exactly ``tokens``; evict the least recently used
+        entries beyond the byte bound (a cache larger than the bound is not kept)."""
+        size = bnn.cache_nbytes(cache)
+        if size > self.max_bytes or not tokens:
+            return
+        self._entries[self._next] = (adapter, tuple(tokens), cache, size)
+        self._next += 1
+        while self.nbytes > self.max_bytes:
+            self._entries.popitem(last=False)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+def _common_prefix(a, b) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+

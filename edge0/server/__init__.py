@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server (``edge0 serve``): docs/SERVER.md."""

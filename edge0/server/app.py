@@ -1,0 +1,402 @@
+"""The OpenAI-compatible HTTP server: a Starlette app on the async ``Engine``.
+
+No thread per request and nothing blocking on the event loop: tokenizing runs in a worker
+thread, generation on the engine's compute thread, and each request awaits its tokens.
+The engine runs one generation at a time, in arrival order; requests beyond ``max_queue``
+waiting ones are answered 429 with ``Retry-After``. A client that goes away cancels its
+generation (within one decode step). Every adapter is resident: each request applies its
+own, and switching never reloads the base.
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
+``GET /health`` (503 while the model loads), ``GET /metrics`` (Prometheus text).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import time
+import traceback
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from edge0.config import EngineConfig
+from edge0.errors import ConfigError, Edge0Error
+from edge0.logs import get_logger
+from edge0.server import protocol as P
+from edge0.server.metrics import Metrics
+
+DEFAULT_MAX_BODY = 4 * 2**20
+RESOURCES_WAIT_S = 0.5  # /metrics waits this long for the engine's resource counts
+
+
+@dataclass
+class ServerSettings:
+    model_dir: Path
+    config: EngineConfig
+    model_id: str  # the base's id in /v1/models (the directory name or the repo id)
+    defaults: P.Defaults = field(default_factory=P.Defaults)
+    max_queue: int = 16
+    api_key: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY
+    keepalive_s: float = 10.0
+    retry_after_s: int = 1
+
+
+class ServerState:
+    def __init__(self, settings: ServerSettings):
+        self.settings = settings
+        self.engine = None
+        self.load_error: str | None = None
+        self.metrics = Metrics()
+        self.in_flight = 0
+        self.log = get_logger("edge0.server")
+        self.on_load_failure = None  # the command line stops the server when loading fails
+
+    @property
+    def models(self) -> dict[str, Any]:
+        """Model id -> the engine's adapter argument: the base (bare) and every adapter."""
+        out: dict[str, Any] = {self.settings.model_id: None}
+        for name in self.engine.adapters:
+            out[name] = name
+        return out
+
+    @property
+    def default_model(self) -> str:
+        """What a request naming no model gets: the engine's default adapter if it has one."""
+        adapters = self.engine.adapters
+        return adapters[0] if adapters and self.settings.config.adapter != "off" else self.settings.model_id
+
+    async def load(self) -> None:
+        from edge0.engine import Engine
+
+        t0 = time.perf_counter()
+        try:
+            self.engine = await anyio.to_thread.run_sync(Engine, self.settings.model_dir, self.settings.config)
+        except Exception as e:  # noqa: BLE001 - reported by /health and the log, then the server stops
+            self.load_error = f"{type(e).__name__}: {e}"
+            self.log.error("server.load_failed", error=self.load_error)
+            if self.on_load_failure is not None:
+                self.on_load_failure()
+            return
+        self.log.info("server.ready", model=str(self.settings.model_dir), seconds=round(time.perf_counter() - t0, 2),
+                      adapters=self.engine.adapters)
+
+    async def close(self) -> None:
+        if self.engine is not None:
+            engine, self.engine = self.engine, None
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(engine.close)
+
+
+def create_app(settings: ServerSettings) -> Starlette:
+    state = ServerState(settings)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(state.load)  # the port opens now; /health says 503 until this is done
+            try:
+                yield
+            finally:
+                tg.cancel_scope.cancel()
+        await state.close()
+
+    routes = [
+        Route("/v1/chat/completions", _endpoint(state, "chat"), methods=["POST"]),
+        Route("/v1/completions", _endpoint(state, "completion"), methods=["POST"]),
+        Route("/v1/models", _models(state), methods=["GET"]),
+        Route("/health", _health(state), methods=["GET"]),
+        Route("/metrics", _metrics(state), methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: _not_found, 405: _not_allowed})
+    app.state.edge0 = state
+    return app
+
+
+# -- responses -------------------------------------------------------------------------------
+
+
+def _error(e: P.APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+async def _not_found(request: Request, exc) -> JSONResponse:
+    return _error(P.APIError(404, f"no route {request.method} {request.url.path}"))
+
+
+async def _not_allowed(request: Request, exc) -> JSONResponse:
+    return _error(P.APIError(405, f"{request.method} is not allowed on {request.url.path}", kind="invalid_request_error"))
+
+
+def _check_auth(state: ServerState, request: Request) -> None:
+    key = state.settings.api_key
+    if key is None:
+        return
+    given = request.headers.get("authorization", "")
+    if not (given.startswith("Bearer ") and hmac.compare_digest(given[7:].encode(), key.encode())):
+        raise P.APIError(401, "missing or wrong API key (Authorization: Bearer KEY)", code="invalid_api_key")
+
+
+def _check_ready(state: ServerState) -> None:
+    if state.engine is None:
+        why = f"the model failed to load: {state.load_error}" if state.load_error else "the model is loading"
+        raise P.APIError(503, why, headers={"Retry-After": "1"})
+
+
+def _models(state: ServerState):
+    async def handler(request: Request) -> Response:
+        try:
+            _check_auth(state, request)
+            _check_ready(state)
+        except P.APIError as e:
+            state.metrics.count("models", e.status)
+            return _error(e)
+        state.metrics.count("models", 200)
+        created = P.now()
+        data = [{"id": name, "object": "model", "created": created, "owned_by": "edge0",
+                 "parent": None if adapter is None else state.settings.model_id}
+                for name, adapter in state.models.items()]
+        return JSONResponse({"object": "list", "data": data})
+    return handler
+
+
+def _health(state: ServerState):
+    async def handler(request: Request) -> Response:
+        if state.engine is not None:
+            return JSONResponse({"status": "ok", "model": state.settings.model_id, "adapters": state.engine.adapters})
+        body = {"status": "error", "error": state.load_error} if state.load_error else {"status": "loading"}
+        return JSONResponse(body, status_code=503)
+    return handler
+
+
+def _metrics(state: ServerState):
+    async def handler(request: Request) -> Response:
+        try:
+            _check_auth(state, request)
+        except P.APIError as e:
+            return _error(e)
+        engine = state.engine
+        cache = engine.prompt_cache if engine is not None else None
+        resources = None
+        if engine is not None:  # asked of the compute thread: answered between two generations
+            with anyio.move_on_after(RESOURCES_WAIT_S):
+                resources = await anyio.to_thread.run_sync(engine.resources, abandon_on_cancel=True)
+        text = state.metrics.render(
+            in_flight=state.in_flight, queued=max(0, state.in_flight - 1),
+            expert_bytes=engine.reader.stats.bytes if engine is not None else 0,
+            cache_bytes=cache.nbytes if cache is not None else 0, cache_hits=cache.hits if cache is not None else 0,
+            loaded=engine is not None, resources=resources, process=_process())
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+    return handler
+
+
+def _process() -> dict:
+    """Threads, open file descriptors and event-loop tasks of this process (leak checks)."""
+    import asyncio
+    import os
+    import threading
+
+    fds = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else -1
+    try:
+        tasks = len(asyncio.all_tasks())
+    except RuntimeError:  # not an asyncio loop
+        tasks = -1
+    return {"threads": threading.active_count(), "open_fds": fds, "tasks": tasks}
+
+
+async def _read_json(state: ServerState, request: Request):
+    limit = state.settings.max_body_bytes
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise P.APIError(413, f"the request body is {length} bytes, over the limit of {limit}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise P.APIError(413, f"the request body is over the limit of {limit} bytes")
+        chunks.append(chunk)
+    try:
+        return json.loads(b"".join(chunks))
+    except (ValueError, RecursionError) as e:
+        raise P.bad(f"the request body is not valid JSON: {e}") from None
+
+
+def _prompt_ids(state: ServerState, req: P.GenerationRequest) -> list[int]:
+    """Token ids of the request's prompt (chat template for chat), checked by the engine
+    (context length, sampling values). Runs in a worker thread."""
+    engine = state.engine
+    tok = engine.tokenizer
+    if req.kind == "chat" and getattr(tok, "has_chat_template", False):
+        text = tok.apply_chat_template(req.messages, tokenize=False, add_generation_prompt=True)
+        ids = tok.encode(text, add_special_tokens=False)
+    elif req.kind == "chat":  # a base model without a template continues the messages' text
+        ids = "\n".join(m["content"] for m in req.messages)
+    else:
+        ids = req.prompt if isinstance(req.prompt, list) else req.prompt
+    try:
+        ids, _ = engine.validate(ids, **req.sampling)
+    except ConfigError as e:
+        raise P.bad(str(e), "messages" if req.kind == "chat" else "prompt") from None
+    return ids
+
+
+def _endpoint(state: ServerState, kind: str):
+    name = "chat" if kind == "chat" else "completions"
+
+    async def handler(request: Request) -> Response:
+        admitted = False
+        try:
+            _check_auth(state, request)
+            _check_ready(state)
+            body = await _read_json(state, request)
+            req = P.parse(body, kind, state.models, state.default_model, state.settings.defaults,
+                          state.engine.vocab_size)
+            ids = await anyio.to_thread.run_sync(_prompt_ids, state, req)
+            if state.in_flight > state.settings.max_queue:
+                raise P.APIError(429, f"{state.in_flight - 1} requests are waiting (max_queue "
+                                 f"{state.settings.max_queue}); retry later",
+                                 headers={"Retry-After": str(state.settings.retry_after_s)})
+            state.in_flight += 1
+            admitted = True
+            if req.stream:
+                admitted = False  # the stream owns the slot from here
+                state.metrics.count(name, 200)
+                return StreamingResponse(_stream(state, req, ids), media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            result = await _complete(state, request, req, ids)
+            state.metrics.count(name, 200 if result is not None else 499)
+            return JSONResponse(result) if result is not None else Response(status_code=499)
+        except P.APIError as e:
+            state.metrics.count(name, e.status)
+            return _error(e)
+        except Exception as e:  # noqa: BLE001 - an internal failure: 500, and the next request is served
+            state.log.error("server.internal_error", error=f"{type(e).__name__}: {e}",
+                            traceback=traceback.format_exc(limit=8))
+            state.metrics.count(name, 500)
+            return _error(P.APIError(500, f"internal error: {type(e).__name__}: {e}", kind="server_error"))
+        finally:
+            if admitted:
+                state.in_flight -= 1
+    return handler
+
+
+class _Collector:
+    """A request's token events: count, logprob entries, finish reason, final stats."""
+
+    def __init__(self, state: ServerState, req: P.GenerationRequest):
+        self.state, self.req = state, req
+        self.logprobs: list[dict] | None = [] if req.logprobs else None
+        self.stats = None
+        self.finish: str | None = None
+        self.count = 0
+
+    def add(self, event) -> tuple[str, list[dict]]:
+        """The text to emit for ``event`` and its logprob entries."""
+        self.count += 1
+        entries = []
+        if self.logprobs is not None and event.logprob is not None:
+            entries = [P.token_logprob(self.state.engine.tokenizer, event.token, event.logprob, event.top_logprobs)]
+            self.logprobs.extend(entries)
+        if event.finish_reason is not None:
+            self.finish, self.stats = event.finish_reason, event.stats
+        return event.text, entries
+
+    def usage(self, prompt_tokens: int) -> dict:
+        cached = self.stats.cached_tokens if self.stats is not None else 0
+        return P.usage(prompt_tokens, self.count, cached)
+
+
+async def _generate(state: ServerState, req: P.GenerationRequest, ids: list[int], collector: _Collector,
+                    heartbeat: float | None = None):
+    """The engine's events for a request as (text, logprob entries); ``None`` items are
+    heartbeats."""
+    gen = state.engine.generate(ids, adapter=req.adapter, heartbeat=heartbeat, **req.sampling)
+    try:
+        async for event in gen:
+            yield None if event is None else collector.add(event)
+    finally:
+        with anyio.CancelScope(shield=True):
+            await gen.aclose()
+        if collector.stats is not None:
+            state.metrics.finished(collector.stats)
+
+
+async def _complete(state: ServerState, request: Request, req: P.GenerationRequest, ids: list[int]) -> dict | None:
+    """A whole (non-streamed) answer; None when the client went away first."""
+    collector = _Collector(state, req)
+    parts: list[str] = []
+    gone = False
+
+    async def watch_disconnect(scope: anyio.CancelScope):
+        nonlocal gone
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                gone = True
+                scope.cancel()
+                return
+
+    error: Exception | None = None
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(watch_disconnect, tg.cancel_scope)
+        try:
+            async for item in _generate(state, req, ids, collector):
+                if item is not None:
+                    parts.append(item[0])
+        except Exception as e:  # noqa: BLE001 - re-raised below, outside the task group
+            error = e
+        tg.cancel_scope.cancel()
+    if isinstance(error, Edge0Error):
+        raise P.APIError(500, f"generation failed: {type(error).__name__}: {error}", kind="server_error")
+    if error is not None:
+        raise error
+    if gone:
+        state.metrics.disconnects += 1
+        return None
+    return P.response(req, P.new_id(req.kind), P.now(), "".join(parts), collector.finish or "length",
+                      collector.usage(len(ids)), collector.logprobs)
+
+
+def _sse(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+async def _stream(state: ServerState, req: P.GenerationRequest, ids: list[int]):
+    """Server-sent events: a chunk per token (text held back while it may begin a stop
+    string), keep-alive comments while no token comes, the usage chunk, ``[DONE]``."""
+    rid, created = P.new_id(req.kind), P.now()
+    collector = _Collector(state, req)
+    ended = False  # answered to the end, or with an error event: not a disconnect
+    try:
+        if req.kind == "chat":
+            yield _sse(P.chunk(req, rid, created, "", None, role=True))
+        async for item in _generate(state, req, ids, collector, heartbeat=state.settings.keepalive_s):
+            if item is None:
+                yield ": keep-alive\n\n"
+                continue
+            text, entries = item
+            if text or entries:
+                yield _sse(P.chunk(req, rid, created, text, None, entries))
+        yield _sse(P.chunk(req, rid, created, None if req.kind == "chat" else "", collector.finish or "length"))
+        if req.include_usage:
+            yield _sse(P.usage_chunk(req, rid, created, collector.usage(len(ids))))
+        yield _sse("[DONE]")
+        ended = True
+    except Edge0Error as e:
+        state.log.error("server.generation_failed", error=f"{type(e).__name__}: {e}")
+        ended = True
+        yield _sse({"error": {"message": f"generation failed: {type(e).__name__}: {e}", "type": "server_error",
+                              "param": None, "code": None}})
+    finally:
+        if not ended:
+            state.metrics.disconnects += 1
+        state.in_flight -= 1

@@ -1,0 +1,118 @@
+"""``edge0 serve``: the OpenAI-compatible server on uvicorn (docs/SERVER.md)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+DEFAULT_PROMPT_CACHE_MB = 512
+API_KEY_ENV = "EDGE0_API_KEY"
+
+
+def add_parser(sub) -> None:
+    from edge0.config_sources import add_config_flags
+    from edge0.server.app import DEFAULT_MAX_BODY
+
+    s = sub.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server (chat, completions, models, health, metrics)",
+        description="Serves /v1/chat/completions, /v1/completions, /v1/models, /health and /metrics on the "
+                    "async engine. Every adapter given stays resident and each request picks its own through "
+                    "'model' (the base's id, or an adapter's name) or 'adapters'. docs/SERVER.md.")
+    s.add_argument("--model", required=True,
+                   help="an mlx-lm int4 MoE checkpoint: a directory, or a repo id (ORG/NAME) in the local Hugging "
+                        "Face cache")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    s.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 picks a free one)")
+    s.add_argument("--max-queue", type=int, default=16,
+                   help="requests that may wait for their turn; more get 429 with Retry-After (default 16)")
+    s.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' on /v1 and /metrics (env {API_KEY_ENV})")
+    s.add_argument("--max-tokens", type=int, default=512,
+                   help="tokens generated when a request does not say (default 512)")
+    s.add_argument("--temp", type=float, default=0.0, help="temperature when a request does not say (default 0)")
+    s.add_argument("--top-p", type=float, default=1.0, help="top_p when a request does not say (default 1)")
+    s.add_argument("--top-k", type=int, default=0, help="top_k when a request does not say (default 0: off)")
+    s.add_argument("--min-p", type=float, default=0.0, help="min_p when a request does not say (default 0: off)")
+    s.add_argument("--keepalive", type=float, default=10.0,
+                   help="seconds without a token after which a stream gets an SSE comment (default 10)")
+    s.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY,
+                   help=f"largest request body accepted; more is 413 (default {DEFAULT_MAX_BODY})")
+    s.add_argument("--grace", type=float, default=30.0,
+                   help="on SIGTERM/SIGINT: seconds running requests may take to finish before they are "
+                        "cancelled (default 30)")
+    add_config_flags(s)
+    for action in s._actions:  # serve keeps a prompt cache by default; say so where the flag is
+        if action.dest == "prompt_cache_mb":
+            action.help = action.help.replace("(default: 0;", f"(default for serve: {DEFAULT_PROMPT_CACHE_MB};")
+    s.set_defaults(func=cmd_serve)
+
+
+def build_settings(args: argparse.Namespace):
+    from edge0.config_sources import resolve_config
+    from edge0.errors import ConfigError
+    from edge0.hub import resolve_model
+    from edge0.server.app import ServerSettings
+    from edge0.server.protocol import Defaults
+    from edge0.sampling import SamplingParams
+
+    for name, lo in (("max_queue", 0), ("max_body_bytes", 1), ("port", 0)):
+        if getattr(args, name) < lo:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= {lo}, got {getattr(args, name)}")
+    if not args.keepalive > 0 or not args.grace >= 0:
+        raise ConfigError("--keepalive must be > 0 and --grace >= 0")
+    SamplingParams(max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p)
+    model_dir = resolve_model(args.model)
+    config = resolve_config(args, defaults={"prompt_cache_mb": DEFAULT_PROMPT_CACHE_MB})
+    model_id = args.model if not os.path.isdir(args.model) else os.path.basename(os.path.normpath(args.model))
+    return ServerSettings(
+        model_dir=model_dir, config=config, model_id=model_id,
+        defaults=Defaults(max_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p, top_k=args.top_k,
+                          min_p=args.min_p),
+        max_queue=args.max_queue, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        max_body_bytes=args.max_body_bytes, keepalive_s=args.keepalive)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from edge0.server.app import create_app
+
+    settings = build_settings(args)
+    app = create_app(settings)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="on",
+                            timeout_graceful_shutdown=args.grace, access_log=False)
+    server = uvicorn.Server(config)
+    state = app.state.edge0
+    failed = []
+
+    def stop_on_failure():
+        failed.append(True)
+        server.should_exit = True
+
+    state.on_load_failure = stop_on_failure
+    if args.host not in ("127.0.0.1", "localhost", "::1") and settings.api_key is None:
+        print(f"[edge0] warning: serving on {args.host} without --api-key: anyone who can reach it can use it",
+              file=sys.stderr)
+    _announce(server, settings)
+    server.run()
+    if failed:
+        print(f"edge0: error: the model failed to load: {state.load_error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _announce(server, settings) -> None:
+    """One line on standard error once the port is open (with the port a 0 picked)."""
+    startup = server.startup
+
+    async def announced(sockets=None):
+        await startup(sockets=sockets)
+        for s in server.servers:
+            for sock in s.sockets:
+                host, port = sock.getsockname()[:2]
+                print(f"[edge0] serving {settings.model_id} on http://{host}:{port} (loading; GET /health says when "
+                      "ready)", file=sys.stderr, flush=True)
+                return
+
+    server.startup = announced

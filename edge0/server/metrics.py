@@ -1,0 +1,77 @@
+"""The server's counters and gauges, rendered in Prometheus' text format (``GET /metrics``)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+
+class Metrics:
+    def __init__(self):
+        self.requests: Counter = Counter()  # (endpoint, status) -> count
+        self.prompt_tokens = 0
+        self.cached_prompt_tokens = 0
+        self.completion_tokens = 0
+        self.decode_tps = 0.0  # of the last finished generation
+        self.prefill_tps = 0.0
+        self.stall_ms_per_step = 0.0
+        self.guard_recall: float | None = None
+        self.disconnects = 0
+
+    def count(self, endpoint: str, status: int) -> None:
+        self.requests[(endpoint, status)] += 1
+
+    def finished(self, stats) -> None:
+        self.prompt_tokens += stats.prompt_tokens
+        self.cached_prompt_tokens += stats.cached_tokens
+        self.completion_tokens += stats.generated_tokens
+        if stats.decode_tps:
+            self.decode_tps = stats.decode_tps
+        self.prefill_tps = stats.prefill_tps
+        self.stall_ms_per_step = stats.stall_ms_per_step
+        if stats.guard_recall:
+            self.guard_recall = sum(stats.guard_recall.values()) / len(stats.guard_recall)
+
+    def render(self, *, in_flight: int, queued: int, expert_bytes: int, cache_bytes: int, cache_hits: int,
+               loaded: bool, resources: dict | None = None, process: dict | None = None) -> str:
+        lines: list[str] = []
+
+        def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]):
+            lines.append(f"# HELP edge0_{name} {help_}")
+            lines.append(f"# TYPE edge0_{name} {kind}")
+            for labels, value in samples:
+                lines.append(f"edge0_{name}{labels} {value}")
+
+        metric("requests_total", "counter", "HTTP requests answered, by endpoint and status.",
+               [(f'{{endpoint="{e}",status="{s}"}}', n) for (e, s), n in sorted(self.requests.items())])
+        metric("prompt_tokens_total", "counter", "Prompt tokens of finished generations.", [("", self.prompt_tokens)])
+        metric("cached_prompt_tokens_total", "counter", "Prompt tokens taken from the prompt cache (not prefilled).",
+               [("", self.cached_prompt_tokens)])
+        metric("completion_tokens_total", "counter", "Tokens generated.", [("", self.completion_tokens)])
+        metric("client_disconnects_total", "counter", "Generations cancelled because the client went away.",
+               [("", self.disconnects)])
+        metric("decode_tokens_per_second", "gauge", "Decode speed of the last finished generation.",
+               [("", round(self.decode_tps, 3))])
+        metric("prefill_tokens_per_second", "gauge", "Prefill speed of the last finished generation.",
+               [("", round(self.prefill_tps, 3))])
+        metric("stall_ms_per_step", "gauge", "Staged layers' wait for expert reads per decode step (last "
+               "generation).", [("", round(self.stall_ms_per_step, 3))])
+        if self.guard_recall is not None:
+            metric("guard_recall", "gauge", "Prerouter recall@k measured by the quality guard (last generation).",
+                   [("", round(self.guard_recall, 4))])
+        metric("expert_bytes_read_total", "counter", "Expert bytes read from the checkpoint.", [("", expert_bytes)])
+        metric("in_flight_requests", "gauge", "Generations admitted and not finished (running + queued).",
+               [("", in_flight)])
+        metric("queue_depth", "gauge", "Generations waiting for their turn.", [("", queued)])
+        metric("prompt_cache_bytes", "gauge", "Bytes held by the prompt cache.", [("", cache_bytes)])
+        metric("prompt_cache_hits_total", "counter", "Prompts that reused a cached KV prefix.", [("", cache_hits)])
+        metric("model_loaded", "gauge", "1 once the model is loaded and the server answers requests.",
+               [("", int(loaded))])
+        if resources is not None:  # absent while a generation keeps the compute thread busy
+            for key, help_ in (("generations", "Generations the engine holds (running or queued)."),
+                               ("pinned_slots", "Expert slots pinned by a step."),
+                               ("pending_reads", "Expert reads in flight."),
+                               ("open_files", "Checkpoint files the reader holds open.")):
+                metric(f"engine_{key}", "gauge", help_, [("", resources[key])])
+        for key, value in (process or {}).items():
+            metric(f"process_{key}", "gauge", f"This process's {key.replace('_', ' ')}.", [("", value)])
+        return "\n".join(lines) + "\n"

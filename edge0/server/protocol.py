@@ -1,0 +1,282 @@
+"""The OpenAI HTTP API as Edge0's server speaks it: request checking and response bodies.
+
+Requests are checked field by field before anything runs; every mistake is an
+``APIError`` with the HTTP status and the OpenAI error shape
+(``{"error": {"message", "type", "param", "code"}}``). The fields are the ones mlx-lm's
+server takes: ``max_tokens`` / ``max_completion_tokens``, ``temperature``, ``top_p``,
+``top_k``, ``min_p``, ``seed``, ``stop``, ``repetition_penalty``, ``logprobs`` /
+``top_logprobs``, ``stream`` / ``stream_options.include_usage``, and the adapter chosen by
+``model`` (the base or an adapter's name) or ``adapters``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+MAX_STOP = 4
+MAX_TOP_LOGPROBS = 20
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, *, param: str | None = None, kind: str | None = None,
+                 code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.kind = kind or {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                             413: "invalid_request_error", 429: "rate_limit_error",
+                             503: "service_unavailable"}.get(status, "server_error")
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def bad(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+@dataclass
+class GenerationRequest:
+    """One checked request, ready for the engine."""
+
+    kind: str  # "chat" or "completion"
+    model: str  # the id answered with
+    adapter: Any  # the engine's adapter argument: a name, None (the bare base) or the default
+    messages: list[dict] | None = None
+    prompt: str | list[int] | None = None
+    sampling: dict = field(default_factory=dict)
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+
+def _number(body: dict, name: str, lo: float, hi: float, *, lo_open=False, hi_open=False, integer=False,
+            default=None):
+    if name not in body or body[name] is None:
+        return default
+    v = body[name]
+    kind = "an integer" if integer else "a number"
+    if isinstance(v, bool) or not isinstance(v, (int,) if integer else (int, float)) \
+            or (isinstance(v, float) and not math.isfinite(v)):
+        raise bad(f"'{name}' must be {kind}, got {v!r:.40}", name)
+    ok = (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
+    if not ok:
+        lb, hb = "(" if lo_open else "[", ")" if hi_open else "]"
+        raise bad(f"'{name}' must be in {lb}{lo}, {hi}{hb}, got {v!r}", name)
+    return v
+
+
+def _bool(body: dict, name: str, default: bool = False) -> bool:
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise bad(f"'{name}' must be true or false, got {v!r:.40}", name)
+    return v
+
+
+def _messages(value) -> list[dict]:
+    if not isinstance(value, list) or not value:
+        raise bad("'messages' must be a non-empty list of {role, content} objects", "messages")
+    out = []
+    for i, m in enumerate(value):
+        if not isinstance(m, dict):
+            raise bad(f"messages[{i}] must be an object", f"messages[{i}]")
+        role = m.get("role")
+        if role not in ("system", "developer", "user", "assistant", "tool"):
+            raise bad(f"messages[{i}].role must be system, developer, user, assistant or tool, got {role!r:.40}",
+                      f"messages[{i}].role")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: only text is understood
+            parts = []
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise bad(f"messages[{i}].content[{j}] must be a text part ({{'type': 'text', 'text': ...}}); "
+                              "this model reads text only", f"messages[{i}].content")
+                parts.append(part["text"])
+            content = "".join(parts)
+        if content is None and role == "assistant":
+            content = ""
+        if not isinstance(content, str):
+            raise bad(f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content")
+        out.append({"role": "system" if role == "developer" else role, "content": content})
+    return out
+
+
+@dataclass(frozen=True)
+class Defaults:
+    """Sampling a request gets for the fields it leaves out (``edge0 serve``'s flags, as
+    mlx-lm's server has them: greedy unless asked)."""
+
+    max_tokens: int = 512
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+
+
+def parse(body: Any, kind: str, models: dict[str, Any], default_model: str, defaults: Defaults,
+          vocab_size: int | None) -> GenerationRequest:
+    """A checked request. ``models``: id -> the engine's adapter argument for it."""
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    model = body.get("model", default_model)
+    if model is None:
+        model = default_model
+    if not isinstance(model, str):
+        raise bad(f"'model' must be a string, got {model!r:.40}", "model")
+    adapters = body.get("adapters")
+    if adapters is not None:
+        if not isinstance(adapters, str):
+            raise bad("'adapters' must be the name of one adapter this server holds", "adapters")
+        if adapters not in models:
+            raise APIError(404, f"no adapter {adapters!r}; this server serves {sorted(models)}", param="adapters",
+                           code="model_not_found")
+        adapter, model = models[adapters], adapters
+    elif model not in models:
+        raise APIError(404, f"the model {model!r} does not exist; this server serves {sorted(models)}",
+                       param="model", code="model_not_found")
+    else:
+        adapter = models[model]
+    n = _number(body, "n", 1, 1, integer=True, default=1)
+    del n  # one choice per request
+    max_tokens = _number(body, "max_completion_tokens", 1, 1 << 20, integer=True)
+    if max_tokens is None:
+        max_tokens = _number(body, "max_tokens", 1, 1 << 20, integer=True, default=defaults.max_tokens)
+    sampling = dict(
+        max_tokens=max_tokens, temp=float(_number(body, "temperature", 0, 100, default=defaults.temperature)),
+        top_p=float(_number(body, "top_p", 0, 1, lo_open=True, default=defaults.top_p)),
+        top_k=_number(body, "top_k", 0, 1 << 20, integer=True, default=defaults.top_k),
+        min_p=float(_number(body, "min_p", 0, 1, hi_open=True, default=defaults.min_p)),
+        seed=_number(body, "seed", -(1 << 63), (1 << 63) - 1, integer=True),
+        repetition_penalty=_number(body, "repetition_penalty", 0, 100, lo_open=True),
+    )
+    if sampling["seed"] is not None:
+        sampling["seed"] = sampling["seed"] % (1 << 63)
+    if sampling["repetition_penalty"] is None:
+        del sampling["repetition_penalty"]
+    stop = body.get("stop")
+    if stop is None:
+        stops: list[str] = []
+    elif isinstance(stop, str):
+        stops = [stop]
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= MAX_STOP:
+        stops = list(stop)
+    else:
+        raise bad(f"'stop' must be a string or a list of at most {MAX_STOP} strings", "stop")
+    if any(s == "" for s in stops):
+        raise bad("'stop' strings must not be empty", "stop")
+    stream = _bool(body, "stream")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise bad("'stream_options' must be an object", "stream_options")
+    include_usage = bool(options and _bool(options, "include_usage"))
+    if kind == "chat":
+        logprobs = _bool(body, "logprobs")
+        top = _number(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, integer=True, default=0)
+        if top and not logprobs:
+            raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    else:
+        lp = _number(body, "logprobs", 0, MAX_TOP_LOGPROBS, integer=True)
+        logprobs, top = lp is not None, lp or 0
+        if _bool(body, "echo"):
+            raise bad("'echo' is not supported", "echo")
+    sampling["stop"] = tuple(stops)
+    req = GenerationRequest(kind=kind, model=model, adapter=adapter, sampling=sampling, stream=stream,
+                            include_usage=include_usage, logprobs=logprobs, top_logprobs=top)
+    if logprobs:
+        sampling["logprobs"] = True
+        sampling["top_logprobs"] = top
+    if kind == "chat":
+        req.messages = _messages(body.get("messages"))
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            if not prompt:
+                raise bad("'prompt' must not be empty", "prompt")
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
+                                                         for t in prompt):
+            if vocab_size is not None and any(not 0 <= t < vocab_size for t in prompt):
+                raise bad(f"'prompt' token ids must be in [0, {vocab_size})", "prompt")
+        else:
+            raise bad("'prompt' must be a non-empty string or a list of token ids (one prompt per request)",
+                      "prompt")
+        req.prompt = prompt
+    return req
+
+
+def new_id(kind: str) -> str:
+    return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def token_logprob(tokenizer, token: int, logprob: float, top: list | None) -> dict:
+    text = tokenizer.decode([token])
+    entry = {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+    entry["top_logprobs"] = [
+        {"token": (t := tokenizer.decode([i])), "logprob": lp, "bytes": list(t.encode("utf-8"))}
+        for i, lp in (top or [])]
+    return entry
+
+
+def completion_logprobs(entries: list[dict]) -> dict:
+    """The legacy completions shape of per-token logprobs."""
+    offsets, pos = [], 0
+    for e in entries:
+        offsets.append(pos)
+        pos += len(e["token"])
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+            "text_offset": offsets}
+
+
+def response(req: GenerationRequest, rid: str, created: int, text: str, finish: str, use: dict,
+             logprobs: list[dict] | None) -> dict:
+    if req.kind == "chat":
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
+                  "logprobs": {"content": logprobs} if logprobs is not None else None}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "finish_reason": finish,
+                  "logprobs": completion_logprobs(logprobs) if logprobs is not None else None}
+        obj = "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": req.model, "choices": [choice], "usage": use,
+            "system_fingerprint": None}
+
+
+def chunk(req: GenerationRequest, rid: str, created: int, text: str | None, finish: str | None,
+          logprobs: list[dict] | None = None, *, role: bool = False) -> dict:
+    if req.kind == "chat":
+        delta: dict = {"role": "assistant"} if role else {}
+        if text is not None:
+            delta["content"] = text
+        choice = {"index": 0, "delta": delta, "finish_reason": finish,
+                  "logprobs": {"content": logprobs} if logprobs else None}
+        obj = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": text or "", "finish_reason": finish,
+                  "logprobs": completion_logprobs(logprobs) if logprobs else None}
+        obj = "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": req.model, "choices": [choice],
+            "system_fingerprint": None}
+
+
+def usage_chunk(req: GenerationRequest, rid: str, created: int, use: dict) -> dict:
+    return {"id": rid, "object": "chat.completion.chunk" if req.kind == "chat" else "text_completion",
+            "created": created, "model": req.model, "choices": [], "usage": use}
+
+
+def now() -> int:
+    return int(time.time())

@@ -1,0 +1,379 @@
+"""``edge0 serve``: a real uvicorn on 127.0.0.1 at a free port, driven by the official
+``openai`` client (and raw HTTP where the client cannot say what is tested)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from edge0 import Engine, EngineConfig
+from edge0.server.app import ServerSettings, create_app
+from edge0.server.protocol import Defaults
+from tests.test_adapters import random_adapter
+
+PROMPT = "def fibonacci(n):"
+
+
+@contextmanager
+def serving(model_dir, config: EngineConfig | None = None, **settings):
+    """A uvicorn server in a thread; yields (base URL, the app's state)."""
+    import uvicorn
+
+    s = ServerSettings(model_dir=Path(model_dir), config=config or EngineConfig(prompt_cache_mb=64),
+                       model_id="tiny", **settings)
+    app = create_app(s)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error", lifespan="on",
+                                           timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    state = app.state.edge0
+    deadline = time.monotonic() + 60
+    while not (server.started and state.engine is not None):
+        assert time.monotonic() < deadline and state.load_error is None, state.load_error
+        time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}", state
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+_CLIENTS: list = []
+
+
+def client(url, **kw) -> openai.OpenAI:
+    c = openai.OpenAI(base_url=url + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0, **kw)
+    _CLIENTS.append(c)
+    return c
+
+
+@pytest.fixture(autouse=True)
+def close_clients():
+    """Each test's clients close their connections (no sockets left for later tests' fd counts)."""
+    yield
+    while _CLIENTS:
+        _CLIENTS.pop().close()
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_factory, tmp_path_factory):
+    """A tiny qwen3_moe (it has a chat template) with two adapters beside it."""
+    from tests.ckpt_tools import copy_model
+
+    d = copy_model(tiny_model_factory("qwen3_moe"), tmp_path_factory.mktemp("serve") / "m")
+    a = random_adapter(d, d.parent / "alpha", seed=1)
+    b = random_adapter(d, d.parent / "beta", seed=2)
+    return d, a, b
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    d, a, b = model
+    with serving(d, EngineConfig(adapter=str(a), extra_adapters=(str(b),), prompt_cache_mb=64)) as (url, state):
+        yield url, state
+
+
+def chat(c, messages, model="tiny", **kw):
+    return c.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=kw.pop("max_tokens", 12),
+                                     **kw)
+
+
+def test_chat_matches_edge0_generate_and_counts_usage(server, model):
+    url, state = server
+    d, _, _ = model
+    c = client(url)
+    r = chat(c, [{"role": "user", "content": PROMPT}], model="tiny", max_tokens=16)
+    cli = subprocess.run([sys.executable, "-m", "edge0", "generate", "--model", str(d), "--prompt", PROMPT,
+                          "--max-tokens", "16", "--verbose", "false", "--adapter", "off"],
+                         capture_output=True, text=True, check=True)
+    assert r.choices[0].message.content == cli.stdout[:-1]  # print() adds the newline
+    tok = state.engine.tokenizer
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": PROMPT}], tokenize=False,
+                                             add_generation_prompt=True), add_special_tokens=False)
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 16
+    assert r.usage.total_tokens == len(ids) + 16 and r.choices[0].finish_reason == "length"
+    # streamed: the same text, chunk by chunk, and the usage chunk when asked for
+    chunks = list(c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": PROMPT}],
+                                            temperature=0, max_tokens=16, stream=True,
+                                            stream_options={"include_usage": True}))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == r.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == 16 and chunks[-1].usage.prompt_tokens == len(ids)
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+
+
+def test_completions_streamed_and_not(server):
+    url, state = server
+    c = client(url)
+    r = c.completions.create(model="tiny", prompt="import os\n", max_tokens=10, temperature=0)
+    streamed = list(c.completions.create(model="tiny", prompt="import os\n", max_tokens=10, temperature=0,
+                                         stream=True))
+    assert "".join(ch.choices[0].text for ch in streamed) == r.choices[0].text
+    assert r.usage.prompt_tokens == len(state.engine.tokenizer.encode("import os\n"))
+    assert r.usage.completion_tokens == 10
+    with Engine(state.settings.model_dir, EngineConfig(adapter="off")) as e:
+        assert e.generate_text("import os\n", max_tokens=10)[0] == r.choices[0].text
+
+
+def test_models_lists_the_base_and_every_adapter(server):
+    url, _ = server
+    ids = {m.id: m for m in client(url).models.list().data}
+    assert set(ids) == {"tiny", "alpha", "beta"}
+    assert ids["alpha"].parent == "tiny" and ids["tiny"].parent is None  # type: ignore[attr-defined]
+
+
+def test_adapters_alternate_without_reloading_and_match_dedicated_servers(server, model):
+    url, state = server
+    d, a, b = model
+    c = client(url)
+    engine_before = state.engine
+    messages = [{"role": "user", "content": PROMPT}]
+    answers = {}
+    for name in ("alpha", "tiny", "beta", "alpha", "tiny", "beta"):  # interleaved on one server
+        text = chat(c, messages, model=name).choices[0].message.content
+        assert answers.setdefault(name, text) == text
+    assert state.engine is engine_before  # nothing reloaded
+    assert len(set(answers.values())) == 3  # each adapter changes the answer
+    via_field = c.chat.completions.create(model="tiny", messages=messages, temperature=0, max_tokens=12,
+                                          extra_body={"adapters": "beta"})
+    assert via_field.choices[0].message.content == answers["beta"]
+    for name, cfg in (("alpha", EngineConfig(adapter=str(a))), ("beta", EngineConfig(adapter=str(b))),
+                      ("tiny", EngineConfig(adapter="off"))):
+        with serving(d, cfg) as (alone, _):
+            assert chat(client(alone), messages, model=name).choices[0].message.content == answers[name]
+
+
+def test_second_turn_prefills_only_its_new_tokens(model):
+    d, _, _ = model
+    turn1 = [{"role": "user", "content": PROMPT}]
+    with serving(d, EngineConfig(adapter="off", prompt_cache_mb=64)) as (url, state):
+        c = client(url)
+        r1 = chat(c, turn1, max_tokens=8)
+        turn2 = turn1 + [{"role": "assistant", "content": r1.choices[0].message.content},
+                         {"role": "user", "content": "and now in one line"}]
+        r2 = chat(c, turn2, max_tokens=8)
+        cached = r2.usage.prompt_tokens_details.cached_tokens
+        metrics = httpx.get(url + "/metrics").text
+    # everything the first turn's cache holds that the second prompt repeats was not prefilled
+    assert cached >= r1.usage.prompt_tokens and cached < r2.usage.prompt_tokens
+    assert f"edge0_cached_prompt_tokens_total {cached}" in metrics
+    with serving(d, EngineConfig(adapter="off", prompt_cache_mb=0)) as (url, _):
+        plain = chat(client(url), turn2, max_tokens=8)
+    assert plain.usage.prompt_tokens_details.cached_tokens == 0
+    assert plain.choices[0].message.content == r2.choices[0].message.content
+
+
+def test_stop_strings_logprobs_and_seeds(server):
+    url, _ = server
+    c = client(url)
+    full = chat(c, [{"role": "user", "content": PROMPT}], model="tiny", max_tokens=24).choices[0].message.content
+    stop = full[len(full) // 2: len(full) // 2 + 2]
+    cut = chat(c, [{"role": "user", "content": PROMPT}], model="tiny", max_tokens=24, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop" and cut.choices[0].message.content == full[: full.index(stop)]
+    lp = chat(c, [{"role": "user", "content": PROMPT}], model="tiny", max_tokens=5, logprobs=True, top_logprobs=3)
+    entries = lp.choices[0].logprobs.content
+    assert len(entries) == 5 and all(len(e.top_logprobs) == 3 and e.logprob <= 0 for e in entries)
+    assert all(abs(e.logprob - e.top_logprobs[0].logprob) < 1e-5 for e in entries)  # greedy: the top token
+    sampled = [c.completions.create(model="tiny", prompt="x = ", max_tokens=8, temperature=1.0, seed=7).choices[0].text
+               for _ in range(2)]
+    assert sampled[0] == sampled[1]
+
+
+@pytest.mark.parametrize("body,status,match", [
+    (b"{not json", 400, "not valid JSON"),
+    (json.dumps({"messages": "hi"}).encode(), 400, "'messages' must be a non-empty list"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}).encode(), 400,
+     "'temperature' must be a number"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "top_p": 2}).encode(), 400,
+     r"'top_p' must be in \(0, 1\]"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}).encode(), 400,
+     r"'max_tokens' must be in \[1,"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "n": 2}).encode(), 400, "'n' must be in"),
+    (json.dumps({"messages": [{"role": "user", "content": "x " * 5000}]}).encode(), 400, "context"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "model": "gpt-4"}).encode(), 404,
+     "the model 'gpt-4' does not exist"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "adapters": "gamma"}).encode(), 404,
+     "no adapter 'gamma'"),
+    (b"{" + b" " * (5 * 2**20) + b"}", 413, "over the limit"),
+])
+def test_client_mistakes_get_their_status_in_openai_shape(server, body, status, match):
+    import re
+
+    url, _ = server
+    r = httpx.post(url + "/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert re.search(match, err["message"]) and set(err) == {"message", "type", "param", "code"}
+
+
+def test_the_openai_client_sees_typed_errors(server):
+    url, _ = server
+    c = client(url)
+    with pytest.raises(openai.NotFoundError):
+        chat(c, [{"role": "user", "content": "x"}], model="nope")
+    with pytest.raises(openai.BadRequestError):
+        c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], top_p=5)
+
+
+def test_routes_and_methods(server):
+    url, _ = server
+    assert httpx.get(url + "/v1/nothing").status_code == 404
+    assert httpx.get(url + "/v1/chat/completions").status_code == 405
+    assert httpx.get(url + "/health").json()["status"] == "ok"
+
+
+def test_api_key(model):
+    d, _, _ = model
+    with serving(d, EngineConfig(adapter="off"), api_key="s3cret") as (url, _):
+        with pytest.raises(openai.AuthenticationError):
+            chat(client(url, api_key="wrong"), [{"role": "user", "content": "x"}])
+        assert httpx.get(url + "/metrics").status_code == 401
+        assert httpx.get(url + "/health").status_code == 200  # health needs no key
+        assert chat(client(url, api_key="s3cret"), [{"role": "user", "content": "x"}], max_tokens=2).usage
+
+
+def test_health_is_503_while_loading(model, monkeypatch):
+    import anyio
+
+    from edge0.server.app import ServerState
+
+    d, _, _ = model
+    release = threading.Event()
+    original = ServerState.load
+
+    async def slow_load(self):
+        await anyio.to_thread.run_sync(release.wait)
+        await original(self)
+
+    monkeypatch.setattr(ServerState, "load", slow_load)
+    import uvicorn
+
+    app = create_app(ServerSettings(model_dir=d, config=EngineConfig(adapter="off"), model_id="tiny"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            time.sleep(0.02)
+        url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+        r = httpx.get(url + "/health")
+        assert r.status_code == 503 and r.json() == {"status": "loading"}
+        r = httpx.post(url + "/v1/completions", json={"prompt": "x"})
+        assert r.status_code == 503 and "loading" in r.json()["error"]["message"]
+        release.set()
+        deadline = time.monotonic() + 60
+        while httpx.get(url + "/health").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        release.set()
+        server.should_exit = True
+        thread.join(30)
+
+
+def test_internal_failure_is_500_and_the_next_request_is_served(server, monkeypatch):
+    url, state = server
+    original = state.engine.generate
+    calls = []
+
+    def broken(*a, **kw):
+        if not calls:
+            calls.append(1)
+            raise RuntimeError("boom")
+        return original(*a, **kw)
+
+    monkeypatch.setattr(state.engine, "generate", broken)
+    r = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
+    assert r.status_code == 500 and "boom" in r.json()["error"]["message"]
+    assert httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_disconnect_mid_stream_frees_everything(model):
+    d, _, _ = model
+    with serving(d, EngineConfig(adapter="off", decode_path="hot")) as (url, state):
+        with httpx.stream("POST", url + "/v1/completions",
+                          json={"prompt": PROMPT, "max_tokens": 5000, "stream": True}) as r:
+            lines = r.iter_lines()
+            got = [next(lines) for _ in range(6)]
+            assert any(line.startswith("data: ") for line in got)
+        deadline = time.monotonic() + 30
+        while state.engine.resources()["generations"] or state.in_flight:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        res = state.engine.resources()
+        assert res["pinned_slots"] == 0 and res["pending_reads"] == 0
+        assert "edge0_client_disconnects_total 1" in httpx.get(url + "/metrics").text
+        r = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 3})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+
+def test_queue_bound_429_and_keepalive_while_waiting(model):
+    d, _, _ = model
+    with serving(d, EngineConfig(adapter="off"), max_queue=1, keepalive_s=0.05) as (url, state):
+        results = {}
+
+        def long_request():
+            results["long"] = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 400},
+                                         timeout=120).status_code
+
+        t = threading.Thread(target=long_request)
+        t.start()
+        while state.in_flight < 1:
+            time.sleep(0.01)
+        # one waits (with keep-alive comments while it does), the next is refused
+        with httpx.stream("POST", url + "/v1/completions", json={"prompt": "y", "max_tokens": 2, "stream": True},
+                          timeout=120) as waiting:
+            while state.in_flight < 2:
+                time.sleep(0.01)
+            refused = httpx.post(url + "/v1/completions", json={"prompt": "z", "max_tokens": 2})
+            lines = [line for line in waiting.iter_lines() if line]
+        t.join()
+    assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+    assert refused.json()["error"]["type"] == "rate_limit_error"
+    assert ": keep-alive" in lines and lines[-1] == "data: [DONE]"
+    assert results["long"] == 200
+
+
+def test_sigterm_lets_running_requests_finish_then_exits(model, tmp_path):
+    d, _, _ = model
+    proc = subprocess.Popen([sys.executable, "-m", "edge0", "serve", "--model", str(d), "--port", "0",
+                             "--adapter", "off"], stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stderr.readline()
+        url = line.split(" on ")[1].split(" ")[0]
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        with httpx.stream("POST", url + "/v1/completions",
+                          json={"prompt": PROMPT, "max_tokens": 200, "stream": True}, timeout=60) as r:
+            lines = r.iter_lines()
+            first = next(lines)
+            proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line]
+        assert first.startswith("data: ") and rest[-1] == "data: [DONE]"  # finished, not cut
+        # uvicorn re-raises the signal once it has shut down: the exit status says SIGTERM
+        assert proc.wait(30) == -signal.SIGTERM
+        with pytest.raises(httpx.TransportError):
+            httpx.get(url + "/health", timeout=2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stderr.close()
