@@ -73,6 +73,11 @@ class EngineConfig:
     # More adapter directories kept resident beside the default one, each selectable per
     # generation by its directory name (the base is never reloaded to switch).
     extra_adapters: tuple[str, ...] = ()
+    # Threads (cores) each MoE layer's expert rows are split over: every stack call is cut
+    # into that many groups of expert slots, each on its own stream, and put back in order
+    # (each row is computed as before, so outputs are bit-identical). 0 = all cores on the
+    # CPU backend, 1 on GPU backends.
+    compute_threads: int = 0
     # Hot path: resident experts per layer (LRU).
     hot_experts: int = 16
     # Refuse to open when slots + bundle + hot sets + whole-layer buffers exceed this (MiB).
@@ -122,6 +127,9 @@ class EngineConfig:
             raise ConfigError(f"guard_every must be 0 (off) or a positive integer, got {self.guard_every!r}")
         if self.experts_per_token is not None:
             _positive("experts_per_token", self.experts_per_token)
+        if isinstance(self.compute_threads, bool) or not isinstance(self.compute_threads, int) \
+                or not 0 <= self.compute_threads <= 64:
+            raise ConfigError(f"compute_threads must be 0 (auto) or 1..64, got {self.compute_threads!r}")
         if isinstance(self.prompt_cache_mb, bool) or not isinstance(self.prompt_cache_mb, int) \
                 or self.prompt_cache_mb < 0:
             raise ConfigError(f"prompt_cache_mb must be 0 (off) or a positive integer, got {self.prompt_cache_mb!r}")

@@ -23,6 +23,7 @@ from edge0.errors import ConfigError
 from edge0.exec.exact import ExactExecutor
 from edge0.exec.hot import HotExecutor
 from edge0.exec.oracle import OracleRouting, RoutingRecorder
+from edge0.exec.split import Split, resolve_threads
 from edge0.exec.staged import StagedExecutor, Stager
 from edge0.exec.whole_layer import WholeLayerExecutor
 from edge0.io_sched.reader import ExpertReader
@@ -240,10 +241,11 @@ def load_streaming_model(model_dir: str | Path, config: EngineConfig, *, oracle:
     stager = None
     try:
         exact = ExactExecutor(index, reader, config.bundle_capacity, templates, log=log)
+        exact.split = Split(resolve_threads(config.compute_threads))  # streams of this (the compute) thread
         recorder = RoutingRecorder() if record else None
         exact.recorder = recorder
         hot = HotExecutor(index, reader, config.hot_experts, exact, log=log) if on["hot"] else None
-        whole = (WholeLayerExecutor(index, reader, on["whole_layer"], templates, log=log)
+        whole = (WholeLayerExecutor(index, reader, on["whole_layer"], templates, log=log, split=exact.split)
                  if on["whole_layer"] else None)
         heads_dtype = config.prerouter_dtype
         if heads_dtype == "auto":

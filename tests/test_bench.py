@@ -124,3 +124,40 @@ def test_real_arms_replay_the_same_tokens(bench_model, tmp_path):
     json.dumps(doc)  # serialisable
     table = markdown(doc)
     assert table.count("\n| ") == 3 and "| exact |" in table and "cold" in table
+
+
+def test_memory_limit_parsing_and_errors(monkeypatch):
+    from edge0.benchmark import cgroup
+
+    assert cgroup.parse_size("8G") == 8 * 2**30 and cgroup.parse_size("512MiB") == 512 * 2**20
+    assert cgroup.parse_size(str(2**30)) == 2**30
+    for bad in ("8X", "", "-1G", "1M"):
+        with pytest.raises(ConfigError):
+            cgroup.parse_size(bad)
+    monkeypatch.setattr(cgroup, "_v2_root", lambda: None)
+    monkeypatch.setattr(cgroup, "V1", cgroup.Path("/nonexistent"))
+    with pytest.raises(ConfigError, match="needs a memory cgroup controller"):
+        cgroup.MemoryCap(2**30, "x")
+
+
+@pytest.mark.skipif(not harness.os.path.isdir("/sys/fs/cgroup") or harness.os.geteuid() != 0,
+                    reason="memory cgroups need root")
+def test_memory_limit_caps_every_arm_and_reports_oom_as_a_result(bench_model):
+    """Under a cap too small for Python and MLX, every run is killed for memory and
+    reported as such; under a roomy cap the arms run and the cgroup's peak is reported."""
+    tight = harness.BenchSettings(arms=("resident", "exact"), rounds=1, cache="cold", prompt_tokens=12,
+                                  decode_tokens=2, memory_limit=24 * 2**20)
+    doc = harness.run_bench(bench_model, tight)
+    for name, a in doc["arms"].items():
+        assert a["did_not_run"].startswith("out of memory at") and a["out_of_memory_runs"] == 1, name
+        assert "decode_tps" not in a
+    table = markdown(doc)
+    assert "| resident | did not run: out of memory at" in table and "capped at **24 MiB**" in table
+    roomy = harness.BenchSettings(arms=("resident", "exact"), rounds=1, cache="cold", prompt_tokens=12,
+                                  decode_tokens=2, memory_limit=4 * 2**30)
+    doc = harness.run_bench(bench_model, roomy)
+    for name, a in doc["arms"].items():
+        peak = a["cgroup_peak_bytes"]["median"]
+        assert 50 * 2**20 < peak < 4 * 2**30 and a["runs"][0]["memory_cap"]["oom_killed"] is False
+    assert "peak cgroup (MiB)" in markdown(doc)
+    assert not [p for p in harness.Path("/sys/fs/cgroup/memory").glob("edge0-bench-*")]  # groups removed

@@ -79,3 +79,25 @@ def test_expert_tensors_never_materialised(tiny_model):
         assert executor.resident_bytes == 8 * index.layers[spec.moe_layers[0]].expert_bytes
     finally:
         s.close()
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("capacity", [32, 1])
+def test_any_compute_threads_stay_bit_identical(tiny_model_factory, threads, capacity):
+    """The expert rows split over 1, 2 or 3 streams (capacity 1: the chunked prefill, split
+    by rows) give mlx-lm's logits bit for bit, at prefill and at every decode path."""
+    d = tiny_model_factory("deepseek_v3")
+    tokens = mx.array([prompt_ids(d)])
+    ref = resident_reference(d)(tokens)
+    cfg = EngineConfig(compute_threads=threads, bundle_capacity=capacity)
+    s = load_streaming_model(d, cfg)
+    try:
+        assert len(s.exact.split.streams) == threads
+        assert mx.array_equal(s.model(tokens), ref).item()
+    finally:
+        s.close()
+    tokenizer = load_tokenizer(d)
+    expected = [r.token for r in stream_generate(resident_reference(d), tokenizer, PROMPT, max_tokens=12)]
+    for path in ("exact", "hot", "whole_layer"):
+        with Engine(d, EngineConfig(compute_threads=threads, decode_path=path)) as engine:
+            assert [e.token for e in engine.stream(PROMPT, max_tokens=12)] == expected, path

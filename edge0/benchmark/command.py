@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -48,6 +49,9 @@ def add_parser(sub) -> None:
     b.add_argument("--arm-option", action="append", default=[], metavar="ARM:KEY=VALUE[,KEY=VALUE]",
                    help="engine settings of one arm, e.g. staged+prerouter@narrow:experts_per_token=3,"
                         "prerouter_file=H,adapter=D (repeatable; ARM@label runs ARM as a variant)")
+    b.add_argument("--memory-limit", default=None, metavar="SIZE",
+                   help="run each arm in a memory cgroup capped at SIZE (e.g. 8G), anonymous memory and page cache "
+                        "together, so a checkpoint larger than SIZE cannot stay in RAM (root; cgroup v2 or v1)")
     b.add_argument("--out", default="bench-results", help="directory for JSON, markdown and chart")
     b.add_argument("--chart", action="store_true", help="also draw bench.png (needs matplotlib)")
     b.set_defaults(func=run)
@@ -64,6 +68,14 @@ def run(args) -> int:
             import matplotlib  # noqa: F401
         except ImportError:
             raise ConfigError("--chart needs matplotlib: pip install 'edge0[plot]' (or drop --chart)") from None
+    limit = None
+    if args.memory_limit is not None:  # checked (and the cgroup controller found) before any work
+        from edge0.benchmark.cgroup import MemoryCap, parse_size
+
+        limit = parse_size(args.memory_limit)
+        probe = MemoryCap(limit, f"edge0-bench-probe-{os.getpid()}")
+        probe.prepare()
+        probe.remove()
     arms = tuple(a.strip() for a in args.arms.split(",") if a.strip())
     options = arm_options(args.arm_option, arms)
     if args.adapter:
@@ -78,6 +90,7 @@ def run(args) -> int:
         settings = BenchSettings(arms=arms, rounds=args.rounds, arm_options=options,
                                  cache=mode, prompt_tokens=args.prompt_tokens, decode_tokens=args.decode_tokens,
                                  compute_dtype=args.compute_dtype, cache_budget_mb=args.cache_budget_mb,
+                                 memory_limit=limit,
                                  extra={"prerouter_file": str(Path(args.heads).resolve())} if args.heads else {})
         doc = run_bench(model, settings, progress=lambda s: print(f"[bench] {s}", file=sys.stderr))
         (out / f"bench-{mode}.json").write_text(json.dumps(doc, indent=2))

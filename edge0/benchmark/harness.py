@@ -40,6 +40,7 @@ class BenchSettings:
     decode_tokens: int = 16
     compute_dtype: str = "float32"
     cache_budget_mb: int | None = None  # expert cache per arm that has one (same for all)
+    memory_limit: int | None = None  # bytes: each arm's process runs in a memory cgroup capped at this
     arm_options: dict = field(default_factory=dict)  # arm name -> EngineConfig values (variants: ARM@label)
     extra: dict = field(default_factory=dict)
 
@@ -117,16 +118,38 @@ def make_replay(model_dir: Path, prompt_tokens: int, decode_tokens: int, seed: i
 STAGED_ARMS = ("staged+oracle", "compute-only", "read-only")
 
 
-def _child(job: dict) -> dict:
+_CAPS = iter(range(1 << 30))
+
+
+def _child(job: dict, memory_limit: int | None = None) -> dict:
+    """Run one job in its own process (in a memory cgroup capped at ``memory_limit``
+    bytes, if given). An arm the kernel kills for memory is a result:
+    ``{"out_of_memory": True, "memory_cap": {...}}``."""
+    cap = None
+    if memory_limit is not None:
+        from edge0.benchmark.cgroup import MemoryCap
+
+        cap = MemoryCap(memory_limit, f"edge0-bench-{os.getpid()}-{next(_CAPS)}")
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(job, f)
+    returncode, info = 0, None
     try:
-        out = subprocess.run([sys.executable, "-m", "edge0.benchmark.arms", f.name], capture_output=True, text=True)
+        join = cap.prepare() if cap is not None else None
+        out = subprocess.run([sys.executable, "-m", "edge0.benchmark.arms", f.name], capture_output=True, text=True,
+                             preexec_fn=join)
+        returncode = out.returncode
     finally:
         os.unlink(f.name)
+        if cap is not None:
+            info = cap.finish(returncode)
+    if info is not None and info["oom_killed"]:
+        return {"out_of_memory": True, "memory_cap": info}
     if out.returncode:
         raise RuntimeError(f"{job.get('arm') or 'oracle recording'} failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    if info is not None:
+        result["memory_cap"] = info
+    return result
 
 
 def record_oracle(model_dir: Path, replay: dict, path: Path) -> int:
@@ -135,9 +158,9 @@ def record_oracle(model_dir: Path, replay: dict, path: Path) -> int:
                    "continuation": replay["continuation"]})["oracle_steps"]
 
 
-def run_arm_process(name: str, model_dir: Path, replay: dict, settings: dict) -> dict:
+def run_arm_process(name: str, model_dir: Path, replay: dict, settings: dict, memory_limit: int | None = None) -> dict:
     return _child({"arm": name, "model": str(model_dir), "prompt": replay["prompt"],
-                   "continuation": replay["continuation"], "settings": settings})
+                   "continuation": replay["continuation"], "settings": settings}, memory_limit)
 
 
 def summarize(values: list[float]) -> dict:
@@ -183,7 +206,14 @@ def _rounds(model_dir, files, settings, replay, arm_settings, progress, runner):
             else:
                 warm(files)
             progress(f"round {r + 1}/{settings.rounds}: {name} ({settings.cache})")
-            runs[name].append(runner(name, model_dir, replay, arm_settings))
+            if settings.memory_limit is not None:
+                result = runner(name, model_dir, replay, arm_settings, memory_limit=settings.memory_limit)
+                if result.get("out_of_memory"):
+                    progress(f"{name} did not run: out of memory at "
+                             f"{(result['memory_cap']['peak_bytes'] or 0) / 2**20:.0f} MiB")
+            else:
+                result = runner(name, model_dir, replay, arm_settings)
+            runs[name].append(result)
     return runs, orders
 
 
@@ -197,28 +227,38 @@ def _document(model_dir, files, settings, replay, runs, orders) -> dict:
         for res in results:
             res["settings"] = _portable(res.get("settings", {}))
     arms = {}
-    for name, results in runs.items():
-        arms[name] = {
-            "runs": results,
-            **{fig: summarize([res[fig] for res in results]) for fig in FIGURES},
-            "consumed_digest": sorted({res["consumed_digest"] for res in results}),
-            "argmax_digest": sorted({res["argmax_digest"] for res in results}),
-        }
-    if BASELINE in arms:
+    for name, all_results in runs.items():
+        results = [res for res in all_results if not res.get("out_of_memory")]
+        ooms = [res["memory_cap"] for res in all_results if res.get("out_of_memory")]
+        arm: dict = {"runs": all_results}
+        if ooms:
+            peak = max(c["peak_bytes"] or 0 for c in ooms)
+            arm["out_of_memory_runs"] = len(ooms)
+            arm["did_not_run"] = f"out of memory at {peak / 2**20:.0f} MiB" if not results else None
+        if results:
+            arm.update({fig: summarize([res[fig] for res in results]) for fig in FIGURES})
+            arm["consumed_digest"] = sorted({res["consumed_digest"] for res in results})
+            arm["argmax_digest"] = sorted({res["argmax_digest"] for res in results})
+            caps = [res["memory_cap"]["peak_bytes"] for res in results if res.get("memory_cap")]
+            if caps and all(c is not None for c in caps):
+                arm["cgroup_peak_bytes"] = summarize(caps)
+        arms[name] = arm
+    if BASELINE in arms and "decode_tps" in arms[BASELINE]:
         base = arms[BASELINE]
         for name, a in arms.items():
-            a["ratio_to_resident"] = {
-                fig: (a[fig]["median"] / base[fig]["median"]) if base[fig]["median"] else None
-                for fig in ("decode_tps", "prefill_tps", "peak_active_memory", "peak_rss")
-            }
+            if "decode_tps" in a:
+                a["ratio_to_resident"] = {
+                    fig: (a[fig]["median"] / base[fig]["median"]) if base[fig]["median"] else None
+                    for fig in ("decode_tps", "prefill_tps", "peak_active_memory", "peak_rss")
+                }
     overlap = None
-    if {"staged+oracle", "compute-only", "read-only"} <= set(arms):
+    if {"staged+oracle", "compute-only", "read-only"} <= {n for n, a in arms.items() if "decode_tps" in a}:
         staged = arms["staged+oracle"]["step_ms_median"]["median"]
         floor = max(arms["compute-only"]["step_ms_median"]["median"], arms["read-only"]["step_ms_median"]["median"])
         overlap = {"staged_step_ms": staged, "compute_only_step_ms": arms["compute-only"]["step_ms_median"]["median"],
                    "read_only_step_ms": arms["read-only"]["step_ms_median"]["median"],
                    "staged_over_max": staged / floor}
-        if "exact" in arms:
+        if "step_ms_median" in arms.get("exact", {}):
             overlap["exact_step_ms"] = arms["exact"]["step_ms_median"]["median"]
     return {
         "schema": SCHEMA_VERSION, "overlap": overlap, "model": Path(model_dir).name, "checkpoint_bytes": sum(f.stat().st_size for f in files),

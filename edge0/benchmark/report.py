@@ -14,16 +14,23 @@ def _fmt(fig: dict, scale: float = 1.0, digits: int = 1) -> str:
 
 def markdown(doc: dict) -> str:
     s = doc["settings"]
+    limit = s.get("memory_limit")
+    size = (f"{limit / 2**30:.1f} GiB" if limit >= 2**30 else f"{limit / 2**20:.0f} MiB") if limit else ""
+    capped = f", each arm capped at **{size}** (memory cgroup: anonymous + page cache)" if limit else ""
     lines = [
         f"Model `{Path(doc['model']).name}` ({doc['checkpoint_bytes'] / 1e9:.2f} GB), page cache **{s['cache']}**, "
         f"{s['rounds']} rounds, {s['prompt_tokens']} prompt + {s['decode_tokens']} decode tokens, "
-        f"compute {s['compute_dtype']}. Median [min–max] over rounds.",
+        f"compute {s['compute_dtype']}{capped}. Median [min–max] over rounds.",
         "",
         "| arm | decode tok/s | prefill tok/s | peak MLX active (MiB) | peak RSS (MiB) | expert MiB/token "
-        "| read wait ms/step | load s | decode vs resident | active mem vs resident |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| read wait ms/step | load s | decode vs resident | active mem vs resident |"
+        + (" peak cgroup (MiB) |" if limit else ""),
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if limit else ""),
     ]
     for name, a in doc["arms"].items():
+        if "decode_tps" not in a:
+            lines.append(f"| {name} | did not run: {a.get('did_not_run')} |" + " |" * (9 + bool(limit)))
+            continue
         ratio = a.get("ratio_to_resident") or {}
         dec = ratio.get("decode_tps")
         mem = ratio.get("peak_active_memory")
@@ -32,7 +39,11 @@ def markdown(doc: dict) -> str:
             f"| {_fmt(a['peak_active_memory'], MIB, 0)} | {_fmt(a['peak_rss'], MIB, 0)} "
             f"| {_fmt(a['expert_bytes_per_token'], MIB, 1)} | {_fmt(a['read_wait_ms_per_step'], digits=1)} "
             f"| {_fmt(a['load_seconds'], digits=1)} "
-            f"| {'' if dec is None else f'{dec:.2f}x'} | {'' if mem is None else f'{mem:.1%}'} |")
+            f"| {'' if dec is None else f'{dec:.2f}x'} | {'' if mem is None else f'{mem:.1%}'} |"
+            + (f" {_fmt(a['cgroup_peak_bytes'], MIB, 0)} |" if limit and "cgroup_peak_bytes" in a else
+               " |" if limit else "")
+            + (f" ({a['out_of_memory_runs']} of {len(a['runs'])} runs out of memory)" if a.get("out_of_memory_runs")
+               else ""))
     ov = doc.get("overlap")
     if ov:
         lines += ["", f"Staged+oracle decode step {ov['staged_step_ms']:.1f} ms = {ov['staged_over_max']:.3f} x "

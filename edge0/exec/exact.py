@@ -20,6 +20,7 @@ import numpy as np
 from edge0.backend import core as B
 from edge0.backend import io as bio
 from edge0.checkpoint import CheckpointIndex, LayerExperts
+from edge0.exec.split import Split
 from edge0.exec.taps import bind
 from edge0.io_sched.reader import ExpertReader
 
@@ -68,6 +69,7 @@ class ExactExecutor:
         self.templates = templates  # layer -> its switch module (the kernel's code)
         self.recorder = None  # a RoutingRecorder while an oracle is being recorded
         self.log = log
+        self.split = Split(1)  # the loader sets the engine's (edge0.exec.split)
 
     def bundle_for(self, layer: LayerExperts) -> ExpertRows:
         key = layer.layout
@@ -99,7 +101,7 @@ class ExactExecutor:
             self._load(bundle, layer_id, distinct)
             table = np.zeros(self.num_experts, dtype=np.int32)
             table[distinct] = np.arange(len(distinct), dtype=np.int32)
-            out = bundle.kernel(self.templates[layer_id])(x, B.take(B.array(table), inds))
+            out = self.split(bundle.kernel(self.templates[layer_id]), x, B.take(B.array(table), inds))
             bundle.pending = out
             return out
         return self._chunked(bundle, layer, x, ids, distinct)
@@ -123,7 +125,7 @@ class ExactExecutor:
             self._load(bundle, layer.layer, chunk)
             local = np.searchsorted(chunk, sorted_ids[lo:hi]).astype(np.int32)
             xs = x_rows[B.array((pos // k).astype(np.int32))]
-            out = kernel(xs, B.array(local[:, None]))[:, 0]  # [pairs, D]
+            out = self.split(kernel, xs, B.array(local[:, None]))[:, 0]  # [pairs, D]
             B.eval(out)  # the next chunk overwrites the bundle
             outs.append(out)
             positions.append(pos)

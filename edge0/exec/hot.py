@@ -70,6 +70,6 @@ class HotExecutor:
             self.log.debug("hot.step", layer=layer, hits=len(distinct) - len(misses), misses=len(misses))
         lut = np.zeros(self.index.spec.num_experts, dtype=np.int32)
         lut[list(claimed)] = [slot for slot, _ in claimed.values()]
-        out = rows.kernel(self.exact.templates[layer])(x, B.take(B.array(lut), inds))
+        out = self.exact.split(rows.kernel(self.exact.templates[layer]), x, B.take(B.array(lut), inds))
         rows.pending = out
         return out

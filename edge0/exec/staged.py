@@ -254,7 +254,7 @@ class Stager:
         self._misses = self._misses + (raw < 0).sum()
         local = B.maximum(raw, 0)
         rows = self.rows[layer]
-        out = rows.kernel(self.fallback.templates[layer])(x, local)
+        out = self.fallback.split(rows.kernel(self.fallback.templates[layer]), x, local)
         self._outputs.append(out)
         return out
 

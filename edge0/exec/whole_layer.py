@@ -15,12 +15,15 @@ from edge0.backend import core as B
 from edge0.checkpoint import CheckpointIndex
 from edge0.errors import ConfigError
 from edge0.exec.exact import ExpertRows
+from edge0.exec.split import Split
 from edge0.io_sched.reader import ExpertReader
 
 
 class WholeLayerExecutor:
-    def __init__(self, index: CheckpointIndex, reader: ExpertReader, layers: list[int], templates: dict, log=None):
+    def __init__(self, index: CheckpointIndex, reader: ExpertReader, layers: list[int], templates: dict, log=None,
+                 split=None):
         self.index = index
+        self.split = split if split is not None else Split(1)
         self.templates = templates
         self.reader = reader
         self.layers = sorted(layers)  # the layers on this path, in execution order
@@ -88,6 +91,6 @@ class WholeLayerExecutor:
             if self.holds[other] is not None:
                 self.holds[other][1].result()  # never refill a buffer a load is still writing
             self._load(later[0], other)
-        out = buffers[buf].kernel(self.templates[layer])(x, inds)
+        out = self.split(buffers[buf].kernel(self.templates[layer]), x, inds)
         buffers[buf].pending = out
         return out

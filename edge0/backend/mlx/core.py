@@ -76,6 +76,18 @@ def is_cpu() -> bool:
     return mx.default_device() == mx.cpu
 
 
+def compute_streams(n: int) -> list:
+    """The calling thread's default stream and ``n - 1`` new ones on the default device.
+    MLX runs each CPU stream on its own thread, so ops on different streams of one graph
+    run on different cores. Streams belong to the thread that made them."""
+    return [mx.default_stream(mx.default_device())] + [mx.new_stream(mx.default_device()) for _ in range(n - 1)]
+
+
+def on_stream(stream):
+    """``with on_stream(s):`` ops built inside run on stream ``s``."""
+    return mx.stream(stream)
+
+
 def dtype(name: str):
     """The compute dtype called ``name`` ('float32', 'bfloat16', 'float16')."""
     try:
