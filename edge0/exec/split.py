@@ -24,23 +24,28 @@ def resolve_threads(n: int) -> int:
 
 
 class Split:
-    """Runs ``kernel(x, inds)`` over the compute thread's streams (made on the thread that
-    builds the graph, since streams belong to their thread)."""
+    """Runs ``kernel(x, inds)`` over ``threads`` streams of the thread that builds the graph
+    (streams belong to their thread, so each calling thread uses its own)."""
 
     def __init__(self, threads: int):
-        self.streams = B.compute_streams(threads)
+        self.threads = threads
+
+    @property
+    def streams(self) -> list:
+        return B.compute_streams(self.threads)
 
     def __call__(self, kernel, x, inds):
-        n = len(self.streams)
+        n = self.threads
         k = inds.shape[-1]
         if n == 1:
             return kernel(x, inds)
+        streams = self.streams
         if k >= 2:  # groups of expert slots: output [..., k, D]
             parts = min(n, k)
             bounds = [k * i // parts for i in range(parts + 1)]
             outs = []
             for i in range(parts):
-                with B.on_stream(self.streams[i]):
+                with B.on_stream(streams[i]):
                     outs.append(kernel(x, inds[..., bounds[i]:bounds[i + 1]]))
             return B.concatenate(outs, axis=-2)
         rows = inds.shape[0]  # one slot per row (chunked prefill): groups of rows
@@ -49,6 +54,6 @@ class Split:
         bounds = [rows * i // n for i in range(n + 1)]
         outs = []
         for i in range(n):
-            with B.on_stream(self.streams[i]):
+            with B.on_stream(streams[i]):
                 outs.append(kernel(x[bounds[i]:bounds[i + 1]], inds[bounds[i]:bounds[i + 1]]))
         return B.concatenate(outs, axis=0)

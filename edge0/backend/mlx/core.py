@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import mlx.core as mx
 import numpy as np
 
@@ -76,11 +78,23 @@ def is_cpu() -> bool:
     return mx.default_device() == mx.cpu
 
 
+_THREAD_STREAMS = threading.local()
+
+
 def compute_streams(n: int) -> list:
-    """The calling thread's default stream and ``n - 1`` new ones on the default device.
-    MLX runs each CPU stream on its own thread, so ops on different streams of one graph
-    run on different cores. Streams belong to the thread that made them."""
-    return [mx.default_stream(mx.default_device())] + [mx.new_stream(mx.default_device()) for _ in range(n - 1)]
+    """``n`` streams of the calling thread on the default device: its default stream and
+    ``n - 1`` more. MLX runs each CPU stream on its own thread, so ops on different streams
+    of one graph run on different cores. Streams belong to the thread that made them, so
+    each thread gets its own, made once and reused by every engine that runs on it (MLX
+    keeps an OS thread per stream for the life of the process)."""
+    device = mx.default_device()
+    extra = getattr(_THREAD_STREAMS, "extra", None)
+    if extra is None or _THREAD_STREAMS.device != device:
+        extra = _THREAD_STREAMS.extra = []
+        _THREAD_STREAMS.device = device
+    while len(extra) < n - 1:
+        extra.append(mx.new_stream(device))
+    return [mx.default_stream(device)] + extra[:n - 1]
 
 
 def on_stream(stream):
