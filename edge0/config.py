@@ -73,10 +73,11 @@ class EngineConfig:
     # More adapter directories kept resident beside the default one, each selectable per
     # generation by its directory name (the base is never reloaded to switch).
     extra_adapters: tuple[str, ...] = ()
-    # Threads (cores) each MoE layer's expert rows are split over: every stack call is cut
-    # into that many groups of expert slots, each on its own stream, and put back in order
-    # (each row is computed as before, so outputs are bit-identical). 0 = all cores on the
-    # CPU backend, 1 on GPU backends.
+    # Threads (cores) the compute is split over: every expert stack call is cut into that
+    # many groups of expert slots, and every large quantized projection (attention, shared
+    # experts, head) into that many groups of output rows, each group on its own stream, put
+    # back in order (each row is computed as before, so outputs are bit-identical). 0 = all
+    # cores on the CPU backend, 1 on GPU backends.
     compute_threads: int = 0
     # Hot path: resident experts per layer (LRU).
     hot_experts: int = 16

@@ -18,7 +18,7 @@ from edge0.backend import core as B
 from edge0.backend import nn as bnn
 from edge0.checkpoint import CheckpointIndex, check_half_dtypes, max_dimension, read_headers, refuse_unsafe
 from edge0.config import PATHS, PHASES, EngineConfig
-from edge0.config_check import check_quantization, check_values, layer_bound
+from edge0.config_check import check_fractions, check_quantization, check_values, layer_bound
 from edge0.errors import ConfigError
 from edge0.exec.exact import ExactExecutor
 from edge0.exec.hot import HotExecutor
@@ -165,6 +165,7 @@ def _validated(model_dir: Path, experts_per_token: int | None = None) -> tuple[d
     headers = read_headers(model_dir)
     check_values(raw, bnn.arg_annotations(raw), max_dim=max_dimension(headers),
                  layers=layer_bound(name for h in headers for name in h.tensors))
+    check_fractions(raw)
     check_half_dtypes(headers)
     return raw, headers
 
@@ -265,6 +266,7 @@ def load_streaming_model(model_dir: str | Path, config: EngineConfig, *, oracle:
             bnn.set_module_at(model, spec.switch_path(layer), StreamingSwitch(layer, template, executors, width_out))
         compute_dtype = resolve_compute_dtype(config.compute_dtype, raw)
         model = bnn.load_resident(model, model_dir, raw, index.files, spec.is_expert_key, B.dtype(compute_dtype))
+        bnn.split_projections(model, exact.split.threads)  # attention and other large projections: both cores too
         for layer, m in spec.layers.items():
             if m.router_path:
                 original = bnn.module_at(model, m.router_path)

@@ -83,9 +83,14 @@ def test_expert_tensors_never_materialised(tiny_model):
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("capacity", [32, 1])
-def test_any_compute_threads_stay_bit_identical(tiny_model_factory, threads, capacity):
+def test_any_compute_threads_stay_bit_identical(tiny_model_factory, monkeypatch, threads, capacity):
     """The expert rows split over 1, 2 or 3 streams (capacity 1: the chunked prefill, split
-    by rows) give mlx-lm's logits bit for bit, at prefill and at every decode path."""
+    by rows), and every quantized projection's output rows too (the size floor lowered so
+    the tiny model's are split), give mlx-lm's logits bit for bit, at prefill and at every
+    decode path."""
+    import edge0.backend.mlx.nn as mnn
+
+    monkeypatch.setattr(mnn, "SPLIT_MIN_WEIGHTS", 0)
     d = tiny_model_factory("deepseek_v3")
     tokens = mx.array([prompt_ids(d)])
     ref = resident_reference(d)(tokens)
@@ -93,6 +98,8 @@ def test_any_compute_threads_stay_bit_identical(tiny_model_factory, threads, cap
     s = load_streaming_model(d, cfg)
     try:
         assert len(s.exact.split.streams) == threads
+        split = [m for _, m in s.model.named_modules() if isinstance(m, mnn.SplitQuantizedLinear)]
+        assert (len(split) >= 8) if threads > 1 else not split
         assert mx.array_equal(s.model(tokens), ref).item()
     finally:
         s.close()
