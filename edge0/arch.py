@@ -38,6 +38,9 @@ NOT_STREAMABLE = {
 def check_streamable(config: dict) -> None:
     """Refuse, before any model is built, a model type Edge0 knows it cannot stream."""
     model_type = config.get("model_type")
+    if not isinstance(model_type, str) or not model_type:
+        raise ConfigError(f"config.json: field 'model_type' must be a model type name (a string), got "
+                          f"{model_type!r:.80}")
     if model_type in NOT_STREAMABLE:
         raise UnsupportedModelError(f"{model_type} cannot be streamed: {NOT_STREAMABLE[model_type]}")
 

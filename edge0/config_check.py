@@ -62,6 +62,27 @@ def check_values(config: dict, annotations: list[tuple[dict, dict]], *, max_dim:
             _check_range(name, value, size_limit, layers, where)
 
 
+# fractions of a dimension: a value outside (0, 1] gives rotary dimensions that no kernel takes
+_FRACTION_NAME = re.compile(r"^partial_rotary_factor$")
+
+
+def check_fractions(config: Any, where: str = "config.json", path: str = "") -> None:
+    """Every field that is a fraction of a dimension (``partial_rotary_factor``), at any
+    depth of config.json (``text_config``, ``rope_parameters``), is a number in (0, 1]."""
+    if isinstance(config, dict):
+        for name, value in config.items():
+            at = f"{path}.{name}" if path else str(name)
+            if isinstance(name, str) and _FRACTION_NAME.search(name) and value is not None:
+                ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= 1
+                if not ok:
+                    raise ConfigError(f"{where}: field {at!r} must be a fraction in (0, 1], got {value!r:.80}")
+            else:
+                check_fractions(value, where, at)
+    elif isinstance(config, list):
+        for i, value in enumerate(config[:4096]):
+            check_fractions(value, where, f"{path}[{i}]")
+
+
 def _number_for_int(name: str, value: Any, hint) -> bool:
     """mlx-lm annotates some float-valued fields ``int`` (gpt_oss ``rope_theta``, mimo_v2_flash
     ``partial_rotary_factor``) and real configs write floats there; a float is accepted for

@@ -75,11 +75,33 @@ def test_intermediate_size_that_crashed_the_quantizer(worker, tiny_model_factory
     (dict(num_experts_per_tok=-3), "'num_experts_per_tok' must not be negative"),
     (dict(max_position_embeddings=2**40), "'max_position_embeddings' is 1099511627776, over the limit"),
     (dict(quantization={"group_size": 64, "bits": "abc"}), "quantization.bits must be one of"),
+    # found by the 10,000-variant fuzzing campaign
+    (dict(model_type={}), "'model_type' must be a model type name (a string), got {}"),
+    (dict(model_type=[1, 2]), "'model_type' must be a model type name (a string), got [1, 2]"),
+    (dict(partial_rotary_factor=-2.5), "'partial_rotary_factor' must be a fraction in (0, 1], got -2.5"),
+    (dict(partial_rotary_factor=1_000_000_000), "'partial_rotary_factor' must be a fraction in (0, 1]"),
 ])
 def test_config_values(worker, tiny_model_factory, tmp_path, values, match):
     d = _copy(tiny_model_factory, "qwen3_moe", tmp_path)
     _set_config(d, **values)
     _check(worker, d, "ConfigError", match)
+
+
+@pytest.mark.parametrize("family,value", [("bailing_moe", -2.5), ("bailing_moe", 10**9), ("qwen3_5_moe", 10**9)])
+def test_rotary_fraction_out_of_range_at_any_depth(worker, tiny_model_factory, tmp_path, family, value):
+    """The fuzzer's cases: a rotary fraction that gave MLX's rope kernel an impossible
+    dimension at the first token (bailing_moe at the top level, qwen3_5_moe inside
+    text_config.rope_parameters)."""
+    d = _copy(tiny_model_factory, family, tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    if family == "qwen3_5_moe":
+        cfg["text_config"].setdefault("rope_parameters", {})["partial_rotary_factor"] = value
+        where = "text_config.rope_parameters.partial_rotary_factor"
+    else:
+        cfg["partial_rotary_factor"] = value
+        where = "partial_rotary_factor"
+    (d / "config.json").write_text(json.dumps(cfg))
+    _check(worker, d, "ConfigError", f"'{where}' must be a fraction in (0, 1]")
 
 
 def test_deeply_nested_and_non_utf8_config(worker, tiny_model_factory, tmp_path):
