@@ -69,6 +69,8 @@ def test_outputs_and_provenance(run):
                     "heldout_token_stream_sha256", "train_tokens", "heldout_tokens"):
             assert key in corpus, key
         assert math.isfinite(prov["final_train_loss"]) and math.isfinite(prov["heldout_loss"])
+        # what ships names no machine path: the corpus root by Python version, not by directory
+        assert corpus["stdlib_root"].startswith("<python ") and str(co.stdlib_root()) not in json.dumps(prov)
     int4 = json.loads((out / "int4" / "provenance.json").read_text())
     assert int4["quantization"]["bits"] == 4 and int4["quantization"]["group_size"] == 64
     heldout = np.load(out / te.HELDOUT_FILE)

@@ -78,7 +78,8 @@ def cmd_teacher(a) -> int:
         from edge0.train.corpus import list_corpus_files
 
         files = list_corpus_files()[: a.max_files]
-    command = shlex.join(["edge0", "train", "teacher", *a.argv])
+    home = str(Path.home())  # recorded in provenance: the home directory written as ~
+    command = shlex.join(["edge0", "train", "teacher", *a.argv]).replace(home + "/", "~/")
     try:
         summary = train_teacher(tc, out, files=files, progress=not a.no_progress, command=command, say=say,
                                 resume=a.resume)

@@ -116,7 +116,9 @@ class Corpus:
             "source": "Python standard library *.py files (sysconfig stdlib), sorted by relative path",
             "excluded_dirs": sorted(EXCLUDED_DIRS),
             "split": "by file: held out when int(sha256(relative path)[:8 bytes]) < fraction * 2**64",
-            "stdlib_root": self.root,
+            # no machine path in what ships: the default root is named by its Python version
+            "stdlib_root": (f"<python {platform.python_version()} stdlib>"
+                            if Path(self.root) == stdlib_root() else f"<{Path(self.root).name}>"),
             "python_version": platform.python_version(),
             "train_files": len(self.train_files),
             "heldout_files": len(self.heldout_files),
