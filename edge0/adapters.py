@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +32,7 @@ from pathlib import Path
 from edge0.backend import core as B
 from edge0.backend import nn as bnn
 from edge0.errors import CheckpointError, ConfigError, ForeignArtifactError
-from edge0.model_files import check_entry, parse_json, read_bytes
+from edge0.model_files import atomic_write, check_entry, parse_json, read_bytes
 from edge0.safetensors_header import read_header
 from edge0.spec import MoESpec
 
@@ -204,26 +202,11 @@ def save_adapter(tensors: dict[str, tuple[object, object]], out_dir: str | Path,
     meta = {"format": FORMAT, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "edge0_version": __version__}
     meta.update({k: v if isinstance(v, str) else json.dumps(v, sort_keys=True) for k, v in provenance.items()})
-    _atomic(out / WEIGHTS_FILE, lambda tmp: B.save_safetensors(tmp, arrays, meta))
+    atomic_write(out / WEIGHTS_FILE, lambda tmp: B.save_safetensors(tmp, arrays, meta))
     config = {"fine_tune_type": "lora", "num_layers": num_layers,
               "lora_parameters": {"rank": rank, "scale": scale, "dropout": dropout, "keys": sorted(keys)}}
-    _atomic(out / CONFIG_FILE, lambda tmp: Path(tmp).write_text(json.dumps(config, indent=2) + "\n"))
+    atomic_write(out / CONFIG_FILE, lambda tmp: Path(tmp).write_text(json.dumps(config, indent=2) + "\n"))
     return out
-
-
-def _atomic(path: Path, write) -> None:
-    # the temp name keeps the suffix: mx.save_safetensors appends ".safetensors" otherwise
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.stem + ".tmp.", suffix=path.suffix)
-    os.close(fd)
-    try:
-        write(tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 class AdaptedLinear(bnn.Module):

@@ -153,3 +153,23 @@ def _depth(value, level: int = 0) -> int:
     if isinstance(value, list):
         return max((_depth(v, level + 1) for v in value), default=level + 1)
     return level
+
+
+def atomic_write(path: Path, write) -> None:
+    """``write(tmp)`` to a temporary file beside ``path``, fsync it, then rename it over
+    ``path``: a reader sees the old file or the new one, never half of one. The temporary
+    name keeps the suffix (``mx.save_safetensors`` appends ".safetensors" otherwise)."""
+    import tempfile
+
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.stem + ".tmp.", suffix=path.suffix)
+    os.close(fd)
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise

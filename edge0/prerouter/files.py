@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import struct
-import tempfile
 import time
 from pathlib import Path
 
 from edge0.backend import core as B
 from edge0.backend import nn as bnn
 from edge0.errors import CheckpointError, ForeignArtifactError
+from edge0.model_files import atomic_write
 from edge0.prerouter.heads import PrerouterHeads
 from edge0.safetensors_header import read_header
 
@@ -52,17 +51,7 @@ def save_heads(heads: PrerouterHeads, path: str | Path, *, base_identity: str, r
         "recipe": json.dumps(recipe, sort_keys=True), "training_data": training_data,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "edge0_version": __version__,
     }
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.stem + ".", suffix=".safetensors")
-    os.close(fd)
-    try:
-        B.save_safetensors(tmp, arrays, meta)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    atomic_write(path, lambda tmp: B.save_safetensors(tmp, arrays, meta))
     return path
 
 

@@ -18,7 +18,7 @@ cover the teacher's whole support.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
@@ -27,7 +27,7 @@ import numpy as np
 from edge0.adapters import artifact_identity
 from edge0.prerouter.files import checkpoint_identity
 from edge0.train import data as D
-from edge0.train.loop import LoopConfig, train
+from edge0.train.loop import fit_adapter
 from edge0.train.student import StudentModel
 
 
@@ -135,26 +135,13 @@ def run_distill(model_dir: str | Path, teacher_dir: str | Path, sft_adapter: str
         i = rng.integers(0, len(rows), size=cfg.batch)
         return mx.array(rows[i]), mx.array(top_idx[i]), mx.array(top_lp[i]), mx.array(mask[i])
 
-    loop = LoopConfig(steps=cfg.steps, batch=cfg.batch, lr=cfg.lr, warmup=cfg.warmup, seed=cfg.seed,
-                      checkpoint_every=cfg.checkpoint_every, time_budget_s=cfg.time_budget_s)
     b = cfg.batch
     fixed = (mx.array(rows[:b]), mx.array(top_idx[:b]), mx.array(top_lp[:b]), mx.array(mask[:b]))
-    before = loss(student.model, *fixed).item()
-    result = train(student.model, loss, batches, loop, work=work / "distill", resume=resume, progress=progress)
-    after = loss(student.model, *fixed).item()
-    provenance = {
-        "base_identity": checkpoint_identity(model_dir),
-        "heads_identity": artifact_identity(student.heads_path) if student.heads_path else "",
-        "heads_k": student.spec.k, "phase": "3 (on-policy reverse KL, top-K + tail)",
-        "recipe": {**asdict(cfg), "steps_done": result.steps_done, "loss_before": before, "loss_after": after,
-                   "seconds": round(result.seconds, 1)},
-        "data": data_meta, "teacher_identity": checkpoint_identity(teacher_dir),
-        "starts_from": artifact_identity(sft_adapter / "adapters.safetensors"),
-    }
-    student.save(out, provenance)
-    return {"adapter": str(out), "losses": result.losses, "loss_before": before, "loss_after": after,
-            "steps": result.steps_done, "seconds": result.seconds,
-            "tokens": int(mask.sum()), "stopped_by_budget": result.stopped_by_budget, "data": data_meta}
+    return fit_adapter(student, loss, batches, fixed, cfg, name="distill",
+                       phase="3 (on-policy reverse KL, top-K + tail)", model_dir=model_dir, teacher_dir=teacher_dir,
+                       data_meta=data_meta, tokens=int(mask.sum()), work=work, out=out, resume=resume,
+                       progress=progress,
+                       provenance={"starts_from": artifact_identity(sft_adapter / "adapters.safetensors")})
 
 
 def _lora_shape(adapter_dir: Path) -> dict:

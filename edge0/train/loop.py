@@ -113,3 +113,32 @@ def _load(state_dir: Path, model: nn.Module, opt, rng: np.random.Generator) -> L
     opt.state = tree_unflatten(list(mx.load(str(state_dir / "optimizer.safetensors")).items()))
     rng.bit_generator.state = meta["rng"]
     return LoopResult(meta["steps"], meta["losses"], meta["seconds"])
+
+
+def fit_adapter(student, loss: Callable, batches: Callable, fixed: tuple, cfg, *, name: str, phase: str,
+                model_dir: Path, teacher_dir: Path, data_meta: dict, tokens: int, work: Path, out: Path,
+                resume: bool = False, progress=None, provenance: dict | None = None) -> dict:
+    """Train ``student``'s adapter with ``cfg`` (an SFT or distillation config), measure the
+    loss on the batch ``fixed`` before and after, and save the adapter to ``out`` with its
+    provenance (``provenance`` adds phase-specific fields)."""
+    from dataclasses import asdict
+
+    from edge0.adapters import artifact_identity
+    from edge0.prerouter.files import checkpoint_identity
+
+    loop = LoopConfig(steps=cfg.steps, batch=cfg.batch, lr=cfg.lr, warmup=cfg.warmup, seed=cfg.seed,
+                      checkpoint_every=cfg.checkpoint_every, time_budget_s=cfg.time_budget_s)
+    before = loss(student.model, *fixed).item()
+    result = train(student.model, loss, batches, loop, work=work / name, resume=resume, progress=progress)
+    after = loss(student.model, *fixed).item()
+    student.save(out, {
+        "base_identity": checkpoint_identity(model_dir),
+        "heads_identity": artifact_identity(student.heads_path) if student.heads_path else "",
+        "heads_k": student.spec.k, "phase": phase,
+        "recipe": {**asdict(cfg), "steps_done": result.steps_done, "loss_before": before, "loss_after": after,
+                   "seconds": round(result.seconds, 1)},
+        "data": data_meta, "teacher_identity": checkpoint_identity(teacher_dir), **(provenance or {}),
+    })
+    return {"adapter": str(out), "losses": result.losses, "loss_before": before, "loss_after": after,
+            "steps": result.steps_done, "seconds": result.seconds, "tokens": tokens,
+            "stopped_by_budget": result.stopped_by_budget, "data": data_meta}

@@ -9,16 +9,15 @@ trains; heads and base are frozen. The result is an adapter directory with prove
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
-from edge0.adapters import artifact_identity
 from edge0.prerouter.files import checkpoint_identity
 from edge0.train import data as D
-from edge0.train.loop import LoopConfig, train
+from edge0.train.loop import fit_adapter
 from edge0.train.student import StudentModel, continuation_ce
 
 
@@ -82,21 +81,7 @@ def run_sft(model_dir: str | Path, teacher_dir: str | Path, out: str | Path, cfg
         idx = rng.integers(0, len(rows), size=cfg.batch)
         return mx.array(rows[idx]), mx.array(mask[idx])
 
-    loop = LoopConfig(steps=cfg.steps, batch=cfg.batch, lr=cfg.lr, warmup=cfg.warmup, seed=cfg.seed,
-                      checkpoint_every=cfg.checkpoint_every, time_budget_s=cfg.time_budget_s)
     fixed = (mx.array(rows[: cfg.batch]), mx.array(mask[: cfg.batch]))  # the same batch before and after
-    before = loss(student.model, *fixed).item()
-    result = train(student.model, loss, batches, loop, work=work / "sft", resume=resume, progress=progress)
-    after = loss(student.model, *fixed).item()
-    provenance = {
-        "base_identity": checkpoint_identity(model_dir),
-        "heads_identity": artifact_identity(student.heads_path) if student.heads_path else "",
-        "heads_k": student.spec.k, "phase": "2 (SFT on the student path)",
-        "recipe": {**asdict(cfg), "steps_done": result.steps_done, "loss_before": before, "loss_after": after,
-                   "seconds": round(result.seconds, 1)},
-        "data": data_meta, "teacher_identity": checkpoint_identity(teacher_dir),
-    }
-    student.save(out, provenance)
-    return {"adapter": str(out), "losses": result.losses, "loss_before": before, "loss_after": after,
-            "steps": result.steps_done, "seconds": result.seconds,
-            "tokens": int(mask.sum()), "stopped_by_budget": result.stopped_by_budget, "data": data_meta}
+    return fit_adapter(student, loss, batches, fixed, cfg, name="sft", phase="2 (SFT on the student path)",
+                       model_dir=model_dir, teacher_dir=teacher_dir, data_meta=data_meta, tokens=int(mask.sum()),
+                       work=work, out=out, resume=resume, progress=progress)
