@@ -123,6 +123,14 @@ def test_quick_recipe_end_to_end(tiny_model_factory, tmp_path):
         line = list(e.stream("def f(x):", max_tokens=3))[-1].stats.line()
     assert "heads prerouter.safetensors" in line and "adapter adapter (rank 4" in line and "phase 3" in line
 
+    # --resume after the heads were written: phase 1 is not run again, its figures are kept
+    heads_written = (d / "prerouter.safetensors").stat().st_mtime_ns
+    said: list[str] = []
+    again = run_recipe(d, d, copy.deepcopy(QUICK), work=tmp_path / "work", resume=True, say=said.append)
+    assert (d / "prerouter.safetensors").stat().st_mtime_ns == heads_written
+    assert again["phases"]["heads"]["recall_after"] == ph["heads"]["recall_after"]
+    assert any("--resume" in s for s in said) and (d / "adapter" / "adapters.safetensors").exists()
+
 
 def test_merge_report_retention(tiny_model_factory, tmp_path):
     """An adapter whose deltas sit below the int4 group step, as trained LoRAs do: merged

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edge0.adapters import ADAPTER_DIRNAME
+from edge0.adapters import ADAPTER_DIRNAME, artifact_identity
 from edge0.config import EngineConfig
 from edge0.prerouter.files import HEADS_FILENAME
 from edge0.train import data as D
@@ -52,6 +52,8 @@ class RecipeConfig:
     experts_per_token: int | None = None
 
 
+HEADS_RECORD = "heads_report.json"  # in the work directory: phase 1's figures and the heads' identity
+
 QUICK = RecipeConfig(
     heads=HeadsConfig(tokens=3000, heldout_tokens=800, seq_len=64, steps=60, batch=128, width=32),
     sft=SFTConfig(rows=48, prompt_len=8, new_tokens=24, steps=24, batch=8, rank=4, lr=3e-3, warmup=3,
@@ -76,19 +78,26 @@ def run_recipe(model_dir: str | Path, teacher_dir: str | Path, cfg: RecipeConfig
     report: dict = {"model": str(model_dir), "teacher": str(teacher_dir), "config": asdict(cfg), "phases": {}}
     t0 = time.perf_counter()
 
-    say("phase 1: prerouter heads")
     train, held, desc = D.token_streams(model_dir)
-    h = cfg.heads
-    heads = train_heads(model_dir, tokens=h.tokens, heldout_tokens=h.heldout_tokens, seq_len=h.seq_len,
-                        steps=h.steps, batch=h.batch, lr=h.lr, width=h.width, out=heads_file,
-                        streams=(train, held, desc), experts_per_token=k,
-                        progress=progress("heads") if progress else None)
-    mean = lambda d: float(np.mean([v["recall_at_k"] for v in d.values()]))
-    report["phases"]["heads"] = {"path": str(heads_file), "recall_before": mean(heads["before"]),
-                                 "recall_after": mean(heads["after"]), "per_head": {
-                                     str(o): {"before": heads["before"][o], "after": heads["after"][o]}
-                                     for o in heads["before"]}, "losses": _ends(heads["losses"]),
-                                 "tokens": heads["recipe"]["tokens"]}
+    heads_record = work / HEADS_RECORD
+    done = json.loads(heads_record.read_text()) if resume and heads_record.exists() else None
+    if done is not None and heads_file.exists() and done.get("identity") == artifact_identity(heads_file):
+        say(f"phase 1: prerouter heads (--resume: {heads_file} from the earlier run)")
+        report["phases"]["heads"] = done
+    else:
+        say("phase 1: prerouter heads")
+        h = cfg.heads
+        heads = train_heads(model_dir, tokens=h.tokens, heldout_tokens=h.heldout_tokens, seq_len=h.seq_len,
+                            steps=h.steps, batch=h.batch, lr=h.lr, width=h.width, out=heads_file,
+                            streams=(train, held, desc), experts_per_token=k,
+                            progress=progress("heads") if progress else None)
+        mean = lambda d: float(np.mean([v["recall_at_k"] for v in d.values()]))
+        report["phases"]["heads"] = {"path": str(heads_file), "recall_before": mean(heads["before"]),
+                                     "recall_after": mean(heads["after"]), "per_head": {
+                                         str(o): {"before": heads["before"][o], "after": heads["after"][o]}
+                                         for o in heads["before"]}, "losses": _ends(heads["losses"]),
+                                     "tokens": heads["recipe"]["tokens"], "identity": artifact_identity(heads_file)}
+        heads_record.write_text(json.dumps(report["phases"]["heads"], indent=1))  # what --resume reuses
 
     say("phase 2: SFT on the student path")
     sft_dir = work / "adapter-sft"
