@@ -161,3 +161,19 @@ def test_memory_limit_caps_every_arm_and_reports_oom_as_a_result(bench_model):
         assert 50 * 2**20 < peak < 4 * 2**30 and a["runs"][0]["memory_cap"]["oom_killed"] is False
     assert "peak cgroup (MiB)" in markdown(doc)
     assert not [p for p in harness.Path("/sys/fs/cgroup/memory").glob("edge0-bench-*")]  # groups removed
+
+
+def test_resident_arm_computes_every_float_in_the_compute_dtype(bench_model):
+    """The fair baseline: every floating parameter of mlx-lm's model, the routed experts'
+    scales and biases included, is in the compute dtype before timing starts."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from edge0.benchmark.arms import ARMS
+
+    loaded = ARMS["resident"](str(bench_model), {"compute_dtype": "float32"})
+    params = dict(tree_flatten(loaded.model.parameters()))
+    floats = {k: v.dtype for k, v in params.items() if mx.issubdtype(v.dtype, mx.floating)}
+    expert_scales = [k for k in floats if "switch_mlp" in k and k.endswith((".scales", ".biases"))]
+    assert expert_scales, "the bench model's expert stacks must be quantized for this test to mean anything"
+    assert {floats[k] for k in floats} == {mx.float32}, {k: d for k, d in floats.items() if d != mx.float32}
