@@ -191,6 +191,35 @@ def test_stop_strings_logprobs_and_seeds(server):
     assert sampled[0] == sampled[1]
 
 
+def test_sampling_fields_over_http_take_effect(server):
+    """The fields the openai client sends only as extra body (top_k, min_p,
+    repetition_penalty) and max_completion_tokens reach the sampler: top_k=1 and a min_p
+    near 1 at temperature 1 give the greedy text; a repetition penalty gives what the
+    engine gives with it, which is not the greedy text."""
+    url, state = server
+    messages = [{"role": "user", "content": PROMPT}]
+
+    def post(**fields):
+        r = httpx.post(url + "/v1/chat/completions", json={"model": "tiny", "messages": messages, **fields},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    greedy = post(temperature=0, max_tokens=16)["choices"][0]["message"]["content"]
+    limited = post(temperature=0, max_completion_tokens=5)
+    assert limited["usage"]["completion_tokens"] == 5 and greedy.startswith(limited["choices"][0]["message"]["content"])
+    for seed in (1, 2):
+        assert post(temperature=1.0, top_k=1, seed=seed, max_tokens=16)["choices"][0]["message"]["content"] == greedy
+        assert post(temperature=1.0, min_p=0.999, seed=seed, max_tokens=16)["choices"][0]["message"]["content"] == greedy
+    penalised = post(temperature=0, max_tokens=16, repetition_penalty=5.0)["choices"][0]["message"]["content"]
+    tok = state.engine.tokenizer
+    ids = tok.encode(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                     add_special_tokens=False)
+    with Engine(state.settings.model_dir, EngineConfig(adapter="off")) as e:
+        assert e.generate_text(ids, max_tokens=16, repetition_penalty=5.0)[0] == penalised
+    assert penalised != greedy
+
+
 @pytest.mark.parametrize("body,status,match", [
     (b"{not json", 400, "not valid JSON"),
     (json.dumps({"messages": "hi"}).encode(), 400, "'messages' must be a non-empty list"),
