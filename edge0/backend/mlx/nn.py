@@ -16,6 +16,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.utils import _get_classes, infer_quant_config
 
+from edge0.backend.mlx.core import compute_streams
 from edge0.errors import ConfigError, Edge0Error, LayoutError, TokenizerError, UnsupportedModelError
 
 Module = nn.Module
@@ -490,8 +491,6 @@ class SplitQuantizedLinear(nn.QuantizedLinear):
         rows = self["weight"].shape[0]
         if n <= 1 or rows < 2 * n:
             return super().__call__(x)
-        from edge0.backend.mlx.core import compute_streams
-
         streams = compute_streams(n)
         bounds = [rows * i // n for i in range(n + 1)]
         biases = self.get("biases")
