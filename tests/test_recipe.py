@@ -119,6 +119,23 @@ def test_quick_recipe_end_to_end(tiny_model_factory, tmp_path):
     assert abs(m["logit_retention"]["unmerged"] - 1.0) < 1e-6
     assert m["logit_retention"]["merged"] != m["logit_retention"]["unmerged"]
     assert (d / "prerouter.safetensors").exists() and (d / "adapter" / "adapters.safetensors").exists()
+
+    # the quality table: every row over the same positions, the merged row served as well
+    q = report["quality"]
+    rows = {r["label"]: r for r in q["rows"]}
+    assert list(rows) == ["float32 teacher", "int4, own gates", "int4 + prerouter", "+ phase-2 adapter (SFT)",
+                          "+ phase-3 adapter (on-policy)", "phase-3 adapter merged, re-quantized"]
+    assert q["tokens"] == 47 and all(r["tokens"] == 47 for r in q["rows"])
+    teacher = rows["float32 teacher"]
+    assert teacher["ratio_to_teacher"] == 1.0 and teacher["top1_agreement"] == 1.0 and teacher["kl_teacher_row"] == 0
+    # the tiny model is its own teacher: its own gates serve the teacher's distribution
+    assert rows["int4, own gates"]["kl_teacher_row"] < 1e-6
+    for r in q["rows"][1:]:
+        assert np.isfinite(r["perplexity"]) and r["sample"], r
+        assert r["label"] == "int4, own gates" or r["kl_teacher_row"] > 1e-4, r
+        assert r["ratio_to_teacher"] == r["perplexity"] / teacher["perplexity"]
+    # each adapter changes what is served, and the merged checkpoint is not the unmerged adapter
+    assert len({rows[k]["nll"] for k in list(rows)[2:]}) == 4
     with Engine(d) as e:  # heads and adapter beside the checkpoint: found, and named in the stats
         line = list(e.stream("def f(x):", max_tokens=3))[-1].stats.line()
     assert "heads prerouter.safetensors" in line and "adapter adapter (rank 4" in line and "phase 3" in line

@@ -60,7 +60,7 @@ QUICK = RecipeConfig(
                   checkpoint_every=0),
     distill=DistillConfig(rows=6, prompt_len=8, new_tokens=16, steps=12, batch=4, lr=2e-3, warmup=2, top_k=8,
                           checkpoint_every=0),
-    eval_tokens=0,
+    eval_tokens=48,
 )
 
 
