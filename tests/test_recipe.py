@@ -150,7 +150,7 @@ def test_quick_recipe_end_to_end(tiny_model_factory, tmp_path):
 
 
 def test_merge_report_retention(tiny_model_factory, tmp_path):
-    """An adapter whose deltas sit below the int4 group step, as trained LoRAs do: merged
+    """An adapter whose deltas sit below the int4 group step (the paper's regime): merged
     and re-quantized, most of its effect is gone; unmerged, all of it is there."""
     from edge0.train.merge import merge_report
     from tests.test_adapters import random_adapter
