@@ -177,3 +177,32 @@ def test_resident_arm_computes_every_float_in_the_compute_dtype(bench_model):
     expert_scales = [k for k in floats if "switch_mlp" in k and k.endswith((".scales", ".biases"))]
     assert expert_scales, "the bench model's expert stacks must be quantized for this test to mean anything"
     assert {floats[k] for k in floats} == {mx.float32}, {k: d for k, d in floats.items() if d != mx.float32}
+
+
+def test_variants_are_compared_with_their_base_arm_round_by_round(bench_model, tmp_path):
+    """``ARM@label`` variants (here an adapter, and a narrower routing width) get their
+    decode and memory against the base arm of the same round, and the run records the
+    adapter's bytes and the width it served."""
+    from tests.test_adapters import random_adapter
+
+    adapter = random_adapter(bench_model, tmp_path / "a", rank=4)
+    weights = mx.load(str(adapter / "adapters.safetensors"))
+    adapter_bytes = sum(w.nbytes for w in weights.values())
+    settings = harness.BenchSettings(arms=("exact", "exact@lora", "exact@k2"), rounds=2, cache="warm",
+                                     prompt_tokens=8, decode_tokens=4,
+                                     arm_options={"exact@lora": {"adapter": str(adapter)},
+                                                  "exact@k2": {"experts_per_token": 2}})
+    doc = harness.run_bench(bench_model, settings)
+    arms = doc["arms"]
+    assert "vs_base_arm" not in arms["exact"]
+    lora, k2 = arms["exact@lora"]["vs_base_arm"], arms["exact@k2"]["vs_base_arm"]
+    ratios = [v["decode_tps"] / b["decode_tps"] for b, v in zip(arms["exact"]["runs"], arms["exact@lora"]["runs"])]
+    assert lora["arm"] == "exact" and lora["decode_tps_ratio"]["median"] == pytest.approx(sorted(ratios)[0] / 2
+                                                                                          + sorted(ratios)[1] / 2)
+    assert lora["adapter_bytes"] == adapter_bytes and lora["experts_per_token"] == lora["base_experts_per_token"]
+    assert lora["expert_bytes_per_token_ratio"]["median"] == 1.0
+    assert k2["adapter_bytes"] == 0 and (k2["experts_per_token"], k2["base_experts_per_token"]) == (2, SMALL.k)
+    assert k2["expert_bytes_per_token_ratio"]["max"] < 0.75  # half the experts per token, fewer bytes
+    table = markdown(doc)
+    assert f"exact@lora vs exact: decode {lora['decode_tps_ratio']['median']:.3f}" in table
+    assert f"adapter {adapter_bytes / 2**20:.3f} MiB" in table and "2 experts per token (base arm 4)" in table

@@ -81,9 +81,12 @@ def _streaming(model_dir: str, settings: dict, oracle=None, **paths) -> Loaded:
     if s.stager is not None:
         s.stager.reset()
     stall = (lambda: s.stager.stall_seconds) if s.stager is not None else (lambda: s.reader.stats.seconds)
-    return Loaded(StepModel(s), lambda: s.reader.stats.bytes, stall, s.close,
-                  info={k: getattr(cfg, k) for k in ("bundle_capacity", "slots_per_layer", "prefetch_depth",
-                                                     "hot_experts", "reader_threads")})
+    info = {k: getattr(cfg, k) for k in ("bundle_capacity", "slots_per_layer", "prefetch_depth", "hot_experts",
+                                         "reader_threads")}
+    info["experts_per_token"] = s.spec.k
+    bank = s.adapters
+    info["adapter_bytes"] = bank.nbytes if bank is not None and bank.active is not None else 0
+    return Loaded(StepModel(s), lambda: s.reader.stats.bytes, stall, s.close, info=info)
 
 
 def _oracle(settings: dict):

@@ -222,6 +222,21 @@ def _portable(settings: dict) -> dict:
     return {k: (Path(v).name if k.endswith("_file") and isinstance(v, str) else v) for k, v in settings.items()}
 
 
+def _paired(base: str, base_runs: list[dict], runs: list[dict]) -> dict:
+    """A variant against its base arm, round by round (both ran in the same round, so a
+    ratio of the two cancels what the machine did during that round)."""
+    pairs = [(b, v) for b, v in zip(base_runs, runs) if not (b.get("out_of_memory") or v.get("out_of_memory"))]
+    info = lambda run, key: (run.get("info") or {}).get(key)
+    return {"arm": base,
+            "decode_tps_ratio": summarize([v["decode_tps"] / b["decode_tps"] for b, v in pairs]),
+            "peak_active_memory_delta": summarize([v["peak_active_memory"] - b["peak_active_memory"] for b, v in pairs]),
+            "expert_bytes_per_token_ratio": summarize([v["expert_bytes_per_token"] / b["expert_bytes_per_token"]
+                                                       for b, v in pairs if b["expert_bytes_per_token"]] or [0.0]),
+            "adapter_bytes": info(pairs[0][1], "adapter_bytes") if pairs else None,
+            "experts_per_token": info(pairs[0][1], "experts_per_token") if pairs else None,
+            "base_experts_per_token": info(pairs[0][0], "experts_per_token") if pairs else None}
+
+
 def _document(model_dir, files, settings, replay, runs, orders) -> dict:
     for results in runs.values():
         for res in results:
@@ -251,6 +266,10 @@ def _document(model_dir, files, settings, replay, runs, orders) -> dict:
                     fig: (a[fig]["median"] / base[fig]["median"]) if base[fig]["median"] else None
                     for fig in ("decode_tps", "prefill_tps", "peak_active_memory", "peak_rss")
                 }
+    for name, a in arms.items():
+        base = base_arm(name)
+        if base != name and "decode_tps" in a and "decode_tps" in arms.get(base, {}):
+            a["vs_base_arm"] = _paired(base, runs[base], runs[name])
     overlap = None
     if {"staged+oracle", "compute-only", "read-only"} <= {n for n, a in arms.items() if "decode_tps" in a}:
         staged = arms["staged+oracle"]["step_ms_median"]["median"]

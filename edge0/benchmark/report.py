@@ -44,6 +44,21 @@ def markdown(doc: dict) -> str:
                " |" if limit else "")
             + (f" ({a['out_of_memory_runs']} of {len(a['runs'])} runs out of memory)" if a.get("out_of_memory_runs")
                else ""))
+    variants = [(name, a["vs_base_arm"]) for name, a in doc["arms"].items() if a.get("vs_base_arm")]
+    if variants:
+        lines += ["", "Variants against their base arm, round by round (median [min–max] of the per-round figure):", ""]
+    for name, v in variants:
+        mem = v["peak_active_memory_delta"]
+        what = []
+        if v.get("adapter_bytes"):
+            what.append(f"adapter {v['adapter_bytes'] / MIB:.3f} MiB")
+        if v.get("experts_per_token") != v.get("base_experts_per_token"):
+            what.append(f"{v['experts_per_token']} experts per token (base arm {v['base_experts_per_token']})")
+        lines.append(
+            f"- {name} vs {v['arm']}: decode {_fmt(v['decode_tps_ratio'], digits=3)}x, expert bytes per token "
+            f"{_fmt(v['expert_bytes_per_token_ratio'], digits=3)}x, peak MLX active "
+            f"{mem['median'] / MIB:+.3f} MiB [{mem['min'] / MIB:+.3f}–{mem['max'] / MIB:+.3f}]"
+            + (f" ({', '.join(what)})" if what else ""))
     ov = doc.get("overlap")
     if ov:
         lines += ["", f"Staged+oracle decode step {ov['staged_step_ms']:.1f} ms = {ov['staged_over_max']:.3f} x "
