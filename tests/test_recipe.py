@@ -163,3 +163,26 @@ def test_merge_report_retention(tiny_model_factory, tmp_path):
     assert m["weight_retention_mean"] < 0.8
     assert all(t["delta_rms"] < t["group_step_rms"] for t in m["targets"].values())
     assert set(m["weight_retention_by_projection"]) == {"q_proj", "k_proj", "v_proj", "o_proj"}
+
+
+def test_quality_command_serves_each_adapter_row(model_with_heads, tmp_path, capsys):
+    """``edge0 train quality``: teacher, own gates, prerouter, then one row per --adapter,
+    every row over the same held-out positions; the adapter row is what the adapter serves."""
+    import json
+
+    from edge0.cli import main
+    from tests.test_adapters import random_adapter
+
+    d = model_with_heads
+    a = random_adapter(d, tmp_path / "a", scale=2.0, seed=5)
+    out = tmp_path / "q.json"
+    assert main(["train", "quality", "--model", str(d), "--teacher", str(d), "--adapter", f"my row={a}",
+                 "--tokens", "40", "--json", str(out)]) == 0
+    table = json.loads(out.read_text())
+    labels = [r["label"] for r in table["rows"]]
+    assert labels == ["float32 teacher", "int4, own gates", "int4 + prerouter", "my row"]
+    assert table["tokens"] == 39 and all(r["tokens"] == 39 for r in table["rows"])
+    by = {r["label"]: r for r in table["rows"]}
+    assert by["my row"]["nll"] != by["int4 + prerouter"]["nll"]
+    assert "| my row |" in capsys.readouterr().out
+    assert main(["train", "quality", "--model", str(d), "--teacher", str(d), "--heads", str(tmp_path / "none")]) == 2

@@ -98,14 +98,15 @@ def cmd_teacher(a) -> int:
 
 
 def add_parsers(sub) -> None:
-    """``edge0 train {teacher,heads,sft,distill,recipe}`` and ``edge0 adapter merge-report``."""
+    """``edge0 train {teacher,heads,sft,distill,recipe,quality}`` and ``edge0 adapter merge-report``."""
     tr = sub.add_parser("train", help="train Edge0's artifacts (teacher, prerouter heads, recovery LoRA)",
                         description="The recovery recipe runs heads -> sft -> distill, in that order "
                                     "(`edge0 train recipe` does all three); docs/QUALITY.md.")
-    trs = tr.add_subparsers(dest="what", required=True, metavar="{teacher,heads,sft,distill,recipe}")
+    trs = tr.add_subparsers(dest="what", required=True, metavar="{teacher,heads,sft,distill,recipe,quality}")
     add_teacher_parser(trs)
     add_heads_parser(trs)
     add_lora_parsers(trs)
+    add_quality_parser(trs)
     ad = sub.add_parser("adapter", help="inspect adapters (merge-report: what merging into int4 destroys)")
     ads = ad.add_subparsers(dest="what", required=True, metavar="{merge-report}")
     m = ads.add_parser("merge-report", help="weight- and logit-level retention of an adapter merged into the "
@@ -265,6 +266,49 @@ def recipe_summary(report: dict) -> str:
         lines += ["", markdown(report["quality"])]
     lines.append(f"wall time {report['wall_seconds']:.0f} s")
     return "\n".join(lines)
+
+
+def add_quality_parser(trs) -> None:
+    q = trs.add_parser("quality", help="the quality table through the served path: teacher, int4, prerouter, "
+                                       "adapters",
+                       description="Perplexity, ratio to the teacher, top-1 agreement and KL(teacher || row) over "
+                                   "the same held-out tokens of ordinary code, every int4 row decoded token by "
+                                   "token through the engine: the float32 teacher, the int4 base on its own "
+                                   "gates, the base routed by the heads' prediction, and that plus each "
+                                   "--adapter. docs/QUALITY.md.")
+    q.add_argument("--model", required=True, help="the int4 checkpoint")
+    q.add_argument("--teacher", required=True, help="the float32 teacher checkpoint")
+    q.add_argument("--heads", default=None, help="prerouter heads (default: MODEL/prerouter.safetensors)")
+    q.add_argument("--adapter", action="append", default=[], metavar="[LABEL=]DIR",
+                   help="a row served with this adapter (repeatable; LABEL names the row)")
+    q.add_argument("--experts-per-token", type=int, default=None, help="serve every int4 row at this width")
+    q.add_argument("--tokens", type=int, default=4096, help="held-out tokens (default 4096)")
+    q.add_argument("--json", default=None, help="also write the table here")
+    q.set_defaults(func=cmd_quality)
+
+
+def cmd_quality(args) -> int:
+    from edge0.errors import ConfigError
+    from edge0.prerouter.files import HEADS_FILENAME
+    from edge0.train import data as D
+    from edge0.train.quality import markdown, quality_table, served_rows
+
+    model = Path(args.model)
+    heads = Path(args.heads) if args.heads else model / HEADS_FILENAME
+    if not heads.is_file():
+        raise ConfigError(f"no prerouter heads at {heads} (--heads FILE)")
+    adapters = []
+    for spec in args.adapter:
+        label, _, path = spec.rpartition("=")
+        adapters.append((label or f"+ adapter {Path(path).name}", path))
+    _, held, _ = D.token_streams(model)
+    table = quality_table(args.teacher, served_rows(model, heads, adapters, args.experts_per_token),
+                          D.ordinary_code(held, args.tokens), say=say)
+    table["experts_per_token"] = args.experts_per_token
+    if args.json:
+        Path(args.json).write_text(json.dumps(table, indent=1))
+    print(markdown(table))
+    return 0
 
 
 def cmd_merge_report(args) -> int:

@@ -87,6 +87,18 @@ class Row:
     config: EngineConfig | None = None
 
 
+def served_rows(model_dir: Path, heads_file: Path | None, adapters: list[tuple[str, str]],
+                k: int | None = None) -> list[Row]:
+    """The teacher, the int4 base on its own gates, the base routed by the heads'
+    prediction, then that plus each ``(label, adapter_dir)``, all at routing width ``k``."""
+    heads = None if heads_file is None else str(heads_file)
+    on = lambda adapter: EngineConfig(prerouter="on", prerouter_file=heads, adapter=adapter, experts_per_token=k)
+    return [Row("float32 teacher", None),
+            Row("int4, own gates", model_dir, EngineConfig(prerouter="off", adapter="off", experts_per_token=k)),
+            Row("int4 + prerouter", model_dir, on("off")),
+            *(Row(label, model_dir, on(str(adapter))) for label, adapter in adapters)]
+
+
 def compare(logp: np.ndarray, targets: np.ndarray, teacher: dict) -> dict:
     n = len(targets)
     nll = -float(np.mean(logp[np.arange(n), targets]))

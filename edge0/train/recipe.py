@@ -166,19 +166,15 @@ def restamp_heads(heads_file: Path, model_dir: Path, merged: Path) -> Path:
 
 def quality(model_dir, teacher_dir, heads_file, sft_dir, adapter_dir, held, cfg: RecipeConfig, work: Path) -> dict:
     from edge0.train.merge import write_merged
-    from edge0.train.quality import Row, quality_table
+    from edge0.train.quality import Row, quality_table, served_rows
 
     k = cfg.experts_per_token
     merged = write_merged(model_dir, adapter_dir, work / "merged")
     restamp_heads(heads_file, model_dir, merged)
     restamped = merged / HEADS_FILENAME  # the merged checkpoint is another base: its heads are stamped for it
-    on = lambda adapter, heads=heads_file: EngineConfig(prerouter="on", prerouter_file=str(heads), adapter=adapter,
-                                                        experts_per_token=k)
-    rows = [Row("float32 teacher", None),
-            Row("int4, own gates", model_dir, EngineConfig(prerouter="off", adapter="off", experts_per_token=k)),
-            Row("int4 + prerouter", model_dir, on("off")),
-            Row("+ phase-2 adapter (SFT)", model_dir, on(str(sft_dir))),
-            Row("+ phase-3 adapter (on-policy)", model_dir, on(str(adapter_dir))),
-            Row("phase-3 adapter merged, re-quantized", merged, on("off", restamped))]
+    rows = served_rows(model_dir, heads_file, [("+ phase-2 adapter (SFT)", sft_dir),
+                                               ("+ phase-3 adapter (on-policy)", adapter_dir)], k)
+    rows.append(Row("phase-3 adapter merged, re-quantized", merged,
+                    EngineConfig(prerouter="on", prerouter_file=str(restamped), adapter="off", experts_per_token=k)))
     tokens = D.ordinary_code(held, cfg.eval_tokens)
     return quality_table(teacher_dir, rows, tokens)
