@@ -293,3 +293,36 @@ def test_adapter_files_that_are_not_adapters(qwen, adapter, tmp_path):
             Engine(qwen, EngineConfig(adapter=str(d)))
     with pytest.raises(ConfigError, match="is not a directory"):
         Engine(qwen, EngineConfig(adapter=str(tmp_path / "missing")))
+
+
+def test_adapter_init_serves_the_base_and_loads_in_mlx_lm(qwen, tmp_path):
+    """``edge0 adapter init``: an untrained adapter (B = 0) on every target projection;
+    served, it gives the base's logits; it loads in mlx-lm, and a bad --out is refused."""
+    from edge0.cli import main
+
+    out = tmp_path / "init"
+    assert main(["adapter", "init", "--model", str(qwen), "--out", str(out), "--rank", "4"]) == 0
+    weights = mx.load(str(out / "adapters.safetensors"))
+    s = load_streaming_model(qwen, EngineConfig(adapter="off", prerouter="off"))
+    try:
+        targets = set(target_modules(s.model, s.spec))
+    finally:
+        s.close()
+    assert {k.rpartition(".")[0] for k in weights} == targets
+    assert all(w.shape[-1] == 4 for k, w in weights.items() if k.endswith("lora_a"))
+    assert all(not mx.any(w).item() for k, w in weights.items() if k.endswith("lora_b"))
+    assert any(mx.any(w).item() for k, w in weights.items() if k.endswith("lora_a"))
+    ids = [[3, 7, 11, 5]]
+    logits = {}
+    for label, adapter in (("base", "off"), ("init", str(out))):
+        s = load_streaming_model(qwen, EngineConfig(adapter=adapter, prerouter="off"))
+        try:
+            logits[label] = s.model(mx.array(ids))
+            assert (s.adapters is not None and s.adapters.active is not None) == (label == "init")
+        finally:
+            s.close()
+    assert mx.array_equal(logits["base"], logits["init"]).item()
+    from mlx_lm import load as mlx_load
+
+    mlx_load(str(qwen), adapter_path=str(out))
+    assert main(["adapter", "init", "--model", str(qwen), "--out", str(out)]) == 2  # not empty: refused

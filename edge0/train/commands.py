@@ -107,8 +107,21 @@ def add_parsers(sub) -> None:
     add_heads_parser(trs)
     add_lora_parsers(trs)
     add_quality_parser(trs)
-    ad = sub.add_parser("adapter", help="inspect adapters (merge-report: what merging into int4 destroys)")
-    ads = ad.add_subparsers(dest="what", required=True, metavar="{merge-report}")
+    ad = sub.add_parser("adapter", help="adapters: merge-report (what merging into int4 destroys), init (an "
+                                        "untrained one)")
+    ads = ad.add_subparsers(dest="what", required=True, metavar="{merge-report,init}")
+    i = ads.add_parser("init", help="an untrained adapter (mlx-lm's LoRA initialisation) for a checkpoint",
+                       description="Writes an adapter on every attention and shared-expert projection with "
+                                   "mlx-lm's LoRA initialisation (A uniform in +-1/sqrt(in), B zero): it serves "
+                                   "the base's output while computing what a trained adapter of the same rank "
+                                   "computes. A starting point for mlx_lm.lora, or what a cost measurement needs "
+                                   "(edge0 bench --adapter).")
+    i.add_argument("--model", required=True, help="the int4 checkpoint")
+    i.add_argument("--out", required=True, help="the adapter directory to write")
+    i.add_argument("--rank", type=int, default=8, help="(default 8, the recipe's)")
+    i.add_argument("--scale", type=float, default=10.0, help="(default 10, the recipe's)")
+    i.add_argument("--seed", type=int, default=0, help="(default 0)")
+    i.set_defaults(func=cmd_adapter_init)
     m = ads.add_parser("merge-report", help="weight- and logit-level retention of an adapter merged into the "
                                             "int4 base and re-quantized",
                        description="Merges the adapter's delta into the dequantized weight, re-quantizes with the "
@@ -308,6 +321,19 @@ def cmd_quality(args) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(table, indent=1))
     print(markdown(table))
+    return 0
+
+
+def cmd_adapter_init(args) -> int:
+    from edge0.errors import ConfigError
+    from edge0.train.adapter_init import init_adapter
+
+    if args.rank < 1:
+        raise ConfigError(f"--rank must be >= 1, got {args.rank}")
+    if Path(args.out).exists() and any(Path(args.out).iterdir()):
+        raise ConfigError(f"{args.out} exists and is not empty; choose another --out")
+    out = init_adapter(args.model, args.out, rank=args.rank, scale=args.scale, seed=args.seed)
+    print(f"untrained adapter (rank {args.rank}, scale {args.scale}) written to {out}")
     return 0
 
 

@@ -26,7 +26,6 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 from mlx.utils import tree_flatten
 
 from edge0.adapters import AdaptedLinear, adapter_key, save_adapter, target_modules
@@ -36,6 +35,7 @@ from edge0.backend import nn as bnn
 from edge0.exec.taps import RouterTap
 from edge0.prerouter.files import HEADS_FILENAME, load_heads
 from edge0.spec import load_config, with_experts_per_token
+from edge0.train.adapter_init import lora_init
 
 
 class ObservedSwitch(nn.Module):
@@ -138,8 +138,7 @@ class StudentModel:
         for path, module in target_modules(self.model, self.spec).items():
             out_dim, in_dim = bnn.linear_dims(module)
             wrapper = AdaptedLinear(module)
-            bound = 1 / np.sqrt(in_dim)  # mlx-lm's LoRALinear initialisation
-            wrapper.set_delta(mx.random.uniform(-bound, bound, (in_dim, rank)), mx.zeros((rank, out_dim)), scale)
+            wrapper.set_delta(*lora_init(in_dim, out_dim, rank), scale)
             wrapper.freeze()
             wrapper.unfreeze(keys=["lora_a", "lora_b"], recurse=False)
             bnn.set_module_at(self.model, path, wrapper)
