@@ -203,6 +203,7 @@ def test_variants_are_compared_with_their_base_arm_round_by_round(bench_model, t
     assert lora["expert_bytes_per_token_ratio"]["median"] == 1.0
     assert k2["adapter_bytes"] == 0 and (k2["experts_per_token"], k2["base_experts_per_token"]) == (2, SMALL.k)
     assert k2["expert_bytes_per_token_ratio"]["max"] < 0.75  # half the experts per token, fewer bytes
+    assert str(tmp_path) not in json.dumps(doc) and '"adapter": "a"' in json.dumps(doc)  # names, not paths
     table = markdown(doc)
     assert f"exact@lora vs exact: decode {lora['decode_tps_ratio']['median']:.3f}" in table
     assert f"adapter {adapter_bytes / 2**20:.3f} MiB" in table and "2 experts per token (base arm 4)" in table

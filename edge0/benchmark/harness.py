@@ -217,9 +217,19 @@ def _rounds(model_dir, files, settings, replay, arm_settings, progress, runner):
     return runs, orders
 
 
+PATH_KEYS = ("adapter", "extra_adapters")  # engine settings that name files, besides the *_file ones
+
+
 def _portable(settings: dict) -> dict:
-    """Results name files by their base name: a document says nothing about the machine."""
-    return {k: (Path(v).name if k.endswith("_file") and isinstance(v, str) else v) for k, v in settings.items()}
+    """Results name files by their base name, at any depth (an arm's options too): a
+    document says nothing about the machine."""
+    def name(v):
+        if isinstance(v, (list, tuple)):
+            return [name(x) for x in v]
+        return Path(v).name if isinstance(v, str) and v not in ("on", "off", "auto") else v
+
+    return {k: (_portable(v) if isinstance(v, dict) else name(v) if k.endswith("_file") or k in PATH_KEYS else v)
+            for k, v in settings.items()}
 
 
 def _paired(base: str, base_runs: list[dict], runs: list[dict]) -> dict:
@@ -281,6 +291,6 @@ def _document(model_dir, files, settings, replay, runs, orders) -> dict:
             overlap["exact_step_ms"] = arms["exact"]["step_ms_median"]["median"]
     return {
         "schema": SCHEMA_VERSION, "overlap": overlap, "model": Path(model_dir).name, "checkpoint_bytes": sum(f.stat().st_size for f in files),
-        "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in settings.__dict__.items()},
+        "settings": _portable({k: (list(v) if isinstance(v, tuple) else v) for k, v in settings.__dict__.items()}),
         "replay": replay, "orders": orders, "arms": arms,
     }
