@@ -116,7 +116,7 @@ def run_recipe(model_dir: str | Path, teacher_dir: str | Path, cfg: RecipeConfig
 
     report["merge"] = merge_report(model_dir, adapter_dir)
     if cfg.eval_tokens:
-        report["quality"] = quality(model_dir, teacher_dir, heads_file, sft_dir, adapter_dir, held, cfg, work)
+        report["quality"] = quality(model_dir, teacher_dir, heads_file, sft_dir, adapter_dir, held, cfg, work, say)
     report["wall_seconds"] = round(time.perf_counter() - t0, 1)
     (work / "recipe_report.json").write_text(json.dumps(report, indent=1, default=str))
     return report
@@ -164,7 +164,8 @@ def restamp_heads(heads_file: Path, model_dir: Path, merged: Path) -> Path:
                       training_data=meta.get("training_data", ""))
 
 
-def quality(model_dir, teacher_dir, heads_file, sft_dir, adapter_dir, held, cfg: RecipeConfig, work: Path) -> dict:
+def quality(model_dir, teacher_dir, heads_file, sft_dir, adapter_dir, held, cfg: RecipeConfig, work: Path,
+            say=print) -> dict:
     from edge0.train.merge import write_merged
     from edge0.train.quality import Row, quality_table, served_rows
 
@@ -177,4 +178,4 @@ def quality(model_dir, teacher_dir, heads_file, sft_dir, adapter_dir, held, cfg:
     rows.append(Row("phase-3 adapter merged, re-quantized", merged,
                     EngineConfig(prerouter="on", prerouter_file=str(restamped), adapter="off", experts_per_token=k)))
     tokens = D.ordinary_code(held, cfg.eval_tokens)
-    return quality_table(teacher_dir, rows, tokens)
+    return quality_table(teacher_dir, rows, tokens, say=say)
