@@ -89,6 +89,16 @@ def test_order_rotates_and_a_new_arm_plugs_in(bench_model, monkeypatch):
     assert doc["arms"]["resident"]["ratio_to_resident"]["decode_tps"] == 1.0
 
 
+def test_variant_of_an_arm_that_reads_no_experts_has_no_bytes_ratio(bench_model, monkeypatch):
+    monkeypatch.setattr(harness, "make_replay", lambda *a: {"prompt": [1, 2], "continuation": [3]})
+    settings = harness.BenchSettings(arms=("resident", "resident@again"), rounds=2, cache="warm")
+    doc = harness.run_bench(bench_model, settings, runner=fake_runner([]))
+    v = doc["arms"]["resident@again"]["vs_base_arm"]
+    assert v["expert_bytes_per_token_ratio"] is None and v["decode_tps_ratio"]["n"] == 2
+    line = next(l for l in markdown(doc).splitlines() if l.startswith("- resident@again vs resident"))
+    assert "expert bytes" not in line and "peak MLX active +" in line
+
+
 def test_bad_settings_are_refused(bench_model):
     with pytest.raises(ConfigError, match=r"unknown arm\(s\) \['nope'\]; available:"):
         harness.run_bench(bench_model, harness.BenchSettings(arms=("nope",)))

@@ -232,6 +232,10 @@ def _portable(settings: dict) -> dict:
             for k, v in settings.items()}
 
 
+def _maybe_summary(values: list[float]) -> dict | None:
+    return summarize(values) if values else None
+
+
 def _paired(base: str, base_runs: list[dict], runs: list[dict]) -> dict:
     """A variant against its base arm, round by round (both ran in the same round, so a
     ratio of the two cancels what the machine did during that round)."""
@@ -240,8 +244,9 @@ def _paired(base: str, base_runs: list[dict], runs: list[dict]) -> dict:
     return {"arm": base,
             "decode_tps_ratio": summarize([v["decode_tps"] / b["decode_tps"] for b, v in pairs]),
             "peak_active_memory_delta": summarize([v["peak_active_memory"] - b["peak_active_memory"] for b, v in pairs]),
-            "expert_bytes_per_token_ratio": summarize([v["expert_bytes_per_token"] / b["expert_bytes_per_token"]
-                                                       for b, v in pairs if b["expert_bytes_per_token"]] or [0.0]),
+            # None where the base arm reads no experts (a resident arm): no ratio to give
+            "expert_bytes_per_token_ratio": _maybe_summary([v["expert_bytes_per_token"] / b["expert_bytes_per_token"]
+                                                            for b, v in pairs if b["expert_bytes_per_token"]]),
             "adapter_bytes": info(pairs[0][1], "adapter_bytes") if pairs else None,
             "experts_per_token": info(pairs[0][1], "experts_per_token") if pairs else None,
             "base_experts_per_token": info(pairs[0][0], "experts_per_token") if pairs else None}

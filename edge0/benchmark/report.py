@@ -54,9 +54,11 @@ def markdown(doc: dict) -> str:
             what.append(f"adapter {v['adapter_bytes'] / MIB:.3f} MiB")
         if v.get("experts_per_token") != v.get("base_experts_per_token"):
             what.append(f"{v['experts_per_token']} experts per token (base arm {v['base_experts_per_token']})")
+        ratio = v["expert_bytes_per_token_ratio"]
         lines.append(
-            f"- {name} vs {v['arm']}: decode {_fmt(v['decode_tps_ratio'], digits=3)}x, expert bytes per token "
-            f"{_fmt(v['expert_bytes_per_token_ratio'], digits=3)}x, peak MLX active "
+            f"- {name} vs {v['arm']}: decode {_fmt(v['decode_tps_ratio'], digits=3)}x, "
+            + (f"expert bytes per token {_fmt(ratio, digits=3)}x, " if ratio else "")
+            + "peak MLX active "
             f"{mem['median'] / MIB:+.3f} MiB [{mem['min'] / MIB:+.3f}–{mem['max'] / MIB:+.3f}]"
             + (f" ({', '.join(what)})" if what else ""))
     ov = doc.get("overlap")
