@@ -19,6 +19,7 @@ PHASES = ("prefill", "decode")
 LOG_FORMATS = ("console", "json")
 STAGED_SOURCES = ("auto", "oracle", "prerouter")
 PREROUTER_MODES = ("auto", "on", "off")
+ROUTINGS = ("auto", "replace", "select")
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,15 @@ class EngineConfig:
     # Dtype the heads run in: "auto" = float16 (as stored) on GPU backends, float32 on the CPU
     # backend, where a float16 flush of 11 heads at 35B shapes measured 67 ms vs 8.6 ms.
     prerouter_dtype: str = "auto"
+    # How a staged layer routes on the heads' prediction: "replace" (the prediction IS the
+    # routing: k experts staged), "select" (the top k + stage_extra predicted experts are
+    # staged and the layer's own router chooses its k among them: nothing read outside the
+    # staged set, no host sync), or "auto" (what the heads file records; replace when it
+    # records nothing).
+    routing: str = "auto"
+    # Select routing: experts staged beyond k per staged layer (None = what the heads file
+    # records, else k). Slots default to 2 x (k + stage_extra), at most the layer's experts.
+    stage_extra: int | None = None
     # Quality guard: every N decode steps, also run the true router of the staged layers and
     # log recall@k of the prediction (0 = off, costs nothing).
     guard_every: int = 0
@@ -124,6 +134,15 @@ class EngineConfig:
             raise ConfigError(f"prerouter must be one of {PREROUTER_MODES}, got {self.prerouter!r}")
         if self.prerouter_dtype not in ("auto", "float16", "float32"):
             raise ConfigError(f"prerouter_dtype must be auto, float16 or float32, got {self.prerouter_dtype!r}")
+        if self.routing not in ROUTINGS:
+            raise ConfigError(f"routing must be one of {ROUTINGS}, got {self.routing!r}")
+        if self.stage_extra is not None and (isinstance(self.stage_extra, bool) or not isinstance(
+                self.stage_extra, int) or self.stage_extra < 0):
+            raise ConfigError(f"stage_extra must be None (the heads' choice) or a non-negative integer, got "
+                              f"{self.stage_extra!r}")
+        if self.routing == "replace" and self.stage_extra:
+            raise ConfigError(f"stage_extra={self.stage_extra} applies to routing 'select'; routing 'replace' "
+                              "stages exactly the predicted k")
         if isinstance(self.guard_every, bool) or not isinstance(self.guard_every, int) or self.guard_every < 0:
             raise ConfigError(f"guard_every must be 0 (off) or a positive integer, got {self.guard_every!r}")
         if self.experts_per_token is not None:

@@ -423,6 +423,21 @@ def config_from_args(args: argparse.Namespace) -> dict:
 
 # --------------------------------------------------------------------------- merge
 
+def parse_settings(text: str, source: str) -> dict:
+    """``KEY=VALUE,KEY=VALUE`` (EngineConfig fields, values as on the command line) -> typed
+    values; ``source`` names where the text came from in errors."""
+    kinds = _kinds()
+    values = {}
+    for pair in text.split(","):
+        key, eq, value = pair.partition("=")
+        key = key.strip()
+        if not eq or key not in kinds:
+            raise ConfigError(f"{source}: {key!r} is not an engine setting (KEY=VALUE with KEY one of "
+                              f"{_valid_names()})")
+        values[key] = _parse_text(key, kinds[key], value.strip(), source)
+    return values
+
+
 def resolve_config(args: argparse.Namespace | None = None, *, environ: Mapping[str, str] | None = None,
                    toml_path=None, defaults: dict | None = None, **overrides) -> EngineConfig:
     """Merge defaults < TOML < environment < CLI flags < ``overrides`` into one EngineConfig

@@ -28,7 +28,7 @@ from edge0.exec.staged import StagedExecutor, Stager
 from edge0.exec.whole_layer import WholeLayerExecutor
 from edge0.io_sched.reader import ExpertReader
 from edge0.model_files import check_entry
-from edge0.prerouter.files import HEADS_FILENAME, checkpoint_identity, load_heads
+from edge0.prerouter.files import HEADS_FILENAME, checkpoint_identity, load_heads, serving_of
 from edge0.prerouter.runtime import Prerouter
 from edge0.arch import check_streamable, derive_spec
 from edge0.exec.taps import RouterTap, StreamingSwitch
@@ -50,7 +50,10 @@ class Streaming:
         heads = None
         if self.prerouter is not None:
             h = self.prerouter.heads
-            heads = f"{Path(self.heads_path).name} ({len(h.owners)} heads, k={h.k})"
+            mode, extra = getattr(self, "routing", None) or ("replace", 0)
+            how = f"select k+{extra}" if mode == "select" else "replace"
+            seen = ", token" if h.sees_token else ""
+            heads = f"{Path(self.heads_path).name} ({len(h.owners)} heads, k={h.k}{seen}, {how})"
         adapter = None
         if self.adapters is not None and self.adapters.active is not None:
             adapter = self.adapters.adapters[self.adapters.active].describe()
@@ -68,10 +71,26 @@ class Streaming:
         """MoE layer -> the RouterTap standing in its router's place (layers with a router)."""
         return {l: bnn.module_at(self.model, m.router_path) for l, m in self.spec.layers.items() if m.router_path}
 
-    def route(self, layer: int, logits):
+    def route(self, layer: int, logits, width: int | None = None):
         """The routing layer ``layer``'s own block code makes of router ``logits`` [N, E]:
-        the expert indices [N, k] its switch stack would receive (no expert runs)."""
-        return probe_routing(self, layer, logits)
+        the expert indices [N, k] its switch stack would receive (no expert runs); with
+        ``width``, the same routing code choosing ``width`` experts instead of k (the
+        candidates select routing stages)."""
+        return probe_routing(self, layer, logits, width)
+
+    @property
+    def embed(self):
+        """The model's token embedding (ids -> rows), or None."""
+        if not hasattr(self, "_embed"):
+            self._embed = bnn.token_embedding(self.model)
+        return self._embed
+
+    @property
+    def embed_dim(self) -> int:
+        """Width of the token embedding's rows (0 when the model has none)."""
+        if self.embed is None:
+            return 0
+        return int(self.embed(B.array([0])).shape[-1])
 
     def begin_step(self, inputs) -> None:
         """Called before every forward pass (the step hook)."""
@@ -125,11 +144,19 @@ class StepModel:
         return getattr(self._streaming.model, name)
 
 
-def _check_budget(spec, index, config: EngineConfig, staged, hot, whole) -> None:
+def staged_slots(config: EngineConfig, spec, staged_width: int) -> int:
+    """Slots per staged layer: ``slots_per_layer``, or 2 x the experts a step stages (at most
+    the layer's experts, never fewer than a step stages)."""
+    if config.slots_per_layer:
+        return config.slots_per_layer
+    return max(min(2 * staged_width, spec.num_experts), staged_width)
+
+
+def _check_budget(spec, index, config: EngineConfig, staged, hot, whole, slots: int) -> None:
     per_expert = max(le.expert_bytes for le in index.layers.values())
     parts = {"exact bundle": config.bundle_capacity * per_expert}
     if staged:
-        parts["staged slots"] = len(staged) * max(config.slots_per_layer or 2 * spec.k, spec.k) * per_expert
+        parts["staged slots"] = len(staged) * max(slots, spec.k) * per_expert
     if hot:
         parts["hot sets"] = len(hot) * max(config.hot_experts, spec.k) * per_expert
     if whole:
@@ -234,10 +261,15 @@ def load_streaming_model(model_dir: str | Path, config: EngineConfig, *, oracle:
         oracle = OracleRouting.load(config.oracle_file)
     if oracle is not None:
         oracle.check(spec.moe_layers, spec.num_experts)
-    heads, heads_path = _load_heads(model_dir, config, oracle, spec)
+    heads, heads_path, heads_meta = _load_heads(model_dir, config, oracle, spec)
+    routing, extra = _routing(config, heads_meta, spec, heads_path)
     path_of = _paths(config, layers, heads)
     on = {p: [l for l in layers if p in (path_of[l, "prefill"], path_of[l, "decode"])] for p in PATHS}
-    _check_budget(spec, index, config, on["staged"], on["hot"], on["whole_layer"])
+    slots = staged_slots(config, spec, spec.k + extra)
+    if on["staged"] and slots < spec.k + extra:
+        raise ConfigError(f"slots_per_layer={slots} cannot hold the {spec.k + extra} experts select routing stages "
+                          f"per layer (k={spec.k} + stage_extra={extra})")
+    _check_budget(spec, index, config, on["staged"], on["hot"], on["whole_layer"], slots)
     reader = ExpertReader(index, threads=config.reader_threads, log=log)
     stager = None
     try:
@@ -252,11 +284,14 @@ def load_streaming_model(model_dir: str | Path, config: EngineConfig, *, oracle:
         if heads_dtype == "auto":
             heads_dtype = "float32" if B.is_cpu() else "float16"
         prerouter = Prerouter(heads, dtype=B.dtype(heads_dtype)) if heads is not None else None
+        if prerouter is not None and routing == "select":
+            prerouter.width = spec.k + extra
         if on["staged"]:
-            stager = Stager(index, on["staged"], config.slots_per_layer or 2 * spec.k, reader,
+            stager = Stager(index, on["staged"], slots, reader,
                             None if prerouter is not None else oracle,
                             readers=config.reader_threads, prefetch_depth=config.prefetch_depth, log=log,
-                            prerouter=prerouter, fallback=exact, guard_every=config.guard_every)
+                            prerouter=prerouter, fallback=exact, guard_every=config.guard_every,
+                            routing=routing if prerouter is not None else "replace")
         paths = {"exact": exact, "hot": hot, "whole_layer": whole,
                  "staged": StagedExecutor(stager) if stager is not None else None}
         for layer in layers:
@@ -280,9 +315,61 @@ def load_streaming_model(model_dir: str | Path, config: EngineConfig, *, oracle:
     streaming = Streaming(model, spec, index, reader, exact, hot, whole, stager, recorder, prerouter, heads_path,
                           adapters)
     streaming.compute_dtype = compute_dtype
+    streaming.routing = (routing, extra) if prerouter is not None else None
     if prerouter is not None:
+        try:
+            _check_prerouter_fits(streaming, prerouter, routing, extra)
+        except BaseException:
+            streaming.close()
+            raise
         _wire_prerouter(streaming, prerouter, stager)
     return streaming
+
+
+def _routing(config: EngineConfig, meta: dict | None, spec, heads_path) -> tuple[str, int]:
+    """(routing mode, experts staged beyond k): the config's, else what the heads file
+    records (replace when it records nothing); select without a count stages 2k."""
+    recorded = serving_of(meta, heads_path) if meta is not None else {"routing": "replace", "stage_extra": 0}
+    mode = config.routing if config.routing != "auto" else recorded["routing"]
+    if mode == "replace":
+        if config.stage_extra:
+            raise ConfigError(f"stage_extra={config.stage_extra} applies to routing 'select' (the heads file "
+                              f"{heads_path} is served with routing 'replace'; pass --routing select)")
+        return "replace", 0
+    if config.stage_extra is not None:
+        extra = config.stage_extra
+    elif recorded["routing"] == "select":
+        extra = recorded["stage_extra"]
+    else:
+        extra = spec.k
+    if spec.k + extra > spec.num_experts:
+        raise ConfigError(f"stage_extra={extra}: k + stage_extra = {spec.k + extra} is more than the "
+                          f"{spec.num_experts} experts of a layer")
+    return "select", extra
+
+
+def _check_prerouter_fits(streaming: Streaming, prerouter, routing: str, extra: int) -> None:
+    """Heads that see the token need an embedding of their width; select routing needs
+    a routing width Edge0 can change, and room for k + extra experts in the groups a
+    sigmoid-group router keeps (or every expert staged)."""
+    heads, spec = prerouter.heads, streaming.spec
+    if heads.sees_token and streaming.embed_dim != heads.token_dim:
+        raise ConfigError(f"prerouter heads {streaming.heads_path} see a token embedding of width {heads.token_dim}; "
+                          f"this model's is {streaming.embed_dim or 'missing'}")
+    if routing != "select":
+        return
+    for layer in heads.consumers():
+        if not width_attributes(streaming, layer):
+            raise ConfigError(f"{spec.model_type}: select routing needs to widen layer {layer}'s routing, whose "
+                              f"width is kept where Edge0 cannot find it (none of {WIDTH_ATTRIBUTES}); use "
+                              "--routing replace")
+        gate = getattr(streaming.routers()[layer], "original", None)
+        groups, kept = getattr(gate, "n_group", 1) or 1, getattr(gate, "topk_group", None)
+        if isinstance(groups, int) and isinstance(kept, int) and groups > 1:
+            room = kept * (spec.num_experts // groups)
+            if room < spec.k + extra < spec.num_experts:  # every expert staged: the mask changes nothing
+                raise ConfigError(f"stage_extra={extra}: layer {layer} keeps {kept} of {groups} expert groups, room "
+                                  f"for {room} experts; k + stage_extra = {spec.k + extra}")
 
 
 def _wire_prerouter(streaming: Streaming, prerouter, stager) -> None:
@@ -295,27 +382,60 @@ def _wire_prerouter(streaming: Streaming, prerouter, stager) -> None:
             routers[l].observer = prerouter.on_router_input
             switch.observer = prerouter.on_experts
         if stager is not None and l in stager.layers:
-            routers[l].planned = stager.planned_logits
+            routers[l].planned = stager.layer_route
             routers[l].guard = stager
 
 
-def probe_routing(streaming: Streaming, layer: int, logits):
+# the names mlx-lm's blocks and gates give their routing width
+WIDTH_ATTRIBUTES = ("top_k", "num_experts_per_tok", "num_experts_per_token", "n_activated_experts",
+                    "experts_per_token", "moe_topk", "k")
+
+
+def width_attributes(streaming: Streaming, layer: int) -> list[tuple[object, str]]:
+    """(module, attribute) pairs holding layer ``layer``'s routing width k in its block and
+    router (and the router's original module): what ``probe_routing`` widens. Empty when
+    the block keeps k where Edge0 cannot find it."""
+    spec = streaming.spec
+    block = bnn.module_at(streaming.model, spec.block_path(layer))
+    router = bnn.module_at(streaming.model, spec.layers[layer].router_path)
+    found = []
+    for module in (block, router, getattr(router, "original", None)):
+        for name in WIDTH_ATTRIBUTES:
+            value = getattr(module, name, None) if module is not None else None
+            if isinstance(value, int) and not isinstance(value, bool) and value == spec.k:
+                found.append((module, name))
+    return found
+
+
+def probe_routing(streaming: Streaming, layer: int, logits, width: int | None = None):
     """Run layer ``layer``'s block on a dummy input with its router returning ``logits``
     [N, E] and its switch capturing instead of computing: the indices [N, k] the block's own
-    routing code makes of those logits."""
+    routing code makes of those logits (or [N, width] with the block's width set to
+    ``width`` for the call)."""
     spec = streaming.spec
     if spec.prerouter_problem:
         raise ConfigError(f"{spec.model_type}: {spec.prerouter_problem}")
     block = bnn.module_at(streaming.model, spec.block_path(layer))
     router = bnn.module_at(streaming.model, spec.layers[layer].router_path)
     switch = bnn.module_at(streaming.model, spec.switch_path(layer))
+    widened = []
+    if width is not None and width != spec.k:
+        widened = width_attributes(streaming, layer)
+        if not widened:
+            raise ConfigError(f"{spec.model_type}: the routing width of layer {layer} is kept where Edge0 cannot "
+                              f"change it (none of {WIDTH_ATTRIBUTES} on its block or gate), so select routing "
+                              "cannot choose its candidates; use routing 'replace'")
     n = logits.shape[0]
     captured: list = []
     router.forced, switch.capture = logits, captured
+    for module, name in widened:
+        setattr(module, name, width)
     try:
         block(B.zeros((n, 1, spec.block_input), dtype=logits.dtype))
     finally:
         router.forced, switch.capture = None, None
+        for module, name in widened:
+            setattr(module, name, spec.k)
     return captured[0].reshape(n, -1)
 
 
@@ -358,19 +478,19 @@ def _load_adapters(model_dir: Path, config: EngineConfig, model, spec, heads_pat
 
 
 def _load_heads(model_dir: Path, config: EngineConfig, oracle, spec):
-    """(the prerouter heads to use, their file), or (None, None)."""
+    """(the prerouter heads to use, their file, its metadata), or (None, None, None)."""
     if config.prerouter == "off" or config.staged_source == "oracle" or (
             config.staged_source == "auto" and oracle is not None):
-        return None, None
+        return None, None, None
     path = Path(config.prerouter_file) if config.prerouter_file else model_dir / HEADS_FILENAME
     if not path.exists():
         if config.prerouter == "on" or config.staged_source == "prerouter" or config.prerouter_file:
             raise ConfigError(f"prerouter heads {path} do not exist (train them with `edge0 train heads`)")
-        return None, None
+        return None, None, None
     if not config.prerouter_file:
         check_entry(model_dir, HEADS_FILENAME)
     if spec.prerouter_problem:
         raise ConfigError(f"prerouter heads {path} cannot drive {spec.model_type}: {spec.prerouter_problem} "
                           "(use --prerouter off)")
-    heads, _ = load_heads(path, model_dir, spec=spec)
-    return heads, path
+    heads, meta = load_heads(path, model_dir, spec=spec)
+    return heads, path, meta

@@ -110,11 +110,11 @@ def test_prerouter_off_and_required(trained, tiny_model_factory):
         load_streaming_model(tiny_model_factory("mixtral"), EngineConfig(prerouter="on"))
 
 
-def _staged_step_syncs(d, monkeypatch):
+def _staged_step_syncs(d, monkeypatch, config=None):
     """Per decode step: MLX-level syncs of the whole forward, and of the staged blocks alone."""
     from tests.syncs import count_syncs
 
-    s = load_streaming_model(d, EngineConfig())
+    s = load_streaming_model(d, config or EngineConfig())
     try:
         staged = set(s.stager.layers)
         blocks = s.blocks()
@@ -326,8 +326,8 @@ def test_predicted_routing_applies_the_score_correction_bias(tiny_model_factory,
         heads.predict_all = capture_logits
         flush = s.prerouter.flush
 
-        def capture_flush():
-            out = flush()
+        def capture_flush(*a):
+            out = flush(*a)
             planned_seen.append(out)
             return out
 

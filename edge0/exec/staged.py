@@ -27,6 +27,7 @@ from edge0.checkpoint import CheckpointIndex
 from edge0.errors import ConfigError
 from edge0.exec.exact import ExpertRows
 from edge0.exec.oracle import OracleRouting
+from edge0.exec.taps import LayerRoute
 from edge0.io_sched.loop_thread import EventLoopThread
 from edge0.io_sched.plan import LayerPlan, StepPlan
 from edge0.io_sched.reader import ExpertReader
@@ -44,7 +45,10 @@ class Stager:
 
     def __init__(self, index: CheckpointIndex, layers: list[int], slots: int, reader: ExpertReader,
                  oracle: OracleRouting | None, *, readers: int, prefetch_depth: int, log=None,
-                 prerouter=None, fallback=None, guard_every: int = 0):
+                 prerouter=None, fallback=None, guard_every: int = 0, routing: str = "replace"):
+        """``routing`` (with a prerouter): "replace", the prediction is the staged layers'
+        routing; "select", the prerouter stages candidates (its ``width``) and each staged
+        layer's own router chooses among them (``LayerRoute``)."""
         spec = index.spec
         if slots < spec.k:
             raise ConfigError(f"slots_per_layer must be >= k = {spec.k}, got {slots}")
@@ -71,6 +75,8 @@ class Stager:
         self.prerouter = prerouter
         self.fallback = fallback
         self.predicted: dict[int, tuple] = {}
+        self.routing = routing
+        self._routes: dict[int, LayerRoute] = {}
         self.guard_every = guard_every
         self._guard = None  # per-layer recall sums of the current step (lazy), when guarded
         self._guard_n = 1
@@ -92,6 +98,7 @@ class Stager:
         if self.prerouter is not None:
             self.prerouter.reset()
         self.predicted = {}
+        self._routes = {}
         self._guard = None
         if not keep_report:
             self.guard_recall = {}
@@ -120,14 +127,18 @@ class Stager:
         return self.portal.call(self.scheduler.pending_reads)
 
     def planned_logits(self, layer: int):
-        """The predicted router logits of ``layer`` for this step (its router returns them),
-        or None when this step was not planned."""
+        """The predicted router logits of ``layer`` for this step, or None when this step
+        was not planned."""
         pred = self.predicted.get(layer)
         return pred[1] if pred is not None else None
 
-    def _predict_and_plan(self) -> None:
+    def layer_route(self, layer: int) -> LayerRoute | None:
+        """What ``layer``'s router does at this step (None: it was not planned)."""
+        return self._routes.get(layer)
+
+    def _predict_and_plan(self, inputs) -> None:
         """One batched flush of every head, one host read of all predicted sets, one plan."""
-        preds = self.prerouter.flush() if self.prerouter.ready() else None
+        preds = self.prerouter.flush(inputs) if self.prerouter.ready() else None
         guard = self._guard
         parts = [self._misses.reshape(1)]
         if guard is not None:
@@ -145,7 +156,7 @@ class Stager:
                 self.log.info("guard", step=self.step, recall={l: round(v[-1], 4) for l, v in self.guard_recall.items()})
         self._guard = None
         self.advance_step(plan=False)
-        self.predicted = {}
+        self.predicted, self._routes = {}, {}
         if preds is None:
             return  # nothing observed yet: this step runs on the fallback path
         n = host[pos:].reshape(len(self.layers), -1)
@@ -154,6 +165,10 @@ class Stager:
         self.portal.call(self.scheduler.submit, plan)
         self._submitted.add(self.step)
         self.predicted = preds
+        for l in self.layers:
+            inds, logits = preds[l]
+            staged = B.one_hot_k(inds, logits.shape[-1], B.int32) > 0 if self.routing == "select" else None
+            self._routes[l] = LayerRoute(self.routing, logits, staged)
         if self.guard_every and self.step % self.guard_every == 0:
             self._guard = {l: B.zeros((), dtype=B.float32) for l in self.layers}
 
@@ -162,15 +177,16 @@ class Stager:
 
     def guard_observe(self, layer: int, true_logits) -> None:
         """Quality guard: recall@k of the prediction against what the layer's own router
-        would have routed to (on device)."""
+        would have routed to (on device); under select routing, the share of the router's
+        own k that was staged."""
         if self._guard is None or layer not in self._guard or layer not in self.predicted:
             return
         predicted = self.predicted[layer][0]
         true = self.prerouter.streaming.route(layer, true_logits.reshape(-1, true_logits.shape[-1]))
-        k = predicted.shape[-1]
+        k = true.shape[-1]
         hit = (B.expand_dims(predicted, -1) == B.expand_dims(true, -2)).any(axis=-1).sum()
         self._guard[layer] = self._guard[layer] + hit.astype(B.float32)
-        self._guard_n = k * max(1, predicted.size // k)
+        self._guard_n = k * max(1, true.size // k)
 
     def _check_misses(self, misses: int) -> None:
         if self.check_routing and misses:
@@ -189,7 +205,7 @@ class Stager:
         B.eval(inputs, *self._outputs)
         self._outputs = []
         if self.oracle is None:
-            self._predict_and_plan()
+            self._predict_and_plan(inputs)
             return
         self._check_misses(int(B.to_host(self._misses)))
         self.advance_step()

@@ -10,16 +10,27 @@ math is mlx-lm's, bit for bit. Edge0 replaces only:
   weights are a small buffer of rows, with the indices remapped into it;
 - the **router** (the linear map whose output the block routes on) by a ``RouterTap``: it
   passes the router's output through, lets the prerouter see the router's input, and at
-  a decode step whose routing was predicted it returns the predicted logits instead, so
-  the block's own routing code turns the prediction into the routing (prediction as
-  routing). Gates that multiply by their weight inline (DeepSeek's ``MoEGate``) are called
-  on the predicted logits with their weight set to the identity, which reproduces the
-  logits exactly.
+  a decode step whose routing was predicted it follows that step's ``LayerRoute``:
+
+  - *replace*: it returns the predicted logits instead, so the block's own routing code
+    turns the prediction into the routing (prediction as routing). Gates that multiply by
+    their weight inline (DeepSeek's ``MoEGate``) are called on the predicted logits with
+    their weight set to the identity, which reproduces the logits exactly;
+  - *select*: it computes its own logits and masks every expert outside the staged set,
+    so the block's own routing chooses its k among the staged experts only. For a linear
+    router the masked logits are -inf (softmax gives them probability 0; a sigmoid, 0).
+    For a gate with a score-correction bias (sigmoid-group routing) the mask enters the
+    bias, which only ranks: staged experts keep bias b, the others get b - 1e4, so their
+    selection scores lose to every staged expert's, a group holding fewer than two staged
+    experts loses the group ranking to every group holding two, and the combine weights
+    (the unbiased sigmoid scores of the chosen experts) are untouched. With every expert
+    staged the mask changes no bit.
 """
 
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 from edge0.backend import core as B
 from edge0.backend import nn as bnn
@@ -73,6 +84,22 @@ class StreamingSwitch(bnn.Module):
         return self.executors["decode" if decode else "prefill"](self.layer_id, x, indices)
 
 
+# the bias that gates of sigmoid-group routing add to their scores for ranking only
+BIAS_ATTRIBUTES = ("e_score_correction_bias", "expert_bias")
+MASKED_BIAS = 1e4  # subtracted from an unstaged expert's ranking bias (scores are in (0, 1))
+
+
+@dataclass(frozen=True)
+class LayerRoute:
+    """What a staged layer's router does at one decode step: ``replace`` returns the
+    predicted ``logits`` [1, E]; ``select`` routes on its own logits, masked to ``staged``
+    (bool [1, E]: the experts staged for the step)."""
+
+    mode: str
+    logits: object
+    staged: object | None = None
+
+
 class RouterTap(bnn.Module):
     """Stands where the block's router stood (``kind`` "linear": a module mapping x to
     logits; "inline": a gate module that multiplies by its ``weight`` itself and returns
@@ -84,7 +111,7 @@ class RouterTap(bnn.Module):
         self.original = original
         self.kind = kind
         self.num_outputs = num_outputs
-        self.planned = None  # () -> predicted logits [tokens, E] for this step, or None
+        self.planned = None  # (layer) -> this decode step's LayerRoute, or None
         self.observer = None  # (layer, x) : the router's input at every call
         self.logits_observer = None  # (layer, logits) : the router's own output (heads training)
         self.forced = None  # probing and training: logits to route on, whatever x is
@@ -111,15 +138,37 @@ class RouterTap(bnn.Module):
                 forced = B.where(mask.reshape(*x.shape[:-1], 1), predicted.reshape(*x.shape[:-1], predicted.shape[-1]),
                                  self.logits(x).astype(predicted.dtype))
             elif self.planned is not None and x.size // x.shape[-1] == 1:
-                forced = self.planned(self.layer_id)
-                if forced is not None and self.guard is not None and self.guard.guard_wanted(self.layer_id):
+                route = self.planned(self.layer_id)
+                if route is not None and self.guard is not None and self.guard.guard_wanted(self.layer_id):
                     self.guard.guard_observe(self.layer_id, self.logits(x))
+                if route is not None and route.mode == "select":
+                    return self.select(x, route.staged)
+                forced = route.logits if route is not None else None
         if forced is None:
             return self.original(x)
         forced = forced.reshape(*x.shape[:-1], forced.shape[-1])
         if self.kind == "linear":
             return forced.astype(x.dtype)  # what a linear router on x would have returned
         return self._route_inline(forced)
+
+    def select(self, x, staged):
+        """The router's own routing of ``x``, restricted to the ``staged`` experts (bool,
+        broadcast over the tokens of ``x``): see the module docstring."""
+        if self.kind == "linear":
+            own = self.original(x)
+            return B.where(staged.reshape(*(1,) * (own.ndim - 1), -1), own, B.array(float("-inf"), dtype=own.dtype))
+        gate = self.original
+        name = next((n for n in BIAS_ATTRIBUTES if isinstance(getattr(gate, n, None), B.array)), None)
+        if name is None:  # no ranking bias: route the masked logits through the gate's own code
+            own = self.logits(x)
+            masked = B.where(staged.reshape(*(1,) * (own.ndim - 1), -1), own, B.array(float("-inf"), dtype=own.dtype))
+            return self._route_inline(masked)
+        bias = getattr(gate, name)
+        setattr(gate, name, B.where(staged.reshape(bias.shape), bias, bias - MASKED_BIAS))
+        try:
+            return gate(x)
+        finally:
+            setattr(gate, name, bias)
 
     def _route_inline(self, logits):
         """The gate's own routing of ``logits``: its weight set to the identity for the call."""

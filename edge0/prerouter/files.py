@@ -2,8 +2,11 @@
 
 Metadata (all strings): format, base_identity (the checkpoint the heads were trained on:
 a hash of config.json and every weight file's name, size and header), owners, shape,
-recipe and hyperparameters (JSON), training data description, creation time, edge0
-version. A file whose base identity differs from the model's is refused.
+inputs (what each head sees, JSON; files without it see hidden state and the two routing
+one-hots), serving (JSON, optional: the routing mode and staged extras the heads were
+chosen for, the engine's default when its config says "auto"), recipe and
+hyperparameters (JSON), training data description, creation time, edge0 version. A file
+whose base identity differs from the model's is refused.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from edge0.backend import core as B
 from edge0.backend import nn as bnn
 from edge0.errors import CheckpointError, ForeignArtifactError
 from edge0.model_files import atomic_write
-from edge0.prerouter.heads import PrerouterHeads
+from edge0.prerouter.heads import BASE_INPUTS, KNOWN_INPUTS, PrerouterHeads
 from edge0.safetensors_header import read_header
 
 HEADS_FILENAME = "prerouter.safetensors"
@@ -37,9 +40,13 @@ def checkpoint_identity(model_dir: str | Path) -> str:
     return h.hexdigest()[:32]
 
 
+ROUTING_MODES = ("replace", "select")
+
+
 def save_heads(heads: PrerouterHeads, path: str | Path, *, base_identity: str, recipe: dict,
-               training_data: str) -> Path:
-    """Write fp16 heads with provenance; temp file, fsync, rename."""
+               training_data: str, serving: dict | None = None) -> Path:
+    """Write fp16 heads with provenance; temp file, fsync, rename. ``serving``: the routing
+    they are meant to be served with, e.g. {"routing": "select", "stage_extra": 8}."""
     from edge0 import __version__
 
     path = Path(path)
@@ -47,12 +54,39 @@ def save_heads(heads: PrerouterHeads, path: str | Path, *, base_identity: str, r
     meta = {
         "format": FORMAT, "base_identity": base_identity, "owners": json.dumps(heads.owners),
         "consumers": json.dumps(heads.consumers()),
-        "shape": json.dumps({"hidden": heads.hidden, "experts": heads.experts, "k": heads.k, "width": heads.width}),
+        "shape": json.dumps({"hidden": heads.hidden, "experts": heads.experts, "k": heads.k, "width": heads.width,
+                             "token_dim": heads.token_dim}),
+        "inputs": json.dumps(list(heads.inputs)),
         "recipe": json.dumps(recipe, sort_keys=True), "training_data": training_data,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "edge0_version": __version__,
     }
+    if serving is not None:
+        meta["serving"] = json.dumps(_checked_serving(serving, path), sort_keys=True)
     atomic_write(path, lambda tmp: B.save_safetensors(tmp, arrays, meta))
     return path
+
+
+def serving_of(meta: dict, path: Path | None = None) -> dict:
+    """The routing a heads file recommends: {"routing": "replace", "stage_extra": 0} when it
+    says nothing (files written before there was a choice)."""
+    if "serving" not in meta:
+        return {"routing": "replace", "stage_extra": 0}
+    try:
+        value = json.loads(meta["serving"])
+    except (ValueError, RecursionError):
+        raise CheckpointError("heads metadata 'serving' is not valid JSON", file=path) from None
+    return _checked_serving(value, path)
+
+
+def _checked_serving(value, path) -> dict:
+    if not isinstance(value, dict) or value.get("routing") not in ROUTING_MODES:
+        raise CheckpointError(f"heads metadata 'serving' must be {{\"routing\": one of {ROUTING_MODES}, "
+                              f"\"stage_extra\": N}}, got {value!r:.80}", file=path)
+    extra = value.get("stage_extra", 0)
+    if isinstance(extra, bool) or not isinstance(extra, int) or not 0 <= extra < 1 << 16:
+        raise CheckpointError(f"heads metadata serving.stage_extra must be a non-negative integer, got "
+                              f"{extra!r:.40}", file=path)
+    return {"routing": value["routing"], "stage_extra": extra}
 
 
 def load_heads(path: str | Path, model_dir: str | Path, *, dtype: str = "float16",
@@ -72,9 +106,11 @@ def load_heads(path: str | Path, model_dir: str | Path, *, dtype: str = "float16
             f"heads were made for another base checkpoint: base_identity {meta.get('base_identity')!r}, this "
             f"model ({model_dir}) is {expected!r}; retrain with `edge0 train heads`", file=path)
     owners, shape, consumers = _heads_shape(meta, path)
+    serving_of(meta, path)
     if spec is not None:
         _check_against_model(owners, consumers, shape, spec, path)
-    heads = PrerouterHeads(owners, shape["hidden"], shape["experts"], shape["k"], shape["width"], consumers)
+    heads = PrerouterHeads(owners, shape["hidden"], shape["experts"], shape["k"], shape["width"], consumers,
+                           token_dim=shape["token_dim"])
     arrays, _ = B.load_safetensors(str(path))
     want = bnn.parameters_flat(heads)
     if set(arrays) != set(want):
@@ -116,6 +152,19 @@ def _heads_shape(meta: dict, path: Path) -> tuple[list[int], dict, list[int]]:
         if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= top:
             raise CheckpointError(f"heads metadata shape.{key} must be an integer in 1..{top}, got {v!r:.40}",
                                   file=path)
+    try:
+        inputs = tuple(json.loads(meta["inputs"])) if "inputs" in meta else BASE_INPUTS
+    except (TypeError, ValueError, RecursionError):
+        raise CheckpointError("heads metadata 'inputs' is not a JSON list", file=path) from None
+    if inputs not in KNOWN_INPUTS:
+        raise CheckpointError(f"heads metadata 'inputs' {list(inputs)!r:.120} is none of the known input sets "
+                              f"{[list(i) for i in KNOWN_INPUTS]}", file=path)
+    token_dim = shape.get("token_dim", 0)
+    if isinstance(token_dim, bool) or not isinstance(token_dim, int) or not 0 <= token_dim <= 1 << 20 \
+            or (token_dim > 0) != ("token" in inputs):
+        raise CheckpointError(f"heads metadata shape.token_dim ({token_dim!r:.40}) does not fit inputs "
+                              f"{list(inputs)}", file=path)
+    shape = dict(shape, token_dim=token_dim)
     return owners, shape, consumers
 
 

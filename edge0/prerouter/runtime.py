@@ -21,6 +21,7 @@ class Prerouter:
         heads.freeze_for_inference(dtype or heads.head(heads.owners[0]).residual.weight.dtype)
         self.owners = set(heads.owners)
         self.streaming = None  # set by attach(): routes predicted logits through the blocks
+        self.width = None  # experts staged per consumer (None: k, the prediction is the routing)
         self.reset()
 
     def attach(self, streaming) -> None:
@@ -54,20 +55,27 @@ class Prerouter:
     def ready(self) -> bool:
         return all(o in self.last for o in self.owners)
 
-    def flush(self) -> dict[int, tuple]:
-        """consumer layer -> (predicted experts [1, k], predicted router logits [1, E]) for
-        the coming step (lazy): every head in one batched evaluation, each prediction routed
-        by its consumer's own block (the consumer: the next MoE layer after the owner)."""
+    def flush(self, tokens=None) -> dict[int, tuple]:
+        """consumer layer -> (predicted experts [1, k] (or [1, width]), predicted router
+        logits [1, E]) for the coming step (lazy): every head in one batched evaluation,
+        each prediction routed by its consumer's own block (the consumer: the next MoE layer
+        after the owner). ``tokens`` [1, 1]: the token the coming step decodes (heads that
+        see the token need it)."""
         owners = self.heads.owners
         x = B.concat([self.last[o][0].reshape(1, 1, -1) for o in owners])
         inds = B.concat([self.last[o][1].reshape(1, 1, -1) for o in owners])
         k = inds.shape[-1]
         prev = B.concat([self.prev[o].reshape(1, 1, -1) if self.prev.get(o) is not None
                          else B.full((1, 1, k), -1, B.int32) for o in owners])
-        logits = self.heads.predict_all(x, inds, prev).astype(B.float32)
+        tok = None
+        if self.heads.sees_token:
+            if tokens is None:
+                raise ValueError("these heads see the token being decoded: flush(tokens) needs it")
+            tok = self.streaming.embed(tokens.reshape(1, 1))
+        logits = self.heads.predict_all(x, inds, prev, tok).astype(B.float32)
         out = {}
         for i, o in enumerate(owners):
             z = logits[i].reshape(1, -1)
             c = self.heads.consumer[o]
-            out[c] = (self.streaming.route(c, z), z)
+            out[c] = (self.streaming.route(c, z, self.width), z)
         return out

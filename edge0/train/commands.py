@@ -290,10 +290,15 @@ def add_quality_parser(trs) -> None:
                                    "gates, the base routed by the heads' prediction, and that plus each "
                                    "--adapter. docs/QUALITY.md.")
     q.add_argument("--model", required=True, help="the int4 checkpoint")
-    q.add_argument("--teacher", required=True, help="the float32 teacher checkpoint")
+    q.add_argument("--teacher", default=None,
+                   help="the float32 teacher checkpoint (without it: no teacher row, and agreement and KL are "
+                        "measured against the int4 base on its own gates)")
     q.add_argument("--heads", default=None, help="prerouter heads (default: MODEL/prerouter.safetensors)")
     q.add_argument("--adapter", action="append", default=[], metavar="[LABEL=]DIR",
                    help="a row served with this adapter (repeatable; LABEL names the row)")
+    q.add_argument("--row", action="append", default=[], metavar="LABEL:KEY=VALUE[,KEY=VALUE]",
+                   help="a row served with these engine settings (repeatable), e.g. 'select m=8:routing=select,"
+                        "stage_extra=8'; with --row, the default prerouter and --adapter rows are not added")
     q.add_argument("--experts-per-token", type=int, default=None, help="serve every int4 row at this width")
     q.add_argument("--tokens", type=int, default=4096, help="held-out tokens (default 4096)")
     q.add_argument("--json", default=None, help="also write the table here")
@@ -314,14 +319,34 @@ def cmd_quality(args) -> int:
     for spec in args.adapter:
         label, _, path = spec.rpartition("=")
         adapters.append((label or f"+ adapter {Path(path).name}", path))
+    rows = served_rows(model, heads, adapters, args.experts_per_token)
+    if args.row:
+        rows = rows[:2] + [_settings_row(model, heads, text, args.experts_per_token) for text in args.row]
+    if args.teacher is None:
+        rows = rows[1:]
     _, held, _ = D.token_streams(model)
-    table = quality_table(args.teacher, served_rows(model, heads, adapters, args.experts_per_token),
-                          D.ordinary_code(held, args.tokens), say=say)
+    table = quality_table(args.teacher, rows, D.ordinary_code(held, args.tokens), say=say)
     table["experts_per_token"] = args.experts_per_token
     if args.json:
         Path(args.json).write_text(json.dumps(table, indent=1))
     print(markdown(table))
     return 0
+
+
+def _settings_row(model: Path, heads: Path, text: str, k):
+    """``LABEL:KEY=VALUE,...`` -> a quality row served with those engine settings (on the
+    heads, no adapter, unless the settings say otherwise)."""
+    from edge0.config import EngineConfig
+    from edge0.config_sources import parse_settings
+    from edge0.errors import ConfigError
+    from edge0.train.quality import Row
+
+    label, sep, rest = text.partition(":")
+    if not sep or not label.strip():
+        raise ConfigError(f"--row {text!r}: expected LABEL:KEY=VALUE[,KEY=VALUE]")
+    values = dict(prerouter="on", prerouter_file=str(heads), adapter="off", experts_per_token=k)
+    values.update(parse_settings(rest, f"--row {label}"))
+    return Row(label.strip(), model, EngineConfig(**values))
 
 
 def cmd_adapter_init(args) -> int:
@@ -361,8 +386,9 @@ def add_heads_parser(trs) -> None:
                                    "per layer before and after, and writes prerouter.safetensors beside the "
                                    "checkpoint (or --out).")
     h.add_argument("--model", required=True, help="an mlx-lm int4 MoE checkpoint directory")
-    h.add_argument("--data", default=None, help="a text/.py file or directory (default: Python stdlib sources, "
-                                                "held out by file)")
+    h.add_argument("--data", default=None, help="a text/.py file or directory, or 'model': the model's own training "
+                                                "split when its provenance names one (default: Python stdlib "
+                                                "sources, held out by file)")
     h.add_argument("--tokens", type=int, default=20000, help="training tokens (default 20000)")
     h.add_argument("--heldout-tokens", type=int, default=4000, help="held-out tokens (default 4000)")
     h.add_argument("--seq-len", type=int, default=128, help="tokens per traced sequence (default 128)")
@@ -373,6 +399,18 @@ def add_heads_parser(trs) -> None:
     h.add_argument("--owners", default=None, help="owner layers, e.g. 6-38 (default: every eligible layer)")
     h.add_argument("--out", default=None, help="heads file (default: MODEL/prerouter.safetensors)")
     h.add_argument("--seed", type=int, default=0, help="seed (default 0)")
+    h.add_argument("--inputs", choices=("token", "base"), default="token",
+                   help="what a head sees: 'token' (default) adds the embedding of the token the next step decodes "
+                        "to 'base' (the owner's hidden state and its routing at t and t-1)")
+    h.add_argument("--traces", default=None, metavar="DIR",
+                   help="keep the routing traces in DIR and reuse them when the same text is traced again")
+    h.add_argument("--report-extra", default="2,4,8", metavar="M,...",
+                   help="also report held-out recall@(k+m) for these m (default 2,4,8)")
+    h.add_argument("--routing", choices=("replace", "select"), default="replace",
+                   help="the routing the file records as its default (default replace)")
+    h.add_argument("--stage-extra", type=int, default=0,
+                   help="with --routing select: experts staged beyond k (default 0)")
+    h.add_argument("--json", default=None, help="also write the report here")
     h.set_defaults(func=cmd_heads)
 
 
@@ -410,24 +448,44 @@ class Progress:
 
 
 def cmd_heads(args) -> int:
+    from edge0.errors import ConfigError
+    from edge0.train import data as D
     from edge0.train.heads import train_heads
 
+    try:
+        extras = tuple(int(v) for v in args.report_extra.split(",") if v.strip())
+    except ValueError:
+        raise ConfigError(f"--report-extra must look like 2,4,8, got {args.report_extra!r}") from None
+    if args.routing == "replace" and args.stage_extra:
+        raise ConfigError("--stage-extra applies to --routing select")
+    streams = None
+    if args.data == "model":
+        if not (Path(args.model) / "provenance.json").exists():
+            raise ConfigError(f"--data model: {args.model} has no provenance.json naming its training corpus")
+        streams = D.token_streams(Path(args.model))
     bar = Progress("heads")
-    report = train_heads(args.model, data=args.data, tokens=args.tokens, heldout_tokens=args.heldout_tokens,
-                         seq_len=args.seq_len, steps=args.steps, batch=args.batch, lr=args.lr, width=args.width,
-                         owners=_owner_range(args.owners), out=args.out, seed=args.seed, progress=bar)
+    report = train_heads(args.model, data=None if streams else args.data, tokens=args.tokens,
+                         heldout_tokens=args.heldout_tokens, seq_len=args.seq_len, steps=args.steps, batch=args.batch,
+                         lr=args.lr, width=args.width, owners=_owner_range(args.owners), out=args.out, seed=args.seed,
+                         progress=bar, streams=streams, token_input=args.inputs == "token", traces_dir=args.traces,
+                         extras=extras, serving={"routing": args.routing, "stage_extra": args.stage_extra})
     bar.close()
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1, default=str))
     print(heads_report_table(report))
     return 0
 
 
 def heads_report_table(report: dict) -> str:
-    lines = ["| head (owner -> consumer) | recall@k before | recall@k after | top-1 before | top-1 after |",
-             "|---|---:|---:|---:|---:|"]
+    wide = sorted((key for key in next(iter(report["after"].values())) if key.startswith("recall_at_k+")),
+                  key=lambda key: int(key.rpartition("+")[2]))
+    lines = ["| head (owner -> consumer) | recall@k before | recall@k after | top-1 before | top-1 after |"
+             + "".join(f" {key.replace('recall_at_', 'recall@')} after |" for key in wide),
+             "|---|---:|---:|---:|---:|" + "---:|" * len(wide)]
     for owner, b in report["before"].items():
         a = report["after"][owner]
         lines.append(f"| {owner} -> {report['recipe'].get('consumers', {}).get(str(owner), owner + 1)} | {b['recall_at_k']:.3f} | {a['recall_at_k']:.3f} | "
-                     f"{b['top1']:.3f} | {a['top1']:.3f} |")
+                     f"{b['top1']:.3f} | {a['top1']:.3f} |" + "".join(f" {a[key]:.3f} |" for key in wide))
     mean = lambda d, key: sum(v[key] for v in d.values()) / len(d)
     lines.append(f"mean recall@k {mean(report['before'], 'recall_at_k'):.3f} -> "
                  f"{mean(report['after'], 'recall_at_k'):.3f} (held-out {report['recipe']['heldout_tokens']} "

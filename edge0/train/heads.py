@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,9 +36,35 @@ class Traces:
     inds_t: dict  # owner -> [N, k]
     inds_prev: dict  # owner -> [N, k] (-1 rows: no previous token)
     target: dict  # owner -> [N, E] router logits of owner+1 at t+1
+    tok: np.ndarray | None = None  # [N] the token at t+1 (the one the next step decodes)
 
     def size(self) -> int:
         return len(next(iter(self.x.values()))) if self.x else 0
+
+    def save(self, path: Path, key: str) -> None:
+        """One .npz file; ``key`` names what was traced (model, tokens, layers)."""
+        arrays = {"key": np.array(key), "tok": self.tok}
+        for name in ("x", "inds_t", "inds_prev", "target"):
+            for o, v in getattr(self, name).items():
+                arrays[f"{name}/{o}"] = v
+        tmp = path.with_name(path.name + ".tmp.npz")
+        np.savez(tmp, **arrays)
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: Path, key: str) -> "Traces | None":
+        """The traces saved at ``path`` when they were made for ``key``, else None."""
+        if not path.is_file():
+            return None
+        with np.load(path) as f:
+            if str(f["key"]) != key:
+                return None
+            parts: dict = {"x": {}, "inds_t": {}, "inds_prev": {}, "target": {}}
+            for name in f.files:
+                if "/" in name:
+                    field, o = name.split("/")
+                    parts[field][int(o)] = f[name]
+            return cls(**parts, tok=f["tok"])
 
 
 def default_texts() -> tuple[list[str], list[str], str]:
@@ -92,6 +119,7 @@ def collect_traces(streaming, chunks: list[list[int]], owners: list[int]) -> Tra
         routers[layer].logits_observer = lambda l, z: seen.__setitem__((l, "logits"), z)
         switches[layer].observer = lambda l, inds: seen.__setitem__((l, "inds"), inds)
     xs, it, ip, tg = ({o: [] for o in owners} for _ in range(4))
+    toks = []
     try:
         for chunk in chunks:
             seen.clear()
@@ -103,36 +131,57 @@ def collect_traces(streaming, chunks: list[list[int]], owners: list[int]) -> Tra
                 nxt = B.to_host(seen[consumer[o], "logits"].astype(B.float32)).reshape(len(chunk), -1)
                 prev = np.concatenate([np.full((1, inds.shape[1]), -1), inds[:-1]])
                 xs[o].append(x[:n]); it[o].append(inds[:n]); ip[o].append(prev[:n]); tg[o].append(nxt[1:n + 1])
+            toks.append(np.asarray(chunk[1:n + 1], dtype=np.int32))
     finally:
         for layer in want:
             routers[layer].observer = routers[layer].logits_observer = switches[layer].observer = None
     cat = lambda d: {o: np.concatenate(v) for o, v in d.items()}
-    return Traces(cat(xs), cat(it), cat(ip), cat(tg))
+    return Traces(cat(xs), cat(it), cat(ip), cat(tg), np.concatenate(toks))
 
 
-def _predict(heads: PrerouterHeads, owner: int, x, inds_t, inds_prev):
+def _predict(heads: PrerouterHeads, owner: int, x, inds_t, inds_prev, tok=None):
+    """``tok``: the token embeddings [N, token_dim] (heads that see the token)."""
     dtype = heads.head(owner).residual.weight.dtype
     on_t = B.one_hot_k(inds_t, heads.experts, dtype)
     on_prev = B.one_hot_k(B.maximum(inds_prev, 0), heads.experts, dtype) * (inds_prev[..., :1] >= 0).astype(dtype)
-    return heads.head(owner)(x.astype(dtype), on_t, on_prev).astype(B.float32)
+    tok = tok.astype(dtype) if heads.sees_token else None
+    return heads.head(owner)(x.astype(dtype), on_t, on_prev, tok).astype(B.float32)
 
 
-def evaluate(heads: PrerouterHeads, traces: Traces, streaming) -> dict[int, dict]:
+def _embedded(streaming, ids: np.ndarray, heads: PrerouterHeads):
+    """The token embeddings the heads see, or None for heads without the token input."""
+    if not heads.sees_token:
+        return None
+    return streaming.embed(B.array(ids.astype(np.int32))).astype(B.float32)
+
+
+def evaluate(heads: PrerouterHeads, traces: Traces, streaming, extras: tuple[int, ...] = ()) -> dict[int, dict]:
     """Per owner: recall@k of the predicted routing of its consumer layer against the routing its
-    router's own logits give (both through the consumer block's routing code), and top-1
-    agreement of the two logit vectors."""
+    router's own logits give (both through the consumer block's routing code), top-1
+    agreement of the two logit vectors, and for each m in ``extras`` the share of the
+    true k inside the predicted top k+m (routed by the consumer's code at width k+m: what
+    select routing stages)."""
     out = {}
+    tok = _embedded(streaming, traces.tok, heads)
     for o in heads.owners:
-        pred = _predict(heads, o, B.array(traces.x[o]), B.array(traces.inds_t[o]), B.array(traces.inds_prev[o]))
+        pred = _predict(heads, o, B.array(traces.x[o]), B.array(traces.inds_t[o]), B.array(traces.inds_prev[o]), tok)
         true = B.array(traces.target[o])
         c = heads.consumer[o]
         p_inds = B.to_host(streaming.route(c, pred))
         t_inds = B.to_host(streaming.route(c, true))
         k = p_inds.shape[-1]
-        recall = np.mean([len(set(a) & set(b)) / k for a, b in zip(p_inds.tolist(), t_inds.tolist())])
+        recall = _coverage(p_inds, t_inds, k)
         top1 = np.mean(B.to_host(pred).argmax(-1) == traces.target[o].argmax(-1))
         out[o] = {"recall_at_k": float(recall), "top1": float(top1)}
+        for m in extras:
+            wide = B.to_host(streaming.route(c, pred, width=k + m))
+            out[o][f"recall_at_k+{m}"] = float(_coverage(wide, t_inds, k))
     return out
+
+
+def _coverage(predicted: np.ndarray, true: np.ndarray, k: int) -> float:
+    """Mean share of each row's ``true`` experts found among its ``predicted`` ones."""
+    return float(np.mean((predicted[:, :, None] == true[:, None, :]).any(axis=1).sum(-1) / k))
 
 
 def _sigmoid_routed(streaming) -> bool:
@@ -149,8 +198,8 @@ def _sigmoid_routed(streaming) -> bool:
 
 
 def _loss_fn(family_sigmoid: bool):
-    def loss(heads, x, it, ip, target, owner):
-        pred = _predict(heads, owner, x, it, ip)
+    def loss(heads, x, it, ip, target, tok, owner):
+        pred = _predict(heads, owner, x, it, ip, tok)
         if family_sigmoid:
             p = B.sigmoid(target)
             return -(p * bnn.log_sigmoid(pred) + (1 - p) * bnn.log_sigmoid(-pred)).mean()
@@ -168,9 +217,15 @@ def train_heads(model_dir: str | Path, *, data: str | None = None, tokens: int =
                 seq_len: int = 128, steps: int = 300, batch: int = 256, lr: float = 1e-3, width: int = 512,
                 owners: list[int] | None = None, out: str | Path | None = None, seed: int = 0,
                 progress=None, streams: tuple[np.ndarray, np.ndarray, str] | None = None,
-                experts_per_token: int | None = None) -> dict:
+                experts_per_token: int | None = None, token_input: bool = False,
+                traces_dir: str | Path | None = None, extras: tuple[int, ...] = (),
+                serving: dict | None = None) -> dict:
     """``streams``: (train tokens, held-out tokens, description) to trace instead of text
-    (the recipe passes the model's own training split)."""
+    (the recipe passes the model's own training split). ``token_input``: heads also see
+    the embedding of the token the next step decodes. ``traces_dir``: keep the traces
+    there and reuse them when the same model, text and settings are traced again (heads
+    variants then train without tracing). ``extras``: also report recall@(k+m) for each m.
+    ``serving``: the routing recorded in the file as the heads' default."""
     from edge0.loader import load_streaming_model
 
     model_dir = Path(model_dir)
@@ -184,6 +239,8 @@ def train_heads(model_dir: str | Path, *, data: str | None = None, tokens: int =
         owners = eligible if owners is None else [o for o in owners if o in eligible]
         if not owners:
             raise ConfigError(f"no owner layer to train: eligible owners are {eligible}")
+        if token_input and streaming.embed is None:
+            raise ConfigError(f"{spec.model_type}: no token embedding found, so heads cannot see the token")
         if streams is not None:
             train_stream, held_stream, description = streams
             train_chunks = stream_chunks(train_stream, tokens, seq_len)
@@ -193,20 +250,21 @@ def train_heads(model_dir: str | Path, *, data: str | None = None, tokens: int =
             train_texts, held_texts, description = texts_from(data) if data else default_texts()
             train_chunks = token_chunks(tokenizer, train_texts, tokens, seq_len)
             held_chunks = token_chunks(tokenizer, held_texts, heldout_tokens, seq_len)
-        tr = collect_traces(streaming, train_chunks, owners)
-        he = collect_traces(streaming, held_chunks, owners)
+        tr = _traced(streaming, train_chunks, owners, traces_dir, "train", model_dir, experts_per_token)
+        he = _traced(streaming, held_chunks, owners, traces_dir, "heldout", model_dir, experts_per_token)
         routers = streaming.routers()
         B.seed(seed)  # before the heads are built: their initialisation draws from it
-        heads = _new_heads(spec, routers, owners, width)
+        token_dim = streaming.embed_dim if token_input else 0
+        heads = _new_heads(spec, routers, owners, width, token_dim)
         heads16 = lambda: _cast(heads, B.float16)
-        before = evaluate(heads16(), he, streaming)
+        before = evaluate(heads16(), he, streaming, extras)
         sigmoid = _sigmoid_routed(streaming)
         loss_fn = _loss_fn(sigmoid)
         opt = bnn.adamw(lr)
         rng = np.random.default_rng(seed)
 
-        def total(model, batches):
-            return sum(loss_fn(model, *b, o) for o, b in batches.items())
+        def total(model, batches, tok):
+            return sum(loss_fn(model, *b, tok, o) for o, b in batches.items())
 
         step_fn = bnn.value_and_grad(heads, total)
         n = tr.size()
@@ -215,24 +273,43 @@ def train_heads(model_dir: str | Path, *, data: str | None = None, tokens: int =
             idx = rng.integers(0, n, size=min(batch, n))
             batches = {o: (B.array(tr.x[o][idx]), B.array(tr.inds_t[o][idx]), B.array(tr.inds_prev[o][idx]),
                            B.array(tr.target[o][idx])) for o in owners}
-            loss, grads = step_fn(heads, batches)
+            loss, grads = step_fn(heads, batches, _embedded(streaming, tr.tok[idx], heads))
             opt.update(heads, grads)
             B.eval(heads.parameters(), opt.state, loss)
             losses.append(float(B.to_host(loss)))
             if progress is not None:
                 progress(step + 1, steps, losses[-1])
-        after = evaluate(heads16(), he, streaming)
+        after = evaluate(heads16(), he, streaming, extras)
         recipe = dict(phase=1, steps=steps, batch=batch, lr=lr, width=width, seq_len=seq_len, tokens=tr.size(),
-                      experts_per_token=spec.k,
+                      experts_per_token=spec.k, inputs=list(heads.inputs),
                       heldout_tokens=he.size(), seed=seed, owners=owners,
                       consumers={str(o): c for o, c in zip(heads.owners, heads.consumers())}, loss="BCE" if sigmoid else "soft-CE",
                       warm_start="next router")
         path = Path(out) if out else model_dir / HEADS_FILENAME
         save_heads(heads, path, base_identity=checkpoint_identity(model_dir), recipe=recipe,
-                   training_data=description)
+                   training_data=description, serving=serving)
         return {"path": str(path), "before": before, "after": after, "losses": losses, "recipe": recipe}
     finally:
         streaming.close()
+
+
+def _traced(streaming, chunks, owners, traces_dir, name, model_dir, experts_per_token) -> Traces:
+    """``collect_traces``, through a file in ``traces_dir`` keyed by everything the traces
+    depend on (the checkpoint, the routing width, the owners and every traced token)."""
+    if traces_dir is None:
+        return collect_traces(streaming, chunks, owners)
+    h = hashlib.sha256(json.dumps([checkpoint_identity(model_dir), experts_per_token, owners]).encode())
+    for c in chunks:
+        h.update(np.asarray(c, dtype=np.int64).tobytes() + b"|")
+    key = h.hexdigest()
+    path = Path(traces_dir) / f"traces-{name}.npz"
+    found = Traces.load(path, key)
+    if found is not None:
+        return found
+    traces = collect_traces(streaming, chunks, owners)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    traces.save(path, key)
+    return traces
 
 
 def make_warm_heads(model_dir: str | Path, out: str | Path, width: int = 512) -> Path:
@@ -255,13 +332,13 @@ def make_warm_heads(model_dir: str | Path, out: str | Path, width: int = 512) ->
         streaming.close()
 
 
-def _new_heads(spec, routers, owners: list[int], width: int) -> PrerouterHeads:
+def _new_heads(spec, routers, owners: list[int], width: int, token_dim: int = 0) -> PrerouterHeads:
     """Heads for ``owners``, each predicting its next MoE layer, warm-started from that
     layer's router."""
     from edge0.prerouter.heads import consumer_of
 
     consumers = [consumer_of(spec, o) for o in owners]
-    heads = PrerouterHeads(owners, spec.hidden_size, _outputs(spec), spec.k, width, consumers)
+    heads = PrerouterHeads(owners, spec.hidden_size, _outputs(spec), spec.k, width, consumers, token_dim)
     heads.warm_start({c: bnn.router_weight(routers[c]) for c in consumers})
     return heads
 
@@ -272,6 +349,7 @@ def _outputs(spec) -> int:
 
 
 def _cast(heads: PrerouterHeads, dtype) -> PrerouterHeads:
-    copy = PrerouterHeads(heads.owners, heads.hidden, heads.experts, heads.k, heads.width, heads.consumers())
+    copy = PrerouterHeads(heads.owners, heads.hidden, heads.experts, heads.k, heads.width, heads.consumers(),
+                          heads.token_dim)
     bnn.load_parameters_flat(copy, {k: v.astype(dtype) for k, v in bnn.parameters_flat(heads).items()})
     return copy

@@ -37,6 +37,7 @@ def served_logprobs(model_dir: str | Path, tokens: list[int], config: EngineConf
 
     s = load_streaming_model(Path(model_dir), config)
     rows, targets = [], []
+    bytes0 = s.reader.stats.bytes
     try:
         for chunk in _windows(tokens, window):
             if s.stager is not None:
@@ -50,7 +51,9 @@ def served_logprobs(model_dir: str | Path, tokens: list[int], config: EngineConf
     finally:
         s.close()
     return {"logp": np.stack(rows), "targets": np.array(targets),
-            "staged_layers": list(s.stager.layers) if s.stager is not None else []}
+            "staged_layers": list(s.stager.layers) if s.stager is not None else [],
+            "expert_bytes_per_token": (s.reader.stats.bytes - bytes0) / max(1, len(targets)),
+            "routing": s.routing}
 
 
 def teacher_logprobs(teacher_dir: str | Path, tokens: list[int], window: int = 256) -> dict:
@@ -94,7 +97,7 @@ def served_rows(model_dir: Path, heads_file: Path | None, adapters: list[tuple[s
     heads = None if heads_file is None else str(heads_file)
     on = lambda adapter: EngineConfig(prerouter="on", prerouter_file=heads, adapter=adapter, experts_per_token=k)
     return [Row("float32 teacher", None),
-            Row("int4, own gates", model_dir, EngineConfig(prerouter="off", adapter="off", experts_per_token=k)),
+            Row(OWN_GATES, model_dir, EngineConfig(prerouter="off", adapter="off", experts_per_token=k)),
             Row("int4 + prerouter", model_dir, on("off")),
             *(Row(label, model_dir, on(str(adapter))) for label, adapter in adapters)]
 
@@ -121,26 +124,44 @@ def greedy_sample(row: Row, teacher_dir: Path, prompt: str, max_tokens: int) -> 
         return engine.generate_text(prompt, max_tokens=max_tokens, temp=0.0)[0]
 
 
-def quality_table(teacher_dir: str | Path, rows: list[Row], tokens: list[int], *, window: int = 256,
+OWN_GATES = "int4, own gates"
+
+
+def quality_table(teacher_dir: str | Path | None, rows: list[Row], tokens: list[int], *, window: int = 256,
                   prompt: str = "def read_lines(path):", sample_tokens: int = 48, say=print) -> dict:
-    """Every row's figures against the teacher, over the same positions."""
-    teacher_dir = Path(teacher_dir)
-    teacher = teacher_logprobs(teacher_dir, tokens, window)
+    """Every row's figures over the same positions, against the teacher (top-1 agreement,
+    KL) and as perplexity ratios to the teacher and to the int4 base on its own gates.
+    Without a teacher (``teacher_dir`` None, no teacher row), the reference of agreement
+    and KL is the first served row (the int4 base on its own gates, as ``served_rows``
+    orders them)."""
+    teacher_dir = Path(teacher_dir) if teacher_dir is not None else None
+    reference = teacher_logprobs(teacher_dir, tokens, window) if teacher_dir is not None else None
     results = []
     for row in rows:
         say(f"quality: {row.label}")
         if row.model_dir is None:
-            figures = compare(teacher["logp"], teacher["targets"], teacher)
+            if reference is None:
+                raise ValueError("a teacher row needs teacher_dir")
+            figures = compare(reference["logp"], reference["targets"], reference)
         else:
             served = served_logprobs(row.model_dir, tokens, row.config, window)
-            assert np.array_equal(served["targets"], teacher["targets"])
-            figures = compare(served["logp"], served["targets"], teacher)
+            if reference is None:
+                reference = served
+            assert np.array_equal(served["targets"], reference["targets"])
+            figures = compare(served["logp"], served["targets"], reference)
+            figures["staged_layers"] = served["staged_layers"]
+            figures["expert_bytes_per_token"] = served["expert_bytes_per_token"]
+            figures["routing"] = served["routing"]
         figures["sample"] = greedy_sample(row, teacher_dir, prompt, sample_tokens)
         results.append({"label": row.label, **figures})
-    base = results[0]["perplexity"]
+    own = next((r["perplexity"] for r in results if r["label"] == OWN_GATES), None)
     for r in results:
-        r["ratio_to_teacher"] = r["perplexity"] / base
-    return {"rows": results, "tokens": len(teacher["targets"]), "window": window, "prompt": prompt}
+        if teacher_dir is not None:
+            r["ratio_to_teacher"] = r["perplexity"] / results[0]["perplexity"]
+        if own is not None:
+            r["ratio_to_own_gates"] = r["perplexity"] / own
+    return {"rows": results, "tokens": len(reference["targets"]), "window": window, "prompt": prompt,
+            "reference": "float32 teacher" if teacher_dir is not None else results[0]["label"]}
 
 
 def recovery(table: dict, before: str, after: str, teacher: str | None = None) -> float:
@@ -151,11 +172,18 @@ def recovery(table: dict, before: str, after: str, teacher: str | None = None) -
 
 
 def markdown(table: dict) -> str:
-    lines = ["| row | perplexity | ratio to teacher | top-1 agreement | KL(teacher \\|\\| row) |",
-             "|---|---:|---:|---:|---:|"]
+    ref = "teacher" if table.get("reference", "float32 teacher") == "float32 teacher" else "own gates"
+    teacher = all("ratio_to_teacher" in r for r in table["rows"])
+    own = all("ratio_to_own_gates" in r for r in table["rows"])
+    lines = ["| row | perplexity |" + (" ratio to teacher |" if teacher else "") + (" ratio to own gates |" if own else "")
+             + f" top-1 agreement with {ref} | KL({ref} \\|\\| row) | expert MiB / token |",
+             "|---|---:|" + "---:|" * (teacher + own) + "---:|---:|---:|"]
     for r in table["rows"]:
-        lines.append(f"| {r['label']} | {r['perplexity']:.3f} | {r['ratio_to_teacher']:.3f} | "
-                     f"{r['top1_agreement']:.3f} | {r['kl_teacher_row']:.4f} |")
+        per_token = r.get("expert_bytes_per_token")
+        lines.append(f"| {r['label']} | {r['perplexity']:.3f} |" + (f" {r['ratio_to_teacher']:.3f} |" if teacher else "")
+                     + (f" {r['ratio_to_own_gates']:.3f} |" if own else "")
+                     + f" {r['top1_agreement']:.3f} | {r['kl_teacher_row']:.4f} | "
+                     + (f"{per_token / 2**20:.3f} |" if per_token is not None else "- |"))
     lines += ["", f"Greedy samples (48 tokens after `{table['prompt']!s}`):", ""]
     for r in table["rows"]:
         sample = r["sample"].replace("`", "'")

@@ -33,7 +33,8 @@ from edge0.arch import derive_spec
 from edge0.backend import core as B
 from edge0.backend import nn as bnn
 from edge0.exec.taps import RouterTap
-from edge0.prerouter.files import HEADS_FILENAME, load_heads
+from edge0.errors import ConfigError
+from edge0.prerouter.files import HEADS_FILENAME, load_heads, serving_of
 from edge0.spec import load_config, with_experts_per_token
 from edge0.train.adapter_init import lora_init
 
@@ -58,13 +59,18 @@ class _Context:
     its router input, which the experts it routed to turn into the consumer's predicted
     logits (set on the consumer's RouterTap before the consumer's block runs)."""
 
-    def __init__(self, heads, routers: dict[int, RouterTap]):
-        self.heads, self.routers = heads, routers
+    def __init__(self, heads, routers: dict[int, RouterTap], embed=None):
+        self.heads, self.routers, self.embed = heads, routers, embed
         self.mask = None  # [B, T, 1] bool: position routes by prediction
+        self.next_tokens = None  # [B, T, D]: at t, the embedding of token t+1 (heads that see it)
         self._x: dict[int, object] = {}
 
-    def start(self, mask) -> None:
+    def start(self, mask, tokens=None) -> None:
         self.mask, self._x = mask, {}
+        self.next_tokens = None
+        if mask is not None and self.heads.sees_token:
+            e = self.embed(tokens).astype(mx.float32)
+            self.next_tokens = mx.concatenate([e[:, 1:], mx.zeros_like(e[:, :1])], axis=1)
         for tap in self.routers.values():
             tap.mix = None
 
@@ -81,7 +87,7 @@ class _Context:
         inds = inds.reshape(batch, steps, inds.shape[-1])
         on_t = B.one_hot_k(inds, heads.experts, x.dtype)
         on_prev = mx.concatenate([mx.zeros_like(on_t[:, :1]), on_t[:, :-1]], axis=1)
-        logits = heads.head(owner)(x, on_t, on_prev)  # at t: the consumer's logits for t+1
+        logits = heads.head(owner)(x, on_t, on_prev, self.next_tokens)  # at t: the consumer's logits for t+1
         logits = mx.concatenate([logits[:, :1], logits[:, :-1]], axis=1).astype(mx.float32)
         self.routers[heads.consumer[owner]].mix = (self.mask, logits)
 
@@ -112,7 +118,10 @@ class StudentModel:
         self.heads_path = None
         if use_heads:
             self.heads_path = Path(heads_file) if heads_file else self.model_dir / HEADS_FILENAME
-            heads, _ = load_heads(self.heads_path, self.model_dir, spec=self.spec)
+            heads, meta = load_heads(self.heads_path, self.model_dir, spec=self.spec)
+            if serving_of(meta, self.heads_path)["routing"] != "replace":
+                raise ConfigError(f"{self.heads_path} is served with select routing; the student path trains "
+                                  "on replace routing only (train the adapter with heads recorded for replace)")
             bnn.load_parameters_flat(heads, {k: v.astype(mx.float32) for k, v in bnn.parameters_flat(heads).items()})
             heads.freeze()
         routers = {}
@@ -121,7 +130,7 @@ class StudentModel:
                 tap = RouterTap(l, bnn.module_at(self.model, m.router_path), m.router_kind, m.router_outputs)
                 bnn.set_module_at(self.model, m.router_path, tap)
                 routers[l] = tap
-        self.ctx = _Context(heads, routers)
+        self.ctx = _Context(heads, routers, bnn.token_embedding(self.model))
         if heads is not None:
             for owner in heads.owners:
                 routers[owner].observer = self.ctx.on_router_input
@@ -159,7 +168,7 @@ class StudentModel:
         """tokens [B, T] int32; prompt_lengths [B]: positions >= P route by prediction."""
         T = tokens.shape[1]
         mask = (mx.arange(T)[None, :] >= mx.array(prompt_lengths)[:, None])[..., None]
-        self.ctx.start(mask if self.ctx.heads is not None else None)
+        self.ctx.start(mask if self.ctx.heads is not None else None, tokens)
         return self.model(tokens)
 
     def save(self, out_dir: str | Path, provenance: dict) -> Path:

@@ -33,6 +33,7 @@ ones = mx.ones
 maximum = mx.maximum
 expand_dims = mx.expand_dims
 concatenate = mx.concatenate
+broadcast_to = mx.broadcast_to
 
 float32 = mx.float32
 int32 = mx.int32

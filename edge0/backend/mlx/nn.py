@@ -181,6 +181,15 @@ def linear_dims(module: nn.Module) -> tuple[int, int]:
     return out_dim, in_dim
 
 
+def token_embedding(model: nn.Module):
+    """The model's input token embedding (an ``Embedding`` or ``QuantizedEmbedding``; the one
+    named ``embed_tokens`` when there are several): ids [..] -> rows [.., D]. None when the
+    model has none."""
+    found = [(("embed_tokens" not in path), path.count("."), path, m) for path, m in model.named_modules()
+             if isinstance(m, (nn.Embedding, nn.QuantizedEmbedding))]
+    return min(found, key=lambda f: f[:3])[3] if found else None
+
+
 def set_module_at(root: nn.Module, path: str, module: nn.Module) -> None:
     parent_path, _, name = path.rpartition(".")
     parent = module_at(root, parent_path) if parent_path else root

@@ -1,0 +1,277 @@
+"""Select routing (candidate staging) and heads that see the token being decoded.
+
+Select: the prerouter stages the top k+m predicted experts of each staged layer and the
+layer's own router chooses its k among them. Checked through the engine on every family
+the prerouter tests cover: every routed expert was staged; the weights are the router's
+own; with every expert staged the output is own-gate routing bit for bit; replace is what
+it was. Token heads: the flush hands each head the embedding of the token the step decodes.
+"""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from edge0 import CheckpointError, ConfigError, Engine, EngineConfig
+from edge0.backend import nn as bnn
+from edge0.loader import load_streaming_model
+from edge0.prerouter.files import load_heads, save_heads
+from edge0.train.heads import train_heads
+from edge0.train.quality import served_logprobs
+
+PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n"
+FAMILIES = ["qwen3_moe", "deepseek_v3"]
+
+
+@pytest.fixture(scope="module")
+def heads(tiny_model_factory, tmp_path_factory):
+    """(family, token input) -> model directory with heads beside it (trained once)."""
+    from tests.ckpt_tools import copy_model
+
+    out = {}
+
+    def get(family, token=True, serving=None):
+        key = (family, token, json.dumps(serving, sort_keys=True))
+        if key not in out:
+            d = copy_model(tiny_model_factory(family), tmp_path_factory.mktemp(f"sel-{family}") / "m")
+            train_heads(d, tokens=3000, heldout_tokens=600, steps=60, width=32, seq_len=64, token_input=token,
+                        serving=serving)
+            out[key] = d
+        return out[key]
+
+    return get
+
+
+def _record(engine, max_tokens=24):
+    """Run a generation; per decode step and staged layer: the experts the plan staged and
+    the experts the layer's block routed to (and the block's combine weights)."""
+    s = engine.streaming
+    stager = s.stager
+    plans, used = {}, {}
+    submit = stager.scheduler.submit
+
+    def record_plan(plan):
+        plans[plan.step] = {lp.layer: set(lp.experts) for lp in plan.layers}
+        submit(plan)
+
+    stager.scheduler.submit = record_plan
+    switches = s.switches()
+
+    def observe(layer, inds, previous):
+        if inds.size == inds.shape[-1] and layer in stager.layers and stager.step in stager._submitted:
+            used.setdefault(stager.step, {})[layer] = set(np.array(inds).reshape(-1).tolist())
+        if previous is not None:
+            previous(layer, inds)
+
+    for l in s.spec.moe_layers:
+        switches[l].observer = lambda layer, inds, _p=switches[l].observer: observe(layer, inds, _p)
+    text = "".join(e.text for e in engine.stream(PROMPT, max_tokens=max_tokens, temp=0.0))
+    return plans, used, text
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_select_stages_every_routed_expert(heads, family):
+    d = heads(family)
+    with Engine(d, EngineConfig(routing="select", stage_extra=2)) as engine:
+        k = engine.streaming.spec.k
+        plans, used, _ = _record(engine)
+    steps = [st for st in used if st in plans]
+    assert len(steps) >= 20
+    for st in steps:
+        for layer, experts in used[st].items():
+            assert len(plans[st][layer]) == k + 2, (st, layer)
+            assert len(experts) == k and experts <= plans[st][layer], (st, layer, experts, plans[st][layer])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_select_routes_by_the_layers_own_router_among_the_staged(heads, family):
+    """Each staged layer's block computes what mlx-lm's block computes on its own router
+    with the unstaged experts masked (softmax: -inf logits; sigmoid-group: the ranking bias
+    lowered), weights included; and the choice differs from the prediction's at some steps."""
+    from mlx_lm.models.deepseek_v3 import group_expert_select
+
+    from edge0.spec import load_config
+
+    d = heads(family)
+    cfg = load_config(d)
+    seen = []
+    with Engine(d, EngineConfig(routing="select", stage_extra=2)) as engine:
+        s = engine.streaming
+        stager, blocks = s.stager, s.blocks()
+        for l in stager.layers:
+            cls = type(blocks[l])
+
+            def call(inner, x, _cls=cls, _l=l):
+                y = _cls.__call__(inner, x)
+                route = stager.layer_route(_l)
+                if x.shape[-2] == 1 and route is not None:
+                    mx.eval(x, y, route.staged, stager.predicted[_l][0])
+                    seen.append((_l, x, route.staged, stager.predicted[_l][0], y))
+                return y
+
+            blocks[l].__class__ = type(f"Recorded{cls.__name__}", (cls,), {"__call__": call})
+        list(engine.stream(PROMPT, max_tokens=12))
+        spec = s.spec
+    from tests.test_prerouter import _reference_block, _Returns
+
+    refs = {l: _reference_block(d, spec, l) for l in stager.layers}
+    assert len(seen) >= 10 * len(stager.layers)
+    chose_other = 0
+    for layer, x, staged, candidates, y in seen:
+        ref = refs[layer]
+        gate = ref.gate
+        mask = staged.reshape(-1)
+        if family == "deepseek_v3":
+            own = x @ gate.weight.T
+            bias = mx.where(mask, gate.e_score_correction_bias, gate.e_score_correction_bias - 1e4)
+            routed = group_expert_select(own, bias, cfg["num_experts_per_tok"], cfg["n_group"], cfg["topk_group"],
+                                         cfg["routed_scaling_factor"], cfg["norm_topk_prob"])
+            inds = routed[0]
+            # the combine weights are the unbiased sigmoid scores of the chosen experts
+            raw = mx.take_along_axis(mx.sigmoid(own.astype(mx.float32)), inds, axis=-1)
+            want = raw / raw.sum(-1, keepdims=True) if cfg["norm_topk_prob"] else raw
+            assert mx.allclose(routed[1], want * cfg["routed_scaling_factor"], rtol=1e-6).item()
+            ref.gate = _Returns(routed)
+        else:
+            own = gate(x)
+            masked = mx.where(mask, own, mx.array(float("-inf"), dtype=own.dtype))
+            inds = mx.argpartition(mx.softmax(masked, axis=-1, precise=True), kth=-spec.k, axis=-1)[..., -spec.k:]
+            ref.gate = _Returns(masked)
+        try:
+            expected = ref(x)
+        finally:
+            ref.gate = gate
+        assert mx.array_equal(y, expected).item(), f"layer {layer}: {mx.abs(y - expected).max().item()}"
+        assert set(np.array(inds).reshape(-1).tolist()) <= set(np.array(candidates).reshape(-1).tolist())
+        chose_other += not mx.array_equal(y, ref(x)).item()  # own gate, unmasked: differs sometimes
+    assert 0 < chose_other < len(seen)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_select_with_every_expert_staged_is_own_gate_routing(heads, family):
+    d = heads(family)
+    tokens = list(range(5, 70))
+    with Engine(d) as engine:
+        experts = engine.streaming.spec.num_experts
+        k = engine.streaming.spec.k
+    own = served_logprobs(d, tokens, EngineConfig(prerouter="off"), window=64)
+    full = served_logprobs(d, tokens, EngineConfig(routing="select", stage_extra=experts - k), window=64)
+    part = served_logprobs(d, tokens, EngineConfig(routing="select", stage_extra=2), window=64)
+    assert full["staged_layers"] and full["routing"] == ("select", experts - k)
+    assert np.array_equal(own["logp"], full["logp"])
+    assert not np.array_equal(own["logp"], part["logp"])  # staging fewer experts is a real restriction
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_replace_is_prediction_as_routing_whatever_the_file_records(heads, family):
+    """A heads file recording select serves select under routing auto; routing replace
+    serves what a file without a record serves (the prediction is the routing)."""
+    plain = heads(family)
+    recorded = heads(family, serving={"routing": "select", "stage_extra": 2})
+    tokens = list(range(5, 60))
+    a = served_logprobs(plain, tokens, EngineConfig(), window=64)
+    b = served_logprobs(recorded, tokens, EngineConfig(routing="replace"), window=64)
+    c = served_logprobs(recorded, tokens, EngineConfig(), window=64)
+    assert a["routing"] == b["routing"] == ("replace", 0) and c["routing"] == ("select", 2)
+    assert np.array_equal(a["logp"], b["logp"])
+    assert not np.array_equal(a["logp"], c["logp"])
+    with Engine(recorded) as engine:
+        events = list(engine.stream(PROMPT, max_tokens=4))
+    assert "select k+2" in events[-1].stats.heads and "token" in events[-1].stats.heads
+
+
+def test_select_adds_no_host_sync(heads, monkeypatch):
+    from tests.test_prerouter import _staged_step_syncs
+
+    per_step, inside, n_staged = _staged_step_syncs(heads("qwen3_moe"), monkeypatch,
+                                                    EngineConfig(routing="select", stage_extra=2))
+    assert len(inside) == 4 * n_staged and all(c == {"async_eval": 1} for c in inside), inside
+    for counts in per_step:
+        assert counts == {"eval": 2, "numpy": 2, "async_eval": n_staged}, counts
+
+
+def test_token_heads_are_handed_the_token_being_decoded(heads):
+    """At every planned step the flush computes each head on the embedding row of the token
+    the step decodes; with a different token the prediction differs."""
+    d = heads("qwen3_moe")
+    with Engine(d) as engine:
+        s = engine.streaming
+        pr = s.prerouter
+        assert pr.heads.sees_token and pr.heads.token_dim == s.embed_dim
+        calls = []
+        predict_all = pr.heads.predict_all
+
+        def capture(h, inds_t, inds_prev, tok=None):
+            out = predict_all(h, inds_t, inds_prev, tok)
+            calls.append((h, inds_t, inds_prev, tok, out))
+            return out
+
+        pr.heads.predict_all = capture
+        flush = pr.flush
+        fed = []
+        pr.flush = lambda tokens=None: (fed.append(tokens), flush(tokens))[1]
+        list(engine.stream(PROMPT, max_tokens=10))
+        assert len(calls) == len(fed) >= 8
+        differs = 0
+        for (h, it, ip, tok, out), ids in zip(calls, fed):
+            want = s.embed(ids.reshape(1, 1))
+            assert mx.array_equal(tok, want).item()
+            other = predict_all(h, it, ip, s.embed((ids.reshape(1, 1) + 1) % 100))
+            differs += not mx.array_equal(other, out).item()
+    assert differs == len(calls)
+
+
+def test_heads_files_record_their_inputs_and_serving(heads, tmp_path):
+    d = heads("qwen3_moe", serving={"routing": "select", "stage_extra": 3})
+    h, meta = load_heads(d / "prerouter.safetensors", d)
+    assert json.loads(meta["inputs"]) == ["hidden", "experts_t", "experts_prev", "token"]
+    assert json.loads(meta["serving"]) == {"routing": "select", "stage_extra": 3}
+    assert h.sees_token and "heads.layer1.token.weight" in bnn.parameters_flat(h)
+    base = heads("qwen3_moe", token=False)
+    hb, mb = load_heads(base / "prerouter.safetensors", base)
+    assert json.loads(mb["inputs"]) == ["hidden", "experts_t", "experts_prev"] and not hb.sees_token
+    # a file written before heads recorded inputs or serving loads as base heads, replace
+    legacy = dict(mb)
+    for key in ("inputs", "serving"):
+        legacy.pop(key, None)
+    legacy["shape"] = json.dumps({k: v for k, v in json.loads(mb["shape"]).items() if k != "token_dim"})
+    arrays = {k: v for k, v in bnn.parameters_flat(hb).items()}
+    mx.save_safetensors(str(tmp_path / "old.safetensors"), arrays, legacy)
+    old, old_meta = load_heads(tmp_path / "old.safetensors", base)
+    assert not old.sees_token and "serving" not in old_meta
+    s = load_streaming_model(base, EngineConfig(prerouter_file=str(tmp_path / "old.safetensors")))
+    try:
+        assert s.routing == ("replace", 0)
+    finally:
+        s.close()
+    for key, value, match in (("inputs", json.dumps(["hidden"]), "known input sets"),
+                              ("serving", json.dumps({"routing": "both"}), "serving"),
+                              ("serving", json.dumps({"routing": "select", "stage_extra": -1}), "stage_extra"),
+                              ("shape", json.dumps(dict(json.loads(mb["shape"]), token_dim=8)), "token_dim")):
+        bad = dict(mb, **{key: value})
+        mx.save_safetensors(str(tmp_path / "bad.safetensors"), arrays, bad)
+        with pytest.raises(CheckpointError, match=match):
+            load_heads(tmp_path / "bad.safetensors", base)
+
+
+def test_select_settings_are_checked(heads):
+    d = heads("qwen3_moe")
+    with pytest.raises(ConfigError, match="applies to routing 'select'"):
+        EngineConfig(routing="replace", stage_extra=2)
+    with pytest.raises(ConfigError, match="routing must be one of"):
+        EngineConfig(routing="guess")
+    with pytest.raises(ConfigError, match="more than the 16 experts"):
+        load_streaming_model(d, EngineConfig(routing="select", stage_extra=13))
+    with pytest.raises(ConfigError, match="cannot hold"):
+        load_streaming_model(d, EngineConfig(routing="select", stage_extra=4, slots_per_layer=6))
+    ds = heads("deepseek_v3")
+    with pytest.raises(ConfigError, match="expert groups"):
+        load_streaming_model(ds, EngineConfig(routing="select", stage_extra=6))
+    s = load_streaming_model(d, EngineConfig(routing="select"))  # no count given: 2k staged
+    try:
+        assert s.routing == ("select", s.spec.k) and s.stager.slots == min(4 * s.spec.k, s.spec.num_experts)
+    finally:
+        s.close()
