@@ -262,7 +262,7 @@ def load_streaming_model(model_dir: str | Path, config: EngineConfig, *, oracle:
     if oracle is not None:
         oracle.check(spec.moe_layers, spec.num_experts)
     heads, heads_path, heads_meta = _load_heads(model_dir, config, oracle, spec)
-    routing, extra = _routing(config, heads_meta, spec, heads_path)
+    routing, extra = resolve_routing(config, heads_meta, spec, heads_path)
     path_of = _paths(config, layers, heads)
     on = {p: [l for l in layers if p in (path_of[l, "prefill"], path_of[l, "decode"])] for p in PATHS}
     slots = staged_slots(config, spec, spec.k + extra)
@@ -326,7 +326,7 @@ def load_streaming_model(model_dir: str | Path, config: EngineConfig, *, oracle:
     return streaming
 
 
-def _routing(config: EngineConfig, meta: dict | None, spec, heads_path) -> tuple[str, int]:
+def resolve_routing(config: EngineConfig, meta: dict | None, spec, heads_path) -> tuple[str, int]:
     """(routing mode, experts staged beyond k): the config's, else what the heads file
     records (replace when it records nothing); select without a count stages 2k."""
     recorded = serving_of(meta, heads_path) if meta is not None else {"routing": "replace", "stage_extra": 0}

@@ -275,3 +275,32 @@ def test_select_settings_are_checked(heads):
         assert s.routing == ("select", s.spec.k) and s.stager.slots == min(4 * s.spec.k, s.spec.num_experts)
     finally:
         s.close()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("routing", ["replace", "select"])
+def test_student_path_is_the_served_path_with_token_heads(heads, family, routing, tmp_path):
+    """The training path (parallel over the sequence) computes the served logits with heads
+    that see the token, under either routing, adapter included: bit for bit on qwen3_moe;
+    on deepseek_v3 to float rounding, since its attention over a whole sequence already
+    differs from token-by-token decode in the last bits on its own gates."""
+    from edge0.prerouter.files import checkpoint_identity
+    from edge0.train.student import StudentModel
+    from tests.test_recipe import served_logits
+
+    d = heads(family)
+    extra = 2 if routing == "select" else None
+    student = StudentModel(d, rank=4, scale=10.0, seed=3, dequantize=False, routing=routing, stage_extra=extra)
+    assert student.routing == ((routing, 2) if routing == "select" else ("replace", 0))
+    rng = np.random.default_rng(0)
+    for w in student.adapted.values():
+        w.lora_b = mx.array(rng.normal(0, 0.05, w.lora_b.shape).astype(np.float32))
+    student.save(tmp_path / "a", {"base_identity": checkpoint_identity(d)})
+    prompt, continuation = [5, 17, 33, 2, 99, 41], [7, 250, 13, 77, 101, 3, 64, 9, 11, 200]
+    ours = student.logits(mx.array([prompt + continuation]), np.array([len(prompt)]))[0, len(prompt) - 1:-1]
+    config = EngineConfig(adapter=str(tmp_path / "a"), routing=routing, stage_extra=extra)
+    served = served_logits(d, config, prompt, continuation)
+    diff = mx.abs(ours.astype(mx.float32) - served).max().item()
+    assert diff == 0 if family == "qwen3_moe" else diff < 1e-5 * mx.abs(served).max().item(), diff
+    other = EngineConfig(adapter=str(tmp_path / "a"), routing="select" if routing == "replace" else "replace")
+    assert mx.abs(served_logits(d, other, prompt, continuation) - served).max().item() > 1e-3

@@ -100,6 +100,12 @@ class LayerRoute:
     staged: object | None = None
 
 
+def _aligned(staged, logits):
+    """A staged-set mask shaped to broadcast against ``logits`` ([1, E] for one token, or
+    one row per position)."""
+    return staged.reshape(*(1,) * (logits.ndim - 1), -1) if staged.size == logits.shape[-1] else staged
+
+
 class RouterTap(bnn.Module):
     """Stands where the block's router stood (``kind`` "linear": a module mapping x to
     logits; "inline": a gate module that multiplies by its ``weight`` itself and returns
@@ -115,7 +121,9 @@ class RouterTap(bnn.Module):
         self.observer = None  # (layer, x) : the router's input at every call
         self.logits_observer = None  # (layer, logits) : the router's own output (heads training)
         self.forced = None  # probing and training: logits to route on, whatever x is
-        self.mix = None  # training: (mask [.., 1] bool, logits) replacing the router's at masked positions
+        # training: (mask [.., 1] bool, logits, staged) at masked positions the router returns
+        # ``logits`` (staged None: replace) or routes itself among ``staged`` [.., E] (select)
+        self.mix = None
         self.guard = None  # the Stager: may compare a predicted step with the router's own routing
         self._eye = None
 
@@ -134,7 +142,10 @@ class RouterTap(bnn.Module):
             if self.logits_observer is not None:
                 self.logits_observer(self.layer_id, self.logits(x))
             if self.mix is not None:
-                mask, predicted = self.mix
+                mask, predicted, staged = self.mix
+                if staged is not None:
+                    pos = mask.reshape(*x.shape[:-1], 1)
+                    return self.select(x, B.logical_or(B.logical_not(pos), staged.reshape(*x.shape[:-1], -1)))
                 forced = B.where(mask.reshape(*x.shape[:-1], 1), predicted.reshape(*x.shape[:-1], predicted.shape[-1]),
                                  self.logits(x).astype(predicted.dtype))
             elif self.planned is not None and x.size // x.shape[-1] == 1:
@@ -156,15 +167,15 @@ class RouterTap(bnn.Module):
         broadcast over the tokens of ``x``): see the module docstring."""
         if self.kind == "linear":
             own = self.original(x)
-            return B.where(staged.reshape(*(1,) * (own.ndim - 1), -1), own, B.array(float("-inf"), dtype=own.dtype))
+            return B.where(_aligned(staged, own), own, B.array(float("-inf"), dtype=own.dtype))
         gate = self.original
         name = next((n for n in BIAS_ATTRIBUTES if isinstance(getattr(gate, n, None), B.array)), None)
         if name is None:  # no ranking bias: route the masked logits through the gate's own code
             own = self.logits(x)
-            masked = B.where(staged.reshape(*(1,) * (own.ndim - 1), -1), own, B.array(float("-inf"), dtype=own.dtype))
-            return self._route_inline(masked)
+            return self._route_inline(B.where(_aligned(staged, own), own, B.array(float("-inf"), dtype=own.dtype)))
         bias = getattr(gate, name)
-        setattr(gate, name, B.where(staged.reshape(bias.shape), bias, bias - MASKED_BIAS))
+        setattr(gate, name, B.where(staged.reshape(bias.shape) if staged.size == bias.size else staged, bias,
+                                    bias - MASKED_BIAS))
         try:
             return gate(x)
         finally:

@@ -9,7 +9,9 @@ student path, for a batch of sequences whose first ``P`` tokens are the prompt:
 - routes every MoE layer by its own gate at prompt positions (t < P);
 - at every later position t, routes each consumer layer l+1 by
   ``route(head_l(x_l[t-1], experts_l[t-1], experts_l[t-2]))``, the prediction its owner
-  made one token earlier, through the consumer's own routing function (and bias);
+  made one token earlier, through the consumer's own routing function (and bias); under
+  select routing, by the consumer's own router restricted to the top k+m experts of that
+  prediction (the candidates the engine stages);
 - computes with the int4 checkpoint's own numbers: by default their dequantized float32
   reconstruction (the paper's "we train on what is served"; fast float matmuls), or the
   int4 kernels the engine runs (``dequantize=False``: bit-identical to serving), and adds
@@ -33,24 +35,31 @@ from edge0.arch import derive_spec
 from edge0.backend import core as B
 from edge0.backend import nn as bnn
 from edge0.exec.taps import RouterTap
-from edge0.errors import ConfigError
-from edge0.prerouter.files import HEADS_FILENAME, load_heads, serving_of
+from edge0.config import EngineConfig
+from edge0.loader import probe_routing, resolve_routing
+from edge0.prerouter.files import HEADS_FILENAME, load_heads
 from edge0.spec import load_config, with_experts_per_token
 from edge0.train.adapter_init import lora_init
 
 
 class ObservedSwitch(nn.Module):
-    """The resident expert stack of an owner layer, reporting the experts its block routed
-    to before computing them (the original stack, unchanged, does the work)."""
+    """The resident expert stack of an owner or consumer layer, reporting the experts its
+    block routed to before computing them (the original stack, unchanged, does the work),
+    or, while ``capture`` is a list, only recording them (a probe of the block's routing)."""
 
-    def __init__(self, layer: int, original, observer):
+    def __init__(self, layer: int, original, observer=None):
         super().__init__()
         self.layer_id = layer
         self.original = original
+        self.capture = None
         object.__setattr__(self, "_observer", observer)
 
     def __call__(self, x, indices, *args, **kwargs):
-        self._observer(self.layer_id, indices)
+        if self.capture is not None:
+            self.capture.append(indices)
+            return mx.zeros((*indices.shape, bnn.switch_output_width(self.original)), dtype=x.dtype)
+        if self._observer is not None:
+            self._observer(self.layer_id, indices)
         return self.original(x, indices, *args, **kwargs)
 
 
@@ -59,8 +68,10 @@ class _Context:
     its router input, which the experts it routed to turn into the consumer's predicted
     logits (set on the consumer's RouterTap before the consumer's block runs)."""
 
-    def __init__(self, heads, routers: dict[int, RouterTap], embed=None):
-        self.heads, self.routers, self.embed = heads, routers, embed
+    def __init__(self, heads, routers: dict[int, RouterTap], embed=None, widen=None):
+        """``widen``: (consumer, logits [N, E]) -> the consumer's k+m candidates [N, k+m]
+        (select routing), or None (replace routing)."""
+        self.heads, self.routers, self.embed, self.widen = heads, routers, embed, widen
         self.mask = None  # [B, T, 1] bool: position routes by prediction
         self.next_tokens = None  # [B, T, D]: at t, the embedding of token t+1 (heads that see it)
         self._x: dict[int, object] = {}
@@ -89,7 +100,12 @@ class _Context:
         on_prev = mx.concatenate([mx.zeros_like(on_t[:, :1]), on_t[:, :-1]], axis=1)
         logits = heads.head(owner)(x, on_t, on_prev, self.next_tokens)  # at t: the consumer's logits for t+1
         logits = mx.concatenate([logits[:, :1], logits[:, :-1]], axis=1).astype(mx.float32)
-        self.routers[heads.consumer[owner]].mix = (self.mask, logits)
+        consumer = heads.consumer[owner]
+        staged = None
+        if self.widen is not None:
+            wide = self.widen(consumer, logits.reshape(-1, logits.shape[-1]))
+            staged = B.one_hot_k(wide, logits.shape[-1], mx.int32).reshape(logits.shape) > 0
+        self.routers[consumer].mix = (self.mask, logits, staged)
 
 
 class StudentModel:
@@ -103,10 +119,12 @@ class StudentModel:
 
     def __init__(self, model_dir: str | Path, *, heads_file: str | Path | None = None, rank: int = 8,
                  scale: float = 10.0, seed: int = 0, use_heads: bool = True, experts_per_token: int | None = None,
-                 dequantize: bool = True):
+                 dequantize: bool = True, routing: str = "auto", stage_extra: int | None = None):
         """``dequantize``: run on the dequantized reconstruction of the int4 weights (the same
         numbers through float32 matmuls, 5x faster to train here than the quantized kernels'
-        backward pass) rather than on the int4 kernels themselves (bit-identical to serving)."""
+        backward pass) rather than on the int4 kernels themselves (bit-identical to serving).
+        ``routing``, ``stage_extra``: as the engine's settings (auto: what the heads file
+        records), so that training sees the routing that will be served."""
         self.model_dir = Path(model_dir)
         raw = with_experts_per_token(load_config(self.model_dir), experts_per_token)
         self.model = bnn.load_full_model(self.model_dir, experts_per_token=experts_per_token)
@@ -116,12 +134,12 @@ class StudentModel:
             bnn.dequantize_model(self.model)
         heads = None
         self.heads_path = None
+        self.routing = None  # (mode, stage_extra) with heads
         if use_heads:
             self.heads_path = Path(heads_file) if heads_file else self.model_dir / HEADS_FILENAME
             heads, meta = load_heads(self.heads_path, self.model_dir, spec=self.spec)
-            if serving_of(meta, self.heads_path)["routing"] != "replace":
-                raise ConfigError(f"{self.heads_path} is served with select routing; the student path trains "
-                                  "on replace routing only (train the adapter with heads recorded for replace)")
+            self.routing = resolve_routing(EngineConfig(routing=routing, stage_extra=stage_extra), meta, self.spec,
+                                    self.heads_path)
             bnn.load_parameters_flat(heads, {k: v.astype(mx.float32) for k, v in bnn.parameters_flat(heads).items()})
             heads.freeze()
         routers = {}
@@ -130,13 +148,18 @@ class StudentModel:
                 tap = RouterTap(l, bnn.module_at(self.model, m.router_path), m.router_kind, m.router_outputs)
                 bnn.set_module_at(self.model, m.router_path, tap)
                 routers[l] = tap
-        self.ctx = _Context(heads, routers, bnn.token_embedding(self.model))
+        widen = None
+        if heads is not None and self.routing[0] == "select":
+            width = self.spec.k + self.routing[1]
+            widen = lambda consumer, logits: probe_routing(self, consumer, logits, width)
+        self.ctx = _Context(heads, routers, bnn.token_embedding(self.model), widen)
         if heads is not None:
             for owner in heads.owners:
                 routers[owner].observer = self.ctx.on_router_input
-                path = self.spec.switch_path(owner)
-                bnn.set_module_at(self.model, path, ObservedSwitch(owner, bnn.module_at(self.model, path),
-                                                                   self.ctx.on_experts))
+            for layer in set(heads.owners) | set(heads.consumers() if widen is not None else []):
+                path = self.spec.switch_path(layer)
+                bnn.set_module_at(self.model, path, ObservedSwitch(
+                    layer, bnn.module_at(self.model, path), self.ctx.on_experts if layer in heads.owners else None))
         self.model.freeze()
         self.rank, self.scale = rank, scale
         self.adapted = self._attach_lora(rank, scale, seed)

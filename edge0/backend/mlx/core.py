@@ -34,6 +34,8 @@ maximum = mx.maximum
 expand_dims = mx.expand_dims
 concatenate = mx.concatenate
 broadcast_to = mx.broadcast_to
+logical_or = mx.logical_or
+logical_not = mx.logical_not
 
 float32 = mx.float32
 int32 = mx.int32
