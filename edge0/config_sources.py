@@ -428,7 +428,7 @@ def parse_settings(text: str, source: str) -> dict:
     values; ``source`` names where the text came from in errors."""
     kinds = _kinds()
     values = {}
-    for pair in text.split(","):
+    for pair in re.split(r",(?=\s*[a-z_]+=)", text):  # a comma inside a value (layer_paths) stays
         key, eq, value = pair.partition("=")
         key = key.strip()
         if not eq or key not in kinds:

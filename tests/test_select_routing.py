@@ -304,3 +304,38 @@ def test_student_path_is_the_served_path_with_token_heads(heads, family, routing
     assert diff == 0 if family == "qwen3_moe" else diff < 1e-5 * mx.abs(served).max().item(), diff
     other = EngineConfig(adapter=str(tmp_path / "a"), routing="select" if routing == "replace" else "replace")
     assert mx.abs(served_logits(d, other, prompt, continuation) - served).max().item() > 1e-3
+
+
+def test_the_demo_decodes_staged_on_its_shipped_heads():
+    """The packaged demo model, opened with every default (sync and async), decodes its
+    staged layers on the heads that ship beside it, with the routing their file records,
+    and the stats line names them."""
+    import anyio
+
+    from edge0.cli import PACKAGED_DEMO
+    from edge0.prerouter.files import HEADS_FILENAME, serving_of
+
+    assert (PACKAGED_DEMO / HEADS_FILENAME).is_file()
+    _, meta = load_heads(PACKAGED_DEMO / HEADS_FILENAME, PACKAGED_DEMO)
+    recorded = serving_of(meta)
+    with Engine(PACKAGED_DEMO) as engine:
+        s = engine.streaming
+        assert s.heads_path == PACKAGED_DEMO / HEADS_FILENAME and s.prerouter.heads.sees_token
+        assert s.stager.layers == s.prerouter.heads.consumers() == list(s.spec.moe_layers[1:])
+        assert s.routing == (recorded["routing"], recorded["stage_extra"])
+        width = s.spec.k + recorded["stage_extra"]
+        plans, used, text = _record(engine, max_tokens=16)
+        line = engine.generate_text("def f(x):", max_tokens=4)[1].heads
+    assert len(plans) >= 15 and text
+    for st, layers in used.items():
+        for layer, experts in layers.items():
+            assert len(plans[st][layer]) == width and experts <= plans[st][layer]
+    assert f"{HEADS_FILENAME} (7 heads, k=4, token, select k+{recorded['stage_extra']})" == line
+
+    async def main():
+        async with Engine.open(PACKAGED_DEMO) as engine:
+            assert engine.streaming.routing == (recorded["routing"], recorded["stage_extra"])
+            return [event async for event in engine.generate("def f(x):", max_tokens=4)]
+
+    events = anyio.run(main)
+    assert events[-1].stats.heads == line

@@ -106,8 +106,7 @@ def run(args) -> int:
 def arm_options(items: list[str], arms: tuple[str, ...]) -> dict:
     """``ARM:KEY=VALUE,KEY=VALUE`` -> {ARM: {KEY: typed VALUE}}, each checked as an
     EngineConfig value."""
-    from edge0.config import EngineConfig
-    from edge0.config_sources import resolve_config
+    from edge0.config_sources import parse_settings, resolve_config
     from edge0.errors import ConfigError
 
     out: dict = {}
@@ -115,12 +114,7 @@ def arm_options(items: list[str], arms: tuple[str, ...]) -> dict:
         arm, sep, rest = item.partition(":")
         if not sep or arm not in arms:
             raise ConfigError(f"--arm-option {item!r}: expected ARM:KEY=VALUE with ARM one of {list(arms)}")
-        values = {}
-        for pair in rest.split(","):
-            key, eq, value = pair.partition("=")
-            if not eq or key not in EngineConfig.field_names():
-                raise ConfigError(f"--arm-option {item!r}: {key!r} is not an engine setting")
-            values[key] = int(value) if value.isdigit() else value
+        values = parse_settings(rest, f"--arm-option {item!r}")
         resolve_config(environ={}, **values)  # typed checks now, not in a child process later
         out.setdefault(arm, {}).update(values)
     return out

@@ -183,6 +183,9 @@ def add_lora_parsers(trs) -> None:
     r.add_argument("--time-budget", type=float, default=None, help="seconds per LoRA phase before it stops")
     r.add_argument("--resume", action="store_true")
     r.add_argument("--no-progress", action="store_true")
+    r.add_argument("--routing", choices=("replace", "select"), default="replace",
+                   help="the routing the heads are served with, and phases 2-3 train on (default replace)")
+    r.add_argument("--stage-extra", type=int, default=0, help="with --routing select: experts staged beyond k")
     r.set_defaults(func=cmd_recipe)
 
 
@@ -245,6 +248,11 @@ def cmd_recipe(args) -> int:
     if args.eval_tokens is not None:
         cfg.eval_tokens = args.eval_tokens
     cfg.sft.time_budget_s = cfg.distill.time_budget_s = args.time_budget
+    if args.routing == "replace" and args.stage_extra:
+        from edge0.errors import ConfigError
+
+        raise ConfigError("--stage-extra applies to --routing select")
+    cfg.heads.routing, cfg.heads.stage_extra = args.routing, args.stage_extra
     bars: list[Progress] = []
 
     def progress(name):

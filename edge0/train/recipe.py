@@ -41,6 +41,9 @@ class HeadsConfig:
     batch: int = 512
     lr: float = 1e-3
     width: int = 512
+    token_input: bool = True  # heads see the embedding of the token being decoded
+    routing: str = "replace"  # the routing the heads file records (phases 2-3 train on it)
+    stage_extra: int = 0  # select routing: experts staged beyond k
 
 
 @dataclass
@@ -89,7 +92,8 @@ def run_recipe(model_dir: str | Path, teacher_dir: str | Path, cfg: RecipeConfig
         h = cfg.heads
         heads = train_heads(model_dir, tokens=h.tokens, heldout_tokens=h.heldout_tokens, seq_len=h.seq_len,
                             steps=h.steps, batch=h.batch, lr=h.lr, width=h.width, out=heads_file,
-                            streams=(train, held, desc), experts_per_token=k,
+                            streams=(train, held, desc), experts_per_token=k, token_input=h.token_input,
+                            serving={"routing": h.routing, "stage_extra": h.stage_extra},
                             progress=progress("heads") if progress else None)
         mean = lambda d: float(np.mean([v["recall_at_k"] for v in d.values()]))
         report["phases"]["heads"] = {"path": str(heads_file), "recall_before": mean(heads["before"]),
