@@ -312,10 +312,12 @@ def _traced(streaming, chunks, owners, traces_dir, name, model_dir, experts_per_
     return traces
 
 
-def make_warm_heads(model_dir: str | Path, out: str | Path, width: int = 512) -> Path:
+def make_warm_heads(model_dir: str | Path, out: str | Path, width: int = 512, token_input: bool = True) -> Path:
     """Untrained heads (each is its next router applied to its own hidden state), written
     without collecting traces: a fast stand-in for speed benchmarks, where what matters is
-    that a prediction drives the reads, not how good it is."""
+    that a prediction drives the reads, not how good it is. ``token_input``: shaped as the
+    heads ``edge0 train heads`` writes by default (the token path starts at zero, so the
+    prediction is the same; the flush costs what a trained head's does)."""
     from edge0.loader import load_streaming_model
 
     streaming = load_streaming_model(Path(model_dir), EngineConfig(prerouter="off", adapter="off"))
@@ -324,7 +326,7 @@ def make_warm_heads(model_dir: str | Path, out: str | Path, width: int = 512) ->
         if spec.prerouter_problem:
             raise ConfigError(f"{spec.model_type} cannot be driven by prerouter heads: {spec.prerouter_problem}")
         owners = eligible_owners(spec)
-        heads = _new_heads(spec, routers, owners, width)
+        heads = _new_heads(spec, routers, owners, width, streaming.embed_dim if token_input else 0)
         return save_heads(heads, out, base_identity=checkpoint_identity(model_dir),
                           recipe=dict(phase=0, steps=0, warm_start="next router", width=width, owners=owners),
                           training_data="none (warm start only)")
