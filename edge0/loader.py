@@ -328,8 +328,11 @@ def load_streaming_model(model_dir: str | Path, config: EngineConfig, *, oracle:
 
 def resolve_routing(config: EngineConfig, meta: dict | None, spec, heads_path) -> tuple[str, int]:
     """(routing mode, experts staged beyond k): the config's, else what the heads file
-    records (replace when it records nothing); select without a count stages 2k."""
-    recorded = serving_of(meta, heads_path) if meta is not None else {"routing": "replace", "stage_extra": 0}
+    records (replace when it records nothing); select without a count stages 2k. Without
+    heads (``meta`` None) nothing is predicted: the staged set is the routed set."""
+    if meta is None:
+        return "replace", 0
+    recorded = serving_of(meta, heads_path)
     mode = config.routing if config.routing != "auto" else recorded["routing"]
     if mode == "replace":
         if config.stage_extra:
