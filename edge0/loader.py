@@ -266,7 +266,7 @@ def load_streaming_model(model_dir: str | Path, config: EngineConfig, *, oracle:
     path_of = _paths(config, layers, heads)
     on = {p: [l for l in layers if p in (path_of[l, "prefill"], path_of[l, "decode"])] for p in PATHS}
     slots = staged_slots(config, spec, spec.k + extra)
-    if on["staged"] and slots < spec.k + extra:
+    if on["staged"] and extra and slots < spec.k + extra:  # (fewer than k: the Stager says so)
         raise ConfigError(f"slots_per_layer={slots} cannot hold the {spec.k + extra} experts select routing stages "
                           f"per layer (k={spec.k} + stage_extra={extra})")
     _check_budget(spec, index, config, on["staged"], on["hot"], on["whole_layer"], slots)
