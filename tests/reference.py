@@ -70,3 +70,30 @@ def rel_l2(a, b) -> float:
     a = np.asarray(a, dtype=np.float64)
     b = np.asarray(b, dtype=np.float64)
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
+
+
+def record_staging(engine, prompt, max_tokens: int):
+    """Run a greedy generation on ``engine``; returns (plans, used, events): per decode step
+    and staged layer, the experts the step's plan staged and the experts the layer's block
+    routed to (steps that were planned only)."""
+    s = engine.streaming
+    stager = s.stager
+    plans, used = {}, {}
+    submit = stager.scheduler.submit
+
+    def record_plan(plan):
+        plans[plan.step] = {lp.layer: set(lp.experts) for lp in plan.layers}
+        submit(plan)
+
+    stager.scheduler.submit = record_plan
+    switches = s.switches()
+
+    def observe(layer, inds, previous):
+        if inds.size == inds.shape[-1] and layer in stager.layers and stager.step in stager._submitted:
+            used.setdefault(stager.step, {})[layer] = set(np.array(inds).reshape(-1).tolist())
+        if previous is not None:
+            previous(layer, inds)
+
+    for l in s.spec.moe_layers:
+        switches[l].observer = lambda layer, inds, _p=switches[l].observer: observe(layer, inds, _p)
+    return plans, used, list(engine.stream(prompt, max_tokens=max_tokens, temp=0.0))

@@ -12,6 +12,7 @@ from edge0.backend import nn as bnn
 from edge0.loader import StepModel, load_streaming_model
 from edge0.prerouter.files import ForeignArtifactError, checkpoint_identity, load_heads, save_heads
 from edge0.train.heads import train_heads
+from tests.reference import record_staging
 
 PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n"
 
@@ -41,25 +42,7 @@ def test_staged_set_equals_routed_set_for_64_steps(trained, family):
         stager = s.stager
         assert stager is not None and stager.prerouter is not None
         assert stager.layers == s.prerouter.heads.consumers()
-        plans, used = {}, {}
-        submit = stager.scheduler.submit
-
-        def record_plan(plan):
-            plans[plan.step] = {lp.layer: set(lp.experts) for lp in plan.layers}
-            submit(plan)
-
-        stager.scheduler.submit = record_plan
-        switches = s.switches()
-
-        def observe(layer, inds, _previous):
-            if inds.size == inds.shape[-1] and layer in stager.layers:  # one token: a decode step
-                used.setdefault(stager.step, {})[layer] = set(np.array(inds).reshape(-1).tolist())
-            if _previous is not None:
-                _previous(layer, inds)
-
-        for l in s.spec.moe_layers:
-            switches[l].observer = lambda layer, inds, _p=switches[l].observer: observe(layer, inds, _p)
-        events = list(engine.stream(PROMPT, max_tokens=64))
+        plans, used, events = record_staging(engine, PROMPT, 64)
     assert len(events) == 64
     planned_steps = sorted(plans)
     assert len(planned_steps) >= 64  # every decode step was staged from a prediction

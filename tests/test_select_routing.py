@@ -21,6 +21,7 @@ from edge0.loader import load_streaming_model
 from edge0.prerouter.files import load_heads, save_heads
 from edge0.train.heads import train_heads
 from edge0.train.quality import served_logprobs
+from tests.reference import record_staging
 
 PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n"
 FAMILIES = ["qwen3_moe", "deepseek_v3"]
@@ -45,39 +46,12 @@ def heads(tiny_model_factory, tmp_path_factory):
     return get
 
 
-def _record(engine, max_tokens=24):
-    """Run a generation; per decode step and staged layer: the experts the plan staged and
-    the experts the layer's block routed to (and the block's combine weights)."""
-    s = engine.streaming
-    stager = s.stager
-    plans, used = {}, {}
-    submit = stager.scheduler.submit
-
-    def record_plan(plan):
-        plans[plan.step] = {lp.layer: set(lp.experts) for lp in plan.layers}
-        submit(plan)
-
-    stager.scheduler.submit = record_plan
-    switches = s.switches()
-
-    def observe(layer, inds, previous):
-        if inds.size == inds.shape[-1] and layer in stager.layers and stager.step in stager._submitted:
-            used.setdefault(stager.step, {})[layer] = set(np.array(inds).reshape(-1).tolist())
-        if previous is not None:
-            previous(layer, inds)
-
-    for l in s.spec.moe_layers:
-        switches[l].observer = lambda layer, inds, _p=switches[l].observer: observe(layer, inds, _p)
-    text = "".join(e.text for e in engine.stream(PROMPT, max_tokens=max_tokens, temp=0.0))
-    return plans, used, text
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_select_stages_every_routed_expert(heads, family):
     d = heads(family)
     with Engine(d, EngineConfig(routing="select", stage_extra=2)) as engine:
         k = engine.streaming.spec.k
-        plans, used, _ = _record(engine)
+        plans, used, _ = record_staging(engine, PROMPT, 24)
     steps = [st for st in used if st in plans]
     assert len(steps) >= 20
     for st in steps:
@@ -324,7 +298,8 @@ def test_the_demo_decodes_staged_on_its_shipped_heads():
         assert s.stager.layers == s.prerouter.heads.consumers() == list(s.spec.moe_layers[1:])
         assert s.routing == (recorded["routing"], recorded["stage_extra"])
         width = s.spec.k + recorded["stage_extra"]
-        plans, used, text = _record(engine, max_tokens=16)
+        plans, used, events = record_staging(engine, PROMPT, 16)
+        text = "".join(e.text for e in events)
         line = engine.generate_text("def f(x):", max_tokens=4)[1].heads
     assert len(plans) >= 15 and text
     for st, layers in used.items():
