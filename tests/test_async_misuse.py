@@ -26,6 +26,7 @@ CONFIGS = {
     "hot": dict(decode_path="hot", hot_experts=6),
     "whole_layer": dict(decode_path="whole_layer", prefill_path="whole_layer"),
     "staged+heads": dict(),  # warm-start heads beside the checkpoint: consumers decode staged
+    "staged+select": dict(routing="select", stage_extra=2),  # the same heads, select routing
     "staged+oracle": dict(decode_path="staged"),
 }
 
@@ -48,12 +49,13 @@ def setups(tiny_model_factory, tmp_path_factory):
         oracle = e.record_routing(PROMPT, max_tokens=N)
     out = {}
     for name, kwargs in CONFIGS.items():
-        d = with_heads if name == "staged+heads" else base
+        d = with_heads if name in ("staged+heads", "staged+select") else base
         cfg = EngineConfig(**kwargs)
         orc = oracle if name == "staged+oracle" else None
         with Engine(d, cfg, oracle=orc) as e:
-            if name == "staged+heads":
+            if name in ("staged+heads", "staged+select"):
                 assert e.streaming.stager is not None and e.streaming.prerouter is not None
+                assert e.streaming.routing == (("select", 2) if name == "staged+select" else ("replace", 0))
             expected = [ev.token for ev in e.stream(PROMPT, max_tokens=N)]
         out[name] = (d, cfg, orc, expected)
     return out
