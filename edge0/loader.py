@@ -397,7 +397,15 @@ WIDTH_ATTRIBUTES = ("top_k", "num_experts_per_tok", "num_experts_per_token", "n_
 def width_attributes(streaming: Streaming, layer: int) -> list[tuple[object, str]]:
     """(module, attribute) pairs holding layer ``layer``'s routing width k in its block and
     router (and the router's original module): what ``probe_routing`` widens. Empty when
-    the block keeps k where Edge0 cannot find it."""
+    the block keeps k where Edge0 cannot find it. Found once per layer (the flush widens
+    every consumer at every step)."""
+    cache = streaming.__dict__.setdefault("_width_attributes", {})
+    if layer not in cache:
+        cache[layer] = _find_width_attributes(streaming, layer)
+    return cache[layer]
+
+
+def _find_width_attributes(streaming, layer: int) -> list[tuple[object, str]]:
     spec = streaming.spec
     block = bnn.module_at(streaming.model, spec.block_path(layer))
     router = bnn.module_at(streaming.model, spec.layers[layer].router_path)

@@ -18,7 +18,7 @@ import pytest
 from edge0 import CheckpointError, ConfigError, Engine, EngineConfig
 from edge0.backend import nn as bnn
 from edge0.loader import load_streaming_model
-from edge0.prerouter.files import load_heads, save_heads
+from edge0.prerouter.files import load_heads
 from edge0.train.heads import train_heads
 from edge0.train.quality import served_logprobs
 from tests.reference import record_staging
