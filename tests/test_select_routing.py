@@ -314,3 +314,26 @@ def test_the_demo_decodes_staged_on_its_shipped_heads():
 
     events = anyio.run(main)
     assert events[-1].stats.heads == line
+
+
+def test_quality_rows_without_a_teacher_serve_their_settings(heads, tmp_path, capsys, monkeypatch):
+    """`edge0 train quality --row LABEL:SETTINGS` without --teacher: the own-gates row is the
+    reference, and each row is served with its settings (routing, staged layers)."""
+    from edge0.cli import main
+    from edge0.train import data as D
+
+    d = heads("qwen3_moe")
+    held = np.arange(3, 200, dtype=np.int64)
+    monkeypatch.setattr(D, "token_streams", lambda model: (held, held, "test"))
+    out = tmp_path / "q.json"
+    assert main(["train", "quality", "--model", str(d), "--tokens", "60", "--json", str(out),
+                 "--row", "sel:routing=select,stage_extra=2",
+                 "--row", "rep 2-3:routing=replace,layer_paths=1:decode=exact"]) == 0
+    rows = {r["label"]: r for r in json.loads(out.read_text())["rows"]}
+    assert list(rows) == ["int4, own gates", "sel", "rep 2-3"]
+    own = rows["int4, own gates"]
+    assert own["top1_agreement"] == 1.0 and own["kl_teacher_row"] == 0 and own["ratio_to_own_gates"] == 1.0
+    assert rows["sel"]["routing"] == ["select", 2] and rows["sel"]["staged_layers"] == [1, 2, 3]
+    assert rows["rep 2-3"]["routing"] == ["replace", 0] and rows["rep 2-3"]["staged_layers"] == [2, 3]
+    assert all("ratio_to_teacher" not in r for r in rows.values())
+    assert "ratio to own gates" in capsys.readouterr().out
