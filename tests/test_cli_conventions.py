@@ -124,6 +124,21 @@ def test_ctrl_c_while_starting_exits_quietly(qwen):
         assert "Traceback" not in err, err[-2000:]
 
 
+def test_ctrl_c_inside_a_string_eval_still_exits_130(tmp_path):
+    """A Ctrl-C that lands inside an eval() of a string (the namedtuple factory runs one, so
+    an import can) is marked unhandled by CPython even when main() catches it; main() clears
+    the mark, so the status is 130 and not death by SIGINT. Deterministic: the interrupt is
+    raised from inside such an eval."""
+    code = ("import sys, edge0.cli as c\n"
+            "c._main = lambda argv: eval('(_ for _ in ()).throw(KeyboardInterrupt())')\n"
+            "sys.exit(c.main([]))\n")
+    (tmp_path / "interrupt_probe.py").write_text(code)  # run with -m, as `python -m edge0` runs
+    r = subprocess.run([sys.executable, "-m", "interrupt_probe"], capture_output=True, text=True, timeout=120,
+                       cwd=tmp_path)
+    assert r.returncode == 130, (r.returncode, r.stderr[-2000:])
+    assert "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
 def test_debug_logs_cover_the_exact_path(qwen):
     r = run("generate", "--model", str(qwen), "--prompt", "x", "--max-tokens", "3", "--verbose", "f",
             "--log-format", "json", "--log-level", "debug")
