@@ -17,7 +17,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "Engine": "edge0.engine", "TokenEvent": "edge0.engine", "generate": "edge0.engine",
     "SamplingParams": "edge0.sampling", "EngineConfig": "edge0.config", "GenerationStats": "edge0.stats",
-    "MoESpec": "edge0.spec", "SUPPORTED_MODEL_TYPES": "edge0.arch", "load_spec": "edge0.spec",
+    "MoESpec": "edge0.model.spec", "SUPPORTED_MODEL_TYPES": "edge0.model.families", "load_spec": "edge0.model.open",
     **{name: "edge0.errors" for name in (
         "CheckpointError", "ConfigError", "Edge0Error", "ExpertReadError", "ForeignArtifactError", "HeaderError",
         "LayoutError", "TokenizerError", "UnsafeModelError", "UnsupportedModelError")},

@@ -32,9 +32,9 @@ from pathlib import Path
 from edge0.backend import core as B
 from edge0.backend import nn as bnn
 from edge0.errors import CheckpointError, ConfigError, ForeignArtifactError
-from edge0.model_files import atomic_write, check_entry, parse_json, read_bytes
-from edge0.safetensors_header import read_header
-from edge0.spec import MoESpec
+from edge0.model.files import atomic_write, check_entry, parse_json, read_bytes
+from edge0.model.safetensors_header import read_header
+from edge0.model.spec import MoESpec
 
 ADAPTER_DIRNAME = "adapter"  # discovered beside the checkpoint, like prerouter.safetensors
 WEIGHTS_FILE = "adapters.safetensors"

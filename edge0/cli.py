@@ -16,18 +16,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+from edge0.cache import cache_dir
 from edge0.config import EngineConfig
 from edge0.errors import Edge0Error
 
 DEMO_FAMILY = "qwen3_moe"
 DEMO_PROMPT = "import os\n\n\ndef read_lines(path):"
 DEMO_VERSION = 1
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("EDGE0_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache"), "edge0")
-    return Path(root)
 
 
 PACKAGED_DEMO = Path(__file__).resolve().parent / "data" / "demo_model"
@@ -204,7 +199,7 @@ def cmd_make_tiny(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from edge0.tiny.configs import ARCHITECTURES
+    from edge0.model.families import SUPPORTED_MODEL_TYPES as ARCHITECTURES
 
     parser = argparse.ArgumentParser(
         prog="edge0", description="Edge0: streaming Mixture-of-Experts inference on MLX. The routed experts of an "

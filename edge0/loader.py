@@ -1,7 +1,7 @@
 """Opening a checkpoint for streaming: checks, the resident model, executors, artifacts.
 
 ``load_streaming_model`` validates the directory (files, config values, headers) before any
-constructor runs, builds mlx-lm's model, derives what to stream from it (``edge0.arch``),
+constructor runs, builds mlx-lm's model, derives what to stream from it (``edge0.model.arch``),
 replaces every expert stack by a ``StreamingSwitch`` and every router by a ``RouterTap``
 (``edge0.exec.taps``; the blocks themselves run unchanged), loads the resident tensors,
 wires the executor paths, the prerouter heads and the adapters found beside the checkpoint
@@ -16,9 +16,7 @@ from pathlib import Path
 from edge0.adapters import ADAPTER_DIRNAME, AdapterBank, artifact_identity, load_adapter
 from edge0.backend import core as B
 from edge0.backend import nn as bnn
-from edge0.checkpoint import CheckpointIndex, check_half_dtypes, max_dimension, read_headers, refuse_unsafe
 from edge0.config import PATHS, PHASES, EngineConfig
-from edge0.config_check import check_fractions, check_quantization, check_values, layer_bound
 from edge0.errors import ConfigError
 from edge0.exec.exact import ExactExecutor
 from edge0.exec.hot import HotExecutor
@@ -27,12 +25,11 @@ from edge0.exec.split import Split, resolve_threads
 from edge0.exec.staged import StagedExecutor, Stager
 from edge0.exec.whole_layer import WholeLayerExecutor
 from edge0.io_sched.reader import ExpertReader
-from edge0.model_files import check_entry
+from edge0.model.files import check_entry
+from edge0.model.open import open_model
 from edge0.prerouter.files import HEADS_FILENAME, checkpoint_identity, load_heads, serving_of
 from edge0.prerouter.runtime import Prerouter
-from edge0.arch import check_streamable, derive_spec
 from edge0.exec.taps import RouterTap, StreamingSwitch
-from edge0.spec import load_config, with_experts_per_token
 
 
 class Streaming:
@@ -178,52 +175,6 @@ def resolve_compute_dtype(name: str, config: dict) -> str:
     return stored if stored in ("bfloat16", "float16", "float32") else "bfloat16"
 
 
-def _validated(model_dir: Path, experts_per_token: int | None = None) -> tuple[dict, list]:
-    """config.json and the weight files' headers, every check done before any constructor
-    runs and before any tensor byte is read."""
-    raw = with_experts_per_token(load_config(model_dir), experts_per_token)
-    refuse_unsafe(model_dir, raw)
-    check_streamable(raw)
-    if not isinstance(raw.get("quantization") or (raw.get("text_config") or {}).get("quantization"), dict):
-        raise ConfigError(f"{raw.get('model_type')} checkpoint is not quantized (config.json has no 'quantization'): "
-                          "Edge0 streams quantized mlx-lm checkpoints; convert with `mlx_lm.convert -q --q-bits 4 "
-                          "--q-group-size 64`")
-    check_quantization(raw)
-    headers = read_headers(model_dir)
-    check_values(raw, bnn.arg_annotations(raw), max_dim=max_dimension(headers),
-                 layers=layer_bound(name for h in headers for name in h.tensors))
-    check_fractions(raw)
-    check_half_dtypes(headers)
-    return raw, headers
-
-
-def _templates(model, spec, raw: dict, headers) -> dict:
-    """Each MoE layer's switch module, quantized as the checkpoint stores its experts: the
-    code the executors run on their rows."""
-    shapes = {name: tuple(e.shape) for h in headers for name, e in h.tensors.items()}
-    q = raw.get("quantization") or (raw.get("text_config") or {}).get("quantization") or {}
-    out = {}
-    for layer in spec.moe_layers:
-        template = bnn.module_at(model, spec.switch_path(layer))
-        bnn.quantize_switch(template, shapes, spec.switch_path(layer), q)
-        out[layer] = template
-    return out
-
-
-def open_checkpoint(model_dir: str | Path, experts_per_token: int | None = None):
-    """(spec, index, templates) of ``model_dir``: every check of config.json and the weight
-    headers, mlx-lm's model as a skeleton, and the byte ranges of every expert. No tensor
-    byte is read."""
-    model_dir = Path(model_dir)
-    raw, headers = _validated(model_dir, experts_per_token)
-    model = bnn.build_model(raw)
-    spec = derive_spec(model, raw)
-    templates = _templates(model, spec, raw, headers)
-    index = CheckpointIndex(model_dir, spec, raw, headers=headers,
-                            layouts={l: bnn.switch_layout(t) for l, t in templates.items()})
-    return spec, index, templates
-
-
 def _paths(config: EngineConfig, layers: list[int], heads) -> dict[tuple[int, str], str]:
     """(layer, phase) -> executor path; the heads' consumer layers decode staged."""
     for layer, _, _ in config.layer_paths:
@@ -250,12 +201,8 @@ def load_streaming_model(model_dir: str | Path, config: EngineConfig, *, oracle:
     StreamingSwitch and every router by a RouterTap, the resident tensors loaded, the
     executor paths, prerouter heads and adapters wired."""
     model_dir = Path(model_dir)
-    raw, headers = _validated(model_dir, config.experts_per_token)
-    model = bnn.build_model(raw)
-    spec = derive_spec(model, raw)
-    templates = _templates(model, spec, raw, headers)
-    index = CheckpointIndex(model_dir, spec, raw, headers=headers,
-                            layouts={l: bnn.switch_layout(t) for l, t in templates.items()})
+    opened = open_model(model_dir, config.experts_per_token)
+    model, spec, raw, index, templates = opened.model, opened.spec, opened.raw, opened.index, opened.templates
     layers = list(spec.moe_layers)
     if oracle is None and config.oracle_file and config.staged_source != "prerouter":
         oracle = OracleRouting.load(config.oracle_file)

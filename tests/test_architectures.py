@@ -19,7 +19,7 @@ from mlx_lm.generate import stream_generate
 from mlx_lm.utils import load_model, load_tokenizer
 
 from edge0 import Engine, EngineConfig
-from edge0.arch import SUPPORTED_MODEL_TYPES
+from edge0.model.families import SUPPORTED_MODEL_TYPES
 from edge0.backend import nn as bnn
 from edge0.errors import ConfigError
 from edge0.loader import StepModel, load_streaming_model

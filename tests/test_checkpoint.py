@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from edge0 import EngineConfig
-from edge0.loader import load_streaming_model, open_checkpoint
+from edge0.loader import load_streaming_model
+from edge0.model.open import load_spec, open_checkpoint
 from edge0.errors import ConfigError, HeaderError, LayoutError, UnsafeModelError, UnsupportedModelError
-from edge0.spec import load_spec
 from tests.ckpt_tools import copy_model, find
 
 

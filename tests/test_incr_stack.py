@@ -10,7 +10,7 @@ from edge0.io_sched.plan import LayerPlan, StepPlan
 from edge0.io_sched.reader import ExpertReader
 from edge0.io_sched.scheduler import PrefetchScheduler
 from edge0.io_sched.store import SlotStore
-from edge0.loader import open_checkpoint
+from edge0.model.open import open_checkpoint
 
 pytestmark = pytest.mark.asyncio
 

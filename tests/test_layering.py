@@ -1,4 +1,6 @@
-"""Core logic reaches the array library only through the backend facade."""
+"""The shape of the package: core logic reaches the array library only through the backend
+facade, serving never imports training, the import graph (imports inside functions
+included) has no circle, and no module or function outgrows a reader."""
 
 from __future__ import annotations
 
@@ -23,6 +25,99 @@ def imported_modules(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module:
             names.add(node.module)
     return names
+
+
+MAX_MODULE_LINES = 500
+MAX_FUNCTION_LINES = 80
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the edge0 modules it imports, at module level or inside functions, relative
+    imports resolved; ``from package import name`` counts the submodule when ``name`` is one.
+    Importing ``a.b.c`` also runs the ``__init__`` of ``a`` and ``a.b``: those implicit edges are
+    not counted (a package's ``__init__`` that imports its own submodules would otherwise be a
+    circle by definition); an explicit ``import edge0`` or ``from edge0 import x`` is."""
+    paths = {module_name(p): p for p in ROOT.rglob("*.py")}
+    graph = {}
+    for name, path in paths.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                    base = ".".join(anchor + ([base] if base else []))
+                targets.add(base)
+                targets.update(f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in paths)
+        edges = set()
+        for t in targets:
+            while t and t not in paths:
+                t = t.rpartition(".")[0]
+            if t and t != name:
+                edges.add(t)
+        graph[name] = edges
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One circle of ``graph`` as a path that ends where it starts, or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_the_import_graph_has_no_circle():
+    assert find_cycle(import_graph()) is None, " -> ".join(find_cycle(import_graph()))
+
+
+def test_the_cycle_finder_finds_a_circle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert find_cycle(graph) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+    edges = import_graph()
+    assert "edge0.model.open" in edges["edge0.loader"]
+    assert "edge0.tiny" in edges["edge0.cli"]  # imported inside cmd_make_tiny: counted too
+
+
+def test_no_module_over_500_lines():
+    long = {str(p.relative_to(ROOT)): n for p in ROOT.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert long == {}
+
+
+def test_no_function_over_80_lines():
+    long = {}
+    for path in ROOT.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    long[f"{path.relative_to(ROOT)}:{node.name}"] = n
+    assert long == {}
 
 
 def test_only_the_backend_imports_mlx():
@@ -53,7 +148,7 @@ def test_serving_path_imports_no_training_code():
 
 
 def test_spec_and_header_reader_need_no_array_library():
-    for name in ("spec.py", "safetensors_header.py", "checkpoint.py", "errors.py", "config.py"):
+    for name in ("model/spec.py", "model/safetensors_header.py", "model/checkpoint.py", "errors.py", "config.py"):
         mods = imported_modules(ROOT / name)
         assert not {m for m in mods if m.split(".")[0] in ("mlx", "mlx_lm", "numpy", "edge0.backend")}, name
         assert "edge0.backend" not in mods, name

@@ -59,7 +59,7 @@ def qwen(tiny_model_factory):
 def test_staged_oracle_generation_equals_exact(tiny_model, tiny_model_factory, slots):
     oracle, expected, _ = record(tiny_model)
     k = {"k": 1, "2k": 2, "3k": 3}[slots]
-    from edge0.spec import load_spec
+    from edge0.model.open import load_spec
 
     cfg = EngineConfig(decode_path="staged", slots_per_layer=k * load_spec(tiny_model).k)
     with Engine(tiny_model, cfg, oracle=oracle) as e:

@@ -242,7 +242,7 @@ def test_prediction_is_the_routing_weights_included(trained, tiny_model_factory,
     its own router gives another output at most steps."""
     from mlx_lm.models.deepseek_v3 import group_expert_select
 
-    from edge0.spec import load_config
+    from edge0.model.spec import load_config
 
     d = _strong_bias_deepseek(tiny_model_factory, tmp_path / "m") if family == "deepseek_v3" else trained(family)[0]
     seen = []
@@ -316,7 +316,7 @@ def test_predicted_routing_applies_the_score_correction_bias(tiny_model_factory,
 
         s.prerouter.flush = capture_flush
         list(engine.stream(PROMPT, max_tokens=12))
-    from edge0.spec import load_config
+    from edge0.model.spec import load_config
 
     cfg = load_config(d)
     args = (cfg["num_experts_per_tok"], cfg["n_group"], cfg["topk_group"], cfg["routed_scaling_factor"],

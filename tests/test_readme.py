@@ -6,7 +6,8 @@ import re
 import sys
 from pathlib import Path
 
-from edge0.arch import SUPPORTED_MODEL_TYPES, architecture_table
+from edge0.model.families import SUPPORTED_MODEL_TYPES
+from edge0.tiny.table import architecture_table
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))

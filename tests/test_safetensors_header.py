@@ -1,4 +1,4 @@
-"""Tests for edge0.safetensors_header: valid files, every malformed case, no data read, fuzz."""
+"""Tests for edge0.model.safetensors_header: valid files, every malformed case, no data read, fuzz."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import save, save_file
 
-import edge0.safetensors_header as sh
+import edge0.model.safetensors_header as sh
 from edge0.errors import CheckpointError, HeaderError
-from edge0.safetensors_header import (
+from edge0.model.safetensors_header import (
     DTYPE_SIZES, MAX_HEADER_BYTES, SafetensorsHeader, TensorEntry, parse_header_bytes,
     read_header,
 )

@@ -67,7 +67,7 @@ def test_select_routes_by_the_layers_own_router_among_the_staged(heads, family):
     lowered), weights included; and the choice differs from the prediction's at some steps."""
     from mlx_lm.models.deepseek_v3 import group_expert_select
 
-    from edge0.spec import load_config
+    from edge0.model.spec import load_config
 
     d = heads(family)
     cfg = load_config(d)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from edge0.arch import NOT_STREAMABLE, SUPPORTED_MODEL_TYPES, derive_spec
+from edge0.model.arch import NOT_STREAMABLE, derive_spec
+from edge0.model.families import SUPPORTED_MODEL_TYPES
 from edge0.backend import nn as bnn
 from edge0.errors import ConfigError
-from edge0.spec import load_config, load_spec
+from edge0.model.open import load_spec
+from edge0.model.spec import load_config
 from edge0.tiny import MIN_LAYERS, tiny_config
 from tests.ckpt_tools import copy_model
 

@@ -176,3 +176,10 @@ def test_build_tokenizer(tmp_path):
     assert len(tok) <= 400
     ids = tok.encode("def f(x):\n    return x + 1")
     assert tok.decode(ids) == "def f(x):\n    return x + 1"
+
+
+def test_a_tiny_builder_for_every_supported_model_type_in_its_order():
+    from edge0.model.families import SUPPORTED_MODEL_TYPES
+    from edge0.tiny.configs import BUILDERS, CLASSIC
+
+    assert CLASSIC + tuple(sorted(BUILDERS, key=str.lower)) == SUPPORTED_MODEL_TYPES

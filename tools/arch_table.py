@@ -22,7 +22,7 @@ def rendered(readme: str, table: str) -> str:
 
 
 def main() -> int:
-    from edge0.arch import architecture_table
+    from edge0.tiny.table import architecture_table
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--check", action="store_true", help="only check; exit 1 when the README differs")

@@ -57,7 +57,7 @@ def run_arm(name: str, model: str, max_tokens: int) -> dict:
 
 
 def default_model() -> Path:
-    from edge0.cli import cache_dir
+    from edge0.cache import cache_dir
     from edge0.tiny import make_tiny
 
     path = cache_dir() / "memory-qwen3_moe-v1"
@@ -76,7 +76,7 @@ def main() -> int:
     if args.arm:
         print(json.dumps(ARMS[args.arm](args.model, args.max_tokens)))
         return 0
-    from edge0.loader import open_checkpoint
+    from edge0.model.open import open_checkpoint
 
     model = Path(args.model) if args.model else default_model()
     _, index, _ = open_checkpoint(model)

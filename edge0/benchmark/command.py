@@ -14,7 +14,7 @@ from edge0.config import COMPUTE_DTYPES
 
 def default_bench_model(layers: int) -> Path:
     from edge0.benchmark.checkpoint import BenchShape, make_bench_checkpoint
-    from edge0.cli import cache_dir
+    from edge0.cache import cache_dir
 
     path = cache_dir() / f"bench-35b-{layers}L"
     if not (path / "config.json").exists():

@@ -19,7 +19,7 @@ import numpy as np
 
 from edge0.backend import core as B
 from edge0.backend import io as bio
-from edge0.checkpoint import CheckpointIndex, LayerExperts
+from edge0.model.checkpoint import CheckpointIndex, LayerExperts
 from edge0.exec.split import Split
 from edge0.exec.taps import bind
 from edge0.io_sched.reader import ExpertReader

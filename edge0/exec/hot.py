@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from edge0.backend import core as B
-from edge0.checkpoint import CheckpointIndex
+from edge0.model.checkpoint import CheckpointIndex
 from edge0.exec.exact import ExactExecutor, ExpertRows
 from edge0.io_sched.reader import ExpertReader
 from edge0.io_sched.slots import SlotTable

@@ -12,7 +12,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from edge0.backend import core as B
-from edge0.checkpoint import CheckpointIndex
+from edge0.model.checkpoint import CheckpointIndex
 from edge0.errors import ConfigError
 from edge0.exec.exact import ExpertRows
 from edge0.exec.split import Split

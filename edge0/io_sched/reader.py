@@ -16,7 +16,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from edge0.checkpoint import CheckpointIndex, TensorLocation
+from edge0.model.checkpoint import CheckpointIndex, TensorLocation
 from edge0.errors import CheckpointError, ExpertReadError
 
 

@@ -20,9 +20,9 @@ from pathlib import Path
 from edge0.backend import core as B
 from edge0.backend import nn as bnn
 from edge0.errors import CheckpointError, ForeignArtifactError
-from edge0.model_files import atomic_write
+from edge0.model.files import atomic_write
 from edge0.prerouter.heads import BASE_INPUTS, KNOWN_INPUTS, PrerouterHeads
-from edge0.safetensors_header import read_header
+from edge0.model.safetensors_header import read_header
 
 HEADS_FILENAME = "prerouter.safetensors"
 FORMAT = "edge0-prerouter/1"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from edge0.backend import core as B
 from edge0.backend import nn as bnn
-from edge0.spec import MoESpec
+from edge0.model.spec import MoESpec
 
 
 def consumer_of(spec: MoESpec, owner: int) -> int | None:

@@ -7,7 +7,7 @@ The model is built from :func:`edge0.tiny.configs.tiny_config`, cast to ``dtype`
 ``mlx_lm.utils.save_model`` and ``save_config``. Every directory loads with
 ``mlx_lm.load`` and generates.
 
-Which tensors are routers is not a table of names: :func:`edge0.arch.derive_spec` finds
+Which tensors are routers is not a table of names: :func:`edge0.model.arch.derive_spec` finds
 them on the model itself, as the engine does when it loads. Routers are re-drawn with a
 scale large enough that routing is spread over the experts and differs between tokens
 (several mlx-lm gates start at zeros), expert-bias vectors get small random values so
@@ -47,7 +47,7 @@ _SHAPE_KEYS = ("layers", "experts", "k", "hidden", "moe_intermediate", "vocab_si
 
 
 def _spec(model, cfg):
-    from edge0.arch import derive_spec
+    from edge0.model.arch import derive_spec
 
     return derive_spec(model, cfg)
 

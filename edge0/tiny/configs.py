@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from edge0.model.families import SUPPORTED_MODEL_TYPES
 from edge0.tiny.tokenizer import DEFAULT_VOCAB, EOS_TOKEN_ID
 
 GROUP_SIZE = 64
@@ -350,7 +351,8 @@ MIN_LAYERS = {"kimi_k3": 2, "minimax_m3_vl": 2, "gemma4": 1, "kimi_vl": 2, "kimi
               "mimo_v2_flash": 2, "deepseek": 2, "deepseek_v2": 2, "deepseek_v32": 2, "glm4_moe": 2, "dots1": 2,
               "afmoe": 2, "ernie4_5_moe": 2, "laguna": 2, "mistral4": 2, "gpt_oss": 2}
 MIN_LAYERS.update(CLASSIC_MIN_LAYERS)
-ARCHITECTURES: tuple[str, ...] = CLASSIC + tuple(sorted(BUILDERS, key=str.lower))
+# One list: a builder for every supported model type, in its order (tests/test_tiny.py).
+ARCHITECTURES: tuple[str, ...] = SUPPORTED_MODEL_TYPES
 
 
 def tiny_config(family: str, *, layers: int = 4, experts: int = 16, k: int = 4, hidden: int = 128,

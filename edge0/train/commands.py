@@ -190,7 +190,7 @@ def add_lora_parsers(trs) -> None:
 
 
 def _work(args) -> Path:
-    from edge0.cli import cache_dir
+    from edge0.cache import cache_dir
 
     return Path(args.work) if args.work else cache_dir() / f"recipe-{Path(args.model).resolve().name}"
 

@@ -31,14 +31,14 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from edge0.adapters import AdaptedLinear, adapter_key, save_adapter, target_modules
-from edge0.arch import derive_spec
+from edge0.model.arch import derive_spec
 from edge0.backend import core as B
 from edge0.backend import nn as bnn
 from edge0.exec.taps import RouterTap
 from edge0.config import EngineConfig
 from edge0.loader import probe_routing, resolve_routing
 from edge0.prerouter.files import HEADS_FILENAME, load_heads
-from edge0.spec import load_config, with_experts_per_token
+from edge0.model.spec import load_config, with_experts_per_token
 from edge0.train.adapter_init import lora_init
 
 

@@ -20,13 +20,10 @@ from __future__ import annotations
 from edge0.backend import core as B
 from edge0.backend import nn as bnn
 from edge0.errors import ConfigError, UnsupportedModelError
-from edge0.spec import ExpertQuant, MoELayer, MoESpec
-from edge0.tiny.configs import ARCHITECTURES
+from edge0.model.spec import ExpertQuant, MoELayer, MoESpec
 
-# The mlx-lm model types the test suite streams: a tiny checkpoint of each runs every
-# executor path against mlx-lm. Other model types load when derive_spec finds their experts
-# and router, untested.
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = ARCHITECTURES
+# Model types beyond edge0.model.families.SUPPORTED_MODEL_TYPES load when derive_spec finds
+# their experts and router, untested.
 
 # mlx-lm model types whose experts are a stack but that Edge0 cannot stream, and why.
 NOT_STREAMABLE = {
@@ -43,16 +40,6 @@ def check_streamable(config: dict) -> None:
                           f"{model_type!r:.80}")
     if model_type in NOT_STREAMABLE:
         raise UnsupportedModelError(f"{model_type} cannot be streamed: {NOT_STREAMABLE[model_type]}")
-
-
-def load_spec(model_dir, experts_per_token: int | None = None) -> MoESpec:
-    """Validate ``model_dir`` (config.json, weight headers) and derive its MoESpec."""
-    from pathlib import Path
-
-    from edge0.loader import _validated
-
-    raw, _ = _validated(Path(model_dir), experts_per_token)
-    return derive_spec(bnn.build_model(raw), raw)
 
 
 def decoder_layers(model) -> tuple[list, str]:
@@ -202,26 +189,3 @@ def _probe_shapes(model, spec: MoESpec, config: dict) -> MoESpec:
 def _is_layer(layer: MoELayer) -> bool:
     """Whether the 'block' is the decoder layer itself."""
     return layer.block_path.rsplit(".", 1)[-1].isdigit()
-
-
-def architecture_table() -> str:
-    """The README's table of supported architectures, derived from each model type's tiny
-    config through :func:`derive_spec` (``tests/test_readme.py`` keeps the README in sync)."""
-    from edge0.tiny.configs import MIN_LAYERS, tiny_config
-
-    rows = ["| model_type | mlx-lm model file | routed experts | router | prerouter heads |",
-            "|---|---|---|---|---|"]
-    for model_type in SUPPORTED_MODEL_TYPES:
-        config = tiny_config(model_type, layers=max(4, MIN_LAYERS.get(model_type, 1)))
-        model = bnn.build_model(config)
-        spec = derive_spec(model, config)
-        first = spec.layers[spec.moe_layers[0]]
-        base = f"{spec.layer_prefix}{first.layer}."
-        switch = bnn.module_at(model, first.switch_path)
-        router = f"`{first.router_path[len(base):]}` ({first.router_kind})" if first.router_path else "none found"
-        heads = "yes" if not spec.prerouter_problem else "no: " + spec.prerouter_problem
-        rows.append(f"| `{model_type}` | `{type(model).__module__.rsplit('.', 1)[-1]}.py` | "
-                    f"`{first.switch_path[len(base):]}` ({type(switch).__name__}) | {router} | {heads} |")
-    for model_type, why in NOT_STREAMABLE.items():
-        rows.append(f"| `{model_type}` | | not streamed: {why} | | |")
-    return "\n".join(rows)

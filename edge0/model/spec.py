@@ -1,6 +1,6 @@
 """MoESpec: what Edge0 knows about a MoE checkpoint's routed experts. Plain data.
 
-It is derived from mlx-lm's own model for the checkpoint's config.json (``edge0.arch``):
+It is derived from mlx-lm's own model for the checkpoint's config.json (``edge0.model.arch``):
 which decoder layers have a stack of routed experts, where the stack, its block and its
 router live, the expert count, k, and the checkpoint keys of the stacked tensors. One
 streaming layer serves every architecture from this data.
@@ -88,7 +88,7 @@ def with_experts_per_token(config: dict, k: int | None) -> dict:
 def load_config(model_dir: str | Path) -> dict:
     """config.json of ``model_dir``, read through the model-directory gate (regular file
     inside the directory, size limit, UTF-8, bounded nesting)."""
-    from edge0.model_files import read_json
+    from edge0.model.files import read_json
 
     try:
         config = read_json(Path(model_dir), "config.json")
@@ -98,11 +98,3 @@ def load_config(model_dir: str | Path) -> dict:
     if not isinstance(config, dict):
         raise ConfigError(f"{Path(model_dir) / 'config.json'} must hold a JSON object")
     return config
-
-
-def load_spec(model_dir: str | Path, experts_per_token: int | None = None) -> MoESpec:
-    """The MoESpec of a checkpoint directory (config.json and the weight headers are
-    checked first; mlx-lm's model is built as a skeleton, no weight is read)."""
-    from edge0.arch import load_spec as derive
-
-    return derive(model_dir, experts_per_token)

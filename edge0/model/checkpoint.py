@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from edge0.errors import LayoutError, UnsafeModelError
-from edge0.model_files import check_directory, check_entry, read_json
-from edge0.safetensors_header import SafetensorsHeader, TensorEntry, read_header
-from edge0.spec import MoESpec
+from edge0.model.files import check_directory, check_entry, read_json
+from edge0.model.safetensors_header import SafetensorsHeader, TensorEntry, read_header
+from edge0.model.spec import MoESpec
 
 # Files that would make a loader execute code or unpickle data.
 _UNSAFE_SUFFIXES = (".py", ".pyc", ".pkl", ".pickle", ".bin", ".pt", ".pth", ".ckpt")
