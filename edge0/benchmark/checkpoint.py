@@ -82,11 +82,13 @@ def _resident_tensors(shape: BenchShape, seed: int) -> dict[str, tuple[str, tupl
     """Everything but the routed experts, built with mlx-lm's class and quantization rules."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
-    from mlx_lm.utils import _get_classes, quantize_model
+    from mlx_lm.utils import quantize_model
+
+    from edge0.backend import nn as bnn
 
     config = shape.config()
     mx.random.seed(seed)
-    model_class, args_class = _get_classes(config)
+    model_class, args_class = bnn.model_classes(config)
     model = model_class(args_class.from_dict(config))
     for layer in model.model.layers:
         del layer.mlp["switch_mlp"]  # never evaluated: its lazy random init is dropped

@@ -201,7 +201,9 @@ def make_tiny(
 
     Not thread-safe: reseeds MLX's global random generator.
     """
-    from mlx_lm.utils import _get_classes, quantize_model, save_config, save_model
+    from mlx_lm.utils import quantize_model, save_config, save_model
+
+    from edge0.backend import nn as bnn
 
     _check_family(family)
     if dtype not in _DTYPES:
@@ -222,7 +224,7 @@ def make_tiny(
     # architecture is mixed in so that architectures with identical parameter trees
     # (deepseek_v3 / glm4_moe_lite) do not get byte-identical weights.
     mx.random.seed((int(seed) * 16 + ARCHITECTURES.index(family)) % 2**63)
-    model_cls, args_cls = _get_classes(cfg)
+    model_cls, args_cls = bnn.model_classes(cfg)
     model = model_cls(args_cls.from_dict(cfg))
     routers, blocks, n_experts = _routers(model, cfg)
     _randomize_routing(model, routers, blocks)

@@ -1,0 +1,78 @@
+"""Tokenizer, token generation and the prompt cache (MLX, mlx-lm).
+
+mlx-lm's tokenizer wrapper with its streaming detokenizer (``load_tokenizer``, its
+failures turned into ``TokenizerError``), mlx-lm's token generator driven by Edge0's
+sampling parameters (``generate_step``), and the KV / state cache it runs on: making one
+(``make_cache``), its size in bytes (``cache_nbytes``) and trimming tokens off its end
+where its layers allow that (``cache_trimmable``, ``trim_cache``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from edge0.errors import Edge0Error, TokenizerError
+
+
+def load_tokenizer(model_dir: Path):
+    """mlx-lm's tokenizer wrapper (with its streaming detokenizer) for a local directory.
+    Anything the tokenizer libraries raise is a ``TokenizerError`` naming the directory."""
+    from mlx_lm.utils import load_tokenizer as _load
+
+    try:
+        return _load(Path(model_dir))
+    except Edge0Error:
+        raise
+    except (Exception, RecursionError) as e:
+        raise TokenizerError(f"the tokenizer does not load: {type(e).__name__}: {str(e)[:500]}",
+                             file=model_dir) from None
+
+
+def generate_step(prompt, model, params, *, prefill_step_size: int, max_tokens: int | None = None,
+                  prompt_cache=None):
+    """mlx-lm's token generator (prefill in chunks, then one token per step, one step of
+    look-ahead), with its sampler and logits processors built from ``params`` (a
+    SamplingParams); yields (token, logprobs [V])."""
+    from mlx_lm.generate import generate_step as _generate_step
+    from mlx_lm.sample_utils import make_logits_processors, make_sampler
+
+    sampler = make_sampler(params.temp, params.top_p if params.top_p < 1.0 else 0.0, params.min_p,
+                           params.min_tokens_to_keep, top_k=params.top_k)
+    processors = make_logits_processors(repetition_penalty=params.repetition_penalty,
+                                        repetition_context_size=params.repetition_context_size)
+    return _generate_step(mx.array(prompt), model, max_tokens=max_tokens or params.max_tokens, sampler=sampler,
+                          logits_processors=processors or None, max_kv_size=params.max_kv_size,
+                          prompt_cache=prompt_cache, prefill_step_size=prefill_step_size)
+
+
+def make_cache(model: nn.Module) -> list:
+    """A fresh KV / state cache for ``model`` (mlx-lm's, so hybrid models get theirs)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    return make_prompt_cache(model)
+
+
+def cache_nbytes(cache: list) -> int:
+    """Bytes a prompt cache (one entry per layer) holds."""
+    return sum(c.nbytes for c in cache)
+
+
+def cache_trimmable(cache: list) -> bool:
+    from mlx_lm.models.cache import can_trim_prompt_cache
+
+    return can_trim_prompt_cache(cache)
+
+
+def trim_cache(cache: list, n: int) -> bool:
+    """Drop the last ``n`` tokens of a prompt cache; False when its layers cannot be trimmed
+    (state-space and linear-attention layers keep a running state, rotating caches wrap)."""
+    from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+
+    if n == 0:
+        return True
+    if not can_trim_prompt_cache(cache):
+        return False
+    return trim_prompt_cache(cache, n) == n
