@@ -10,17 +10,11 @@ from pathlib import Path
 import pytest
 
 from edge0.config import EngineConfig
-from edge0.config_sources import (
-    add_config_flags,
-    config_from_args,
-    config_from_env,
-    config_from_toml,
-    config_table_markdown,
-    env_var,
-    field_docs,
-    flag,
-    resolve_config,
-)
+from edge0.config_sources.cli_flags import add_config_flags, config_from_args
+from edge0.config_sources.docs_table import config_table_markdown
+from edge0.config_sources.fields import env_var, field_docs, flag
+from edge0.config_sources.resolve import resolve_config
+from edge0.config_sources.toml_env import config_from_env, config_from_toml
 from edge0.errors import ConfigError
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "CONFIG.md"
@@ -440,7 +434,7 @@ def test_adapter_flag_takes_several_directories():
     """``--adapter A B`` and ``--adapter A --adapter B``: A is the default, B stays resident."""
     import argparse
 
-    from edge0.config_sources import add_config_flags
+    from edge0.config_sources.cli_flags import add_config_flags
 
     p = argparse.ArgumentParser()
     add_config_flags(p)

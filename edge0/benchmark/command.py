@@ -106,7 +106,8 @@ def run(args) -> int:
 def arm_options(items: list[str], arms: tuple[str, ...]) -> dict:
     """``ARM:KEY=VALUE,KEY=VALUE`` -> {ARM: {KEY: typed VALUE}}, each checked as an
     EngineConfig value."""
-    from edge0.config_sources import parse_settings, resolve_config
+    from edge0.config_sources.resolve import resolve_config
+    from edge0.config_sources.settings_list import parse_settings
     from edge0.errors import ConfigError
 
     out: dict = {}

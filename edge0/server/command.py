@@ -11,7 +11,7 @@ API_KEY_ENV = "EDGE0_API_KEY"
 
 
 def add_parser(sub) -> None:
-    from edge0.config_sources import add_config_flags
+    from edge0.config_sources.cli_flags import add_config_flags
     from edge0.server.app import DEFAULT_MAX_BODY
 
     s = sub.add_parser(
@@ -49,7 +49,7 @@ def add_parser(sub) -> None:
 
 
 def build_settings(args: argparse.Namespace):
-    from edge0.config_sources import resolve_config
+    from edge0.config_sources.resolve import resolve_config
     from edge0.errors import ConfigError
     from edge0.hub import resolve_model
     from edge0.server.app import ServerSettings

@@ -125,6 +125,26 @@ def parse(body: Any, kind: str, models: dict[str, Any], default_model: str, defa
     """A checked request. ``models``: id -> the engine's adapter argument for it."""
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
+    model, adapter = _model_and_adapter(body, models, default_model)
+    sampling = _sampling(body, defaults)
+    stops = _stops(body)
+    stream, include_usage = _stream_options(body)
+    logprobs, top = _logprob_fields(body, kind)
+    sampling["stop"] = tuple(stops)
+    req = GenerationRequest(kind=kind, model=model, adapter=adapter, sampling=sampling, stream=stream,
+                            include_usage=include_usage, logprobs=logprobs, top_logprobs=top)
+    if logprobs:
+        sampling["logprobs"] = True
+        sampling["top_logprobs"] = top
+    if kind == "chat":
+        req.messages = _messages(body.get("messages"))
+    else:
+        req.prompt = _prompt(body.get("prompt"), vocab_size)
+    return req
+
+
+def _model_and_adapter(body: dict, models: dict[str, Any], default_model: str) -> tuple[str, Any]:
+    """The model id answered with and the engine's adapter argument, from ``model`` or ``adapters``."""
     model = body.get("model", default_model)
     if model is None:
         model = default_model
@@ -137,12 +157,15 @@ def parse(body: Any, kind: str, models: dict[str, Any], default_model: str, defa
         if adapters not in models:
             raise APIError(404, f"no adapter {adapters!r}; this server serves {sorted(models)}", param="adapters",
                            code="model_not_found")
-        adapter, model = models[adapters], adapters
-    elif model not in models:
+        return adapters, models[adapters]
+    if model not in models:
         raise APIError(404, f"the model {model!r} does not exist; this server serves {sorted(models)}",
                        param="model", code="model_not_found")
-    else:
-        adapter = models[model]
+    return model, models[model]
+
+
+def _sampling(body: dict, defaults: Defaults) -> dict:
+    """``n`` (one choice only), the token limit and the sampling fields, with the server's defaults."""
     n = _number(body, "n", 1, 1, integer=True, default=1)
     del n  # one choice per request
     max_tokens = _number(body, "max_completion_tokens", 1, 1 << 20, integer=True)
@@ -160,6 +183,11 @@ def parse(body: Any, kind: str, models: dict[str, Any], default_model: str, defa
         sampling["seed"] = sampling["seed"] % (1 << 63)
     if sampling["repetition_penalty"] is None:
         del sampling["repetition_penalty"]
+    return sampling
+
+
+def _stops(body: dict) -> list[str]:
+    """``stop``: none, one string or a list of at most ``MAX_STOP`` non-empty strings."""
     stop = body.get("stop")
     if stop is None:
         stops: list[str] = []
@@ -171,45 +199,48 @@ def parse(body: Any, kind: str, models: dict[str, Any], default_model: str, defa
         raise bad(f"'stop' must be a string or a list of at most {MAX_STOP} strings", "stop")
     if any(s == "" for s in stops):
         raise bad("'stop' strings must not be empty", "stop")
+    return stops
+
+
+def _stream_options(body: dict) -> tuple[bool, bool]:
+    """``stream`` and ``stream_options.include_usage``."""
     stream = _bool(body, "stream")
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise bad("'stream_options' must be an object", "stream_options")
-    include_usage = bool(options and _bool(options, "include_usage"))
+    return stream, bool(options and _bool(options, "include_usage"))
+
+
+def _logprob_fields(body: dict, kind: str) -> tuple[bool, int]:
+    """Whether to return logprobs and how many alternatives: chat's ``logprobs`` /
+    ``top_logprobs``, or the legacy completions' ``logprobs: N`` (and no ``echo``)."""
     if kind == "chat":
         logprobs = _bool(body, "logprobs")
         top = _number(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, integer=True, default=0)
         if top and not logprobs:
             raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        return logprobs, top
+    lp = _number(body, "logprobs", 0, MAX_TOP_LOGPROBS, integer=True)
+    if _bool(body, "echo"):
+        raise bad("'echo' is not supported", "echo")
+    return lp is not None, lp or 0
+
+
+def _prompt(prompt: Any, vocab_size: int | None) -> str | list[int]:
+    """A completion's prompt: a non-empty string or token ids (a one-element list is unwrapped)."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise bad("'prompt' must not be empty", "prompt")
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
+                                                     for t in prompt):
+        if vocab_size is not None and any(not 0 <= t < vocab_size for t in prompt):
+            raise bad(f"'prompt' token ids must be in [0, {vocab_size})", "prompt")
     else:
-        lp = _number(body, "logprobs", 0, MAX_TOP_LOGPROBS, integer=True)
-        logprobs, top = lp is not None, lp or 0
-        if _bool(body, "echo"):
-            raise bad("'echo' is not supported", "echo")
-    sampling["stop"] = tuple(stops)
-    req = GenerationRequest(kind=kind, model=model, adapter=adapter, sampling=sampling, stream=stream,
-                            include_usage=include_usage, logprobs=logprobs, top_logprobs=top)
-    if logprobs:
-        sampling["logprobs"] = True
-        sampling["top_logprobs"] = top
-    if kind == "chat":
-        req.messages = _messages(body.get("messages"))
-    else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            if not prompt:
-                raise bad("'prompt' must not be empty", "prompt")
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
-                                                         for t in prompt):
-            if vocab_size is not None and any(not 0 <= t < vocab_size for t in prompt):
-                raise bad(f"'prompt' token ids must be in [0, {vocab_size})", "prompt")
-        else:
-            raise bad("'prompt' must be a non-empty string or a list of token ids (one prompt per request)",
-                      "prompt")
-        req.prompt = prompt
-    return req
+        raise bad("'prompt' must be a non-empty string or a list of token ids (one prompt per request)",
+                  "prompt")
+    return prompt
 
 
 def new_id(kind: str) -> str:
