@@ -226,3 +226,23 @@ def test_resumed_training_is_bit_identical(tmp_path, files):
     assert resumed.steps_done == 6
     with pytest.raises(ValueError, match="other settings"):
         te.train(te.TeacherConfig(**dict(cfg, lr=1e-4)), corpus, progress=False, resume_dir=resume, resume=True)
+
+
+def test_a_run_stopped_by_its_budget_keeps_its_state_and_resumes_bit_identical(tmp_path, files):
+    """--time-budget with --no-fit-schedule stops early: the state at the stop is kept, and
+    --resume ends where an uninterrupted run ends, bit for bit."""
+    import hashlib
+
+    cfg = dict(TINY, steps=6, checkpoint_every=4, eval_every=0, final_eval_tokens=64)
+    te.train_teacher(te.TeacherConfig(**cfg), tmp_path / "straight", files=files, progress=False)
+    out = tmp_path / "stopped"
+    said = []
+    first = te.train_teacher(te.TeacherConfig(**cfg, time_budget_s=1e-9, fit_schedule_to_budget=False), out,
+                             files=files, progress=False, say=said.append)
+    assert first["steps"] == 1 and first["stopped_by_budget"]
+    assert (out / te.RESUME_DIR / "state.json").exists() and any("--resume" in s for s in said)
+    done = te.train_teacher(te.TeacherConfig(**cfg, fit_schedule_to_budget=False), out, files=files, progress=False,
+                            resume=True)
+    assert done["steps"] == 6 and not (out / te.RESUME_DIR).exists()
+    digest = lambda d: hashlib.sha256((d / "teacher" / "model.safetensors").read_bytes()).hexdigest()
+    assert digest(out) == digest(tmp_path / "straight")

@@ -25,7 +25,6 @@ import mlx.core as mx
 import numpy as np
 
 from edge0.adapters import artifact_identity
-from edge0.prerouter.files import checkpoint_identity
 from edge0.train import data as D
 from edge0.train.loop import fit_adapter
 from edge0.train.student import StudentModel

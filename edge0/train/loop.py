@@ -1,21 +1,30 @@
-"""The training loop both adapter phases share: AdamW on the adapter's parameters only,
-a progress bar with the loss, a time budget, and resumable checkpoints.
+"""The training loop: every optimizer step Edge0 takes (the two adapter phases and the
+teacher) runs through :func:`run_steps`.
 
-Every ``checkpoint_every`` steps the trainable parameters, the optimizer's moments, the
-batch sampler's state and the loss history go to ``<work>/state`` (written beside, then
-renamed); ``resume=True`` continues from there with the same batches, so an interrupted
-phase ends where an uninterrupted one would.
+One step draws a batch from the loop's NumPy generator, sets the learning rate of the
+schedule, takes the gradient of the loss's first output, clips it, updates, and records
+every output of the loss.  Around that core a run gets a time budget, hooks after each step
+(progress bars, logging, a schedule that shrinks itself), and resumable checkpoints every
+``checkpoint_every`` steps, written beside the last one and swapped in (:func:`write_state`)
+so that a kill at any moment leaves a complete state.
+
+:func:`train` is the adapters' use of it: AdamW on the trainable parameters only, a
+warm-up-then-cosine schedule, and the state in ``<work>/state``; ``resume=True`` continues
+from there with the same batches, so an interrupted phase ends where an uninterrupted one
+would.  The teacher (``edge0.train.teacher_run``) brings its own schedule, loss outputs,
+logging and state format.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -57,6 +66,117 @@ def lr_at(cfg: LoopConfig, step: int) -> float:
     return cfg.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * p)))
 
 
+# --------------------------------------------------------------------------
+# the shared core
+# --------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    """Where a run stands.  :func:`run_steps` advances ``step`` towards ``total`` (an
+    ``on_step`` hook may change ``total``) and appends the k-th output of the loss to
+    ``histories[k]`` at every step."""
+
+    step: int
+    total: int
+    histories: tuple[list[float], ...]
+    seconds: float = 0.0  # training time so far, earlier sessions of a resumed run included
+    started: float = 0.0  # the perf_counter() reading ``seconds`` counts from
+    stopped_by_budget: bool = False
+
+
+def make_step(model: nn.Module, loss_fn: Callable, optimizer, grad_clip: float, *,
+              compile: bool = False) -> Callable[..., tuple]:
+    """``step(*batch)``: one optimizer step on ``loss_fn(model, *batch)``, returning the
+    loss's outputs as a tuple.  A loss that returns a tuple is minimised on its first
+    element and reports the others; a loss that returns one array reports that array.
+    ``compile=True`` compiles the whole step with the model's and optimizer's state."""
+    loss_and_grad = nn.value_and_grad(model, loss_fn)
+
+    def step(*batch):
+        value, grads = loss_and_grad(model, *batch)
+        grads, _ = optim.clip_grad_norm(grads, grad_clip)
+        optimizer.update(model, grads)
+        return tuple(value[1:]) if isinstance(value, (tuple, list)) else (value,)
+
+    if compile:
+        state = [model.state, optimizer.state]
+        step = mx.compile(step, inputs=state, outputs=state)
+    return step
+
+
+def run_steps(model: nn.Module, step: Callable[..., tuple], batches: Callable[[np.random.Generator], tuple],
+              rng: np.random.Generator, optimizer, run: Run, *, lr: Callable[[int, int], float],
+              time_budget_s: float | None = None,
+              on_step: Callable[[Run, Sequence[float]], None] | None = None,
+              checkpoint: Callable[[Run], None] | None = None, checkpoint_every: int = 0,
+              checkpoint_last: bool = True) -> Run:
+    """Take steps until ``run.step`` reaches ``run.total`` or the budget is spent.
+
+    Each step: ``batches(rng)``, the learning rate ``lr(step, total)``, ``step(*batch)``,
+    then ``on_step(run, values)`` with the outputs as floats, ``checkpoint(run)`` every
+    ``checkpoint_every`` steps (at the last step too only with ``checkpoint_last``), and a
+    stop once ``run.seconds`` reaches ``time_budget_s`` before the end (checkpointed then)."""
+    run.started = time.perf_counter() - run.seconds
+    while run.step < run.total:
+        batch = batches(rng)
+        optimizer.learning_rate = mx.array(lr(run.step, run.total), dtype=mx.float32)
+        outputs = step(*batch)
+        mx.eval(model.trainable_parameters(), optimizer.state, *outputs)
+        values = [out.item() for out in outputs]
+        if not math.isfinite(values[0]):
+            raise FloatingPointError(f"training diverged: loss {values[0]} at step {run.step}")
+        for history, value in zip(run.histories, values):
+            history.append(value)
+        run.step += 1
+        run.seconds = time.perf_counter() - run.started
+        if on_step is not None:
+            on_step(run, values)
+        if (checkpoint is not None and checkpoint_every and run.step % checkpoint_every == 0
+                and (checkpoint_last or run.step < run.total)):
+            checkpoint(run)
+        if time_budget_s is not None and run.seconds >= time_budget_s and run.step < run.total:
+            run.stopped_by_budget = True
+            if checkpoint is not None and not (checkpoint_every and run.step % checkpoint_every == 0):
+                checkpoint(run)  # the state at the stop, so that a resumed run continues from here
+            break
+    return run
+
+
+def write_state(state_dir: Path, arrays: dict[str, dict[str, mx.array]], meta: dict) -> None:
+    """Write a training state: each ``arrays[name]`` (flat name -> array) as
+    ``name.safetensors`` and ``meta`` as ``state.json``, into a directory beside
+    ``state_dir``, synced to disk, then renamed into place; a kill at any moment leaves
+    either the previous state or this one."""
+    tmp = state_dir.with_name(state_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for name, flat in arrays.items():
+        mx.save_safetensors(str(tmp / f"{name}.safetensors"), flat)
+    (tmp / "state.json").write_text(json.dumps(meta), encoding="utf-8")
+    for p in tmp.iterdir():
+        with open(p, "rb") as f:
+            os.fsync(f.fileno())
+    old = state_dir.with_name(state_dir.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if state_dir.exists():
+        state_dir.rename(old)
+    tmp.rename(state_dir)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def restore_optimizer(state_dir: Path, optimizer, rng: np.random.Generator, meta: dict) -> None:
+    """Put back the optimizer's moments and the batch sampler's state that :func:`write_state`
+    saved (as ``optimizer.safetensors`` and ``meta["rng"]``)."""
+    optimizer.state = tree_unflatten(list(mx.load(str(state_dir / "optimizer.safetensors")).items()))
+    rng.bit_generator.state = meta["rng"]
+
+
+# --------------------------------------------------------------------------
+# the adapters' loop
+# --------------------------------------------------------------------------
+
+
 def train(model: nn.Module, loss_fn: Callable, batches: Callable[[np.random.Generator], tuple],
           cfg: LoopConfig, *, work: Path | None = None, resume: bool = False,
           progress: Callable[[int, int, float], None] | None = None) -> LoopResult:
@@ -70,48 +190,34 @@ def train(model: nn.Module, loss_fn: Callable, batches: Callable[[np.random.Gene
     state_dir = work / "state" if work is not None else None
     if resume and state_dir is not None and (state_dir / "state.json").exists():
         result = _load(state_dir, model, opt, rng)
-    step_fn = nn.value_and_grad(model, loss_fn)
-    t0 = time.perf_counter() - result.seconds
-    while result.steps_done < cfg.steps:
-        batch = batches(rng)
-        opt.learning_rate = mx.array(lr_at(cfg, result.steps_done), dtype=mx.float32)
-        loss, grads = step_fn(model, *batch)
-        grads, _ = optim.clip_grad_norm(grads, cfg.grad_clip)
-        opt.update(model, grads)
-        mx.eval(model.trainable_parameters(), opt.state, loss)
-        value = loss.item()
-        if not math.isfinite(value):
-            raise FloatingPointError(f"training diverged: loss {value} at step {result.steps_done}")
-        result.losses.append(value)
-        result.steps_done += 1
-        result.seconds = time.perf_counter() - t0
+    run = Run(result.steps_done, cfg.steps, (result.losses,), result.seconds)
+
+    def report(run: Run, values: Sequence[float]) -> None:
+        result.steps_done, result.seconds = run.step, run.seconds
         if progress is not None:
-            progress(result.steps_done, cfg.steps, value)
-        if state_dir is not None and cfg.checkpoint_every and result.steps_done % cfg.checkpoint_every == 0:
-            _save(state_dir, model, opt, rng, result)
-        if cfg.time_budget_s is not None and result.seconds >= cfg.time_budget_s and result.steps_done < cfg.steps:
-            result.stopped_by_budget = True
-            break
+            progress(run.step, cfg.steps, values[0])
+
+    def save(run: Run) -> None:
+        _save(state_dir, model, opt, rng, result)
+
+    run_steps(model, make_step(model, loss_fn, opt, cfg.grad_clip), batches, rng, opt, run,
+              lr=lambda step, total: lr_at(cfg, step), time_budget_s=cfg.time_budget_s, on_step=report,
+              checkpoint=save if state_dir is not None else None, checkpoint_every=cfg.checkpoint_every)
+    result.stopped_by_budget = run.stopped_by_budget
     return result
 
 
 def _save(state_dir: Path, model: nn.Module, opt, rng: np.random.Generator, result: LoopResult) -> None:
-    tmp = state_dir.with_name(state_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    mx.save_safetensors(str(tmp / "trainable.safetensors"), dict(tree_flatten(model.trainable_parameters())))
-    mx.save_safetensors(str(tmp / "optimizer.safetensors"), dict(tree_flatten(opt.state)))
-    (tmp / "state.json").write_text(json.dumps({"rng": rng.bit_generator.state, "steps": result.steps_done,
-                                                "losses": result.losses, "seconds": result.seconds}))
-    shutil.rmtree(state_dir, ignore_errors=True)
-    tmp.rename(state_dir)
+    write_state(state_dir, {"trainable": dict(tree_flatten(model.trainable_parameters())),
+                            "optimizer": dict(tree_flatten(opt.state))},
+                {"rng": rng.bit_generator.state, "steps": result.steps_done, "losses": result.losses,
+                 "seconds": result.seconds})
 
 
 def _load(state_dir: Path, model: nn.Module, opt, rng: np.random.Generator) -> LoopResult:
     meta = json.loads((state_dir / "state.json").read_text())
     model.update(tree_unflatten(list(mx.load(str(state_dir / "trainable.safetensors")).items())))
-    opt.state = tree_unflatten(list(mx.load(str(state_dir / "optimizer.safetensors")).items()))
-    rng.bit_generator.state = meta["rng"]
+    restore_optimizer(state_dir, opt, rng, meta)
     return LoopResult(meta["steps"], meta["losses"], meta["seconds"])
 
 
