@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -144,7 +143,7 @@ def load_adapter(adapter_dir: str | Path, model, spec: MoESpec, *, base_identity
     for key, entry in header.tensors.items():
         module, _, leaf = key.rpartition(".")
         if leaf not in ("lora_a", "lora_b"):
-            raise CheckpointError(f"not a LoRA tensor (expected <module>.lora_a / .lora_b); Edge0 serves LoRA "
+            raise CheckpointError("not a LoRA tensor (expected <module>.lora_a / .lora_b); Edge0 serves LoRA "
                                   "adapters only", file=weights, tensor=key)
         if module not in targets:
             why = ("a routed expert streams from disk and never carries an adapter" if ".switch_mlp." in module

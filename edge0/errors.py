@@ -11,6 +11,12 @@ Edge0Error
  |    +-- TokenizerError          the tokenizer files do not load
  |    +-- ForeignArtifactError    heads or an adapter made for another base checkpoint
  +-- ExpertReadError          reading an expert's byte range failed while serving
+ +-- RoutingError             a step routed in a way its plan cannot serve
+ |    +-- RoutingMismatchError    a staged layer routed to an expert its plan did not stage
+ +-- SchedulerError           the prefetch scheduler was asked for a plan it does not hold,
+ |                            a layer it has no slots for, or is not running
+ +-- EngineClosedError        a call on an engine after ``close()``
+ +-- EngineBusyError          ``Engine.admit``: too many requests already wait
 
 Each error carries the offending file / tensor / parameter as attributes and names them
 in its message, so a test (or a user) can see what was wrong without a traceback.
@@ -86,3 +92,28 @@ class ExpertReadError(Edge0Error, OSError):
         ) if p]
         super().__init__((", ".join(parts) + ": " if parts else "") + message)
         self.reason = message
+
+
+class RoutingError(Edge0Error):
+    """A decode step's routing does not fit its plan."""
+
+
+class RoutingMismatchError(RoutingError):
+    """A staged layer routed to an expert its plan did not stage (the step's output is not
+    returned: a wrong routing source, e.g. an oracle file of another prompt)."""
+
+
+class SchedulerError(Edge0Error):
+    """The scheduler was asked for something it has no plan for, or is closed."""
+
+
+class EngineClosedError(Edge0Error):
+    """The engine was used after ``close()``."""
+
+
+class EngineBusyError(Edge0Error):
+    """``Engine.admit``: ``waiting`` requests already wait, the most ``limit`` allows."""
+
+    def __init__(self, message: str, *, waiting: int, limit: int):
+        super().__init__(message)
+        self.waiting, self.limit = waiting, limit

@@ -21,6 +21,7 @@ from edge0.errors import ConfigError
 from edge0.exec.exact import ExactExecutor
 from edge0.exec.hot import HotExecutor
 from edge0.exec.oracle import OracleRouting, RoutingRecorder
+from edge0.exec.plan import LayerRoute
 from edge0.exec.split import Split, resolve_threads
 from edge0.exec.staged import StagedExecutor, Stager
 from edge0.exec.whole_layer import WholeLayerExecutor
@@ -88,6 +89,10 @@ class Streaming:
         if self.embed is None:
             return 0
         return int(self.embed(B.array([0])).shape[-1])
+
+    def set_recorder(self, recorder) -> None:
+        """Record the exact path's routing into ``recorder`` (None: stop recording)."""
+        self.recorder = self.exact.recorder = recorder
 
     def begin_step(self, inputs) -> None:
         """Called before every forward pass (the step hook)."""
@@ -324,16 +329,23 @@ def _check_prerouter_fits(streaming: Streaming, prerouter, routing: str, extra: 
 
 def _wire_prerouter(streaming: Streaming, prerouter, stager) -> None:
     """Owners feed the prerouter (their router's input, then the experts their block routed
-    to); consumers' routers return its prediction at staged decode steps."""
-    prerouter.attach(streaming)
+    to); the prerouter routes its predictions through the consumers' own blocks and embeds
+    the step's token; the Stager hands each staged router its route of every step's plan."""
+    prerouter.connect(route=streaming.route, embed=lambda ids: streaming.embed(ids))
     routers = streaming.routers()
+    watch = _watcher(prerouter)
     for l, switch in streaming.switches().items():
         if l in prerouter.owners:
-            routers[l].observer = prerouter.on_router_input
+            routers[l].watch = watch
             switch.observer = prerouter.on_experts
-        if stager is not None and l in stager.layers:
-            routers[l].planned = stager.layer_route
-            routers[l].guard = stager
+    if stager is not None:
+        stager.routers = {l: routers[l] for l in stager.layers}
+
+
+def _watcher(prerouter):
+    def watch(layer: int, x, tap) -> None:
+        prerouter.on_router_input(layer, x)
+    return watch
 
 
 # the names mlx-lm's blocks and gates give their routing width
@@ -385,13 +397,14 @@ def probe_routing(streaming: Streaming, layer: int, logits, width: int | None = 
                               "cannot choose its candidates; use routing 'replace'")
     n = logits.shape[0]
     captured: list = []
-    router.forced, switch.capture = logits, captured
+    previous = router.route
+    router.route, switch.capture = LayerRoute("replace", logits, scope="probe"), captured
     for module, name in widened:
         setattr(module, name, width)
     try:
         block(B.zeros((n, 1, spec.block_input), dtype=logits.dtype))
     finally:
-        router.forced, switch.capture = None, None
+        router.route, switch.capture = previous, None
         for module, name in widened:
             setattr(module, name, spec.k)
     return captured[0].reshape(n, -1)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from edge0 import CheckpointError, ConfigError, Engine, EngineConfig
-from edge0.exec.staged import RoutingMismatchError
+from edge0.errors import RoutingMismatchError
 from tests.test_async_misuse import CONFIGS, PROMPT, N, edge0_threads, open_fds, setups  # noqa: F401
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from edge0.exec.exact import ExpertRows
+from edge0.exec.rows import ExpertRows
 from edge0.io_sched.plan import LayerPlan, StepPlan
 from edge0.io_sched.reader import ExpertReader
 from edge0.io_sched.scheduler import PrefetchScheduler

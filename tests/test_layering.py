@@ -55,8 +55,10 @@ def import_graph() -> dict[str, set[str]]:
                 if node.level:
                     anchor = package.split(".")[:len(package.split(".")) - (node.level - 1)]
                     base = ".".join(anchor + ([base] if base else []))
-                targets.add(base)
-                targets.update(f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in paths)
+                submodules = {f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in paths}
+                targets.update(submodules)
+                if len(submodules) < len(node.names):  # a name of the package itself, not only its modules
+                    targets.add(base)
         edges = set()
         for t in targets:
             while t and t not in paths:

@@ -11,7 +11,7 @@ from edge0 import ConfigError, Engine, EngineConfig
 from edge0.backend import core as B
 from edge0.loader import StepModel, load_streaming_model
 from edge0.exec.oracle import OracleRouting
-from edge0.exec.staged import RoutingMismatchError
+from edge0.errors import RoutingMismatchError
 
 PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n"
 

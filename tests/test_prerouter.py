@@ -113,7 +113,7 @@ def _staged_step_syncs(d, monkeypatch, config=None):
 
         def counted_call(self, x):
             # (a probe routing predicted logits through the block, forced, is not a step)
-            if id(self) not in staged_ids or x.shape[-2] != 1 or staged_ids[id(self)].forced is not None:
+            if id(self) not in staged_ids or x.shape[-2] != 1 or staged_ids[id(self)].route is not None and staged_ids[id(self)].route.scope == "probe":
                 return call(self, x)
             before = counter.snapshot()
             y = call(self, x)

@@ -80,7 +80,7 @@ def _streaming(model_dir: str, settings: dict, oracle=None, **paths) -> Loaded:
     s = load_streaming_model(model_dir, cfg, oracle=oracle)
     if s.stager is not None:
         s.stager.reset()
-    stall = (lambda: s.stager.stall_seconds) if s.stager is not None else (lambda: s.reader.stats.seconds)
+    stall = (lambda: s.stager.stats().stall_seconds) if s.stager is not None else (lambda: s.reader.stats.seconds)
     info = {k: getattr(cfg, k) for k in ("bundle_capacity", "slots_per_layer", "prefetch_depth", "hot_experts",
                                          "reader_threads")}
     info["experts_per_token"] = s.spec.k

@@ -18,43 +18,10 @@ import time
 import numpy as np
 
 from edge0.backend import core as B
-from edge0.backend import io as bio
 from edge0.model.checkpoint import CheckpointIndex, LayerExperts
+from edge0.exec.rows import ExpertRows, lookup_table
 from edge0.exec.split import Split
-from edge0.exec.taps import bind
 from edge0.io_sched.reader import ExpertReader
-
-
-class ExpertRows:
-    """One row buffer per stacked tensor of a layer, ``capacity`` expert rows each: the
-    exact path's bundle, a staged layer's slots, a hot set, a whole-layer buffer.
-    ``kernel(template)`` is the switch module bound to these rows."""
-
-    def __init__(self, layer: LayerExperts, capacity: int):
-        self.capacity = capacity
-        self.layout = layer.layout
-        self.buffers = [bio.RowBuffer(capacity, t.row_bytes) for t in layer.tensors]
-        self.views = {name: buf.typed(t.dtype, t.row_shape)
-                      for name, buf, t in zip(layer.names, self.buffers, layer.tensors)}
-        self._kernels: dict[int, object] = {}
-        self.pending = None  # last lazy output that reads these buffers
-
-    def kernel(self, template):
-        """``template`` (a layer's switch module) computing over these rows (cached)."""
-        k = self._kernels.get(id(template))
-        if k is None:
-            k = self._kernels[id(template)] = bind(template, self.views)
-        return k
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b.nbytes for b in self.buffers)
-
-    def settle(self) -> None:
-        """Evaluate the pending graph that reads the buffers, so they can be overwritten."""
-        if self.pending is not None:
-            B.eval(self.pending)
-            self.pending = None
 
 
 class ExactExecutor:
@@ -99,9 +66,8 @@ class ExactExecutor:
         distinct = np.unique(ids)
         if len(distinct) <= bundle.capacity:
             self._load(bundle, layer_id, distinct)
-            table = np.zeros(self.num_experts, dtype=np.int32)
-            table[distinct] = np.arange(len(distinct), dtype=np.int32)
-            out = self.split(bundle.kernel(self.templates[layer_id]), x, B.take(B.array(table), inds))
+            table = lookup_table(self.num_experts, distinct, np.arange(len(distinct)))
+            out = bundle.run(self.split, self.templates[layer_id], x, B.take(table, inds))
             bundle.pending = out
             return out
         return self._chunked(bundle, layer, x, ids, distinct)

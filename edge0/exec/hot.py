@@ -13,7 +13,8 @@ import numpy as np
 
 from edge0.backend import core as B
 from edge0.model.checkpoint import CheckpointIndex
-from edge0.exec.exact import ExactExecutor, ExpertRows
+from edge0.exec.exact import ExactExecutor
+from edge0.exec.rows import ExpertRows, lookup_table
 from edge0.io_sched.reader import ExpertReader
 from edge0.io_sched.slots import SlotTable
 
@@ -68,8 +69,7 @@ class HotExecutor:
         self.misses += len(misses)
         if self.log is not None:
             self.log.debug("hot.step", layer=layer, hits=len(distinct) - len(misses), misses=len(misses))
-        lut = np.zeros(self.index.spec.num_experts, dtype=np.int32)
-        lut[list(claimed)] = [slot for slot, _ in claimed.values()]
-        out = self.exact.split(rows.kernel(self.exact.templates[layer]), x, B.take(B.array(lut), inds))
+        lut = lookup_table(self.index.spec.num_experts, list(claimed), [slot for slot, _ in claimed.values()])
+        out = rows.run(self.exact.split, self.exact.templates[layer], x, B.take(lut, inds))
         rows.pending = out
         return out

@@ -1,9 +1,10 @@
 """The staged path: routing known before the step, experts read ahead into sticky slots.
 
-Each staged layer owns S slots (one row buffer of S experts per stacked tensor). Before a decode step the
-``Stager`` hands that step's per-layer expert sets (from the oracle now, the prerouter
-later) to the async ``PrefetchScheduler``, which reads the misses into free slots while
-the step runs. A staged layer then:
+Each staged layer owns S slots (one row buffer of S experts per stacked tensor). Before a
+decode step the ``Stager`` makes the step's ``DecodePlan`` (edge0.exec.plan) from its
+planner (the prerouter's heads, or an oracle file), hands the plan's expert sets to the
+async ``PrefetchScheduler``, which reads the misses into free slots while the step runs,
+and the plan's routes to the staged layers' routers. A staged layer then:
 
 1. starts computing everything below it (``async_eval`` of its input: not a host sync),
 2. waits until its slots are READY (the only wait; logged as ``stage.wait``),
@@ -20,14 +21,15 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 
 from edge0.backend import core as B
 from edge0.model.checkpoint import CheckpointIndex
-from edge0.errors import ConfigError
-from edge0.exec.exact import ExpertRows
+from edge0.errors import ConfigError, RoutingMismatchError
+from edge0.exec.guard import QualityGuard
 from edge0.exec.oracle import OracleRouting
-from edge0.exec.taps import LayerRoute
+from edge0.exec.plan import DecodePlan, LayerRoute, StageStats
+from edge0.exec.planner import OraclePlanner, PrerouterPlanner
+from edge0.exec.rows import ExpertRows, lookup_table
 from edge0.io_sched.loop_thread import EventLoopThread
 from edge0.io_sched.plan import LayerPlan, StepPlan
 from edge0.io_sched.reader import ExpertReader
@@ -35,13 +37,9 @@ from edge0.io_sched.scheduler import PrefetchScheduler
 from edge0.io_sched.store import SlotStore
 
 
-class RoutingMismatchError(ConfigError):
-    """A staged layer routed to an expert its plan did not stage."""
-
-
 class Stager:
-    """Owns the staged layers' slots, the scheduler (on its own event-loop thread), and the
-    step bookkeeping. One per engine."""
+    """Owns the staged layers' slots, the scheduler (on its own event-loop thread), the
+    step's plan and the step bookkeeping. One per engine."""
 
     def __init__(self, index: CheckpointIndex, layers: list[int], slots: int, reader: ExpertReader,
                  oracle: OracleRouting | None, *, readers: int, prefetch_depth: int, log=None,
@@ -74,18 +72,40 @@ class Stager:
         # staged layers' routing; a step it cannot plan (no state yet) runs on ``fallback``
         self.prerouter = prerouter
         self.fallback = fallback
-        self.predicted: dict[int, tuple] = {}
         self.routing = routing
-        self._routes: dict[int, LayerRoute] = {}
-        self.guard_every = guard_every
-        self._guard = None  # per-layer recall sums of the current step (lazy), when guarded
-        self._guard_n = 1
-        self.guard_recall: dict[int, list[float]] = {}
-        self.stall_seconds = 0.0
-        self.steps_run = 0
+        self.planner = (PrerouterPlanner(prerouter, self.layers, routing) if prerouter is not None
+                        else OraclePlanner(oracle, self.layers) if oracle is not None else None)
+        self._ahead: dict[int, DecodePlan] = {}  # oracle plans submitted ahead of their step
+        self.routers: dict = {}  # staged layer -> its RouterTap, which gets each step's route
+        self.plan: DecodePlan | None = None  # the current step's, when the prerouter planned it
+        self.predicted: dict[int, tuple] = {}  # the plan's flush: layer -> (indices, logits)
+        self.guard = QualityGuard(self.layers, guard_every, self._route_of, log=log)
+        self._stats = StageStats()
         self._step_t0 = None
         self._step_stall = 0.0
         self._outputs: list = []  # this step's staged outputs: evaluated before their slots are reused
+
+    def _route_of(self, layer: int, logits):
+        return self.prerouter.route(layer, logits)
+
+    # -- what the engine reads ---------------------------------------------------------------
+    def stats(self) -> StageStats:
+        return StageStats(self._stats.steps_run, self._stats.stall_seconds,
+                          {l: tuple(v) for l, v in self.guard.recall.items()})
+
+    @property
+    def guard_recall(self) -> dict[int, list[float]]:
+        return self.guard.recall
+
+    def layer_route(self, layer: int) -> LayerRoute | None:
+        """What ``layer``'s router does at this step (None: it was not planned)."""
+        return self.plan.route(layer) if self.plan is not None else None
+
+    def planned_logits(self, layer: int):
+        """The predicted router logits of ``layer`` for this step, or None when this step
+        was not planned."""
+        pred = self.predicted.get(layer)
+        return pred[1] if pred is not None else None
 
     # -- step boundaries (called by the engine's step hook) ------------------------------
     def reset(self, keep_report: bool = False) -> None:
@@ -95,13 +115,11 @@ class Stager:
         for step in sorted(self._submitted):
             self.portal.call(self.scheduler.cancel, step)
         self._submitted.clear()
-        if self.prerouter is not None:
-            self.prerouter.reset()
-        self.predicted = {}
-        self._routes = {}
-        self._guard = None
-        if not keep_report:
-            self.guard_recall = {}
+        self._ahead.clear()
+        if isinstance(self.planner, PrerouterPlanner):
+            self.planner.reset()
+        self._set_plan(None, {})
+        self.guard.reset(keep_report)
         self.step = -1
         self._outputs = []
         self._misses = self._zero_misses()  # a mismatch raised last time must not poison the next run
@@ -126,67 +144,37 @@ class Stager:
     def pending_reads(self) -> int:
         return self.portal.call(self.scheduler.pending_reads)
 
-    def planned_logits(self, layer: int):
-        """The predicted router logits of ``layer`` for this step, or None when this step
-        was not planned."""
-        pred = self.predicted.get(layer)
-        return pred[1] if pred is not None else None
+    def _set_plan(self, plan: DecodePlan | None, predicted: dict) -> None:
+        """Make ``plan`` the current step's and hand each staged router its route."""
+        self.plan, self.predicted = plan, predicted
+        for layer, tap in self.routers.items():
+            tap.route = plan.route(layer) if plan is not None else None
 
-    def layer_route(self, layer: int) -> LayerRoute | None:
-        """What ``layer``'s router does at this step (None: it was not planned)."""
-        return self._routes.get(layer)
+    def _submit(self, plan: DecodePlan) -> None:
+        """Hand ``plan``'s expert sets to the scheduler, layers in execution order."""
+        self.portal.call(self.scheduler.submit, StepPlan(plan.step, tuple(LayerPlan(l, plan.experts[l])
+                                                                          for l in self.layers)))
+        self._submitted.add(plan.step)
 
     def _predict_and_plan(self, inputs) -> None:
-        """One batched flush of every head, one host read of all predicted sets, one plan."""
-        preds = self.prerouter.flush(inputs) if self.prerouter.ready() else None
-        guard = self._guard
-        parts = [self._misses.reshape(1)]
-        if guard is not None:
-            parts += [guard[l].reshape(1) for l in self.layers]
+        """One batched flush of every head, one host read of all predicted sets (with the
+        miss count and the guard's counts of the step before), one plan."""
+        planner = self.planner
+        preds = planner.flush(inputs)
+        parts = [self._misses.reshape(1), *self.guard.device_counts()]
         if preds is not None:
-            parts += [preds[l][0].reshape(-1).astype(B.int32) for l in self.layers]
+            parts += planner.device_parts(preds)
         host = B.to_host(B.concat([p.astype(B.int32) for p in parts]))
         self._check_misses(int(host[0]))
-        pos = 1
-        if guard is not None:
-            for l in self.layers:
-                self.guard_recall.setdefault(l, []).append(float(host[pos]) / self._guard_n)
-                pos += 1
-            if self.log is not None:
-                self.log.info("guard", step=self.step, recall={l: round(v[-1], 4) for l, v in self.guard_recall.items()})
-        self._guard = None
+        pos = 1 + self.guard.collect(host[1:], self.step)
         self.advance_step(plan=False)
-        self.predicted, self._routes = {}, {}
+        self._set_plan(None, {})
         if preds is None:
             return  # nothing observed yet: this step runs on the fallback path
-        n = host[pos:].reshape(len(self.layers), -1)
-        plan = StepPlan(self.step, tuple(LayerPlan(l, tuple(sorted(set(n[i].tolist())))) for i, l in
-                                         enumerate(self.layers)))
-        self.portal.call(self.scheduler.submit, plan)
-        self._submitted.add(self.step)
-        self.predicted = preds
-        for l in self.layers:
-            inds, logits = preds[l]
-            staged = B.one_hot_k(inds, logits.shape[-1], B.int32) > 0 if self.routing == "select" else None
-            self._routes[l] = LayerRoute(self.routing, logits, staged)
-        if self.guard_every and self.step % self.guard_every == 0:
-            self._guard = {l: B.zeros((), dtype=B.float32) for l in self.layers}
-
-    def guard_wanted(self, layer: int) -> bool:
-        return self._guard is not None and layer in self._guard
-
-    def guard_observe(self, layer: int, true_logits) -> None:
-        """Quality guard: recall@k of the prediction against what the layer's own router
-        would have routed to (on device); under select routing, the share of the router's
-        own k that was staged."""
-        if self._guard is None or layer not in self._guard or layer not in self.predicted:
-            return
-        predicted = self.predicted[layer][0]
-        true = self.prerouter.streaming.route(layer, true_logits.reshape(-1, true_logits.shape[-1]))
-        k = true.shape[-1]
-        hit = (B.expand_dims(predicted, -1) == B.expand_dims(true, -2)).any(axis=-1).sum()
-        self._guard[layer] = self._guard[layer] + hit.astype(B.float32)
-        self._guard_n = k * max(1, true.size // k)
+        observe = self.guard.observer({l: preds[l][0] for l in self.layers}) if self.guard.arm(self.step) else None
+        plan = planner.plan(self.step, host[pos:].reshape(len(self.layers), -1), preds, observe)
+        self._submit(plan)
+        self._set_plan(plan, preds)
 
     def _check_misses(self, misses: int) -> None:
         if self.check_routing and misses:
@@ -197,22 +185,22 @@ class Stager:
     def begin_step(self, inputs) -> None:
         if inputs.shape[-1] != 1:
             return  # prefill: staged layers run their prefill path
-        if self.oracle is None and self.prerouter is None:
+        if self.planner is None:
             raise ConfigError("a staged decode path needs a routing source: prerouter heads "
                               "(`edge0 train heads`) or an oracle_file (`edge0 record-routing`)")
         # the previous step is done (its staged layers' outputs too, even when this step's
         # input does not depend on them: teacher forcing), so its slots may be unpinned
         B.eval(inputs, *self._outputs)
         self._outputs = []
-        if self.oracle is None:
+        if isinstance(self.planner, PrerouterPlanner):
             self._predict_and_plan(inputs)
             return
         self._check_misses(int(B.to_host(self._misses)))
         self.advance_step()
 
     def advance_step(self, plan: bool = True) -> None:
-        """Close the previous step (unpin its slots) and, with an oracle, submit this step's
-        plan and the next one's so its reads can start as soon as slots are free."""
+        """Close the previous step (unpin its slots) and, with an oracle (``plan``), submit
+        this step's plan and the next one's so its reads can start as soon as slots are free."""
         if self.step >= 0:
             self._end_step()
             self.portal.call(self.scheduler.release, self.step)
@@ -221,19 +209,19 @@ class Stager:
         self._step_t0, self._step_stall = time.perf_counter(), 0.0
         self._io0 = (self.scheduler.stats.reads, self.scheduler.stats.bytes, self.scheduler.stats.hits,
                      self.scheduler.stats.misses)
-        if not plan:
+        if not plan or not isinstance(self.planner, OraclePlanner):
             return
+        self._ahead.pop(self.step - 1, None)
         for s in (self.step, self.step + 1):  # this step, and the next one ahead of time
-            if s not in self._submitted and s < len(self.oracle):
-                plan = StepPlan(s, tuple(LayerPlan(l, self.oracle.experts(s, l)) for l in self.layers))
-                self.portal.call(self.scheduler.submit, plan)
-                self._submitted.add(s)
+            if s not in self._submitted and self.planner.covers(s):
+                self._ahead[s] = self.planner.plan(s)
+                self._submit(self._ahead[s])
         if self.step not in self._submitted:
-            self.oracle.experts(self.step, self.layers[0])  # raises the "covers N steps" error
+            self.planner.refuse(self.step)  # raises the "covers N steps" error
+        self._set_plan(self._ahead.get(self.step), {})
 
     def _end_step(self) -> None:
-        self.steps_run += 1
-        self.stall_seconds += self._step_stall
+        self._stats = StageStats(self._stats.steps_run + 1, self._stats.stall_seconds + self._step_stall)
         if self.log is not None and self._step_t0 is not None:
             st = self.scheduler.stats
             r0, b0, h0, m0 = self._io0
@@ -264,13 +252,9 @@ class Stager:
         if self.log is not None:
             self.log.debug("stage.wait", step=self.step, layer=layer, ms=round(1e3 * waited, 3),
                            hits=slot_map.hits, misses=slot_map.misses)
-        table = np.full(self.num_experts, -1, dtype=np.int32)
-        table[list(slot_map.slot_of)] = list(slot_map.slot_of.values())
-        raw = B.take(B.array(table), inds)
+        raw = B.take(lookup_table(self.num_experts, slot_map.slot_of, slot_map.slot_of.values(), missing=-1), inds)
         self._misses = self._misses + (raw < 0).sum()
-        local = B.maximum(raw, 0)
-        rows = self.rows[layer]
-        out = self.fallback.split(rows.kernel(self.fallback.templates[layer]), x, local)
+        out = self.rows[layer].run(self.fallback.split, self.fallback.templates[layer], x, B.maximum(raw, 0))
         self._outputs.append(out)
         return out
 

@@ -9,8 +9,10 @@ math is mlx-lm's, bit for bit. Edge0 replaces only:
   The computation is the original module's own ``__call__`` on a clone whose stacked
   weights are a small buffer of rows, with the indices remapped into it;
 - the **router** (the linear map whose output the block routes on) by a ``RouterTap``: it
-  passes the router's output through, lets the prerouter see the router's input, and at
-  a decode step whose routing was predicted it follows that step's ``LayerRoute``:
+  passes the router's output through, lets a watcher (the prerouter) see the router's
+  input, and follows its ``route`` when one is set: at a planned decode step, the step's
+  ``DecodePlan`` route (``edge0.exec.plan.LayerRoute``); in training, a sequence's; in a
+  probe, the logits to route on:
 
   - *replace*: it returns the predicted logits instead, so the block's own routing code
     turns the prediction into the routing (prediction as routing). Gates that multiply by
@@ -30,10 +32,10 @@ math is mlx-lm's, bit for bit. Edge0 replaces only:
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 
 from edge0.backend import core as B
 from edge0.backend import nn as bnn
+from edge0.exec.plan import Executor
 
 
 def switch_params(template) -> list[tuple[str, tuple[int, ...], object]]:
@@ -65,7 +67,7 @@ class StreamingSwitch(bnn.Module):
         super().__init__()
         self.layer_id = layer
         object.__setattr__(self, "_template", template)  # not a parameter: its weights are on disk
-        self.executors = executors  # phase -> (layer, x, inds) -> [..., k, D]
+        self.executors: dict[str, Executor] = executors  # phase ("decode", "prefill") -> its path
         self.width_out = width_out
         self.observer = None  # (layer, inds) for the prerouter and tracing
         self.capture = None  # probing: a list that receives the indices; no expert runs
@@ -89,17 +91,6 @@ BIAS_ATTRIBUTES = ("e_score_correction_bias", "expert_bias")
 MASKED_BIAS = 1e4  # subtracted from an unstaged expert's ranking bias (scores are in (0, 1))
 
 
-@dataclass(frozen=True)
-class LayerRoute:
-    """What a staged layer's router does at one decode step: ``replace`` returns the
-    predicted ``logits`` [1, E]; ``select`` routes on its own logits, masked to ``staged``
-    (bool [1, E]: the experts staged for the step)."""
-
-    mode: str
-    logits: object
-    staged: object | None = None
-
-
 def _aligned(staged, logits):
     """A staged-set mask shaped to broadcast against ``logits`` ([1, E] for one token, or
     one row per position)."""
@@ -117,14 +108,8 @@ class RouterTap(bnn.Module):
         self.original = original
         self.kind = kind
         self.num_outputs = num_outputs
-        self.planned = None  # (layer) -> this decode step's LayerRoute, or None
-        self.observer = None  # (layer, x) : the router's input at every call
-        self.logits_observer = None  # (layer, logits) : the router's own output (heads training)
-        self.forced = None  # probing and training: logits to route on, whatever x is
-        # training: (mask [.., 1] bool, logits, staged) at masked positions the router returns
-        # ``logits`` (staged None: replace) or routes itself among ``staged`` [.., E] (select)
-        self.mix = None
-        self.guard = None  # the Stager: may compare a predicted step with the router's own routing
+        self.route = None  # a LayerRoute to follow, or None: the router's own output
+        self.watch = None  # (layer, x, tap) at every real call (not a probe): sees the router's input
         self._eye = None
 
     def logits(self, x):
@@ -135,29 +120,24 @@ class RouterTap(bnn.Module):
         return x.astype(B.float32) @ w.astype(B.float32).T
 
     def __call__(self, x):
-        forced = self.forced
-        if forced is None:  # a real forward (not a probe): observers see it
-            if self.observer is not None:
-                self.observer(self.layer_id, x)
-            if self.logits_observer is not None:
-                self.logits_observer(self.layer_id, self.logits(x))
-            if self.mix is not None:
-                mask, predicted, staged = self.mix
-                if staged is not None:
-                    pos = mask.reshape(*x.shape[:-1], 1)
-                    return self.select(x, B.logical_or(B.logical_not(pos), staged.reshape(*x.shape[:-1], -1)))
-                forced = B.where(mask.reshape(*x.shape[:-1], 1), predicted.reshape(*x.shape[:-1], predicted.shape[-1]),
-                                 self.logits(x).astype(predicted.dtype))
-            elif self.planned is not None and x.size // x.shape[-1] == 1:
-                route = self.planned(self.layer_id)
-                if route is not None and self.guard is not None and self.guard.guard_wanted(self.layer_id):
-                    self.guard.guard_observe(self.layer_id, self.logits(x))
-                if route is not None and route.mode == "select":
-                    return self.select(x, route.staged)
-                forced = route.logits if route is not None else None
-        if forced is None:
-            return self.original(x)
-        forced = forced.reshape(*x.shape[:-1], forced.shape[-1])
+        route = self.route
+        if self.watch is not None and (route is None or route.scope != "probe"):
+            self.watch(self.layer_id, x, self)
+        if route is None or (route.scope == "decode" and x.size // x.shape[-1] != 1):
+            return self.original(x)  # the prompt's prefill routes on its own
+        if route.observe is not None:
+            route.observe(self.layer_id, self.logits(x))
+        lead = x.shape[:-1]
+        if route.mode == "select":
+            staged = route.staged
+            if route.where is not None:  # the other positions keep every expert
+                staged = B.logical_or(B.logical_not(route.where.reshape(*lead, 1)), staged.reshape(*lead, -1))
+            return self.select(x, staged)
+        forced = route.logits
+        if route.where is not None:
+            forced = B.where(route.where.reshape(*lead, 1), forced.reshape(*lead, forced.shape[-1]),
+                             self.logits(x).astype(forced.dtype))
+        forced = forced.reshape(*lead, forced.shape[-1])
         if self.kind == "linear":
             return forced.astype(x.dtype)  # what a linear router on x would have returned
         return self._route_inline(forced)

@@ -14,7 +14,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from edge0.backend import core as B
 from edge0.model.checkpoint import CheckpointIndex
 from edge0.errors import ConfigError
-from edge0.exec.exact import ExpertRows
+from edge0.exec.rows import ExpertRows
 from edge0.exec.split import Split
 from edge0.io_sched.reader import ExpertReader
 
@@ -91,6 +91,6 @@ class WholeLayerExecutor:
             if self.holds[other] is not None:
                 self.holds[other][1].result()  # never refill a buffer a load is still writing
             self._load(later[0], other)
-        out = self.split(buffers[buf].kernel(self.templates[layer]), x, inds)
+        out = buffers[buf].run(self.split, self.templates[layer], x, inds)
         buffers[buf].pending = out
         return out

@@ -28,14 +28,10 @@ from dataclasses import dataclass, field
 
 import anyio
 
-from edge0.errors import Edge0Error, ExpertReadError
+from edge0.errors import ExpertReadError, SchedulerError
 from edge0.io_sched.plan import ReadRequest, SchedulerStats, SlotMap, StepPlan
 from edge0.io_sched.slots import LOADING, READY, SlotTable
 from edge0.io_sched.store import Store
-
-
-class SchedulerError(Edge0Error):
-    """The scheduler was asked for something it has no plan for, or is closed."""
 
 
 @dataclass(eq=False)

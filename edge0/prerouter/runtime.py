@@ -20,12 +20,15 @@ class Prerouter:
         self.heads = heads
         heads.freeze_for_inference(dtype or heads.head(heads.owners[0]).residual.weight.dtype)
         self.owners = set(heads.owners)
-        self.streaming = None  # set by attach(): routes predicted logits through the blocks
+        self.route = None  # set by connect(): (consumer, logits, width) -> that block's routing of them
+        self.embed = None  # set by connect(): token ids -> embedding rows (heads that see the token)
         self.width = None  # experts staged per consumer (None: k, the prediction is the routing)
         self.reset()
 
-    def attach(self, streaming) -> None:
-        self.streaming = streaming
+    def connect(self, *, route, embed) -> None:
+        """``route`` (consumer layer, logits [N, E], width) -> the indices its own block's
+        routing code makes of them; ``embed`` (token ids) -> their embedding rows."""
+        self.route, self.embed = route, embed
 
     def reset(self) -> None:
         self.last: dict[int, tuple] = {}  # owner -> (router input at t [1, D], experts at t [1, k])
@@ -71,11 +74,11 @@ class Prerouter:
         if self.heads.sees_token:
             if tokens is None:
                 raise ValueError("these heads see the token being decoded: flush(tokens) needs it")
-            tok = self.streaming.embed(tokens.reshape(1, 1))
+            tok = self.embed(tokens.reshape(1, 1))
         logits = self.heads.predict_all(x, inds, prev, tok).astype(B.float32)
         out = {}
         for i, o in enumerate(owners):
             z = logits[i].reshape(1, -1)
             c = self.heads.consumer[o]
-            out[c] = (self.streaming.route(c, z, self.width), z)
+            out[c] = (self.route(c, z, self.width), z)
         return out

@@ -19,7 +19,7 @@ from edge0.tiny.tokenizer import DEFAULT_VOCAB, EOS_TOKEN_ID
 GROUP_SIZE = 64
 BITS = 4
 
-from edge0.tiny.classic import CLASSIC, CLASSIC_BUILDERS, CLASSIC_MIN_LAYERS, N_GROUP, TOPK_GROUP, check_groups
+from edge0.tiny.classic import CLASSIC, CLASSIC_BUILDERS, CLASSIC_MIN_LAYERS, N_GROUP, TOPK_GROUP, check_groups  # noqa: F401 (CLASSIC: re-exported)
 
 
 def _check_family(family: str) -> None:

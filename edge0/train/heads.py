@@ -115,8 +115,7 @@ def collect_traces(streaming, chunks: list[list[int]], owners: list[int]) -> Tra
     want = set(owners) | set(consumer.values())
     seen: dict[tuple[int, str], object] = {}
     for layer in want:
-        routers[layer].observer = lambda l, x: seen.__setitem__((l, "x"), x)
-        routers[layer].logits_observer = lambda l, z: seen.__setitem__((l, "logits"), z)
+        routers[layer].watch = lambda l, x, tap: seen.update({(l, "x"): x, (l, "logits"): tap.logits(x)})
         switches[layer].observer = lambda l, inds: seen.__setitem__((l, "inds"), inds)
     xs, it, ip, tg = ({o: [] for o in owners} for _ in range(4))
     toks = []
@@ -134,7 +133,7 @@ def collect_traces(streaming, chunks: list[list[int]], owners: list[int]) -> Tra
             toks.append(np.asarray(chunk[1:n + 1], dtype=np.int32))
     finally:
         for layer in want:
-            routers[layer].observer = routers[layer].logits_observer = switches[layer].observer = None
+            routers[layer].watch = switches[layer].observer = None
     cat = lambda d: {o: np.concatenate(v) for o, v in d.items()}
     return Traces(cat(xs), cat(it), cat(ip), cat(tg), np.concatenate(toks))
 

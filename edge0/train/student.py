@@ -34,6 +34,7 @@ from edge0.adapters import AdaptedLinear, adapter_key, save_adapter, target_modu
 from edge0.model.arch import derive_spec
 from edge0.backend import core as B
 from edge0.backend import nn as bnn
+from edge0.exec.plan import LayerRoute
 from edge0.exec.taps import RouterTap
 from edge0.config import EngineConfig
 from edge0.loader import probe_routing, resolve_routing
@@ -83,9 +84,10 @@ class _Context:
             e = self.embed(tokens).astype(mx.float32)
             self.next_tokens = mx.concatenate([e[:, 1:], mx.zeros_like(e[:, :1])], axis=1)
         for tap in self.routers.values():
-            tap.mix = None
+            tap.route = None
 
-    def on_router_input(self, owner: int, x) -> None:
+    def watch(self, owner: int, x, tap=None) -> None:
+        """An owner's router input (the RouterTap's watcher)."""
         self._x[owner] = x
 
     def on_experts(self, owner: int, inds) -> None:
@@ -105,7 +107,8 @@ class _Context:
         if self.widen is not None:
             wide = self.widen(consumer, logits.reshape(-1, logits.shape[-1]))
             staged = B.one_hot_k(wide, logits.shape[-1], mx.int32).reshape(logits.shape) > 0
-        self.routers[consumer].mix = (self.mask, logits, staged)
+        mode = "select" if staged is not None else "replace"
+        self.routers[consumer].route = LayerRoute(mode, logits, staged, where=self.mask, scope="all")
 
 
 class StudentModel:
@@ -113,7 +116,7 @@ class StudentModel:
     every attention and shared-expert projection. Only the LoRA trains.
 
     Any architecture Edge0 streams: the blocks run mlx-lm's own code; each consumer's
-    router is a RouterTap whose ``mix`` substitutes the predicted logits at continuation
+    router is a RouterTap whose ``route`` substitutes the predicted logits at continuation
     positions, so the block's own routing turns them into experts and combine weights,
     as the engine does at a staged decode step."""
 
@@ -155,7 +158,7 @@ class StudentModel:
         self.ctx = _Context(heads, routers, bnn.token_embedding(self.model), widen)
         if heads is not None:
             for owner in heads.owners:
-                routers[owner].observer = self.ctx.on_router_input
+                routers[owner].watch = self.ctx.watch
             for layer in set(heads.owners) | set(heads.consumers() if widen is not None else []):
                 path = self.spec.switch_path(layer)
                 bnn.set_module_at(self.model, path, ObservedSwitch(

@@ -1,0 +1,138 @@
+"""One explicit plan per decode step, and the engine owning its line: prompts, admission,
+metrics, and async waits woken by the compute thread (no polling)."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+import anyio
+import pytest
+
+from edge0 import Engine, EngineConfig
+from edge0.errors import EngineBusyError
+from edge0.exec.plan import DecodePlan, LayerRoute
+from edge0.train.heads import make_warm_heads
+from edge0.worker import Job
+
+PROMPT = "def add(a, b):"
+
+
+@pytest.fixture(scope="module")
+def staged(tiny_model_factory, tmp_path_factory):
+    from tests.ckpt_tools import copy_model
+
+    d = copy_model(tiny_model_factory("qwen3_moe"), tmp_path_factory.mktemp("plan") / "m")
+    make_warm_heads(d, d / "prerouter.safetensors", width=32)
+    return d
+
+
+@pytest.mark.parametrize("routing", ["replace", "select"])
+def test_each_decode_step_has_one_frozen_plan_that_the_routers_follow(staged, routing):
+    with Engine(staged, EngineConfig(routing=routing, stage_extra=2 if routing == "select" else 0)) as engine:
+        stager = engine.streaming.stager
+        routers = engine.streaming.routers()
+        blocks = engine.streaming.blocks()
+        seen = []
+        for layer in stager.layers:
+            cls = type(blocks[layer])
+
+            def call(inner, x, _cls=cls, _l=layer):
+                route = routers[_l].route
+                probe = route is not None and route.scope == "probe"  # the next step's flush, not a step
+                if x.shape[-2] == 1 and stager.plan is not None and not probe:
+                    seen.append((_l, stager.plan, route))
+                return _cls.__call__(inner, x)
+
+            blocks[layer].__class__ = type(f"Seen{cls.__name__}", (cls,), {"__call__": call})
+        engine.generate_text(PROMPT, max_tokens=10)
+    assert len({id(p) for _, p, _ in seen}) >= 8  # one plan per planned step
+    for layer, plan, route in seen:
+        assert isinstance(plan, DecodePlan) and route is plan.route(layer) and route.mode == routing
+        assert set(plan.experts) == set(stager.layers)
+        assert len(plan.experts[layer]) == engine.spec.k + (2 if routing == "select" else 0)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            plan.step = 0
+    assert all(r.route is None for r in routers.values())  # the generation ended: no plan is left
+
+
+def test_a_route_says_what_it_is():
+    with pytest.raises(ValueError, match="mode must be 'replace' or 'select'"):
+        LayerRoute("both")
+    with pytest.raises(ValueError, match="scope must be"):
+        LayerRoute("replace", scope="sometimes")
+
+
+def test_prompt_ids_build_prompts_as_mlx_lm_does(tiny_model_factory):
+    with Engine(tiny_model_factory("qwen3_moe")) as engine:
+        tok = engine.tokenizer
+        assert tok.has_chat_template
+        msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+        templated = tok.encode(tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True),
+                               add_special_tokens=False)
+        assert engine.prompt_ids("hi", system_prompt="be brief") == templated
+        assert engine.prompt_ids(messages=msgs) == templated
+        assert engine.prompt_ids("hi", chat_template=False) == tok.encode("hi", add_special_tokens=True)
+        assert engine.prompt_ids(messages=msgs, chat_template=False) == engine.encode("be brief\nhi")
+
+
+def test_admission_bounds_the_line_and_counts_until_the_generation_ends(tiny_model_factory):
+    with Engine(tiny_model_factory("qwen3_moe")) as engine:
+        first = engine.admit(max_waiting=0)
+        assert engine.metrics().in_flight == 1 and engine.metrics().queued == 1
+        with pytest.raises(EngineBusyError, match="1 requests are waiting|0 requests are waiting") as info:
+            engine.admit(max_waiting=0)
+        assert info.value.limit == 0
+        second = engine.admit(max_waiting=1)
+        assert engine.metrics().in_flight == 2
+        second.release()
+        second.release()  # idempotent
+        assert engine.metrics().in_flight == 1
+        text, stats = "", None
+        for event in engine.stream(PROMPT, max_tokens=4, admission=first):
+            stats = event.stats or stats
+        deadline = time.monotonic() + 10
+        while engine.metrics().in_flight and time.monotonic() < deadline:
+            time.sleep(0.01)
+        m = engine.metrics()
+        assert m.in_flight == 0 and m.queued == 0 and first.released
+        assert m.last_generation is stats and m.expert_bytes == engine.reader.stats.bytes
+        list(engine.stream(PROMPT, max_tokens=2))  # without an admission: counted while it runs
+        assert engine.metrics().in_flight == 0
+
+
+@pytest.mark.anyio
+async def test_a_queued_async_generation_waits_without_polling(tiny_model_factory, monkeypatch):
+    """Behind a long generation, a queued one is woken by its job's changes: it does not
+    look at its job every few milliseconds."""
+    polls = {"n": 0}
+    poll = Job.poll
+
+    def counted(self):
+        polls["n"] += 1
+        return poll(self)
+
+    engine = await anyio.to_thread.run_sync(Engine, tiny_model_factory("qwen3_moe"))
+    try:
+        started = threading.Event()
+
+        def long():
+            for i, _ in enumerate(engine.stream(PROMPT, max_tokens=300)):
+                if i == 0:
+                    started.set()
+
+        t = threading.Thread(target=long)
+        t.start()
+        await anyio.to_thread.run_sync(started.wait)
+        monkeypatch.setattr(Job, "poll", counted)
+        t0 = time.monotonic()
+        events = [e async for e in engine.generate(PROMPT, max_tokens=3)]
+        queued_for = time.monotonic() - t0
+        await anyio.to_thread.run_sync(t.join)
+    finally:
+        await anyio.to_thread.run_sync(engine.close)
+    assert len(events) == 3
+    assert queued_for > 0.2  # it did wait behind the long one
+    # a few polls per token and per wake-up, not one every 5 ms of the wait
+    assert polls["n"] < 40, (polls["n"], queued_for)
