@@ -57,7 +57,7 @@ def _str2bool(text: str) -> bool:
 
 
 def _add_engine_flags(p: argparse.ArgumentParser, *, demo: bool = False) -> None:
-    from edge0.config_sources import add_config_flags
+    from edge0.config_sources.cli_flags import add_config_flags
 
     p.add_argument("--prompt", "-p", default=None,
                    help="the prompt; '-' reads it from standard input (default: a short code prompt)")
@@ -83,7 +83,7 @@ def _add_engine_flags(p: argparse.ArgumentParser, *, demo: bool = False) -> None
 
 
 def _engine_config(args) -> EngineConfig:
-    from edge0.config_sources import resolve_config
+    from edge0.config_sources.resolve import resolve_config
 
     return resolve_config(args)
 
@@ -105,13 +105,8 @@ def _prompt_ids(engine, args) -> tuple[list[int], str | None]:
     prompt = prompt.replace("\\n", "\n").replace("\\t", "\t")
     if prompt == "-":
         prompt = sys.stdin.read()
-    tok = engine.tokenizer
-    use_template = not args.ignore_chat_template and getattr(tok, "has_chat_template", False)
-    if use_template:
-        messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt is not None else []
-        messages.append({"role": "user", "content": prompt})
-        prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    ids = tok.encode(prompt, add_special_tokens=not use_template)
+    use_template = not args.ignore_chat_template and getattr(engine.tokenizer, "has_chat_template", False)
+    ids = engine.prompt_ids(prompt, system_prompt=args.system_prompt, chat_template=not args.ignore_chat_template)
     return ids, None if use_template else prompt
 
 

@@ -24,10 +24,11 @@ from typing import AsyncIterator, Iterator, Sequence
 import anyio
 import numpy as np
 
+from edge0.admission import Admission, EngineMetrics, Line
 from edge0.backend import core as B
 from edge0.backend import nn as bnn
 from edge0.config import EngineConfig
-from edge0.errors import ConfigError, ExpertReadError
+from edge0.errors import ConfigError, EngineClosedError, ExpertReadError
 from edge0.exec.oracle import OracleRouting, RoutingRecorder
 from edge0.loader import StepModel, Streaming, load_streaming_model
 from edge0.prompt_cache import PromptCache
@@ -35,7 +36,7 @@ from edge0.logs import configure as configure_logs
 from edge0.logs import get_logger
 from edge0.sampling import SamplingParams, StopMatcher
 from edge0.stats import GenerationStats, peak_rss_bytes
-from edge0.worker import END, TIMEOUT, ComputeThread, Job
+from edge0.worker import END, TIMEOUT, AsyncWaker, ComputeThread, Job
 from edge0.worker import acquire as acquire_thread
 from edge0.worker import release as release_thread
 
@@ -46,7 +47,6 @@ class _DefaultAdapter:
 
 
 DEFAULT_ADAPTER = _DefaultAdapter()
-QUEUED_POLL_S = 0.005  # how often a queued async generation checks whether its turn came
 
 
 @dataclass
@@ -86,6 +86,8 @@ class Engine:
         self._step_model = StepModel(self.streaming)
         self.prompt_cache = PromptCache(self.config.prompt_cache_mb * 2**20) if self.config.prompt_cache_mb else None
         self._jobs: set[Job] = set()
+        self._line = Line()
+        self._last_stats: GenerationStats | None = None
         # closes the engine if it is garbage collected or still open at exit
         self._finalizer = weakref.finalize(self, _shutdown, self._worker, self.streaming, self._jobs)
 
@@ -172,21 +174,25 @@ class Engine:
         return ids, params
 
     def _submit(self, prompt, sampling: dict, record: RoutingRecorder | None = None,
-                adapter=None) -> Job:
+                adapter=None, admission: Admission | None = None) -> Job:
         """Validate, then queue a generation job on the compute thread."""
         if self._closed:
-            raise ConfigError("the engine is closed")
+            raise EngineClosedError("the engine is closed")
         ids, params = self.validate(prompt, **sampling)
         job = Job()
+        job.admission = admission
         self._jobs.add(job)
+        self._line.submitted(admission)
         self._worker.submit(self._run, job, ids, params, record, adapter)
         return job
 
-    def stream(self, prompt: str | Sequence[int], *, adapter=DEFAULT_ADAPTER, **sampling) -> Iterator[TokenEvent]:
+    def stream(self, prompt: str | Sequence[int], *, adapter=DEFAULT_ADAPTER, admission: Admission | None = None,
+               **sampling) -> Iterator[TokenEvent]:
         """Synchronous token stream. Leaving the loop early stops the generation.
         ``adapter``: the name of a loaded adapter, ``None`` for the bare base; by default the
-        engine's default adapter (if any)."""
-        job = self._submit(prompt, sampling, adapter=self._adapter_for(adapter))
+        engine's default adapter (if any). ``admission``: from ``admit()``, released when the
+        generation ends."""
+        job = self._submit(prompt, sampling, adapter=self._adapter_for(adapter), admission=admission)
         try:
             while (event := job.get()) is not END:
                 yield event
@@ -196,7 +202,7 @@ class Engine:
             job.cancel()
 
     async def generate(self, prompt: str | Sequence[int], *, adapter=DEFAULT_ADAPTER, heartbeat: float | None = None,
-                       **sampling) -> AsyncIterator[TokenEvent | None]:
+                       admission: Admission | None = None, **sampling) -> AsyncIterator[TokenEvent | None]:
         """Async token stream; the event loop is never blocked by compute or reads.
 
         Leaving it by any route (``break``, an exception, cancellation, ``aclosing``, the
@@ -204,19 +210,20 @@ class Engine:
         closes it by itself, and the next generation starts from a clean state.
 
         Generations run one at a time, in the order they were asked for; one waiting its
-        turn holds no thread. ``heartbeat``: yield ``None`` whenever that many seconds pass
-        without a token (waiting in line, a long prefill), e.g. to keep a connection alive."""
-        job = self._submit(prompt, sampling, adapter=self._adapter_for(adapter))
+        turn holds no thread, nor does one waiting for its next token: the compute thread
+        wakes the event loop when the job changes. ``heartbeat``: yield ``None`` whenever that
+        many seconds pass without a token (waiting in line, a long prefill), e.g. to keep a
+        connection alive. ``admission``: from ``admit()``, released when the generation ends."""
+        job = self._submit(prompt, sampling, adapter=self._adapter_for(adapter), admission=admission)
+        wake = AsyncWaker(anyio.lowlevel.current_token())
+        job.add_waker(wake)
         try:
             last = time.monotonic()
             while True:
                 event = job.poll()
-                if event is None and not job.started:  # queued behind other generations
-                    await anyio.sleep(QUEUED_POLL_S)
-                    event = TIMEOUT
-                elif event is None:
+                if event is None:
                     wait = max(0.0, last + heartbeat - time.monotonic()) if heartbeat else None
-                    event = await anyio.to_thread.run_sync(job.get, wait, abandon_on_cancel=True)
+                    event = await wake.wait(job, wait)
                 if event is TIMEOUT:
                     if heartbeat and time.monotonic() - last >= heartbeat:
                         last = time.monotonic()
@@ -229,12 +236,14 @@ class Engine:
             if job.error is not None:
                 raise job.error
         finally:
-            job.cancel()  # wakes a reader thread abandoned by a cancellation, too
+            job.remove_waker(wake)
+            job.cancel()
 
     def _run(self, job: Job, ids: list[int], params: SamplingParams, record, adapter) -> None:
         """One generation, on the compute thread."""
         error = None
         job.start()
+        self._line.started()
         try:
             if job.cancelled:
                 return
@@ -254,6 +263,7 @@ class Engine:
                 self._after_read_error(e)
         finally:
             self._jobs.discard(job)
+            self._line.ended(job.admission, started=True)
             try:
                 self._end_generation()
             finally:
@@ -271,7 +281,7 @@ class Engine:
         if stager is not None:
             stager.reset(keep_report=True)
         if self.streaming.recorder is not None:
-            self.streaming.recorder = self.streaming.exact.recorder = None
+            self.streaming.set_recorder(None)
 
     def _steps(self, ids: list[int], params: SamplingParams, record, adapter=None) -> Iterator[TokenEvent]:
         if params.seed is not None:
@@ -300,7 +310,7 @@ class Engine:
     def _generate(self, ids: list[int], params: SamplingParams, record, cache, cached: int,
                   generated: list[int]) -> Iterator[TokenEvent]:
         if record is not None:
-            self.streaming.recorder = self.streaming.exact.recorder = record
+            self.streaming.set_recorder(record)
         detok = self.tokenizer.detokenizer
         detok.reset()
         eos = set(self.tokenizer.eos_token_ids) | set(params.stop_token_ids)
@@ -315,7 +325,7 @@ class Engine:
         stager = self.streaming.stager
         if stager is not None:
             stager.reset()
-            stall0, steps0 = stager.stall_seconds, stager.steps_run
+            stage0 = stager.stats()
         t0 = time.perf_counter()
         steps = bnn.generate_step(ids[cached:], self._step_model, params, max_tokens=max_tokens,
                                   prefill_step_size=self.config.prefill_step_size, prompt_cache=cache)
@@ -346,12 +356,11 @@ class Engine:
                     yield TokenEvent(token, text, **lp)
                     continue
                 stats.read_wait_seconds = reads.seconds - wait0
-                if stager is not None and stager.steps_run > steps0:
-                    stats.stall_ms_per_step = 1e3 * (stager.stall_seconds - stall0) / (stager.steps_run - steps0)
-                if stager is not None and stager.guard_recall:
-                    stats.guard_recall = {l: sum(v) / len(v) for l, v in stager.guard_recall.items()}
+                if stager is not None:
+                    _stage_stats(stats, stage0, stager.stats())
                 stats.peak_active_memory = B.peak_memory()
                 stats.peak_rss = peak_rss_bytes()
+                self._last_stats = stats
                 yield TokenEvent(token, text, finish, stats, **lp)
                 return
         finally:
@@ -373,6 +382,44 @@ class Engine:
             text.append(event.text)
             stats = event.stats or stats
         return "".join(text), stats
+
+    # -- prompts, admission, metrics ----------------------------------------------------------
+    def prompt_ids(self, prompt: str | None = None, *, messages: Sequence[dict] | None = None,
+                   system_prompt: str | None = None, chat_template: bool = True) -> list[int]:
+        """Token ids of a prompt as mlx-lm builds them. ``prompt`` (text): with a chat
+        template (the tokenizer has one and ``chat_template``), one user message after an
+        optional ``system_prompt``; without, the text with the tokenizer's special tokens.
+        ``messages`` (chat messages, ``{"role", "content"}``): the chat template, or, for a
+        base model without one, their contents joined by newlines, continued as text."""
+        tok = self.tokenizer
+        templated = chat_template and getattr(tok, "has_chat_template", False)
+        if messages is None:
+            if prompt is None:
+                raise ConfigError("prompt_ids needs a prompt or messages")
+            if not templated:
+                return tok.encode(prompt, add_special_tokens=True)
+            messages = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
+            messages.append({"role": "user", "content": prompt})
+        elif not templated:
+            return self.encode("\n".join(m["content"] for m in messages))
+        text = tok.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+        return tok.encode(text, add_special_tokens=False)
+
+    def admit(self, max_waiting: int | None = None) -> Admission:
+        """Count a request in line from now (before any work for it) until its generation
+        ends or ``release()``. ``EngineBusyError`` when ``max_waiting`` requests already wait
+        behind the running one (None: no bound)."""
+        if self._closed:
+            raise EngineClosedError("the engine is closed")
+        return self._line.admit(max_waiting)
+
+    def metrics(self) -> EngineMetrics:
+        """The line (requests in flight and queued), expert bytes read, the prompt cache and
+        the last finished generation's stats. Any thread; never waits for the compute thread."""
+        in_flight, queued = self._line.counts()
+        cache = self.prompt_cache
+        return EngineMetrics(in_flight, queued, self.reader.stats.bytes, cache.nbytes if cache is not None else 0,
+                             cache.hits if cache is not None else 0, self._last_stats)
 
     # -- introspection (tests, the server's leak checks) ----------------------------------
     def resources(self) -> dict:
@@ -428,3 +475,14 @@ def generate(model_dir: str | Path, prompt: str | Sequence[int], config: EngineC
     """Synchronous helper: open ``model_dir``, generate, close; returns the text."""
     with Engine(model_dir, config) as engine:
         return engine.generate_text(prompt, **sampling)[0]
+
+
+def _stage_stats(stats: GenerationStats, before, after) -> None:
+    """The staged layers' share of a generation's stats: stall per decode step, and the
+    quality guard's mean recall per layer (``before``/``after``: ``StageStats``)."""
+    if after.steps_run > before.steps_run:
+        steps = after.steps_run - before.steps_run
+        stats.stall_ms_per_step = 1e3 * (after.stall_seconds - before.stall_seconds) / steps
+    if after.guard_recall:
+        stats.guard_recall = {l: sum(v) / len(v) for l, v in after.guard_recall.items()}
+

@@ -28,6 +28,8 @@ from collections import deque
 from concurrent.futures import Future
 from typing import Any, Callable
 
+import anyio
+
 END = object()  # the last item a job hands out
 TIMEOUT = object()  # Job.get's answer when nothing came within its timeout
 
@@ -130,6 +132,24 @@ class Job:
         self.started = False  # the compute thread has begun it (it is no longer queued)
         self.finished = False
         self.error: BaseException | None = None
+        self.admission = None  # the engine's Admission this generation was started with, if any
+        self._wakers: list = []  # called (without arguments, any thread) whenever the job changes
+
+    def add_waker(self, fn) -> None:
+        """Call ``fn`` whenever an item, the start, the end or a cancellation happens: an
+        async consumer's way to wait without holding a thread. ``fn`` must not block."""
+        with self._cond:
+            self._wakers.append(fn)
+
+    def remove_waker(self, fn) -> None:
+        with self._cond:
+            if fn in self._wakers:
+                self._wakers.remove(fn)
+
+    def _changed(self) -> None:  # under the condition's lock
+        self._cond.notify_all()
+        for fn in self._wakers:
+            fn()
 
     # -- producer (compute thread) --------------------------------------------------------
     def put(self, item) -> bool:
@@ -141,19 +161,19 @@ class Job:
             if self.cancelled:
                 return False
             self._items.append(item)
-            self._cond.notify_all()
+            self._changed()
             return True
 
     def start(self) -> None:
         with self._cond:
             self.started = True
-            self._cond.notify_all()
+            self._changed()
 
     def finish(self, error: BaseException | None = None) -> None:
         with self._cond:
             self.error = error
             self.finished = True
-            self._cond.notify_all()
+            self._changed()
 
     # -- consumer (any thread) --------------------------------------------------------------
     def get(self, timeout: float | None = None):
@@ -182,8 +202,39 @@ class Job:
         with self._cond:
             self.cancelled = True
             self._items.clear()
-            self._cond.notify_all()
+            self._changed()
 
     def wait_finished(self, timeout: float | None = None) -> bool:
         with self._cond:
             return self._cond.wait_for(lambda: self.finished, timeout)
+
+
+class AsyncWaker:
+    """An async consumer's wait for its job to change (``job.add_waker(waker)``): the
+    compute thread schedules the event's ``set`` on the consumer's event loop (asyncio or
+    trio, ``anyio.lowlevel.current_token()``), never blocking itself."""
+
+    def __init__(self, token):
+        self._token = token
+        self._event = anyio.Event()
+
+    def __call__(self) -> None:  # any thread
+        try:
+            self._token.backend_class.run_sync_soon(self._set, (), self._token.native_token)
+        except Exception:  # noqa: BLE001 - the loop is gone: nobody is waiting
+            pass
+
+    def _set(self) -> None:
+        self._event.set()
+
+    async def wait(self, job: Job, timeout: float | None):
+        """The job's next item or END, or TIMEOUT after ``timeout`` seconds."""
+        while True:
+            self._event = anyio.Event()  # armed before the check: a change after it sets this one
+            event = job.poll()
+            if event is not None:
+                return event
+            with anyio.move_on_after(timeout):
+                await self._event.wait()
+                continue
+            return TIMEOUT

@@ -161,6 +161,16 @@ def test_bad_prompts(engine):
         list(engine.stream([1, 2, 10**9]))
 
 
+def test_a_closed_engine_says_so_with_its_own_error(qwen):
+    from edge0.errors import EngineClosedError
+
+    e = Engine(qwen)
+    e.close()
+    with pytest.raises(EngineClosedError, match="the engine is closed") as info:
+        list(e.stream(PROMPT, max_tokens=2))
+    assert isinstance(info.value, edge0.Edge0Error) and not isinstance(info.value, ConfigError)
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(compute_dtype="int8"), "compute_dtype must be one of"),
     (dict(bundle_capacity=0), "bundle_capacity must be a positive integer, got 0"),

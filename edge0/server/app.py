@@ -29,7 +29,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from edge0.config import EngineConfig
-from edge0.errors import ConfigError, Edge0Error
+from edge0.errors import ConfigError, Edge0Error, EngineBusyError
 from edge0.logs import get_logger
 from edge0.server import protocol as P
 from edge0.server.metrics import Metrics
@@ -57,9 +57,13 @@ class ServerState:
         self.engine = None
         self.load_error: str | None = None
         self.metrics = Metrics()
-        self.in_flight = 0
         self.log = get_logger("edge0.server")
         self.on_load_failure = None  # the command line stops the server when loading fails
+
+    @property
+    def in_flight(self) -> int:
+        """Requests admitted and not finished (the engine counts them)."""
+        return self.engine.metrics().in_flight if self.engine is not None else 0
 
     @property
     def models(self) -> dict[str, Any]:
@@ -185,15 +189,14 @@ def _metrics(state: ServerState):
         except P.APIError as e:
             return _error(e)
         engine = state.engine
-        cache = engine.prompt_cache if engine is not None else None
         resources = None
         if engine is not None:  # asked of the compute thread: answered between two generations
             with anyio.move_on_after(RESOURCES_WAIT_S):
                 resources = await anyio.to_thread.run_sync(engine.resources, abandon_on_cancel=True)
+        m = engine.metrics() if engine is not None else None
         text = state.metrics.render(
-            in_flight=state.in_flight, queued=max(0, state.in_flight - 1),
-            expert_bytes=engine.reader.stats.bytes if engine is not None else 0,
-            cache_bytes=cache.nbytes if cache is not None else 0, cache_hits=cache.hits if cache is not None else 0,
+            in_flight=m.in_flight if m else 0, queued=m.queued if m else 0, expert_bytes=m.expert_bytes if m else 0,
+            cache_bytes=m.prompt_cache_bytes if m else 0, cache_hits=m.prompt_cache_hits if m else 0,
             loaded=engine is not None, resources=resources, process=_process())
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
     return handler
@@ -234,15 +237,8 @@ def _prompt_ids(state: ServerState, req: P.GenerationRequest) -> list[int]:
     """Token ids of the request's prompt (chat template for chat), checked by the engine
     (context length, sampling values). Runs in a worker thread."""
     engine = state.engine
-    tok = engine.tokenizer
-    if req.kind == "chat" and getattr(tok, "has_chat_template", False):
-        text = tok.apply_chat_template(req.messages, tokenize=False, add_generation_prompt=True)
-        ids = tok.encode(text, add_special_tokens=False)
-    elif req.kind == "chat":  # a base model without a template continues the messages' text
-        ids = "\n".join(m["content"] for m in req.messages)
-    else:
-        ids = req.prompt if isinstance(req.prompt, list) else req.prompt
     try:
+        ids = engine.prompt_ids(messages=req.messages) if req.kind == "chat" else req.prompt
         ids, _ = engine.validate(ids, **req.sampling)
     except ConfigError as e:
         raise P.bad(str(e), "messages" if req.kind == "chat" else "prompt") from None
@@ -253,26 +249,21 @@ def _endpoint(state: ServerState, kind: str):
     name = "chat" if kind == "chat" else "completions"
 
     async def handler(request: Request) -> Response:
-        admitted = False
+        admission = None
         try:
             _check_auth(state, request)
             _check_ready(state)
             body = await _read_json(state, request)
             req = P.parse(body, kind, state.models, state.default_model, state.settings.defaults,
                           state.engine.vocab_size)
+            admission = _admit(state)  # before any work for the request
             ids = await anyio.to_thread.run_sync(_prompt_ids, state, req)
-            if state.in_flight > state.settings.max_queue:
-                raise P.APIError(429, f"{state.in_flight - 1} requests are waiting (max_queue "
-                                 f"{state.settings.max_queue}); retry later",
-                                 headers={"Retry-After": str(state.settings.retry_after_s)})
-            state.in_flight += 1
-            admitted = True
             if req.stream:
-                admitted = False  # the stream owns the slot from here
+                stream, admission = _stream(state, req, ids, admission), None  # the stream owns it from here
                 state.metrics.count(name, 200)
-                return StreamingResponse(_stream(state, req, ids), media_type="text/event-stream",
+                return StreamingResponse(stream, media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            result = await _complete(state, request, req, ids)
+            result = await _complete(state, request, req, ids, admission)
             state.metrics.count(name, 200 if result is not None else 499)
             return JSONResponse(result) if result is not None else Response(status_code=499)
         except P.APIError as e:
@@ -284,9 +275,18 @@ def _endpoint(state: ServerState, kind: str):
             state.metrics.count(name, 500)
             return _error(P.APIError(500, f"internal error: {type(e).__name__}: {e}", kind="server_error"))
         finally:
-            if admitted:
-                state.in_flight -= 1
+            if admission is not None:
+                admission.release()
     return handler
+
+
+def _admit(state: ServerState):
+    """The request's place in the engine's line, or 429 when ``max_queue`` already wait."""
+    try:
+        return state.engine.admit(state.settings.max_queue)
+    except EngineBusyError as e:
+        raise P.APIError(429, f"{e.waiting} requests are waiting (max_queue {e.limit}); retry later",
+                         headers={"Retry-After": str(state.settings.retry_after_s)}) from None
 
 
 class _Collector:
@@ -316,10 +316,10 @@ class _Collector:
 
 
 async def _generate(state: ServerState, req: P.GenerationRequest, ids: list[int], collector: _Collector,
-                    heartbeat: float | None = None):
+                    admission, heartbeat: float | None = None):
     """The engine's events for a request as (text, logprob entries); ``None`` items are
     heartbeats."""
-    gen = state.engine.generate(ids, adapter=req.adapter, heartbeat=heartbeat, **req.sampling)
+    gen = state.engine.generate(ids, adapter=req.adapter, heartbeat=heartbeat, admission=admission, **req.sampling)
     try:
         async for event in gen:
             yield None if event is None else collector.add(event)
@@ -330,7 +330,8 @@ async def _generate(state: ServerState, req: P.GenerationRequest, ids: list[int]
             state.metrics.finished(collector.stats)
 
 
-async def _complete(state: ServerState, request: Request, req: P.GenerationRequest, ids: list[int]) -> dict | None:
+async def _complete(state: ServerState, request: Request, req: P.GenerationRequest, ids: list[int],
+                    admission) -> dict | None:
     """A whole (non-streamed) answer; None when the client went away first."""
     collector = _Collector(state, req)
     parts: list[str] = []
@@ -349,7 +350,7 @@ async def _complete(state: ServerState, request: Request, req: P.GenerationReque
     async with anyio.create_task_group() as tg:
         tg.start_soon(watch_disconnect, tg.cancel_scope)
         try:
-            async for item in _generate(state, req, ids, collector):
+            async for item in _generate(state, req, ids, collector, admission):
                 if item is not None:
                     parts.append(item[0])
         except Exception as e:  # noqa: BLE001 - re-raised below, outside the task group
@@ -370,7 +371,7 @@ def _sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
 
-async def _stream(state: ServerState, req: P.GenerationRequest, ids: list[int]):
+async def _stream(state: ServerState, req: P.GenerationRequest, ids: list[int], admission):
     """Server-sent events: a chunk per token (text held back while it may begin a stop
     string), keep-alive comments while no token comes, the usage chunk, ``[DONE]``."""
     rid, created = P.new_id(req.kind), P.now()
@@ -379,7 +380,7 @@ async def _stream(state: ServerState, req: P.GenerationRequest, ids: list[int]):
     try:
         if req.kind == "chat":
             yield _sse(P.chunk(req, rid, created, "", None, role=True))
-        async for item in _generate(state, req, ids, collector, heartbeat=state.settings.keepalive_s):
+        async for item in _generate(state, req, ids, collector, admission, heartbeat=state.settings.keepalive_s):
             if item is None:
                 yield ": keep-alive\n\n"
                 continue
@@ -399,4 +400,4 @@ async def _stream(state: ServerState, req: P.GenerationRequest, ids: list[int]):
     finally:
         if not ended:
             state.metrics.disconnects += 1
-        state.in_flight -= 1
+        admission.release()

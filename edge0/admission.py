@@ -1,0 +1,103 @@
+"""Who is in line for an engine: admission, queue depth, and the engine's metrics.
+
+An engine runs one generation at a time, in arrival order. A caller that wants a bound on
+the line (the server) asks ``Engine.admit(max_waiting)`` before it does any work for a
+request (before the prompt is tokenized); the request counts from then until its
+generation ends or it is released. Generations started without an admission count from
+submission to their end. ``Engine.metrics()`` reads the counts.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from edge0.errors import EngineBusyError
+
+
+class Admission:
+    """One admitted request. ``release()`` (idempotent; also a context manager) ends it;
+    a generation started with it (``Engine.generate(..., admission=...)``) releases it
+    when it ends."""
+
+    def __init__(self, line: "Line"):
+        self._line = line
+        self.released = False
+
+    def release(self) -> None:
+        self._line._release(self)
+
+    def __enter__(self) -> "Admission":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+class Line:
+    """The counts behind ``Engine.admit`` and ``Engine.metrics`` (any thread)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._admitted: set[Admission] = set()
+        self._unadmitted = 0  # generations submitted without an admission, not yet ended
+        self._running = 0
+
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._admitted) + self._unadmitted
+
+    def admit(self, max_waiting: int | None) -> Admission:
+        with self._lock:
+            n = len(self._admitted) + self._unadmitted
+            if max_waiting is not None and n > max_waiting:
+                raise EngineBusyError(f"{n - 1} requests are waiting (at most {max_waiting}); retry later",
+                                      waiting=n - 1, limit=max_waiting)
+            a = Admission(self)
+            self._admitted.add(a)
+            return a
+
+    def _release(self, a: Admission) -> None:
+        with self._lock:
+            if not a.released:
+                a.released = True
+                self._admitted.discard(a)
+
+    def submitted(self, admission: Admission | None) -> None:
+        if admission is None:
+            with self._lock:
+                self._unadmitted += 1
+
+    def started(self) -> None:
+        with self._lock:
+            self._running += 1
+
+    def ended(self, admission: Admission | None, started: bool) -> None:
+        with self._lock:
+            if started:
+                self._running -= 1
+            if admission is None:
+                self._unadmitted -= 1
+        if admission is not None:
+            admission.release()
+
+    def counts(self) -> tuple[int, int]:
+        """(in flight, queued): requests admitted or generating, and those not running."""
+        with self._lock:
+            n = len(self._admitted) + self._unadmitted
+            return n, max(0, n - self._running)
+
+
+@dataclass(frozen=True)
+class EngineMetrics:
+    """What an engine reports about itself (``Engine.metrics()``): the line (``in_flight``
+    requests admitted or generating, ``queued`` of them not running), expert bytes read
+    from the checkpoint so far, the prompt cache, and the last finished generation's
+    ``GenerationStats`` (None before the first)."""
+
+    in_flight: int
+    queued: int
+    expert_bytes: int
+    prompt_cache_bytes: int
+    prompt_cache_hits: int
+    last_generation: object | None
