@@ -14,6 +14,8 @@ embedding Edge0 is never blocked by compute or reads.
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import time
 import weakref
 from contextlib import asynccontextmanager
@@ -32,6 +34,8 @@ from edge0.errors import ConfigError, EngineClosedError, ExpertReadError
 from edge0.exec.oracle import OracleRouting, RoutingRecorder
 from edge0.loader import StepModel, Streaming, load_streaming_model
 from edge0.prompt_cache import PromptCache
+from edge0.prompts import check_text_size, longest_token_chars
+from edge0.prompts import prompt_ids as build_prompt_ids
 from edge0.logs import configure as configure_logs
 from edge0.logs import get_logger
 from edge0.sampling import SamplingParams, StopMatcher
@@ -87,6 +91,9 @@ class Engine:
         self.prompt_cache = PromptCache(self.config.prompt_cache_mb * 2**20) if self.config.prompt_cache_mb else None
         self._jobs: set[Job] = set()
         self._line = Line()
+        self._resources: dict = {}
+        self._longest_token: int | None = None
+        self._worker.call(self._count_resources)
         self._last_stats: GenerationStats | None = None
         # closes the engine if it is garbage collected or still open at exit
         self._finalizer = weakref.finalize(self, _shutdown, self._worker, self.streaming, self._jobs)
@@ -135,8 +142,15 @@ class Engine:
             raise ConfigError(f"the prompt is {len(ids)} tokens; the model's context is {ctx} tokens "
                               "(max_position_embeddings): shorten the prompt")
 
+    def _check_text_size(self, chars: int) -> None:
+        if self._longest_token is None and self.vocab_size:
+            self._longest_token = longest_token_chars(self.tokenizer, self.vocab_size)
+        if self._longest_token:
+            check_text_size(self._longest_token, self.context_length, chars)
+
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
+            self._check_text_size(len(prompt))
             bos = self.tokenizer.bos_token
             ids = self.tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
         else:
@@ -171,16 +185,19 @@ class Engine:
         bad = [t for t in params.stop_token_ids if vocab is not None and t >= vocab]
         if bad:
             raise ConfigError(f"stop_token_ids {bad} are outside the vocabulary [0, {vocab})")
+        if vocab is not None and params.top_k >= vocab:  # keeps every token: the same as no top-k filter
+            params = dataclasses.replace(params, top_k=0)
         return ids, params
 
     def _submit(self, prompt, sampling: dict, record: RoutingRecorder | None = None,
-                adapter=None, admission: Admission | None = None) -> Job:
+                adapter=None, admission: Admission | None = None, consumer_timeout: float | None = None) -> Job:
         """Validate, then queue a generation job on the compute thread."""
         if self._closed:
             raise EngineClosedError("the engine is closed")
         ids, params = self.validate(prompt, **sampling)
         job = Job()
         job.admission = admission
+        job.stall_timeout = consumer_timeout
         self._jobs.add(job)
         self._line.submitted(admission)
         self._worker.submit(self._run, job, ids, params, record, adapter)
@@ -202,7 +219,8 @@ class Engine:
             job.cancel()
 
     async def generate(self, prompt: str | Sequence[int], *, adapter=DEFAULT_ADAPTER, heartbeat: float | None = None,
-                       admission: Admission | None = None, **sampling) -> AsyncIterator[TokenEvent | None]:
+                       admission: Admission | None = None, consumer_timeout: float | None = None,
+                       **sampling) -> AsyncIterator[TokenEvent | None]:
         """Async token stream; the event loop is never blocked by compute or reads.
 
         Leaving it by any route (``break``, an exception, cancellation, ``aclosing``, the
@@ -213,8 +231,11 @@ class Engine:
         turn holds no thread, nor does one waiting for its next token: the compute thread
         wakes the event loop when the job changes. ``heartbeat``: yield ``None`` whenever that
         many seconds pass without a token (waiting in line, a long prefill), e.g. to keep a
-        connection alive. ``admission``: from ``admit()``, released when the generation ends."""
-        job = self._submit(prompt, sampling, adapter=self._adapter_for(adapter), admission=admission)
+        connection alive. ``admission``: from ``admit()``, released when the generation ends.
+        ``consumer_timeout``: when this consumer takes no token for that many seconds, the
+        generation stops (``StalledConsumerError``) so that it holds the engine no longer."""
+        job = self._submit(prompt, sampling, adapter=self._adapter_for(adapter), admission=admission,
+                           consumer_timeout=consumer_timeout)
         wake = AsyncWaker(anyio.lowlevel.current_token())
         job.add_waker(wake)
         try:
@@ -254,6 +275,8 @@ class Engine:
             try:
                 for event in steps:
                     if not job.put(event):
+                        if job.error is not None:  # a stalled consumer: say why its generation stopped
+                            self.log.warning("generation.consumer_stalled", error=str(job.error))
                         break
             finally:
                 steps.close()
@@ -266,6 +289,7 @@ class Engine:
             self._line.ended(job.admission, started=True)
             try:
                 self._end_generation()
+                self._count_resources()
             finally:
                 job.finish(error)
 
@@ -284,8 +308,10 @@ class Engine:
             self.streaming.set_recorder(None)
 
     def _steps(self, ids: list[int], params: SamplingParams, record, adapter=None) -> Iterator[TokenEvent]:
-        if params.seed is not None:
-            B.seed(params.seed)
+        # each generation's random state is its own: a seeded one starts from its seed, an
+        # unseeded one from fresh entropy (never from what an earlier generation left, which
+        # a failure inside a compiled sampler can leave unusable)
+        B.seed(params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
         cache, cached = None, 0
         reuse = self.prompt_cache is not None and params.max_kv_size is None and record is None
         if reuse:
@@ -357,7 +383,7 @@ class Engine:
                     continue
                 stats.read_wait_seconds = reads.seconds - wait0
                 if stager is not None:
-                    _stage_stats(stats, stage0, stager.stats())
+                    stats.add_stage(stage0, stager.stats())
                 stats.peak_active_memory = B.peak_memory()
                 stats.peak_rss = peak_rss_bytes()
                 self._last_stats = stats
@@ -386,24 +412,12 @@ class Engine:
     # -- prompts, admission, metrics ----------------------------------------------------------
     def prompt_ids(self, prompt: str | None = None, *, messages: Sequence[dict] | None = None,
                    system_prompt: str | None = None, chat_template: bool = True) -> list[int]:
-        """Token ids of a prompt as mlx-lm builds them. ``prompt`` (text): with a chat
-        template (the tokenizer has one and ``chat_template``), one user message after an
-        optional ``system_prompt``; without, the text with the tokenizer's special tokens.
-        ``messages`` (chat messages, ``{"role", "content"}``): the chat template, or, for a
-        base model without one, their contents joined by newlines, continued as text."""
-        tok = self.tokenizer
-        templated = chat_template and getattr(tok, "has_chat_template", False)
-        if messages is None:
-            if prompt is None:
-                raise ConfigError("prompt_ids needs a prompt or messages")
-            if not templated:
-                return tok.encode(prompt, add_special_tokens=True)
-            messages = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
-            messages.append({"role": "user", "content": prompt})
-        elif not templated:
-            return self.encode("\n".join(m["content"] for m in messages))
-        text = tok.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
-        return tok.encode(text, add_special_tokens=False)
+        """Token ids of a prompt as mlx-lm builds them (``edge0.prompts.prompt_ids``): with a
+        chat template, ``prompt`` as one user message after an optional ``system_prompt``, or
+        ``messages``; without, the text (a base model continues the messages' contents)."""
+        self._check_text_size(len(prompt or "") + sum(len(str(m.get("content") or "")) for m in messages or ()))
+        return build_prompt_ids(self.tokenizer, self.encode, prompt, messages=messages, system_prompt=system_prompt,
+                                chat_template=chat_template)
 
     def admit(self, max_waiting: int | None = None) -> Admission:
         """Count a request in line from now (before any work for it) until its generation
@@ -422,14 +436,21 @@ class Engine:
                              cache.hits if cache is not None else 0, self._last_stats)
 
     # -- introspection (tests, the server's leak checks) ----------------------------------
-    def resources(self) -> dict:
-        """Live generations, pinned expert slots, reads in flight and open checkpoint files."""
-        def count():
-            stager = self.streaming.stager
-            return {"generations": len(self._jobs), "pinned_slots": self.streaming.pinned_slots(),
-                    "pending_reads": stager.pending_reads() if stager is not None else 0,
-                    "open_files": self.reader.open_files}
-        return self._worker.call(count)
+    def resources(self, wait: bool = True) -> dict:
+        """Live generations, pinned expert slots, reads in flight and open checkpoint files,
+        counted on the compute thread (after the running generation, if any). ``wait=False``
+        never waits: the live generation count, the rest as counted when the compute thread
+        last finished a generation."""
+        if not wait:
+            return {**self._resources, "generations": len(self._jobs)}
+        return self._worker.call(self._count_resources)
+
+    def _count_resources(self) -> dict:  # on the compute thread
+        stager = self.streaming.stager
+        self._resources = {"generations": len(self._jobs), "pinned_slots": self.streaming.pinned_slots(),
+                           "pending_reads": stager.pending_reads() if stager is not None else 0,
+                           "open_files": self.reader.open_files}
+        return self._resources
 
 
 def _logprobs(token: int, logprobs, params: SamplingParams) -> dict:
@@ -475,14 +496,3 @@ def generate(model_dir: str | Path, prompt: str | Sequence[int], config: EngineC
     """Synchronous helper: open ``model_dir``, generate, close; returns the text."""
     with Engine(model_dir, config) as engine:
         return engine.generate_text(prompt, **sampling)[0]
-
-
-def _stage_stats(stats: GenerationStats, before, after) -> None:
-    """The staged layers' share of a generation's stats: stall per decode step, and the
-    quality guard's mean recall per layer (``before``/``after``: ``StageStats``)."""
-    if after.steps_run > before.steps_run:
-        steps = after.steps_run - before.steps_run
-        stats.stall_ms_per_step = 1e3 * (after.stall_seconds - before.stall_seconds) / steps
-    if after.guard_recall:
-        stats.guard_recall = {l: sum(v) / len(v) for l, v in after.guard_recall.items()}
-

@@ -17,6 +17,7 @@ Edge0Error
  |                            a layer it has no slots for, or is not running
  +-- EngineClosedError        a call on an engine after ``close()``
  +-- EngineBusyError          ``Engine.admit``: too many requests already wait
+ +-- StalledConsumerError     a generation's consumer took nothing for its stall timeout
 
 Each error carries the offending file / tensor / parameter as attributes and names them
 in its message, so a test (or a user) can see what was wrong without a traceback.
@@ -117,3 +118,8 @@ class EngineBusyError(Edge0Error):
     def __init__(self, message: str, *, waiting: int, limit: int):
         super().__init__(message)
         self.waiting, self.limit = waiting, limit
+
+
+class StalledConsumerError(Edge0Error):
+    """A generation's consumer took no token for its ``consumer_timeout``: the generation
+    was stopped so that it holds the engine no longer."""

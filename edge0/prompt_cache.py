@@ -7,10 +7,13 @@ first.
 
 A generation takes its entry out of the store (one owner: the cache is extended in place)
 and puts the extended cache back when it ends, with the tokens it now covers. An entry
-matches a prompt when its tokens are a prefix of it; an entry that goes past the point
-where the prompt diverges is trimmed back to the common prefix when its layers allow
-trimming (attention KV caches do; state-space and linear-attention states do not). At
-least the prompt's last token is always computed, since its logits start the generation.
+matches a prompt when its tokens are a prefix of it; the longest shared prefix wins. Of an
+entry that goes past the point where the prompt diverges, the shared prefix is copied
+and the entry stays, for the conversation it holds (another user's request between two
+turns does not take it away); where its layers are not plain KV caches, the entry is
+trimmed back to the common prefix when they allow trimming (state-space and
+linear-attention states do not). At least the prompt's last token is always computed,
+since its logits start the generation.
 """
 
 from __future__ import annotations
@@ -48,7 +51,14 @@ class PromptCache:
         if best is None:
             self.misses += 1
             return None, 0
-        _, tokens, cache, _ = self._entries.pop(best)
+        name, tokens, cache, size = self._entries[best]
+        if best_len < len(tokens):  # a shared prefix: copy it, the entry stays for whoever it holds
+            copied = bnn.copy_prefix(cache, best_len)
+            if copied is not None:
+                self._entries.move_to_end(best)
+                self.hits += 1
+                return copied, best_len
+        del self._entries[best]
         if not bnn.trim_cache(cache, len(tokens) - best_len):
             self.misses += 1
             return None, 0

@@ -32,6 +32,9 @@ def _number(name: str, value, lo: float, hi: float, *, lo_open: bool = False, hi
         raise ConfigError(f"{name} must be a number in {brackets}, got {value!r}")
 
 
+MIN_REPETITION_PENALTY = 0.01  # as far below 1 as the largest (100) is above it
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 256
@@ -60,6 +63,9 @@ class SamplingParams:
             _int("seed", self.seed, 0, 2**63 - 1)
         if self.repetition_penalty is not None:
             _number("repetition_penalty", self.repetition_penalty, 0.0, 100.0, lo_open=True)
+            if self.repetition_penalty < MIN_REPETITION_PENALTY:  # 1/p times a logit overflows to inf, then NaN
+                raise ConfigError(f"repetition_penalty must be at least {MIN_REPETITION_PENALTY:g} (a smaller one "
+                                  f"scales logits past float range), got {self.repetition_penalty!r}")
         _int("repetition_context_size", self.repetition_context_size, 1, 1 << 20)
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop

@@ -64,6 +64,16 @@ class GenerationStats:
                  expert_bytes_per_token=self.expert_bytes_per_token)
         return d
 
+    def add_stage(self, before, after) -> None:
+        """The staged layers' share of a generation (``before``/``after``: the Stager's
+        ``StageStats`` at its start and end): stall per decode step, and the quality guard's
+        mean recall per layer."""
+        if after.steps_run > before.steps_run:
+            steps = after.steps_run - before.steps_run
+            self.stall_ms_per_step = 1e3 * (after.stall_seconds - before.stall_seconds) / steps
+        if after.guard_recall:
+            self.guard_recall = {l: sum(v) / len(v) for l, v in after.guard_recall.items()}
+
     def line(self) -> str:
         mib = 1024 * 1024
         return (f"prefill {self.prefill_tps:.1f} tok/s ({self.prompt_tokens} tok) | "

@@ -24,11 +24,14 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections import deque
 from concurrent.futures import Future
 from typing import Any, Callable
 
 import anyio
+
+from edge0.errors import StalledConsumerError
 
 END = object()  # the last item a job hands out
 TIMEOUT = object()  # Job.get's answer when nothing came within its timeout
@@ -133,6 +136,7 @@ class Job:
         self.finished = False
         self.error: BaseException | None = None
         self.admission = None  # the engine's Admission this generation was started with, if any
+        self.stall_timeout: float | None = None  # longest wait for the consumer in put (None: no bound)
         self._wakers: list = []  # called (without arguments, any thread) whenever the job changes
 
     def add_waker(self, fn) -> None:
@@ -153,11 +157,22 @@ class Job:
 
     # -- producer (compute thread) --------------------------------------------------------
     def put(self, item) -> bool:
-        """Hand ``item`` to the consumer, waiting while it is ``ahead`` items behind.
-        False when the consumer has left (the producer should stop)."""
+        """Hand ``item`` to the consumer, waiting while it is ``ahead`` items behind, at
+        most ``stall_timeout`` seconds (then the job is cancelled with ``StalledConsumerError``:
+        a consumer that takes nothing must not hold the compute thread). False when the
+        consumer has left (the producer should stop)."""
         with self._cond:
+            deadline = None if self.stall_timeout is None else time.monotonic() + self.stall_timeout
             while len(self._items) >= self.ahead and not self.cancelled:
-                self._cond.wait()
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    self.error = StalledConsumerError(
+                        f"the consumer took no token for {self.stall_timeout:g} s; the generation was stopped")
+                    self.cancelled = True
+                    self._items.clear()
+                    self._changed()
+                    break
+                self._cond.wait(left)
             if self.cancelled:
                 return False
             self._items.append(item)
@@ -171,7 +186,7 @@ class Job:
 
     def finish(self, error: BaseException | None = None) -> None:
         with self._cond:
-            self.error = error
+            self.error = error or self.error
             self.finished = True
             self._changed()
 

@@ -227,3 +227,71 @@ def test_prompt_cache_reuses_a_prefix_and_changes_nothing(tiny_model_factory, fa
         trimmable = family == "qwen3_moe"
         assert out3[-1].stats.cached_tokens == (len(ids) - 1 if trimmable else 0)
         assert cached.prompt_cache.nbytes <= 16 * 2**20
+
+
+def test_top_k_at_or_above_the_vocabulary_keeps_every_token(engine):
+    vocab = engine.vocab_size
+    for top_k in (vocab, vocab + 5):
+        a = [e.token for e in engine.stream(PROMPT, max_tokens=6, temp=1.0, seed=3, top_k=top_k)]
+        b = [e.token for e in engine.stream(PROMPT, max_tokens=6, temp=1.0, seed=3)]
+        assert a == b
+
+
+def test_a_broken_random_state_does_not_outlive_the_generation_that_broke_it(engine):
+    """mlx-lm's compiled top-k raising inside its trace leaves MLX's global random state
+    unusable; every generation starts from its own random state, so the next one samples."""
+    import mlx.core as mx
+    from mlx_lm.sample_utils import make_sampler
+
+    logits = mx.zeros((1, engine.vocab_size))
+    try:
+        with pytest.raises(ValueError):
+            mx.eval(make_sampler(temp=1.0, top_k=engine.vocab_size)(logits))
+        events = list(engine.stream(PROMPT, max_tokens=4, temp=1.0))
+        assert len(events) == 4
+    finally:
+        mx.random.seed(0)  # this thread's code outside an engine would still see the broken state
+
+
+def test_another_prompt_between_two_turns_keeps_the_conversations_cache(tiny_model_factory):
+    """A request sharing only a prefix with a cached conversation gets a copy of that prefix;
+    the conversation's entry stays, so its next turn prefills only its new tokens."""
+    d = tiny_model_factory("qwen3_moe")
+    with Engine(d, EngineConfig(prompt_cache_mb=16)) as cached, Engine(d) as plain:
+        ids = cached.encode("def fibonacci(n):")
+        out1 = list(cached.stream(ids, max_tokens=6))
+        other = ids[:1] + cached.encode(" something else entirely")
+        out_other = list(cached.stream(other, max_tokens=4))
+        assert out_other[-1].stats.cached_tokens == 1
+        assert [e.token for e in out_other] == [e.token for e in plain.stream(other, max_tokens=4)]
+        follow = ids + [e.token for e in out1] + cached.encode("\n    return 1")
+        out2 = list(cached.stream(follow, max_tokens=6))
+        assert out2[-1].stats.cached_tokens == len(ids) + 6
+        assert [e.token for e in out2] == [e.token for e in plain.stream(follow, max_tokens=6)]
+
+
+def test_an_oversize_text_is_refused_before_it_is_tokenized(engine, monkeypatch):
+    """No token covers more than the longest token's characters: a text longer than the
+    context times that cannot fit, and is refused without tokenizer work (a 4 MiB prompt
+    once cost 700 MiB of tokens before the length check)."""
+    calls = []
+
+    class Counting:
+        def __init__(self, tok):
+            self._tok = tok
+
+        def __getattr__(self, name):
+            return getattr(self._tok, name)
+
+        def encode(self, *a, **k):
+            calls.append(1)
+            return self._tok.encode(*a, **k)
+
+    monkeypatch.setattr(engine, "tokenizer", Counting(engine.tokenizer))
+    huge = "x = 1\n" * (4 * 2**20 // 6)
+    for call in (lambda: engine.validate(huge), lambda: engine.prompt_ids(huge),
+                 lambda: engine.prompt_ids(messages=[{"role": "user", "content": huge}])):
+        with pytest.raises(ConfigError, match="characters: at least .* tokens, more than the model's context"):
+            call()
+    assert calls == []
+    assert engine.validate("def f(x):")[0]  # an ordinary prompt is tokenized as before

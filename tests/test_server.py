@@ -26,8 +26,11 @@ PROMPT = "def fibonacci(n):"
 
 
 @contextmanager
-def serving(model_dir, config: EngineConfig | None = None, **settings):
-    """A uvicorn server in a thread; yields (base URL, the app's state)."""
+def serving(model_dir, config: EngineConfig | None = None, sndbuf: int | None = None, **settings):
+    """A uvicorn server in a thread; yields (base URL, the app's state). ``sndbuf``: the
+    send buffer of its connections (a small one stands for a full network path)."""
+    import socket
+
     import uvicorn
 
     s = ServerSettings(model_dir=Path(model_dir), config=config or EngineConfig(prompt_cache_mb=64),
@@ -35,7 +38,11 @@ def serving(model_dir, config: EngineConfig | None = None, **settings):
     app = create_app(s)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error", lifespan="on",
                                            timeout_graceful_shutdown=5))
-    thread = threading.Thread(target=server.run, daemon=True)
+    sock = socket.socket()
+    if sndbuf is not None:  # accepted connections inherit it
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
+    sock.bind(("127.0.0.1", 0))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     state = app.state.edge0
     deadline = time.monotonic() + 60
@@ -230,6 +237,12 @@ def test_sampling_fields_over_http_take_effect(server):
     (json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}).encode(), 400,
      r"'max_tokens' must be in \[1,"),
     (json.dumps({"messages": [{"role": "user", "content": "x"}], "n": 2}).encode(), 400, "'n' must be in"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": 1_000_001}).encode(), 400,
+     r"'max_tokens' must be in \[1, 1000000\]"),
+    (b'{"prompt": "a\\ud800b"}', 400, r"prompt holds a lone surrogate \(\\ud800 at character 1\)"),
+    (b'{"messages": [{"role": "user", "content": "\\udfff"}]}', 400, r"messages\[0\]\.content holds a lone"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "repetition_penalty": 1e-300}).encode(), 400,
+     r"'repetition_penalty' must be in \[0\.01, 100\]"),
     (json.dumps({"messages": [{"role": "user", "content": "x " * 5000}]}).encode(), 400, "context"),
     (json.dumps({"messages": [{"role": "user", "content": "x"}], "model": "gpt-4"}).encode(), 404,
      "the model 'gpt-4' does not exist"),
@@ -271,6 +284,18 @@ def test_api_key(model):
         assert httpx.get(url + "/metrics").status_code == 401
         assert httpx.get(url + "/health").status_code == 200  # health needs no key
         assert chat(client(url, api_key="s3cret"), [{"role": "user", "content": "x"}], max_tokens=2).usage
+
+
+def test_the_bearer_scheme_is_case_insensitive_and_an_empty_key_is_refused(model):
+    d, _, _ = model
+    with serving(d, EngineConfig(adapter="off"), api_key="s3cret") as (url, _):
+        for header in ("bearer s3cret", "BEARER  s3cret", "Bearer s3cret"):
+            assert httpx.get(url + "/metrics", headers={"Authorization": header}).status_code == 200, header
+        for header in ("Basic s3cret", "bearer", "s3cret", "Bearer s3cret2"):
+            assert httpx.get(url + "/metrics", headers={"Authorization": header}).status_code == 401, header
+    r = subprocess.run([sys.executable, "-m", "edge0", "serve", "--model", str(d), "--api-key", ""],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--api-key (or EDGE0_API_KEY) is empty" in r.stderr, r.stderr[-500:]
 
 
 def test_health_is_503_while_loading(model, monkeypatch):
@@ -406,3 +431,46 @@ def test_sigterm_lets_running_requests_finish_then_exits(model, tmp_path):
         if proc.poll() is None:
             proc.kill()
         proc.stderr.close()
+
+
+def test_metrics_during_a_generation_leave_no_thread_behind(model):
+    d, _, _ = model
+    with serving(d, EngineConfig(adapter="off")) as (url, state):
+        with httpx.stream("POST", url + "/v1/completions",
+                          json={"prompt": PROMPT, "max_tokens": 3000, "stream": True}, timeout=120) as r:
+            lines = r.iter_lines()
+            next(lines)
+            before = threading.active_count()
+            for _ in range(30):
+                m = httpx.get(url + "/metrics", timeout=10)
+                assert m.status_code == 200 and "edge0_engine_generations 1" in m.text
+            during = threading.active_count()
+    assert during - before <= 2, (before, during)
+
+
+def test_a_client_that_never_reads_its_stream_does_not_hold_the_engine(model):
+    """A stream whose client stops reading is stopped after --send-timeout; the next
+    request is served, not kept waiting until the silent client leaves."""
+    import socket
+
+    d, _, _ = model
+    with serving(d, EngineConfig(adapter="off"), sndbuf=4096, send_timeout_s=1.0) as (url, state):
+        host, port = url.rsplit("//", 1)[1].split(":")
+        silent = socket.socket()
+        silent.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)  # fills at once: the server must wait
+        silent.connect((host, int(port)))
+        body = json.dumps({"prompt": PROMPT, "max_tokens": 4000, "stream": True}).encode()
+        silent.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        try:
+            deadline = time.monotonic() + 30
+            while state.in_flight < 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            t0 = time.monotonic()
+            r = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 3}, timeout=120)
+            waited = time.monotonic() - t0
+        finally:
+            silent.close()
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    assert waited < 40, waited  # (the silent client's 4000 tokens take about 80 s)

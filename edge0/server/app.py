@@ -35,7 +35,6 @@ from edge0.server import protocol as P
 from edge0.server.metrics import Metrics
 
 DEFAULT_MAX_BODY = 4 * 2**20
-RESOURCES_WAIT_S = 0.5  # /metrics waits this long for the engine's resource counts
 
 
 @dataclass
@@ -48,6 +47,7 @@ class ServerSettings:
     api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY
     keepalive_s: float = 10.0
+    send_timeout_s: float = 30.0  # a stream whose client takes nothing this long is stopped
     retry_after_s: int = 1
 
 
@@ -145,8 +145,8 @@ def _check_auth(state: ServerState, request: Request) -> None:
     key = state.settings.api_key
     if key is None:
         return
-    given = request.headers.get("authorization", "")
-    if not (given.startswith("Bearer ") and hmac.compare_digest(given[7:].encode(), key.encode())):
+    scheme, _, given = request.headers.get("authorization", "").strip().partition(" ")
+    if not (scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), key.encode())):
         raise P.APIError(401, "missing or wrong API key (Authorization: Bearer KEY)", code="invalid_api_key")
 
 
@@ -189,10 +189,9 @@ def _metrics(state: ServerState):
         except P.APIError as e:
             return _error(e)
         engine = state.engine
-        resources = None
-        if engine is not None:  # asked of the compute thread: answered between two generations
-            with anyio.move_on_after(RESOURCES_WAIT_S):
-                resources = await anyio.to_thread.run_sync(engine.resources, abandon_on_cancel=True)
+        # never waits for (nor leaves a thread waiting on) a busy compute thread: the counts
+        # as of the last generation's end, with the live number of generations
+        resources = engine.resources(wait=False) if engine is not None else None
         m = engine.metrics() if engine is not None else None
         text = state.metrics.render(
             in_flight=m.in_flight if m else 0, queued=m.queued if m else 0, expert_bytes=m.expert_bytes if m else 0,
@@ -216,6 +215,9 @@ def _process() -> dict:
     return {"threads": threading.active_count(), "open_fds": fds, "tasks": tasks}
 
 
+INLINE_JSON_BYTES = 64 * 1024  # larger request bodies are parsed in a worker thread
+
+
 async def _read_json(state: ServerState, request: Request):
     limit = state.settings.max_body_bytes
     length = request.headers.get("content-length")
@@ -227,8 +229,9 @@ async def _read_json(state: ServerState, request: Request):
         if size > limit:
             raise P.APIError(413, f"the request body is over the limit of {limit} bytes")
         chunks.append(chunk)
-    try:
-        return json.loads(b"".join(chunks))
+    body = b"".join(chunks)
+    try:  # a large body is parsed off the event loop: other streams go on meanwhile
+        return json.loads(body) if size <= INLINE_JSON_BYTES else await anyio.to_thread.run_sync(json.loads, body)
     except (ValueError, RecursionError) as e:
         raise P.bad(f"the request body is not valid JSON: {e}") from None
 
@@ -319,7 +322,8 @@ async def _generate(state: ServerState, req: P.GenerationRequest, ids: list[int]
                     admission, heartbeat: float | None = None):
     """The engine's events for a request as (text, logprob entries); ``None`` items are
     heartbeats."""
-    gen = state.engine.generate(ids, adapter=req.adapter, heartbeat=heartbeat, admission=admission, **req.sampling)
+    gen = state.engine.generate(ids, adapter=req.adapter, heartbeat=heartbeat, admission=admission,
+                                consumer_timeout=state.settings.send_timeout_s, **req.sampling)
     try:
         async for event in gen:
             yield None if event is None else collector.add(event)

@@ -36,6 +36,9 @@ def add_parser(sub) -> None:
     s.add_argument("--min-p", type=float, default=0.0, help="min_p when a request does not say (default 0: off)")
     s.add_argument("--keepalive", type=float, default=10.0,
                    help="seconds without a token after which a stream gets an SSE comment (default 10)")
+    s.add_argument("--send-timeout", type=float, default=30.0,
+                   help="seconds a client may take no token of its stream (not reading it) before its "
+                        "generation is stopped, so that it holds the engine no longer (default 30)")
     s.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY,
                    help=f"largest request body accepted; more is 413 (default {DEFAULT_MAX_BODY})")
     s.add_argument("--grace", type=float, default=30.0,
@@ -59,8 +62,11 @@ def build_settings(args: argparse.Namespace):
     for name, lo in (("max_queue", 0), ("max_body_bytes", 1), ("port", 0)):
         if getattr(args, name) < lo:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= {lo}, got {getattr(args, name)}")
-    if not args.keepalive > 0 or not args.grace >= 0:
-        raise ConfigError("--keepalive must be > 0 and --grace >= 0")
+    key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
+    if key is not None and not key.strip():
+        raise ConfigError(f"--api-key (or {API_KEY_ENV}) is empty: give a key, or leave it out to serve without one")
+    if not args.keepalive > 0 or not args.grace >= 0 or not args.send_timeout > 0:
+        raise ConfigError("--keepalive and --send-timeout must be > 0 and --grace >= 0")
     SamplingParams(max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p)
     model_dir = resolve_model(args.model)
     config = resolve_config(args, defaults={"prompt_cache_mb": DEFAULT_PROMPT_CACHE_MB})
@@ -69,8 +75,8 @@ def build_settings(args: argparse.Namespace):
         model_dir=model_dir, config=config, model_id=model_id,
         defaults=Defaults(max_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p, top_k=args.top_k,
                           min_p=args.min_p),
-        max_queue=args.max_queue, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
-        max_body_bytes=args.max_body_bytes, keepalive_s=args.keepalive)
+        max_queue=args.max_queue, api_key=key,
+        max_body_bytes=args.max_body_bytes, keepalive_s=args.keepalive, send_timeout_s=args.send_timeout)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -66,7 +66,7 @@ class Metrics:
         metric("prompt_cache_hits_total", "counter", "Prompts that reused a cached KV prefix.", [("", cache_hits)])
         metric("model_loaded", "gauge", "1 once the model is loaded and the server answers requests.",
                [("", int(loaded))])
-        if resources is not None:  # absent while a generation keeps the compute thread busy
+        if resources is not None:  # live generations; the rest as of the last generation's end
             for key, help_ in (("generations", "Generations the engine holds (running or queued)."),
                                ("pinned_slots", "Expert slots pinned by a step."),
                                ("pending_reads", "Expert reads in flight."),

@@ -17,6 +17,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from edge0.sampling import MAX_TOKENS
+
 MAX_STOP = 4
 MAX_TOP_LOGPROBS = 20
 
@@ -125,6 +127,7 @@ def parse(body: Any, kind: str, models: dict[str, Any], default_model: str, defa
     """A checked request. ``models``: id -> the engine's adapter argument for it."""
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
+    _check_unicode(body, "")
     model, adapter = _model_and_adapter(body, models, default_model)
     sampling = _sampling(body, defaults)
     stops = _stops(body)
@@ -168,22 +171,40 @@ def _sampling(body: dict, defaults: Defaults) -> dict:
     """``n`` (one choice only), the token limit and the sampling fields, with the server's defaults."""
     n = _number(body, "n", 1, 1, integer=True, default=1)
     del n  # one choice per request
-    max_tokens = _number(body, "max_completion_tokens", 1, 1 << 20, integer=True)
+    max_tokens = _number(body, "max_completion_tokens", 1, MAX_TOKENS, integer=True)
     if max_tokens is None:
-        max_tokens = _number(body, "max_tokens", 1, 1 << 20, integer=True, default=defaults.max_tokens)
+        max_tokens = _number(body, "max_tokens", 1, MAX_TOKENS, integer=True, default=defaults.max_tokens)
     sampling = dict(
         max_tokens=max_tokens, temp=float(_number(body, "temperature", 0, 100, default=defaults.temperature)),
         top_p=float(_number(body, "top_p", 0, 1, lo_open=True, default=defaults.top_p)),
         top_k=_number(body, "top_k", 0, 1 << 20, integer=True, default=defaults.top_k),
         min_p=float(_number(body, "min_p", 0, 1, hi_open=True, default=defaults.min_p)),
         seed=_number(body, "seed", -(1 << 63), (1 << 63) - 1, integer=True),
-        repetition_penalty=_number(body, "repetition_penalty", 0, 100, lo_open=True),
+        repetition_penalty=_number(body, "repetition_penalty", 0.01, 100),  # smaller: logits past float range
     )
     if sampling["seed"] is not None:
         sampling["seed"] = sampling["seed"] % (1 << 63)
     if sampling["repetition_penalty"] is None:
         del sampling["repetition_penalty"]
     return sampling
+
+
+def _check_unicode(value: Any, path: str) -> None:
+    """Every string of the request is text a tokenizer can take: JSON's ``\\ud800`` escapes
+    can make a lone surrogate, which is no Unicode text."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            where = path.lstrip(".") or "the request"
+            raise bad(f"{where} holds a lone surrogate (\\u{ord(value[e.start]):04x} at character {e.start}): "
+                      "not Unicode text", path.lstrip(".") or None) from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_unicode(v, f"{path}.{k}")
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_unicode(v, f"{path}[{i}]")
 
 
 def _stops(body: dict) -> list[str]:

@@ -76,3 +76,19 @@ def trim_cache(cache: list, n: int) -> bool:
     if not can_trim_prompt_cache(cache):
         return False
     return trim_prompt_cache(cache, n) == n
+
+
+def copy_prefix(cache: list, n: int) -> list | None:
+    """A new prompt cache holding the first ``n`` tokens of ``cache``, which is left as it
+    is; None when a layer's cache is not a plain KV cache (only those are copied)."""
+    from mlx_lm.models.cache import KVCache
+
+    if not all(type(c) is KVCache and c.keys is not None and c.offset >= n for c in cache):
+        return None
+    out = []
+    for c in cache:
+        new = KVCache()
+        # new arrays (slices): the copy's writes never reach the entry's, nor the reverse
+        new.keys, new.values, new.offset = c.keys[..., :n, :], c.values[..., :n, :], n
+        out.append(new)
+    return out

@@ -18,6 +18,7 @@ from edge0.backend.mlx.convert import cast_model, dequantize_model, quantize_swi
 from edge0.backend.mlx.generation import (
     cache_nbytes,
     cache_trimmable,
+    copy_prefix,
     generate_step,
     load_tokenizer,
     make_cache,
@@ -67,5 +68,5 @@ __all__ = [
     "load_parameters_flat", "load_resident", "load_tokenizer", "log_sigmoid", "make_cache", "model_classes",
     "module_at", "parameters_flat", "quantize_switch", "router_weight", "set_module_at", "silu",
     "split_projections", "switch_experts", "switch_layout", "switch_output_width", "token_embedding",
-    "trim_cache", "value_and_grad",
+    "trim_cache", "value_and_grad", "copy_prefix",
 ]

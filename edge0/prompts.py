@@ -1,0 +1,43 @@
+"""Prompts as mlx-lm builds them, and the bound that refuses an oversize text before any
+tokenizer work is spent on it."""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from edge0.errors import ConfigError
+
+def prompt_ids(tok, encode: Callable[[str], list[int]], prompt: str | None = None, *,
+               messages: Sequence[dict] | None = None, system_prompt: str | None = None,
+               chat_template: bool = True) -> list[int]:
+    """``prompt`` (text): with a chat template (the tokenizer has one and ``chat_template``),
+    one user message after an optional ``system_prompt``; without, the text with the
+    tokenizer's special tokens. ``messages`` (``{"role", "content"}``): the chat template, or,
+    for a base model without one, their contents joined by newlines, continued as text
+    (``encode``)."""
+    templated = chat_template and getattr(tok, "has_chat_template", False)
+    if messages is None:
+        if prompt is None:
+            raise ConfigError("prompt_ids needs a prompt or messages")
+        if not templated:
+            return tok.encode(prompt, add_special_tokens=True)
+        messages = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
+        messages.append({"role": "user", "content": prompt})
+    elif not templated:
+        return encode("\n".join(m["content"] for m in messages))
+    text = tok.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+    return tok.encode(text, add_special_tokens=False)
+
+
+def longest_token_chars(tok, vocab: int) -> int:
+    """The most characters any one token decodes to."""
+    return max((len(tok.decode([i])) for i in range(vocab)), default=1) or 1
+
+
+def check_text_size(longest: int, context: int | None, chars: int) -> None:
+    """Refuse a text of ``chars`` characters that cannot fit ``context`` tokens, before it
+    is tokenized: no token covers more than ``longest`` characters (``longest_token_chars``),
+    so the text has at least chars / longest tokens."""
+    if context is not None and chars > context * longest:
+        raise ConfigError(f"the prompt is {chars} characters: at least {chars // longest} tokens, more than the "
+                          f"model's context of {context} tokens (max_position_embeddings): shorten it")
