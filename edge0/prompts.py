@@ -25,7 +25,12 @@ def prompt_ids(tok, encode: Callable[[str], list[int]], prompt: str | None = Non
         messages.append({"role": "user", "content": prompt})
     elif not templated:
         return encode("\n".join(m["content"] for m in messages))
-    text = tok.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+    from jinja2 import TemplateError
+
+    try:
+        text = tok.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+    except TemplateError as e:  # the template's own raise_exception, e.g. roles that do not alternate
+        raise ConfigError(f"the model's chat template refuses these messages: {e}") from None
     return tok.encode(text, add_special_tokens=False)
 
 

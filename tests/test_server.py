@@ -18,6 +18,7 @@ import openai
 import pytest
 
 from edge0 import Engine, EngineConfig
+from edge0.server.connections import server_config
 from edge0.server.app import ServerSettings, create_app
 from edge0.server.protocol import Defaults
 from tests.test_adapters import random_adapter
@@ -36,8 +37,8 @@ def serving(model_dir, config: EngineConfig | None = None, sndbuf: int | None = 
     s = ServerSettings(model_dir=Path(model_dir), config=config or EngineConfig(prompt_cache_mb=64),
                        model_id="tiny", **settings)
     app = create_app(s)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error", lifespan="on",
-                                           timeout_graceful_shutdown=5))
+    server = uvicorn.Server(server_config(app, s, host="127.0.0.1", port=0, log_level="error",
+                                          timeout_graceful_shutdown=5))
     sock = socket.socket()
     if sndbuf is not None:  # accepted connections inherit it
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
@@ -237,6 +238,8 @@ def test_sampling_fields_over_http_take_effect(server):
     (json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}).encode(), 400,
      r"'max_tokens' must be in \[1,"),
     (json.dumps({"messages": [{"role": "user", "content": "x"}], "n": 2}).encode(), 400, "'n' must be in"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": 5000}).encode(), 400,
+     r"and max_tokens \(5000\) exceed the model's context of 4096 tokens: ask for at most 40"),
     (json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": 1_000_001}).encode(), 400,
      r"'max_tokens' must be in \[1, 1000000\]"),
     (b'{"prompt": "a\\ud800b"}', 400, r"prompt holds a lone surrogate \(\\ud800 at character 1\)"),
@@ -296,6 +299,41 @@ def test_the_bearer_scheme_is_case_insensitive_and_an_empty_key_is_refused(model
     r = subprocess.run([sys.executable, "-m", "edge0", "serve", "--model", str(d), "--api-key", ""],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--api-key (or EDGE0_API_KEY) is empty" in r.stderr, r.stderr[-500:]
+
+
+def test_foreign_hosts_and_non_json_bodies_are_refused(server):
+    """DNS rebinding (a page on another site reaching this port under its own name) and
+    cross-site form posts: refused before any route runs."""
+    url, _ = server
+    body = json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": 1})
+    r = httpx.post(url + "/v1/chat/completions", content=body, headers={"Host": "evil.example",
+                                                                         "Content-Type": "application/json"})
+    assert r.status_code == 403 and r.json()["error"]["param"] == "host", r.text
+    assert httpx.get(url + "/metrics", headers={"Host": "evil.example:8080"}).status_code == 403
+    for kind in ("text/plain", "application/x-www-form-urlencoded", None):
+        headers = {"Content-Type": kind} if kind else {}
+        r = httpx.post(url + "/v1/chat/completions", content=body, headers=headers)
+        assert r.status_code == 415 and "application/json" in r.json()["error"]["message"], (kind, r.text)
+    for host in ("localhost:1234", "127.0.0.1", "[::1]:80"):
+        r = httpx.post(url + "/v1/chat/completions", content=body,
+                       headers={"Host": host, "Content-Type": "application/json; charset=utf-8"})
+        assert r.status_code == 200, (host, r.text)
+
+
+def test_allowed_hosts_option():
+    from edge0.server.guard import host_allowed
+
+    assert host_allowed("api.example:443", ("api.example",)) and not host_allowed("evil.example", ("api.example",))
+    assert host_allowed("anything", ("*",)) and host_allowed("10.0.0.2:8080", ())
+
+
+def test_models_retrieve(server):
+    url, _ = server
+    c = client(url)
+    assert c.models.retrieve("tiny").id == "tiny"
+    assert c.models.retrieve("alpha").parent == "tiny"
+    with pytest.raises(openai.NotFoundError):
+        c.models.retrieve("gpt-4")
 
 
 def test_health_is_503_while_loading(model, monkeypatch):
@@ -358,7 +396,7 @@ def test_disconnect_mid_stream_frees_everything(model):
     d, _, _ = model
     with serving(d, EngineConfig(adapter="off", decode_path="hot")) as (url, state):
         with httpx.stream("POST", url + "/v1/completions",
-                          json={"prompt": PROMPT, "max_tokens": 5000, "stream": True}) as r:
+                          json={"prompt": PROMPT, "max_tokens": 4000, "stream": True}) as r:
             lines = r.iter_lines()
             got = [next(lines) for _ in range(6)]
             assert any(line.startswith("data: ") for line in got)
@@ -460,7 +498,7 @@ def test_a_client_that_never_reads_its_stream_does_not_hold_the_engine(model):
         silent.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)  # fills at once: the server must wait
         silent.connect((host, int(port)))
         body = json.dumps({"prompt": PROMPT, "max_tokens": 4000, "stream": True}).encode()
-        silent.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        silent.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                        b"Content-Length: %d\r\n\r\n" % len(body) + body)
         try:
             deadline = time.monotonic() + 30
@@ -474,3 +512,60 @@ def test_a_client_that_never_reads_its_stream_does_not_hold_the_engine(model):
             silent.close()
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
     assert waited < 40, waited  # (the silent client's 4000 tokens take about 80 s)
+
+
+def test_a_chat_template_that_refuses_the_messages_is_a_400_and_a_dropped_upload_no_500(model, tmp_path):
+    """A Mistral-style template raising on roles that do not alternate; a client that sends
+    half its body and leaves. Neither is the server's failure."""
+    import socket
+
+    from tests.ckpt_tools import copy_model
+
+    d = copy_model(model[0], tmp_path / "m")
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+                            "{{ raise_exception('Conversation roles must alternate user/assistant/user/...') }}"
+                            "{% endif %}{{ m['content'] }}{% endfor %}")
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    with serving(d, EngineConfig(adapter="off")) as (url, state):
+        r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "a"},
+                                                                         {"role": "user", "content": "b"}]})
+        assert r.status_code == 400 and "roles must alternate" in r.json()["error"]["message"], r.text
+        host, port = url.rsplit("//", 1)[1].split(":")
+        s = socket.create_connection((host, int(port)))
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 1000\r\n\r\n{\"messages\": ")
+        s.close()
+        deadline = time.monotonic() + 10
+        while 'endpoint="chat",status="499"' not in (text := httpx.get(url + "/metrics").text):
+            assert time.monotonic() < deadline, text
+            time.sleep(0.05)
+        assert 'status="500"' not in text
+
+
+def test_slow_and_silent_connections_are_closed_and_bodies_time_out(model):
+    """Slowloris (a request head sent a byte at a time), a silent socket and a body that
+    never finishes: closed or answered 408 within their timeouts, not held open."""
+    import socket
+
+    d, _, _ = model
+    with serving(d, EngineConfig(adapter="off"), header_timeout_s=1.0, body_timeout_s=1.0) as (url, _):
+        host, port = url.rsplit("//", 1)[1].split(":")
+        silent = socket.create_connection((host, int(port)))
+        slow = socket.create_connection((host, int(port)))
+        slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        body = socket.create_connection((host, int(port)))
+        body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{")
+        for s in (silent, slow, body):
+            s.settimeout(10)
+        t0 = time.monotonic()
+        assert silent.recv(100) == b"" and slow.recv(100) == b""  # closed by the server
+        answer = b""
+        while chunk := body.recv(4096):
+            answer += chunk
+        assert answer.startswith(b"HTTP/1.1 408") and b"did not arrive within 1 s" in answer, answer
+        assert time.monotonic() - t0 < 8
+        for s in (silent, slow, body):
+            s.close()
+        assert httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200

@@ -24,14 +24,16 @@ from typing import Any
 
 import anyio
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.middleware import Middleware
 from starlette.routing import Route
 
 from edge0.config import EngineConfig
 from edge0.errors import ConfigError, Edge0Error, EngineBusyError
 from edge0.logs import get_logger
 from edge0.server import protocol as P
+from edge0.server.guard import RequestGuard
 from edge0.server.metrics import Metrics
 
 DEFAULT_MAX_BODY = 4 * 2**20
@@ -48,6 +50,10 @@ class ServerSettings:
     max_body_bytes: int = DEFAULT_MAX_BODY
     keepalive_s: float = 10.0
     send_timeout_s: float = 30.0  # a stream whose client takes nothing this long is stopped
+    allowed_hosts: tuple[str, ...] = ()  # Host names served besides IP literals and localhost ("*": any)
+    header_timeout_s: float = 10.0  # a connection that sends no whole request head in this long is closed
+    body_timeout_s: float = 30.0  # a request body not in after this long: 408
+    max_connections: int = 256  # connections served at once (503 beyond)
     retry_after_s: int = 1
 
 
@@ -118,10 +124,12 @@ def create_app(settings: ServerSettings) -> Starlette:
         Route("/v1/chat/completions", _endpoint(state, "chat"), methods=["POST"]),
         Route("/v1/completions", _endpoint(state, "completion"), methods=["POST"]),
         Route("/v1/models", _models(state), methods=["GET"]),
+        Route("/v1/models/{model_id:path}", _models(state, one=True), methods=["GET"]),
         Route("/health", _health(state), methods=["GET"]),
         Route("/metrics", _metrics(state), methods=["GET"]),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: _not_found, 405: _not_allowed})
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: _not_found, 405: _not_allowed},
+                    middleware=[Middleware(RequestGuard, allowed_hosts=settings.allowed_hosts)])
     app.state.edge0 = state
     return app
 
@@ -156,20 +164,25 @@ def _check_ready(state: ServerState) -> None:
         raise P.APIError(503, why, headers={"Retry-After": "1"})
 
 
-def _models(state: ServerState):
+def _models(state: ServerState, one: bool = False):
+    """``GET /v1/models``, or with ``one`` ``GET /v1/models/{id}`` (404 for an unknown id)."""
     async def handler(request: Request) -> Response:
         try:
             _check_auth(state, request)
             _check_ready(state)
+            created = P.now()
+            data = {name: {"id": name, "object": "model", "created": created, "owned_by": "edge0",
+                           "parent": None if adapter is None else state.settings.model_id}
+                    for name, adapter in state.models.items()}
+            wanted = request.path_params.get("model_id") if one else None
+            if one and wanted not in data:
+                raise P.APIError(404, f"the model {wanted!r:.80} does not exist; this server has {sorted(data)}",
+                                 param="model", code="model_not_found")
         except P.APIError as e:
             state.metrics.count("models", e.status)
             return _error(e)
         state.metrics.count("models", 200)
-        created = P.now()
-        data = [{"id": name, "object": "model", "created": created, "owned_by": "edge0",
-                 "parent": None if adapter is None else state.settings.model_id}
-                for name, adapter in state.models.items()]
-        return JSONResponse({"object": "list", "data": data})
+        return JSONResponse(data[wanted] if one else {"object": "list", "data": list(data.values())})
     return handler
 
 
@@ -224,11 +237,17 @@ async def _read_json(state: ServerState, request: Request):
     if length is not None and length.isdigit() and int(length) > limit:
         raise P.APIError(413, f"the request body is {length} bytes, over the limit of {limit}")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise P.APIError(413, f"the request body is over the limit of {limit} bytes")
-        chunks.append(chunk)
+    timeout = state.settings.body_timeout_s
+    try:
+        with anyio.fail_after(timeout):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise P.APIError(413, f"the request body is over the limit of {limit} bytes")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise P.APIError(408, f"the request body did not arrive within {timeout:g} s",
+                         kind="invalid_request_error", headers={"Connection": "close"}) from None
     body = b"".join(chunks)
     try:  # a large body is parsed off the event loop: other streams go on meanwhile
         return json.loads(body) if size <= INLINE_JSON_BYTES else await anyio.to_thread.run_sync(json.loads, body)
@@ -245,6 +264,10 @@ def _prompt_ids(state: ServerState, req: P.GenerationRequest) -> list[int]:
         ids, _ = engine.validate(ids, **req.sampling)
     except ConfigError as e:
         raise P.bad(str(e), "messages" if req.kind == "chat" else "prompt") from None
+    ctx, limit = engine.context_length, req.sampling["max_tokens"]
+    if req.max_tokens_given and ctx is not None and len(ids) + limit > ctx:  # a default limit is clipped instead
+        raise P.bad(f"the prompt ({len(ids)} tokens) and max_tokens ({limit}) exceed the model's context of {ctx} "
+                    f"tokens: ask for at most {ctx - len(ids)}", "max_tokens")
     return ids
 
 
@@ -272,6 +295,10 @@ def _endpoint(state: ServerState, kind: str):
         except P.APIError as e:
             state.metrics.count(name, e.status)
             return _error(e)
+        except ClientDisconnect:  # the client left while sending its request: nobody to answer
+            state.metrics.count(name, 499)
+            state.metrics.disconnects += 1
+            return Response(status_code=499)
         except Exception as e:  # noqa: BLE001 - an internal failure: 500, and the next request is served
             state.log.error("server.internal_error", error=f"{type(e).__name__}: {e}",
                             traceback=traceback.format_exc(limit=8))

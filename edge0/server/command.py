@@ -36,6 +36,15 @@ def add_parser(sub) -> None:
     s.add_argument("--min-p", type=float, default=0.0, help="min_p when a request does not say (default 0: off)")
     s.add_argument("--keepalive", type=float, default=10.0,
                    help="seconds without a token after which a stream gets an SSE comment (default 10)")
+    s.add_argument("--allowed-hosts", default="",
+                   help="comma-separated Host names served besides IP addresses and localhost, '*' for any "
+                        "(a page on another site reaching this server through DNS rebinding sends its own name)")
+    s.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a connection has to send its request's headers before it is closed (default 10)")
+    s.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds a request's body may take to arrive; then 408 (default 30)")
+    s.add_argument("--max-connections", type=int, default=256,
+                   help="connections served at once; more get 503 (default 256)")
     s.add_argument("--send-timeout", type=float, default=30.0,
                    help="seconds a client may take no token of its stream (not reading it) before its "
                         "generation is stopped, so that it holds the engine no longer (default 30)")
@@ -65,8 +74,10 @@ def build_settings(args: argparse.Namespace):
     key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
     if key is not None and not key.strip():
         raise ConfigError(f"--api-key (or {API_KEY_ENV}) is empty: give a key, or leave it out to serve without one")
-    if not args.keepalive > 0 or not args.grace >= 0 or not args.send_timeout > 0:
-        raise ConfigError("--keepalive and --send-timeout must be > 0 and --grace >= 0")
+    if not (args.keepalive > 0 and args.send_timeout > 0 and args.header_timeout > 0 and args.body_timeout > 0
+            and args.grace >= 0 and args.max_connections >= 1):
+        raise ConfigError("--keepalive, --send-timeout, --header-timeout and --body-timeout must be > 0, --grace >= 0 "
+                          "and --max-connections >= 1")
     SamplingParams(max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p)
     model_dir = resolve_model(args.model)
     config = resolve_config(args, defaults={"prompt_cache_mb": DEFAULT_PROMPT_CACHE_MB})
@@ -75,7 +86,9 @@ def build_settings(args: argparse.Namespace):
         model_dir=model_dir, config=config, model_id=model_id,
         defaults=Defaults(max_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p, top_k=args.top_k,
                           min_p=args.min_p),
-        max_queue=args.max_queue, api_key=key,
+        max_queue=args.max_queue, api_key=key, header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
+        max_connections=args.max_connections,
+        allowed_hosts=tuple(h.strip() for h in args.allowed_hosts.split(",") if h.strip()),
         max_body_bytes=args.max_body_bytes, keepalive_s=args.keepalive, send_timeout_s=args.send_timeout)
 
 
@@ -83,11 +96,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from edge0.server.app import create_app
+    from edge0.server.connections import server_config
 
     settings = build_settings(args)
     app = create_app(settings)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="on",
-                            timeout_graceful_shutdown=args.grace, access_log=False)
+    config = server_config(app, settings, host=args.host, port=args.port, log_level="warning",
+                           timeout_graceful_shutdown=args.grace, access_log=False)
     server = uvicorn.Server(config)
     state = app.state.edge0
     failed = []

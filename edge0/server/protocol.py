@@ -55,6 +55,7 @@ class GenerationRequest:
     include_usage: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    max_tokens_given: bool = False  # the request named its token limit (else the server's default)
 
 
 def _number(body: dict, name: str, lo: float, hi: float, *, lo_open=False, hi_open=False, integer=False,
@@ -135,7 +136,9 @@ def parse(body: Any, kind: str, models: dict[str, Any], default_model: str, defa
     logprobs, top = _logprob_fields(body, kind)
     sampling["stop"] = tuple(stops)
     req = GenerationRequest(kind=kind, model=model, adapter=adapter, sampling=sampling, stream=stream,
-                            include_usage=include_usage, logprobs=logprobs, top_logprobs=top)
+                            include_usage=include_usage, logprobs=logprobs, top_logprobs=top,
+                            max_tokens_given=body.get("max_tokens") is not None
+                            or body.get("max_completion_tokens") is not None)
     if logprobs:
         sampling["logprobs"] = True
         sampling["top_logprobs"] = top
