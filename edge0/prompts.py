@@ -35,8 +35,10 @@ def prompt_ids(tok, encode: Callable[[str], list[int]], prompt: str | None = Non
 
 
 def longest_token_chars(tok, vocab: int) -> int:
-    """The most characters any one token decodes to."""
-    return max((len(tok.decode([i])) for i in range(vocab)), default=1) or 1
+    """The most characters any one token decodes to (special tokens' texts included, in
+    case decoding skips them)."""
+    specials = [len(t) for t in (getattr(tok, "all_special_tokens", None) or []) if isinstance(t, str)]
+    return max([len(tok.decode([i])) for i in range(vocab)] + specials + [1])
 
 
 def check_text_size(longest: int, context: int | None, chars: int) -> None:

@@ -3,7 +3,8 @@ another site cannot send (DNS rebinding), and JSON bodies only (a cross-site for
 cannot be ``application/json`` without a preflight the server never answers).
 
 A Host is accepted when it is an IP literal, ``localhost``, or in ``--allowed-hosts``
-(``*`` accepts any); the port is not looked at. Refusals are OpenAI-shaped errors.
+(``*`` accepts any), or absent (HTTP/1.0; browsers always send one); the port is not
+looked at. Refusals are OpenAI-shaped errors.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ def host_allowed(host: str, allowed: tuple[str, ...]) -> bool:
     if "*" in allowed:
         return True
     name = host.strip().lower()
+    if not name:  # no Host at all (HTTP/1.0): not a browser, which always sends one
+        return True
     if name.startswith("["):  # [v6]:port
         name = name[1:].split("]", 1)[0]
     elif name.count(":") == 1:
