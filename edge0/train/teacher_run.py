@@ -74,6 +74,7 @@ class TrainLog:
         if self.fh:
             for record in records:
                 self.fh.write(json.dumps(record) + "\n")
+            self.fh.flush()  # a run stopped before its next record still shows the earlier ones
 
     def emit(self, record: dict) -> None:
         self.records.append(record)
