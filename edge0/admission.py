@@ -43,10 +43,6 @@ class Line:
         self._unadmitted = 0  # generations submitted without an admission, not yet ended
         self._running = 0
 
-    def in_flight(self) -> int:
-        with self._lock:
-            return len(self._admitted) + self._unadmitted
-
     def admit(self, max_waiting: int | None) -> Admission:
         with self._lock:
             n = len(self._admitted) + self._unadmitted

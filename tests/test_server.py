@@ -569,3 +569,22 @@ def test_slow_and_silent_connections_are_closed_and_bodies_time_out(model):
         for s in (silent, slow, body):
             s.close()
         assert httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_connections_beyond_max_connections_get_503(model):
+    import socket
+
+    d, _, _ = model
+    with serving(d, EngineConfig(adapter="off"), max_connections=2) as (url, _):
+        host, port = url.rsplit("//", 1)[1].split(":")
+        held = [socket.create_connection((host, int(port))) for _ in range(2)]
+        try:
+            time.sleep(0.3)
+            assert httpx.get(url + "/health", timeout=10).status_code == 503
+        finally:
+            for s in held:
+                s.close()
+        deadline = time.monotonic() + 10
+        while httpx.get(url + "/health", timeout=10).status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
