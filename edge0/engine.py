@@ -14,7 +14,6 @@ embedding Edge0 is never blocked by compute or reads.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 import weakref
@@ -181,13 +180,7 @@ class Engine:
         params = SamplingParams(**sampling)
         ids = self.encode(prompt)
         self._check_length(ids, params)
-        vocab = self.vocab_size
-        bad = [t for t in params.stop_token_ids if vocab is not None and t >= vocab]
-        if bad:
-            raise ConfigError(f"stop_token_ids {bad} are outside the vocabulary [0, {vocab})")
-        if vocab is not None and params.top_k >= vocab:  # keeps every token: the same as no top-k filter
-            params = dataclasses.replace(params, top_k=0)
-        return ids, params
+        return ids, params.for_vocab(self.vocab_size)
 
     def _submit(self, prompt, sampling: dict, record: RoutingRecorder | None = None,
                 adapter=None, admission: Admission | None = None, consumer_timeout: float | None = None) -> Job:

@@ -3,12 +3,16 @@
 The names and meanings are mlx-lm's (``mlx_lm.generate`` and its server): a temperature
 of 0 is greedy; ``top_p`` 1, ``top_k`` 0 and ``min_p`` 0 switch those filters off;
 ``repetition_penalty`` scales down the logits of the last ``repetition_context_size``
-tokens. Every value is checked here, so a bad one is a ``ConfigError`` naming it before
+tokens; ``presence_penalty`` subtracts a constant from the logit of each token among the
+last ``presence_context_size``, ``frequency_penalty`` a constant times its count among the
+last ``frequency_context_size`` (both in [-2, 2], the OpenAI range); ``logit_bias`` adds
+a value in [-100, 100] to the logits of the token ids it names. Every value is checked here, so a bad one is a ``ConfigError`` naming it before
 anything runs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -33,6 +37,28 @@ def _number(name: str, value, lo: float, hi: float, *, lo_open: bool = False, hi
 
 
 MIN_REPETITION_PENALTY = 0.01  # as far below 1 as the largest (100) is above it
+MAX_LOGIT_BIAS_ENTRIES = 1024
+
+
+def check_logit_bias(value) -> dict[int, float] | None:
+    """``logit_bias``: token id -> additive bias in [-100, 100] (ids may be given as
+    decimal strings, as JSON object keys are)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ConfigError(f"logit_bias must be an object of token id -> bias, got {value!r:.60}")
+    if len(value) > MAX_LOGIT_BIAS_ENTRIES:
+        raise ConfigError(f"logit_bias names {len(value)} tokens; at most {MAX_LOGIT_BIAS_ENTRIES}")
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        tok = key
+        if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 12:
+            tok = int(key)
+        if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
+            raise ConfigError(f"logit_bias keys must be token ids (non-negative integers), got {key!r:.40}")
+        _number(f"logit_bias[{tok}]", bias, -100.0, 100.0)
+        out[tok] = float(bias)
+    return out or None
 
 
 @dataclass(frozen=True)
@@ -46,6 +72,11 @@ class SamplingParams:
     seed: int | None = None
     repetition_penalty: float | None = None
     repetition_context_size: int = 20
+    presence_penalty: float | None = None
+    presence_context_size: int = 20
+    frequency_penalty: float | None = None
+    frequency_context_size: int = 20
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
     stop_token_ids: tuple[int, ...] = ()  # extra end-of-generation tokens (the tokenizer's EOS always stops)
     stop: tuple[str, ...] = ()  # stop strings: the text ends before the first one that appears
     logprobs: bool = False  # report each generated token's log-probability
@@ -67,6 +98,11 @@ class SamplingParams:
                 raise ConfigError(f"repetition_penalty must be at least {MIN_REPETITION_PENALTY:g} (a smaller one "
                                   f"scales logits past float range), got {self.repetition_penalty!r}")
         _int("repetition_context_size", self.repetition_context_size, 1, 1 << 20)
+        for name in ("presence", "frequency"):
+            if getattr(self, f"{name}_penalty") is not None:
+                _number(f"{name}_penalty", getattr(self, f"{name}_penalty"), -2.0, 2.0)
+            _int(f"{name}_context_size", getattr(self, f"{name}_context_size"), 1, 1 << 20)
+        object.__setattr__(self, "logit_bias", check_logit_bias(self.logit_bias))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         if not isinstance(stop, (tuple, list)) or not all(isinstance(s, str) and s for s in stop):
@@ -79,6 +115,17 @@ class SamplingParams:
         _int("top_logprobs", self.top_logprobs, 0, MAX_TOP_LOGPROBS)
         if self.max_kv_size is not None:
             _int("max_kv_size", self.max_kv_size, 1)
+
+    def for_vocab(self, vocab: int | None) -> SamplingParams:
+        """These parameters checked against a model's vocabulary: token ids inside it, and a
+        ``top_k`` that keeps every token is no filter (0)."""
+        if vocab is None:
+            return self
+        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias token ids", self.logit_bias or ())):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise ConfigError(f"{name} {bad[:8]} are outside the vocabulary [0, {vocab})")
+        return dataclasses.replace(self, top_k=0) if self.top_k >= vocab else self
 
 
 class StopMatcher:

@@ -295,3 +295,64 @@ def test_an_oversize_text_is_refused_before_it_is_tokenized(engine, monkeypatch)
             call()
     assert calls == []
     assert engine.validate("def f(x):")[0]  # an ordinary prompt is tokenized as before
+
+
+def _first_step(engine, prompt, **sampling) -> dict[int, float]:
+    """The first generated step's 20 most likely tokens -> log-probability (after the
+    logits processors, as mlx-lm reports them)."""
+    return dict(list(engine.stream(prompt, max_tokens=1, top_logprobs=20, **sampling))[0].top_logprobs)
+
+
+@pytest.mark.parametrize("name", ["presence", "frequency"])
+def test_presence_and_frequency_penalties_subtract_from_the_window_tokens(engine, name):
+    """presence: the logit of every token among the last N drops by p; frequency: by p
+    times its count there. Compared by differences of log-probabilities between tokens,
+    which a penalty changes by exactly that amount and normalisation does not (a bias
+    lifts the window's tokens into the top 20 in both runs)."""
+    prompt = "a = a + b\nb = a + a\n"
+    ids = engine.encode(prompt)
+    window = ids[-6:]
+    lift = {t: 20.0 for t in window}  # the window's tokens among the 20 most likely, in both runs
+    plain = _first_step(engine, prompt, logit_bias=lift)
+    penalised = _first_step(engine, prompt, logit_bias=lift, **{f"{name}_penalty": 1.5, f"{name}_context_size": 6})
+    both = [t for t in plain if t in penalised]
+
+    def drop(t):
+        return 1.5 * ((t in window) if name == "presence" else window.count(t))
+
+    pairs = [(a, b) for a in both for b in both if drop(a) != drop(b)]
+    assert pairs, "no pair of tokens with different penalties: the check would be empty"
+    for a, b in pairs:
+        expected = (plain[a] - plain[b]) - (drop(a) - drop(b))
+        assert abs((penalised[a] - penalised[b]) - expected) < 1e-3, (a, b)
+
+
+def test_logit_bias_adds_to_the_named_tokens(engine):
+    greedy = [e.token for e in engine.stream(PROMPT, max_tokens=6)]
+    eos = set(engine.tokenizer.eos_token_ids)
+    forced = next(t for t in range(5, 100) if t not in greedy and t not in eos)
+    out = [e.token for e in engine.stream(PROMPT, max_tokens=6, logit_bias={str(forced): 100})]
+    assert out == [forced] * 6
+    banned = [e.token for e in engine.stream(PROMPT, max_tokens=6, logit_bias={greedy[0]: -100})]
+    assert banned[0] != greedy[0]
+    plain, biased = _first_step(engine, PROMPT), _first_step(engine, PROMPT, logit_bias={greedy[0]: -0.5})
+    others = [t for t in plain if t in biased and t != greedy[0]]
+    assert greedy[0] in biased and others
+    assert abs((biased[greedy[0]] - biased[others[0]]) - (plain[greedy[0]] - plain[others[0]] - 0.5)) < 1e-3
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(presence_penalty=2.5), r"presence_penalty must be a number in \[-2, 2\], got 2.5"),
+    (dict(frequency_penalty=float("nan")), r"frequency_penalty must be a number in \[-2, 2\]"),
+    (dict(presence_context_size=0), r"presence_context_size must be an integer in 1..1048576, got 0"),
+    (dict(logit_bias=[1, 2]), "logit_bias must be an object of token id -> bias"),
+    (dict(logit_bias={"x": 1}), r"logit_bias keys must be token ids \(non-negative integers\), got 'x'"),
+    (dict(logit_bias={-1: 1}), r"logit_bias keys must be token ids"),
+    (dict(logit_bias={3: 101}), r"logit_bias\[3\] must be a number in \[-100, 100\], got 101"),
+    (dict(logit_bias={3: "1"}), r"logit_bias\[3\] must be a number"),
+    (dict(logit_bias={10**9: 1}), r"logit_bias token ids \[1000000000\] are outside the vocabulary"),
+    (dict(logit_bias={i: 1 for i in range(1025)}), "logit_bias names 1025 tokens; at most 1024"),
+])
+def test_bad_penalties_and_biases(engine, kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        list(engine.stream(PROMPT, **kwargs))

@@ -228,6 +228,24 @@ def test_sampling_fields_over_http_take_effect(server):
     assert penalised != greedy
 
 
+def test_penalties_and_logit_bias_over_http(server):
+    """presence_penalty, frequency_penalty and logit_bias (JSON keys are strings) reach the
+    sampler as the engine applies them."""
+    url, state = server
+    messages = [{"role": "user", "content": PROMPT}]
+    tok = state.engine.tokenizer
+    ids = tok.encode(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                     add_special_tokens=False)
+    fields = dict(presence_penalty=2.0, frequency_penalty=-1.0, logit_bias={"11": 3.5, "40": -100})
+    r = httpx.post(url + "/v1/chat/completions", json={"model": "tiny", "messages": messages, "max_tokens": 12,
+                                                       "temperature": 0, **fields}, timeout=60)
+    assert r.status_code == 200, r.text
+    with Engine(state.settings.model_dir, EngineConfig(adapter="off")) as e:
+        expected = e.generate_text(ids, max_tokens=12, **fields)[0]
+        assert e.generate_text(ids, max_tokens=12)[0] != expected  # the fields change the text
+    assert r.json()["choices"][0]["message"]["content"] == expected
+
+
 @pytest.mark.parametrize("body,status,match", [
     (b"{not json", 400, "not valid JSON"),
     (json.dumps({"messages": "hi"}).encode(), 400, "'messages' must be a non-empty list"),
@@ -252,6 +270,14 @@ def test_sampling_fields_over_http_take_effect(server):
     (json.dumps({"messages": [{"role": "user", "content": "x"}], "adapters": "gamma"}).encode(), 404,
      "no adapter 'gamma'"),
     (b"{" + b" " * (5 * 2**20) + b"}", 413, "over the limit"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "presence_penalty": 3}).encode(), 400,
+     r"'presence_penalty' must be in \[-2, 2\]"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "frequency_penalty": "hi"}).encode(), 400,
+     r"'frequency_penalty' must be a number"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"7": 200}}).encode(), 400,
+     r"logit_bias\[7\] must be a number in \[-100, 100\]"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"99999": 1}}).encode(), 400,
+     r"logit_bias token ids \[99999\] are outside the vocabulary"),
 ])
 def test_client_mistakes_get_their_status_in_openai_shape(server, body, status, match):
     import re

@@ -262,8 +262,9 @@ def _prompt_ids(state: ServerState, req: P.GenerationRequest) -> list[int]:
     try:
         ids = engine.prompt_ids(messages=req.messages) if req.kind == "chat" else req.prompt
         ids, _ = engine.validate(ids, **req.sampling)
-    except ConfigError as e:
-        raise P.bad(str(e), "messages" if req.kind == "chat" else "prompt") from None
+    except ConfigError as e:  # a sampling value the model refuses, or the prompt
+        named = next((f for f in req.sampling if str(e).startswith(f)), None)
+        raise P.bad(str(e), named or ("messages" if req.kind == "chat" else "prompt")) from None
     ctx, limit = engine.context_length, req.sampling["max_tokens"]
     if req.max_tokens_given and ctx is not None and len(ids) + limit > ctx:  # a default limit is clipped instead
         raise P.bad(f"the prompt ({len(ids)} tokens) and max_tokens ({limit}) exceed the model's context of {ctx} "

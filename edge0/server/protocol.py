@@ -4,7 +4,9 @@ Requests are checked field by field before anything runs; every mistake is an
 ``APIError`` with the HTTP status and the OpenAI error shape
 (``{"error": {"message", "type", "param", "code"}}``). The fields are the ones mlx-lm's
 server takes: ``max_tokens`` / ``max_completion_tokens``, ``temperature``, ``top_p``,
-``top_k``, ``min_p``, ``seed``, ``stop``, ``repetition_penalty``, ``logprobs`` /
+``top_k``, ``min_p``, ``seed``, ``stop``, ``repetition_penalty``, ``presence_penalty``,
+``frequency_penalty`` (with mlx-lm's ``presence_context_size`` / ``frequency_context_size``),
+``logit_bias``, ``logprobs`` /
 ``top_logprobs``, ``stream`` / ``stream_options.include_usage``, and the adapter chosen by
 ``model`` (the base or an adapter's name) or ``adapters``.
 """
@@ -17,7 +19,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from edge0.sampling import MAX_TOKENS
+from edge0.errors import ConfigError
+from edge0.sampling import MAX_TOKENS, check_logit_bias
 
 MAX_STOP = 4
 MAX_TOP_LOGPROBS = 20
@@ -187,8 +190,20 @@ def _sampling(body: dict, defaults: Defaults) -> dict:
     )
     if sampling["seed"] is not None:
         sampling["seed"] = sampling["seed"] % (1 << 63)
-    if sampling["repetition_penalty"] is None:
-        del sampling["repetition_penalty"]
+    for name in ("presence", "frequency"):  # OpenAI's range; 0 (its default) is no penalty
+        penalty = _number(body, f"{name}_penalty", -2, 2)
+        size = _number(body, f"{name}_context_size", 1, 1 << 20, integer=True)
+        if penalty:
+            sampling[f"{name}_penalty"] = float(penalty)
+        if size is not None:
+            sampling[f"{name}_context_size"] = size
+    for name in [k for k, v in sampling.items() if v is None and k != "seed"]:
+        del sampling[name]
+    if body.get("logit_bias") is not None:
+        try:
+            sampling["logit_bias"] = check_logit_bias(body["logit_bias"])
+        except ConfigError as e:
+            raise bad(str(e), "logit_bias") from None
     return sampling
 
 

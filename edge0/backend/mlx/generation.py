@@ -41,8 +41,12 @@ def generate_step(prompt, model, params, *, prefill_step_size: int, max_tokens: 
 
     sampler = make_sampler(params.temp, params.top_p if params.top_p < 1.0 else 0.0, params.min_p,
                            params.min_tokens_to_keep, top_k=params.top_k)
-    processors = make_logits_processors(repetition_penalty=params.repetition_penalty,
-                                        repetition_context_size=params.repetition_context_size)
+    processors = make_logits_processors(logit_bias=params.logit_bias, repetition_penalty=params.repetition_penalty,
+                                        repetition_context_size=params.repetition_context_size,
+                                        presence_penalty=params.presence_penalty,
+                                        presence_context_size=params.presence_context_size,
+                                        frequency_penalty=params.frequency_penalty,
+                                        frequency_context_size=params.frequency_context_size)
     return _generate_step(mx.array(prompt), model, max_tokens=max_tokens or params.max_tokens, sampler=sampler,
                           logits_processors=processors or None, max_kv_size=params.max_kv_size,
                           prompt_cache=prompt_cache, prefill_step_size=prefill_step_size)
