@@ -404,13 +404,15 @@ class Engine:
 
     # -- prompts, admission, metrics ----------------------------------------------------------
     def prompt_ids(self, prompt: str | None = None, *, messages: Sequence[dict] | None = None,
-                   system_prompt: str | None = None, chat_template: bool = True) -> list[int]:
+                   system_prompt: str | None = None, chat_template: bool = True,
+                   tools: Sequence[dict] | None = None) -> list[int]:
         """Token ids of a prompt as mlx-lm builds them (``edge0.prompts.prompt_ids``): with a
         chat template, ``prompt`` as one user message after an optional ``system_prompt``, or
-        ``messages``; without, the text (a base model continues the messages' contents)."""
+        ``messages`` (and ``tools``, OpenAI function definitions); without, the text (a base
+        model continues the messages' contents)."""
         self._check_text_size(len(prompt or "") + sum(len(str(m.get("content") or "")) for m in messages or ()))
         return build_prompt_ids(self.tokenizer, self.encode, prompt, messages=messages, system_prompt=system_prompt,
-                                chat_template=chat_template)
+                                chat_template=chat_template, tools=tools, check_chars=self._check_text_size)
 
     def admit(self, max_waiting: int | None = None) -> Admission:
         """Count a request in line from now (before any work for it) until its generation

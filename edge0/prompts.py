@@ -9,13 +9,18 @@ from edge0.errors import ConfigError
 
 def prompt_ids(tok, encode: Callable[[str], list[int]], prompt: str | None = None, *,
                messages: Sequence[dict] | None = None, system_prompt: str | None = None,
-               chat_template: bool = True) -> list[int]:
+               chat_template: bool = True, tools: Sequence[dict] | None = None,
+               check_chars: Callable[[int], None] | None = None) -> list[int]:
     """``prompt`` (text): with a chat template (the tokenizer has one and ``chat_template``),
     one user message after an optional ``system_prompt``; without, the text with the
     tokenizer's special tokens. ``messages`` (``{"role", "content"}``): the chat template, or,
     for a base model without one, their contents joined by newlines, continued as text
-    (``encode``)."""
+    (``encode``). ``tools`` (OpenAI function definitions) go into the chat template; a
+    model whose template has no tool-call format refuses them. ``check_chars`` sees the
+    rendered template's length before it is tokenized (``check_text_size``)."""
     templated = chat_template and getattr(tok, "has_chat_template", False)
+    if tools and not (templated and getattr(tok, "has_tool_calling", False)):
+        raise ConfigError("this model's chat template has no tool-call format: it cannot be given tools")
     if messages is None:
         if prompt is None:
             raise ConfigError("prompt_ids needs a prompt or messages")
@@ -28,9 +33,12 @@ def prompt_ids(tok, encode: Callable[[str], list[int]], prompt: str | None = Non
     from jinja2 import TemplateError
 
     try:
-        text = tok.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+        extra = {"tools": list(tools)} if tools else {}
+        text = tok.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True, **extra)
     except TemplateError as e:  # the template's own raise_exception, e.g. roles that do not alternate
         raise ConfigError(f"the model's chat template refuses these messages: {e}") from None
+    if check_chars is not None:
+        check_chars(len(text))
     return tok.encode(text, add_special_tokens=False)
 
 

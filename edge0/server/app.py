@@ -7,6 +7,9 @@ waiting ones are answered 429 with ``Retry-After``. A client that goes away canc
 generation (within one decode step). Every adapter is resident: each request applies its
 own, and switching never reloads the base.
 
+Tool calls (``tools`` in the chat template, the model's calls parsed back into
+``tool_calls``) are ``edge0.server.tools``'s.
+
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
 ``GET /health`` (503 while the model loads), ``GET /metrics`` (Prometheus text).
 """
@@ -35,6 +38,7 @@ from edge0.logs import get_logger
 from edge0.server import protocol as P
 from edge0.server.guard import RequestGuard
 from edge0.server.metrics import Metrics
+from edge0.server.tools import ToolCalls, stream_deltas
 
 DEFAULT_MAX_BODY = 4 * 2**20
 
@@ -260,7 +264,9 @@ def _prompt_ids(state: ServerState, req: P.GenerationRequest) -> list[int]:
     (context length, sampling values). Runs in a worker thread."""
     engine = state.engine
     try:
-        ids = engine.prompt_ids(messages=req.messages) if req.kind == "chat" else req.prompt
+        if req.tools and not getattr(engine.tokenizer, "has_tool_calling", False):
+            raise P.bad("this model's chat template has no tool-call format: it cannot be given tools", "tools")
+        ids = engine.prompt_ids(messages=req.messages, tools=req.tools) if req.kind == "chat" else req.prompt
         ids, _ = engine.validate(ids, **req.sampling)
     except ConfigError as e:  # a sampling value the model refuses, or the prompt
         named = next((f for f in req.sampling if str(e).startswith(f)), None)
@@ -321,25 +327,36 @@ def _admit(state: ServerState):
 
 
 class _Collector:
-    """A request's token events: count, logprob entries, finish reason, final stats."""
+    """A request's token events: count, logprob entries, tool calls, finish reason, final
+    stats."""
 
     def __init__(self, state: ServerState, req: P.GenerationRequest):
         self.state, self.req = state, req
         self.logprobs: list[dict] | None = [] if req.logprobs else None
+        self.tools = ToolCalls(state.engine.tokenizer, req.tools) if req.tools else None
         self.stats = None
         self.finish: str | None = None
         self.count = 0
 
-    def add(self, event) -> tuple[str, list[dict]]:
-        """The text to emit for ``event`` and its logprob entries."""
+    def add(self, event) -> tuple[str, list[dict], list[dict]]:
+        """The text to emit for ``event``, its logprob entries and the tool calls it completes."""
         self.count += 1
         entries = []
         if self.logprobs is not None and event.logprob is not None:
             entries = [P.token_logprob(self.state.engine.tokenizer, event.token, event.logprob, event.top_logprobs)]
             self.logprobs.extend(entries)
+        text, calls = event.text, []
+        if self.tools is not None:
+            text, calls = self.tools.feed(text, final=event.finish_reason is not None)
         if event.finish_reason is not None:
             self.finish, self.stats = event.finish_reason, event.stats
-        return event.text, entries
+            if self.finish == "stop" and self.tools is not None and self.tools.calls:
+                self.finish = "tool_calls"
+        return text, entries, calls
+
+    @property
+    def calls(self) -> list[dict]:
+        return self.tools.calls if self.tools is not None else []
 
     def usage(self, prompt_tokens: int) -> dict:
         cached = self.stats.cached_tokens if self.stats is not None else 0
@@ -396,7 +413,7 @@ async def _complete(state: ServerState, request: Request, req: P.GenerationReque
         state.metrics.disconnects += 1
         return None
     return P.response(req, P.new_id(req.kind), P.now(), "".join(parts), collector.finish or "length",
-                      collector.usage(len(ids)), collector.logprobs)
+                      collector.usage(len(ids)), collector.logprobs, collector.calls)
 
 
 def _sse(data: dict | str) -> str:
@@ -416,9 +433,11 @@ async def _stream(state: ServerState, req: P.GenerationRequest, ids: list[int], 
             if item is None:
                 yield ": keep-alive\n\n"
                 continue
-            text, entries = item
-            if text or entries:
-                yield _sse(P.chunk(req, rid, created, text, None, entries))
+            text, entries, calls = item
+            if text or entries or calls:
+                first = len(collector.calls) - len(calls)
+                yield _sse(P.chunk(req, rid, created, text if text or not calls else None, None, entries,
+                                   tool_calls=stream_deltas(calls, first)))
         yield _sse(P.chunk(req, rid, created, None if req.kind == "chat" else "", collector.finish or "length"))
         if req.include_usage:
             yield _sse(P.usage_chunk(req, rid, created, collector.usage(len(ids))))

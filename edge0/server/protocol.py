@@ -21,27 +21,11 @@ from typing import Any
 
 from edge0.errors import ConfigError
 from edge0.sampling import MAX_TOKENS, check_logit_bias
+from edge0.server.api_error import APIError, bad
+from edge0.server.tools import history_calls, parse_tools
 
 MAX_STOP = 4
 MAX_TOP_LOGPROBS = 20
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, *, param: str | None = None, kind: str | None = None,
-                 code: str | None = None, headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.kind = kind or {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                             413: "invalid_request_error", 429: "rate_limit_error",
-                             503: "service_unavailable"}.get(status, "server_error")
-        self.headers = headers or {}
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-
-
-def bad(message: str, param: str | None = None) -> APIError:
-    return APIError(400, message, param=param)
 
 
 @dataclass
@@ -59,6 +43,7 @@ class GenerationRequest:
     logprobs: bool = False
     top_logprobs: int = 0
     max_tokens_given: bool = False  # the request named its token limit (else the server's default)
+    tools: list[dict] | None = None  # function definitions for the chat template (tool_choice "auto")
 
 
 def _number(body: dict, name: str, lo: float, hi: float, *, lo_open=False, hi_open=False, integer=False,
@@ -110,7 +95,16 @@ def _messages(value) -> list[dict]:
             content = ""
         if not isinstance(content, str):
             raise bad(f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content")
-        out.append({"role": "system" if role == "developer" else role, "content": content})
+        entry = {"role": "system" if role == "developer" else role, "content": content}
+        calls = history_calls(m, i)
+        if calls is not None:
+            entry["tool_calls"] = calls
+        for key in ("tool_call_id", "name") if role == "tool" else ():
+            if m.get(key) is not None:
+                if not isinstance(m[key], str):
+                    raise bad(f"messages[{i}].{key} must be a string", f"messages[{i}].{key}")
+                entry[key] = m[key]
+        out.append(entry)
     return out
 
 
@@ -147,6 +141,7 @@ def parse(body: Any, kind: str, models: dict[str, Any], default_model: str, defa
         sampling["top_logprobs"] = top
     if kind == "chat":
         req.messages = _messages(body.get("messages"))
+        req.tools = parse_tools(body).tools
     else:
         req.prompt = _prompt(body.get("prompt"), vocab_size)
     return req
@@ -313,9 +308,12 @@ def completion_logprobs(entries: list[dict]) -> dict:
 
 
 def response(req: GenerationRequest, rid: str, created: int, text: str, finish: str, use: dict,
-             logprobs: list[dict] | None) -> dict:
+             logprobs: list[dict] | None, tool_calls: list[dict] | None = None) -> dict:
     if req.kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
+        message = {"role": "assistant", "content": text if text or not tool_calls else None}
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+        choice = {"index": 0, "message": message, "finish_reason": finish,
                   "logprobs": {"content": logprobs} if logprobs is not None else None}
         obj = "chat.completion"
     else:
@@ -327,11 +325,13 @@ def response(req: GenerationRequest, rid: str, created: int, text: str, finish: 
 
 
 def chunk(req: GenerationRequest, rid: str, created: int, text: str | None, finish: str | None,
-          logprobs: list[dict] | None = None, *, role: bool = False) -> dict:
+          logprobs: list[dict] | None = None, *, role: bool = False, tool_calls: list[dict] | None = None) -> dict:
     if req.kind == "chat":
         delta: dict = {"role": "assistant"} if role else {}
         if text is not None:
             delta["content"] = text
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
         choice = {"index": 0, "delta": delta, "finish_reason": finish,
                   "logprobs": {"content": logprobs} if logprobs else None}
         obj = "chat.completion.chunk"
