@@ -597,6 +597,26 @@ def test_slow_and_silent_connections_are_closed_and_bodies_time_out(model):
         assert httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
 
 
+def test_an_idle_keep_alive_connection_is_closed_after_5_s(server):
+    """A connection serves several requests, then closes once idle for 5 s (not held)."""
+    import socket
+
+    url, _ = server
+    host, port = url.rsplit("//", 1)[1].split(":")
+    conn = socket.create_connection((host, int(port)))
+    conn.settimeout(15)
+    for _ in range(2):  # the same connection answers twice: it is kept alive
+        conn.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        answer = b""
+        while b'"status":"ok"' not in answer:
+            answer += conn.recv(4096)
+        assert answer.startswith(b"HTTP/1.1 200")
+    t0 = time.monotonic()
+    assert conn.recv(100) == b""  # closed by the server
+    assert 4.0 < time.monotonic() - t0 < 8.0
+    conn.close()
+
+
 def test_connections_beyond_max_connections_get_503(model):
     import socket
 
