@@ -29,6 +29,7 @@ from edge0.admission import Admission, EngineMetrics, Line
 from edge0.backend import core as B
 from edge0.backend import nn as bnn
 from edge0.config import EngineConfig
+from edge0.constrain import ConstraintCache
 from edge0.errors import ConfigError, EngineClosedError, ExpertReadError
 from edge0.exec.oracle import OracleRouting, RoutingRecorder
 from edge0.loader import StepModel, Streaming, load_streaming_model
@@ -88,6 +89,7 @@ class Engine:
         self.reader = self.streaming.reader
         self._step_model = StepModel(self.streaming)
         self.prompt_cache = PromptCache(self.config.prompt_cache_mb * 2**20) if self.config.prompt_cache_mb else None
+        self._constraints = ConstraintCache(self.tokenizer)
         self._jobs: set[Job] = set()
         self._line = Line()
         self._resources: dict = {}
@@ -180,7 +182,10 @@ class Engine:
         params = SamplingParams(**sampling)
         ids = self.encode(prompt)
         self._check_length(ids, params)
-        return ids, params.for_vocab(self.vocab_size)
+        params = params.for_vocab(self.vocab_size)
+        self._constraints.get(params.response_format)  # a schema the library refuses: ConfigError now
+        return ids, params
+
 
     def _submit(self, prompt, sampling: dict, record: RoutingRecorder | None = None,
                 adapter=None, admission: Admission | None = None, consumer_timeout: float | None = None) -> Job:
@@ -346,8 +351,10 @@ class Engine:
             stager.reset()
             stage0 = stager.stats()
         t0 = time.perf_counter()
+        constraint = self._constraints.get(params.response_format)
         steps = bnn.generate_step(ids[cached:], self._step_model, params, max_tokens=max_tokens,
-                                  prefill_step_size=self.config.prefill_step_size, prompt_cache=cache)
+                                  prefill_step_size=self.config.prefill_step_size, prompt_cache=cache,
+                                  extra_processors=(constraint.processor(),) if constraint is not None else ())
         t_first = None
         try:
             for n, (token, logprobs) in enumerate(steps):

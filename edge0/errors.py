@@ -18,6 +18,8 @@ Edge0Error
  +-- EngineClosedError        a call on an engine after ``close()``
  +-- EngineBusyError          ``Engine.admit``: too many requests already wait
  +-- StalledConsumerError     a generation's consumer took nothing for its stall timeout
+ +-- ConstraintError          a constrained generation's grammar refused a sampled token, or
+                              its processor was fed another generation's tokens
 
 Each error carries the offending file / tensor / parameter as attributes and names them
 in its message, so a test (or a user) can see what was wrong without a traceback.
@@ -123,3 +125,9 @@ class EngineBusyError(Edge0Error):
 class StalledConsumerError(Edge0Error):
     """A generation's consumer took no token for its ``consumer_timeout``: the generation
     was stopped so that it holds the engine no longer."""
+
+
+class ConstraintError(Edge0Error):
+    """Constrained decoding (``response_format``) went wrong while generating: the grammar
+    refused a token that was sampled under its own mask, left no token to allow, or a
+    processor was fed tokens that are not its generation's (e.g. reused across two)."""

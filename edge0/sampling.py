@@ -6,7 +6,9 @@ of 0 is greedy; ``top_p`` 1, ``top_k`` 0 and ``min_p`` 0 switch those filters of
 tokens; ``presence_penalty`` subtracts a constant from the logit of each token among the
 last ``presence_context_size``, ``frequency_penalty`` a constant times its count among the
 last ``frequency_context_size`` (both in [-2, 2], the OpenAI range); ``logit_bias`` adds
-a value in [-100, 100] to the logits of the token ids it names. Every value is checked here, so a bad one is a ``ConfigError`` naming it before
+a value in [-100, 100] to the logits of the token ids it names; ``response_format``
+constrains the text to JSON (a JSON Schema's, with ``json_schema``) by masking the logits
+(``edge0.constrain``). Every value is checked here, so a bad one is a ``ConfigError`` naming it before
 anything runs.
 """
 
@@ -82,6 +84,7 @@ class SamplingParams:
     logprobs: bool = False  # report each generated token's log-probability
     top_logprobs: int = 0  # and the n most likely tokens at each step
     max_kv_size: int | None = None  # a rotating KV cache of this many tokens (mlx-lm's --max-kv-size)
+    response_format: dict | None = None  # OpenAI's: {"type": "json_object"} or a json_schema (edge0.constrain)
 
     def __post_init__(self):
         _int("max_tokens", self.max_tokens, 1, MAX_TOKENS)
@@ -115,6 +118,10 @@ class SamplingParams:
         _int("top_logprobs", self.top_logprobs, 0, MAX_TOP_LOGPROBS)
         if self.max_kv_size is not None:
             _int("max_kv_size", self.max_kv_size, 1)
+        if self.response_format is not None:
+            from edge0.constrain import parse_response_format
+
+            parse_response_format(self.response_format)  # the shape; the schema compiles with the tokenizer
 
     def for_vocab(self, vocab: int | None) -> SamplingParams:
         """These parameters checked against a model's vocabulary: token ids inside it, and a

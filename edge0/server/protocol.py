@@ -6,7 +6,7 @@ Requests are checked field by field before anything runs; every mistake is an
 server takes: ``max_tokens`` / ``max_completion_tokens``, ``temperature``, ``top_p``,
 ``top_k``, ``min_p``, ``seed``, ``stop``, ``repetition_penalty``, ``presence_penalty``,
 ``frequency_penalty`` (with mlx-lm's ``presence_context_size`` / ``frequency_context_size``),
-``logit_bias``, ``logprobs`` /
+``logit_bias``, ``response_format`` (JSON output, ``edge0.constrain``), ``logprobs`` /
 ``top_logprobs``, ``stream`` / ``stream_options.include_usage``, and the adapter chosen by
 ``model`` (the base or an adapter's name) or ``adapters``.
 """
@@ -19,6 +19,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from edge0.constrain import parse_response_format
 from edge0.errors import ConfigError
 from edge0.sampling import MAX_TOKENS, check_logit_bias
 from edge0.server.api_error import APIError, bad
@@ -194,6 +195,12 @@ def _sampling(body: dict, defaults: Defaults) -> dict:
             sampling[f"{name}_context_size"] = size
     for name in [k for k, v in sampling.items() if v is None and k != "seed"]:
         del sampling[name]
+    if body.get("response_format") is not None:  # the shape now; the schema compiles with the tokenizer
+        try:
+            parse_response_format(body["response_format"])
+        except ConfigError as e:
+            raise bad(str(e), "response_format") from None
+        sampling["response_format"] = body["response_format"]
     if body.get("logit_bias") is not None:
         try:
             sampling["logit_bias"] = check_logit_bias(body["logit_bias"])

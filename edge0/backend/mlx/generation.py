@@ -32,10 +32,11 @@ def load_tokenizer(model_dir: Path):
 
 
 def generate_step(prompt, model, params, *, prefill_step_size: int, max_tokens: int | None = None,
-                  prompt_cache=None):
+                  prompt_cache=None, extra_processors: tuple = ()):
     """mlx-lm's token generator (prefill in chunks, then one token per step, one step of
     look-ahead), with its sampler and logits processors built from ``params`` (a
-    SamplingParams); yields (token, logprobs [V])."""
+    SamplingParams), then ``extra_processors`` (a constraint's mask last, so nothing
+    lifts a token it masked); yields (token, logprobs [V])."""
     from mlx_lm.generate import generate_step as _generate_step
     from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
@@ -47,6 +48,7 @@ def generate_step(prompt, model, params, *, prefill_step_size: int, max_tokens: 
                                         presence_context_size=params.presence_context_size,
                                         frequency_penalty=params.frequency_penalty,
                                         frequency_context_size=params.frequency_context_size)
+    processors += list(extra_processors)
     return _generate_step(mx.array(prompt), model, max_tokens=max_tokens or params.max_tokens, sampler=sampler,
                           logits_processors=processors or None, max_kv_size=params.max_kv_size,
                           prompt_cache=prompt_cache, prefill_step_size=prefill_step_size)

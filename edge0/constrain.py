@@ -1,0 +1,320 @@
+"""Constrained decoding for OpenAI's ``response_format``: a logits mask per token.
+
+``compile_response_format(response_format, tokenizer)`` checks the request's
+``response_format`` and compiles it into a ``Constraint`` (``None`` for ``{"type": "text"}``
+or no format):
+
+- ``{"type": "json_object"}``: any JSON object (the schema ``{"type": "object"}``);
+- ``{"type": "json_schema", "json_schema": {"name": .., "schema": {..}, "strict": ..}}``:
+  a document valid against ``schema``.
+
+Every malformed shape, unknown field, unsupported or invalid schema raises ``ConfigError``
+naming the field (``response_format.json_schema.schema: ...``), so a server answers 400
+before any generation starts (``parse_response_format`` checks the shape alone, without
+the grammar library). ``name`` (optional here), ``description`` and ``strict`` are checked
+but change nothing: the schema is enforced either way. Whitespace between tokens is
+JSON's, at most ``MAX_WHITESPACE_RUN`` characters in a row (a model cannot loop on it).
+``Constraint.processor()`` makes a fresh per-generation logits processor with mlx-lm's signature ``processor(tokens, logits) -> logits``: each call feeds
+the grammar the token sampled since the last call, computes the set of tokens the grammar
+allows next and sets every other logit (padding rows past the tokenizer's vocabulary
+included) to -inf; EOS is allowed only once the document is complete. One Constraint may
+serve any number of generations, one after the other or at once: each processor holds its
+own matcher state.
+
+The grammar engine is llguidance (chosen by measurement among llguidance, xgrammar and
+outlines-core: ``tools/constrained_cost.py``), imported only when a format is compiled.
+The processor makes one host sync per token (reading the sampled token back, which the
+mask depends on) and starts the model's step on the device before computing the mask on
+the host, so the two overlap.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import threading
+import weakref
+from collections.abc import Mapping
+
+from edge0.errors import ConfigError, ConstraintError
+
+RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
+JSON_OBJECT_SCHEMA = {"type": "object"}
+_JSON_SCHEMA_FIELDS = ("name", "description", "schema", "strict")
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+# whitespace between JSON tokens: any mix of JSON's four, at most 40 in a row (room for a
+# newline and the indentation of a pretty-printed document 19 levels deep), so a model
+# cannot loop on whitespace for ever inside a document the mask keeps open
+MAX_WHITESPACE_RUN = 40
+JSON_OPTIONS = {"whitespace_flexible": True, "whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,%d}" % MAX_WHITESPACE_RUN}
+
+_tokenizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_tokenizers_lock = threading.Lock()
+
+
+def _llguidance():
+    try:
+        import llguidance
+        import llguidance.numpy  # noqa: F401  (the mask-into-array helpers)
+    except ImportError:
+        raise ConfigError("response_format: constrained decoding needs the 'llguidance' package "
+                          "(pip install llguidance)") from None
+    return llguidance
+
+
+def _one_line(error: str) -> str:
+    """An llguidance error on one line, without the parser-state dump that may follow it."""
+    return " ".join(error.split("<state>")[0].split())[:300] or "(no message)"
+
+
+def _unknown_fields(obj: Mapping, allowed, where: str) -> None:
+    extra = sorted(str(k) for k in obj if k not in allowed)
+    if extra:
+        raise ConfigError(f"{where}.{extra[0]}: unknown field (allowed: {', '.join(sorted(allowed))})")
+
+
+def parse_response_format(response_format) -> tuple[str, dict, str | None] | None:
+    """Check OpenAI's ``response_format`` shape: ``None`` for no constraint (absent, or
+    ``{"type": "text"}``), else ``(kind, schema, name)`` with ``kind`` ``json_object`` or
+    ``json_schema``. Raises ``ConfigError`` naming the offending field. Needs no grammar
+    library."""
+    if response_format is None:
+        return None
+    where = "response_format"
+    if not isinstance(response_format, Mapping):
+        raise ConfigError(f"{where}: must be an object, got {type(response_format).__name__}")
+    kind = response_format.get("type")
+    if kind is None:
+        raise ConfigError(f"{where}.type: required (one of {', '.join(RESPONSE_FORMAT_TYPES)})")
+    if kind not in RESPONSE_FORMAT_TYPES:
+        raise ConfigError(f"{where}.type: must be one of {', '.join(RESPONSE_FORMAT_TYPES)}, got {kind!r}")
+    if kind != "json_schema":
+        _unknown_fields(response_format, ("type",), where)
+        return None if kind == "text" else ("json_object", dict(JSON_OBJECT_SCHEMA), None)
+    _unknown_fields(response_format, ("type", "json_schema"), where)
+    spec = response_format.get("json_schema")
+    where += ".json_schema"
+    if spec is None:
+        raise ConfigError(f"{where}: required when type is 'json_schema'")
+    if not isinstance(spec, Mapping):
+        raise ConfigError(f"{where}: must be an object, got {type(spec).__name__}")
+    _unknown_fields(spec, _JSON_SCHEMA_FIELDS, where)
+    name = spec.get("name")
+    if name is not None and not (isinstance(name, str) and _NAME.fullmatch(name)):
+        raise ConfigError(f"{where}.name: must be 1 to 64 letters, digits, '_' or '-', got {name!r}")
+    if spec.get("description") is not None and not isinstance(spec["description"], str):
+        raise ConfigError(f"{where}.description: must be a string")
+    if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+        raise ConfigError(f"{where}.strict: must be true or false, got {spec['strict']!r}")
+    schema = spec.get("schema")
+    if schema is None:
+        raise ConfigError(f"{where}.schema: required")
+    if not isinstance(schema, Mapping):
+        raise ConfigError(f"{where}.schema: must be a JSON Schema object, got {type(schema).__name__}")
+    return "json_schema", dict(schema), name
+
+
+def _schema_text(schema: dict, where: str) -> str:
+    try:
+        return json.dumps(schema, allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as e:
+        raise ConfigError(f"{where}: not JSON: {e}") from None
+
+
+def _grammar_tokenizer(tokenizer):
+    """(llguidance tokenizer, EOS ids) for mlx-lm's TokenizerWrapper (or a Hugging Face fast
+    tokenizer); built once per tokenizer object (about a second for a 150k vocabulary)."""
+    with _tokenizers_lock:
+        try:
+            cached = _tokenizers.get(tokenizer)
+        except TypeError:  # not weak-referenceable: no cache
+            cached = None
+        if cached is not None:
+            return cached
+        ll = _llguidance()
+        hf = getattr(tokenizer, "_tokenizer", tokenizer)
+        backend = getattr(hf, "backend_tokenizer", None)
+        if backend is None:
+            raise ConfigError("response_format: constrained decoding needs a fast (tokenizers) tokenizer; "
+                              f"this model's is {type(hf).__name__}")
+        eos = getattr(tokenizer, "eos_token_ids", None) or [getattr(hf, "eos_token_id", None)]
+        eos = sorted(int(t) for t in eos if t is not None)
+        if not eos:
+            raise ConfigError("response_format: the model's tokenizer has no EOS token to end a document with")
+        backend = copy.copy(backend)
+        backend.no_padding()
+        backend.no_truncation()
+        try:
+            built = ll.LLTokenizer(backend.to_str(), eos_token=eos), eos
+        except Exception as e:  # noqa: BLE001  (the library's own errors, whatever their type)
+            raise ConfigError(f"response_format: the model's tokenizer is not usable for constrained decoding: "
+                              f"{type(e).__name__}: {str(e)[:300]}") from None
+        try:
+            _tokenizers[tokenizer] = built
+        except TypeError:
+            pass
+        return built
+
+
+def compile_response_format(response_format, tokenizer) -> Constraint | None:
+    """A ``Constraint`` for OpenAI's ``response_format`` (``None`` for text or none) over
+    ``tokenizer`` (mlx-lm's TokenizerWrapper). Raises ``ConfigError`` naming the field for
+    a malformed shape or a schema the grammar engine rejects or does not support."""
+    parsed = parse_response_format(response_format)
+    if parsed is None:
+        return None
+    kind, schema, name = parsed
+    where = "response_format.json_schema.schema" if kind == "json_schema" else "response_format"
+    text = _schema_text(schema, where)
+    ll = _llguidance()
+    lltok, eos = _grammar_tokenizer(tokenizer)
+    try:
+        grammar = ll.LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"{where}: {e}") from None
+    matcher = ll.LLMatcher(lltok, grammar, log_level=0)
+    if not matcher.is_error():
+        matcher.compute_bitmask()  # parts of the grammar are built lazily: surface their errors now
+    if matcher.is_error():
+        raise ConfigError(f"{where}: {_one_line(matcher.get_error())}")
+    return Constraint(kind, schema, name, matcher, lltok.vocab_size, tuple(eos))
+
+
+class Constraint:
+    """A compiled ``response_format``: ``kind`` (``json_object`` / ``json_schema``),
+    ``schema``, ``name``, ``vocab_size`` (the tokenizer ids its masks cover) and
+    ``eos_token_ids``. ``processor()`` gives each generation its own logits processor."""
+
+    def __init__(self, kind: str, schema: dict, name: str | None, matcher, vocab_size: int, eos_token_ids):
+        self.kind, self.schema, self.name = kind, schema, name
+        self.vocab_size = int(vocab_size)
+        self.eos_token_ids = tuple(eos_token_ids)
+        self._template = matcher
+        self._lock = threading.Lock()
+
+    def processor(self) -> ConstraintProcessor:
+        """A fresh logits processor for one generation (mlx-lm's ``logits_processors``
+        signature); put it last in the list so that nothing changes the logits after it."""
+        with self._lock:
+            matcher = self._template.deep_copy()
+        return ConstraintProcessor(matcher, self.vocab_size)
+
+    def __repr__(self) -> str:
+        return f"Constraint({self.kind}, name={self.name!r}, vocab_size={self.vocab_size})"
+
+
+class ConstraintProcessor:
+    """One generation's logits processor: ``processor(tokens, logits) -> logits``.
+
+    ``tokens`` is every token so far, the prompt included (mlx-lm's convention; a prompt
+    served from a cache may be passed shortened: only its length at the first call
+    matters); ``logits`` is ``[1, V]`` or ``[V]``, ``V`` the model's width (which may exceed
+    the tokenizer's vocabulary: rows past it are masked). The first call comes after
+    prefill, before any generated token: it records the prompt length. Each later call feeds
+    the grammar the tokens appended since (normally one) and masks the logits for the next.
+    Not thread-safe: one generation, one thread."""
+
+    def __init__(self, matcher, vocab_size: int):
+        import numpy as np
+        from llguidance.numpy import fill_next_token_bitmask
+
+        from edge0.backend import core as B
+
+        self._np, self._B, self._fill = np, B, fill_next_token_bitmask
+        self._m = matcher
+        self._n_vocab = vocab_size
+        self._prompt_len: int | None = None
+        self._consumed = 0
+        self._bitmask = np.zeros((1, (vocab_size + 31) // 32), dtype=np.int32)
+        self._allowed = None
+
+    @property
+    def consumed(self) -> int:
+        """Generated tokens fed to the grammar so far."""
+        return self._consumed
+
+    @property
+    def accepting(self) -> bool:
+        """The text so far is a complete document (EOS is allowed)."""
+        return self._m.is_accepting()
+
+    @property
+    def done(self) -> bool:
+        """The document cannot grow: only EOS is allowed next."""
+        return self._m.is_stopped()
+
+    def __call__(self, tokens, logits):
+        B = self._B
+        self._advance(tokens, B)
+        B.async_eval(logits)  # the model's step runs on the device while the mask is computed
+        allowed = B.array(self._mask(logits.shape[-1]))
+        return B.where(allowed, logits, B.array(float("-inf"), dtype=logits.dtype))
+
+    def _advance(self, tokens, B) -> None:
+        if isinstance(tokens, B.Array):
+            if tokens.ndim == 2 and tokens.shape[0] == 1:
+                tokens = tokens[0]
+            if tokens.ndim != 1:
+                raise ConstraintError(f"constrained decoding: tokens must be one sequence, got shape {tokens.shape}")
+        n = len(tokens)
+        if self._prompt_len is None:
+            self._prompt_len = n
+            return
+        new = n - self._prompt_len - self._consumed
+        if new < 0:
+            raise ConstraintError(f"constrained decoding: {n} tokens after a {self._prompt_len}-token prompt and "
+                                  f"{self._consumed} generated: a processor serves one generation (make one per "
+                                  "generation with Constraint.processor())")
+        if new == 0:
+            return
+        tail = tokens[n - new:]
+        ids = B.to_host(tail).tolist() if isinstance(tail, B.Array) else [int(t) for t in tail]
+        for tok in ids:
+            if not self._m.consume_token(int(tok)):
+                raise ConstraintError(f"constrained decoding: the grammar refused token {tok} after "
+                                      f"{self._consumed} generated tokens: {_one_line(self._m.get_error())}")
+            self._consumed += 1
+
+    def _mask(self, width: int):
+        """Boolean [width]: the tokens the grammar allows next."""
+        np = self._np
+        self._fill(self._m, self._bitmask, 0)
+        if self._m.is_error():
+            raise ConstraintError(f"constrained decoding: {_one_line(self._m.get_error())}")
+        if self._allowed is None or self._allowed.shape[0] != width:
+            self._allowed = np.zeros(width, dtype=bool)  # rows past the vocabulary stay False
+        k = min(width, self._n_vocab)
+        bits = self._bitmask.astype("<i4", copy=False).view(np.uint8)  # token i is bit i % 8 of byte i // 8
+        self._allowed[:k] = np.unpackbits(bits, count=k, bitorder="little")
+        if not self._allowed[:k].any():
+            raise ConstraintError(f"constrained decoding: the grammar allows no token of the model's {width} "
+                                  f"after {self._consumed} generated tokens")
+        return self._allowed
+
+
+class ConstraintCache:
+    """Compiled ``response_format``s of one tokenizer, the most recent ``size`` kept: a
+    generation asking for one that an earlier one asked for does not compile it again."""
+
+    def __init__(self, tokenizer, size: int = 32):
+        self.tokenizer, self.size = tokenizer, size
+        self._lock = threading.Lock()
+        self._entries: dict[str, Constraint | None] = {}
+
+    def get(self, response_format) -> Constraint | None:
+        if response_format is None:
+            return None
+        key = json.dumps(response_format, sort_keys=True)
+        with self._lock:
+            hit = self._entries.pop(key, _MISSING)
+        if hit is _MISSING:
+            hit = compile_response_format(response_format, self.tokenizer)
+        with self._lock:
+            self._entries[key] = hit
+            while len(self._entries) > self.size:
+                self._entries.pop(next(iter(self._entries)))
+        return hit
+
+
+_MISSING = object()

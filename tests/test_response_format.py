@@ -1,0 +1,132 @@
+"""``response_format`` through the public API and the server: the text is JSON (valid for
+the schema with ``json_schema``) where the same request without it is not.
+
+The tiny random model writes no JSON by itself. A ``logit_bias`` steers it: the quote most,
+then the braces, colon and comma, a digit, EOS. Unconstrained that writes four quotes and more; under the constraint
+the mask leaves the grammar's tokens only, so the biased choice among them writes the
+shortest document the grammar allows (``{"": ""}``) and EOS ends it."""
+
+from __future__ import annotations
+
+import json
+
+import anyio
+import httpx
+import pytest
+
+from edge0 import ConfigError, Engine, EngineConfig
+from tests.test_server import client, serving
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
+          "required": ["name", "n"], "additionalProperties": False}
+JSON_SCHEMA = {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA}}
+
+
+@pytest.fixture(scope="module")
+def qwen(tiny_model_factory):
+    return tiny_model_factory("qwen3_moe")
+
+
+@pytest.fixture(scope="module")
+def engine(qwen):
+    with Engine(qwen, EngineConfig(adapter="off")) as e:
+        yield e
+
+
+def steer(engine) -> dict[int, float]:
+    tok = engine.tokenizer
+
+    def one(ch):
+        (i,) = tok.encode(ch, add_special_tokens=False)
+        return i
+
+    bias = {one('"'): 60.0, one("{"): 55.0, one("}"): 50.0, one(":"): 45.0, one(","): 45.0, one("1"): 40.0}
+    bias.update({e: 30.0 for e in tok.eos_token_ids})
+    return bias
+
+
+def test_json_object_makes_the_text_json(engine):
+    bias = steer(engine)
+    free, _ = engine.generate_text("x", max_tokens=16, logit_bias=bias)
+    with pytest.raises(ValueError):
+        json.loads(free)
+    text, stats = engine.generate_text("x", max_tokens=16, logit_bias=bias, response_format={"type": "json_object"})
+    assert isinstance(json.loads(text), dict) and stats.generated_tokens < 16  # ended by EOS once complete
+
+
+def test_json_schema_makes_the_text_valid_for_the_schema(engine):
+    text, _ = engine.generate_text("x", max_tokens=32, logit_bias=steer(engine), response_format=JSON_SCHEMA)
+    value = json.loads(text)
+    assert set(value) == {"name", "n"} and isinstance(value["name"], str) and isinstance(value["n"], int)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_sampled_json_within_the_limit_is_a_prefix_of_json(engine, seed):
+    """Sampled at temperature 1 without steering: every token the mask let through keeps the
+    text a prefix of some JSON object (a complete one if it stopped before the limit)."""
+    events = list(engine.stream("x", max_tokens=24, temp=1.0, seed=seed, response_format={"type": "json_object"}))
+    text = "".join(e.text for e in events)
+    assert text.lstrip().startswith("{") or not text.strip()
+    if events[-1].finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)
+
+
+@pytest.mark.asyncio
+async def test_async_generate_takes_response_format(qwen):
+    with anyio.fail_after(120):
+        async with Engine.open(qwen, EngineConfig(adapter="off")) as engine:
+            bias = steer(engine)
+            text = "".join([e.text async for e in engine.generate("x", max_tokens=16, logit_bias=bias,
+                                                                  response_format={"type": "json_object"})])
+    assert isinstance(json.loads(text), dict)
+
+
+@pytest.mark.parametrize("fmt,match", [
+    ({"type": "xml"}, "response_format.type"),
+    ({"type": "json_schema"}, "response_format.json_schema"),
+    ({"type": "json_schema", "json_schema": {"schema": {"type": "object", "not": {}}}},
+     "response_format.json_schema.schema"),
+    ("json", "response_format"),
+])
+def test_bad_response_formats_are_config_errors_naming_the_field(engine, fmt, match):
+    with pytest.raises(ConfigError, match=match.replace(".", r"\.")):
+        engine.generate_text("x", max_tokens=2, response_format=fmt)
+
+
+@pytest.fixture(scope="module")
+def json_server(qwen):
+    with serving(qwen, EngineConfig(adapter="off")) as (url, state):
+        yield url, state
+
+
+def test_json_output_through_the_openai_client_streamed_and_not(json_server):
+    url, state = json_server
+    bias = {str(k): v for k, v in steer(state.engine).items()}
+    c = client(url)
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "a thing as JSON"}], max_tokens=32,
+              temperature=0, extra_body={"logit_bias": bias})
+    free = c.chat.completions.create(**kw).choices[0].message.content
+    with pytest.raises(ValueError):
+        json.loads(free)
+    r = c.chat.completions.create(response_format=JSON_SCHEMA, **kw)
+    value = json.loads(r.choices[0].message.content)
+    assert set(value) == {"name", "n"} and r.choices[0].finish_reason == "stop"
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in
+                       c.chat.completions.create(response_format={"type": "json_object"}, stream=True, **kw)
+                       if ch.choices)
+    assert isinstance(json.loads(streamed), dict)
+
+
+@pytest.mark.parametrize("fmt,match", [
+    ({"type": "yaml"}, "response_format.type"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": []}}, "response_format.json_schema.schema"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "not": {}}}},
+     "response_format.json_schema.schema"),
+])
+def test_bad_response_formats_over_http_are_400s(json_server, fmt, match):
+    url, _ = json_server
+    r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                       "response_format": fmt, "max_tokens": 2})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "response_format" and match in err["message"], err
