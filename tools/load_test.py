@@ -1,6 +1,7 @@
 """Load and soak test of ``edge0 serve``, on the loopback interface only.
 
     python tools/load_test.py [--model DIR] [--requests 8] [--max-tokens 32] [--disconnects 200]
+    python tools/load_test.py --hostile [--serve-model DIR | --url URL] [--requests 4] [--out FILE]
 
 Starts ``edge0 serve`` on 127.0.0.1 at a free port, then:
 
@@ -16,16 +17,28 @@ Starts ``edge0 serve`` on 127.0.0.1 at a free port, then:
 
 Everything is bounded: a request times out after ``--timeout`` seconds, the whole run after
 ``--budget``. Prints a markdown report (docs/SERVER.md holds a measured one) and writes
-``--json``.
+``--json`` (or ``--out``).
+
+``--hostile`` (tools/hostile_clients.py, tools/hostile_report.py; docs/SERVER.md, "Hostile
+clients"): ``--clients`` (8) normal clients stream chat completions, first alone (the quiet
+run, ``--requests`` each), then ``--rounds`` times while silent streams, slowloris heads,
+unfinished bodies, silent sockets, 4 MiB prompts and a burst of them all run in turn; the
+server's RSS, fds, threads and tasks are read once it has settled after each round, against
+the state before. A server it starts gets short timeouts (``--send-timeout 5
+--header-timeout 5 --body-timeout 5``; flags after ``--`` win).
+
+The server: ``--serve-model DIR`` (``--model``; the demo model by default) starts ``edge0
+serve`` on a free port and stops it after; ``--url URL`` targets a running one instead (its
+RSS only with ``--server-pid``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import re
-import statistics
 import subprocess
 import sys
 import threading
@@ -35,12 +48,21 @@ from pathlib import Path
 
 import httpx
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import hostile_clients  # noqa: E402 - beside this file
+import hostile_report  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["def fibonacci(n):", "class Stack:", "import os\n\ndef walk(path):", "def parse_args(argv):",
            "def merge_sorted(a, b):", "with open(path) as f:"]
 
 
-def rss_kib(pid: int) -> int:
+HOSTILE_SERVE_FLAGS = ["--send-timeout", "5", "--header-timeout", "5", "--body-timeout", "5"]
+
+
+def rss_kib(pid: int | None) -> int | None:
+    if pid is None:
+        return None
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
             return int(line.split()[1])
@@ -56,9 +78,13 @@ def metrics(url: str) -> dict[str, float]:
     return out
 
 
+def serve_flags(extra: list[str]) -> list[str]:
+    return ["--host", "127.0.0.1", "--port", "0", "--max-queue", "64", *extra]
+
+
 def start_server(model: str, extra: list[str]) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "edge0", "serve", "--model", model, "--host", "127.0.0.1",
-                             "--port", "0", "--max-queue", "64", *extra], stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "edge0", "serve", "--model", model, *serve_flags(extra)],
+                            stderr=subprocess.PIPE, text=True)
     line = proc.stderr.readline()
     if " on http://" not in line:
         proc.kill()
@@ -88,19 +114,25 @@ def one_request(url: str, max_tokens: int, timeout: float, rng: random.Random) -
         with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=timeout) as r:
             if r.status_code != 200:
                 r.read()
-                return {"status": r.status_code}
+                return {"status": r.status_code, "start": t0, "total": time.perf_counter() - t0}
+            done = error = False
             for line in r.iter_lines():
+                done = done or line == "data: [DONE]"
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
-                if chunk.get("usage"):
+                if chunk.get("error"):  # a generation that failed after the stream began
+                    error = True
+                elif chunk.get("usage"):
                     tokens = chunk["usage"]["completion_tokens"]
                 elif chunk["choices"] and chunk["choices"][0]["delta"].get("content") and first is None:
                     first = time.perf_counter()
         end = time.perf_counter()
+        if error or not done:
+            return {"status": "200 error event" if error else "200 without [DONE]", "start": t0, "total": end - t0}
     except httpx.HTTPError as e:
-        return {"status": type(e).__name__}
-    out = {"status": 200, "ttft": (first or end) - t0, "tokens": tokens}
+        return {"status": type(e).__name__, "start": t0, "total": time.perf_counter() - t0}
+    out = {"status": 200, "start": t0, "ttft": (first or end) - t0, "total": end - t0, "tokens": tokens}
     if first is not None and tokens > 1 and end > first:
         out["decode_tps"] = (tokens - 1) / (end - first)
     return out
@@ -128,92 +160,149 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=str(ROOT / "edge0" / "data" / "demo_model"),
-                   help="checkpoint to serve (default: the demo model)")
+    p.add_argument("--model", "--serve-model", dest="model", default=str(ROOT / "edge0" / "data" / "demo_model"),
+                   help="checkpoint to serve on a free port, stopped after (default: the demo model)")
+    p.add_argument("--url", default=None, help="test the server running there instead of starting one")
+    p.add_argument("--server-pid", type=int, default=None, help="with --url: its pid, for its RSS")
     p.add_argument("--requests", type=int, default=8, help="requests per client (default 8)")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens per request (default 32)")
     p.add_argument("--concurrency", default="1,4,16", help="client counts (default 1,4,16)")
     p.add_argument("--disconnects", type=int, default=200, help="clients that leave mid-stream (default 200)")
     p.add_argument("--timeout", type=float, default=300.0, help="per-request timeout, seconds (default 300)")
     p.add_argument("--budget", type=float, default=3600.0, help="whole-run limit, seconds (default 3600)")
+    p.add_argument("--hostile", action="store_true", help="the hostile-clients test instead of the soak")
+    p.add_argument("--clients", type=int, default=8, help="--hostile: normal clients (default 8)")
+    p.add_argument("--hold", type=float, default=10.0,
+                   help="--hostile: longest a scenario's clients stay before they are closed (default 10 s)")
+    p.add_argument("--silent-hold", type=float, default=25.0,
+                   help="--hostile: how long silent streams stay unread before they are closed (default 25 s)")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="--hostile: times the scenarios run, the state read after each (default 2)")
+    p.add_argument("--silent-max-tokens", type=int, default=64,
+                   help="--hostile: max_tokens of a silent stream (default 64)")
+    p.add_argument("--settle", type=float, default=60.0,
+                   help="--hostile: longest wait for the server to settle before a state is read (default 60)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None, help="write the results here too")
+    p.add_argument("--json", "--out", dest="json", default=None, help="write the results here too")
     p.add_argument("serve_args", nargs="*", help="more `edge0 serve` flags, after --")
-    args = p.parse_args()
-    rng = random.Random(args.seed)
-    start = time.monotonic()
-    proc, url = start_server(args.model, args.serve_args)
-    report: dict = {"model": args.model, "max_tokens": args.max_tokens, "requests_per_client": args.requests,
-                    "phases": []}
+    return p.parse_args(argv)
+
+
+def main() -> int:
+    args = parse_args()
+    proc, flags = None, None
+    load_start = os.getloadavg()
+    if args.url:
+        url, pid = args.url.rstrip("/"), args.server_pid
+    else:
+        extra = (HOSTILE_SERVE_FLAGS if args.hostile else []) + args.serve_args
+        flags = serve_flags(extra)
+        print(f"edge0 serve --model {args.model} {' '.join(flags)}", file=sys.stderr, flush=True)
+        proc, url = start_server(args.model, extra)
+        pid = proc.pid
     try:
-        rss_start = rss_kib(proc.pid)
-        warm = one_request(url, args.max_tokens, args.timeout, rng)
-        assert warm["status"] == 200, warm
-        rss_first = rss_kib(proc.pid)
-        baseline = metrics(url)
-        report.update(rss_start_kib=rss_start, rss_after_first_kib=rss_first)
-        for clients in [int(c) for c in args.concurrency.split(",")]:
-            if time.monotonic() - start > args.budget:
-                break
-            before = rss_kib(proc.pid)
-            seeds = [rng.randrange(1 << 30) for _ in range(clients)]
-
-            def client(seed):
-                local = random.Random(seed)
-                return [one_request(url, args.max_tokens, args.timeout, local) for _ in range(args.requests)]
-
-            t0 = time.perf_counter()
-            with ThreadPoolExecutor(clients) as pool:
-                results = [r for rs in pool.map(client, seeds) for r in rs]
-            wall = time.perf_counter() - t0
-            ok = [r for r in results if r["status"] == 200]
-            statuses: dict[str, int] = {}
-            for r in results:
-                statuses[str(r["status"])] = statuses.get(str(r["status"]), 0) + 1
-            report["phases"].append({
-                "clients": clients, "requests": len(results), "statuses": statuses, "wall_s": round(wall, 2),
-                "ttft_p50_s": round(pct([r["ttft"] for r in ok], 0.5), 3),
-                "ttft_p95_s": round(pct([r["ttft"] for r in ok], 0.95), 3),
-                "decode_tps_p50": round(pct([r["decode_tps"] for r in ok if "decode_tps" in r], 0.5), 2),
-                "tokens_per_s_total": round(sum(r.get("tokens", 0) for r in ok) / wall, 2),
-                "rss_before_kib": before, "rss_after_kib": rss_kib(proc.pid)})
-        outcomes: dict[str, int] = {}
-        with ThreadPoolExecutor(8) as pool:
-            seeds = [rng.randrange(1 << 30) for _ in range(args.disconnects)]
-            for o in pool.map(lambda s: disconnecting_client(url, random.Random(s), args.timeout), seeds):
-                outcomes[o] = outcomes.get(o, 0) + 1
-        report["disconnects"] = outcomes
-        deadline = time.monotonic() + 120
-        while True:  # the server settles: every abandoned generation cancelled, idle worker
-            after = metrics(url)  # threads of the event loop's pool retired (anyio: after 10 s idle)
-            if after.get("edge0_in_flight_requests") == 0 and after.get("edge0_engine_generations") == 0 \
-                    and after.get("edge0_process_threads", 0) <= baseline.get("edge0_process_threads", 0):
-                break
-            if time.monotonic() > deadline:
-                break
-            time.sleep(0.5)
-        keys = ["edge0_engine_generations", "edge0_engine_pinned_slots", "edge0_engine_pending_reads",
-                "edge0_engine_open_files", "edge0_process_threads", "edge0_process_open_fds", "edge0_process_tasks",
-                "edge0_in_flight_requests"]
-        report["leak_check"] = {k.replace("edge0_", ""): [baseline.get(k), after.get(k)] for k in keys}
-        last = one_request(url, args.max_tokens, args.timeout, rng)
-        report["after_soak_request"] = last["status"]
-        report["rss_end_kib"] = rss_kib(proc.pid)
-        report["server_5xx"] = sum(v for k, v in after.items() if k.startswith("edge0_requests_total")
-                                   and 'status="5' in k)
+        if args.hostile:
+            report = hostile_clients.run_hostile(
+                url, pid, lambda rng: one_request(url, args.max_tokens, args.timeout, rng), metrics,
+                clients=args.clients, requests=args.requests, hold_s=args.hold, silent_hold_s=args.silent_hold,
+                silent_max_tokens=args.silent_max_tokens, settle_s=args.settle, rounds=args.rounds,
+                seed=args.seed)
+            report["targets"] = hostile_report.targets(report)
+        else:
+            report = soak(url, pid, args)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-    print(markdown(report))
+        if proc is not None:
+            proc.terminate()
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    report.update(model=args.model, max_tokens=args.max_tokens, url=url if args.url else None,
+                  load_average_1m=[round(load_start[0], 2), round(os.getloadavg()[0], 2)], cpus=os.cpu_count(),
+                  serve_flags=flags if flags is not None else "a running server (flags unknown)")
+    if args.hostile:
+        print(f"server: {'edge0 serve ' + ' '.join(flags) if flags else url}, model `{Path(args.model).name}`, "
+              f"{args.max_tokens} tokens per normal request; load average (1 min) of this machine "
+              f"({os.cpu_count()} CPUs): {report['load_average_1m'][0]} at the start, "
+              f"{report['load_average_1m'][1]} at the end\n")
+        print(hostile_report.markdown(report))
+    else:
+        print(markdown(report))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
+    if args.hostile:
+        t = report["targets"]
+        return 0 if t["no_5xx"] and t["p95_within_2x"] and t["all_back"] and t["after_request_ok"] else 1
     leaks = {k: v for k, v in report["leak_check"].items() if v[0] is not None and v[1] is not None and v[1] > v[0]}
     return 0 if not leaks and report["server_5xx"] == 0 and report["after_soak_request"] == 200 else 1
+
+
+def soak(url: str, pid: int | None, args: argparse.Namespace) -> dict:
+    """Concurrency phases, disconnecting clients, then the leak check (the module's doc)."""
+    rng = random.Random(args.seed)
+    start = time.monotonic()
+    report: dict = {"requests_per_client": args.requests, "phases": []}
+    rss_start = rss_kib(pid)
+    warm = one_request(url, args.max_tokens, args.timeout, rng)
+    assert warm["status"] == 200, warm
+    report.update(rss_start_kib=rss_start, rss_after_first_kib=rss_kib(pid))
+    baseline = metrics(url)
+    for clients in [int(c) for c in args.concurrency.split(",")]:
+        if time.monotonic() - start > args.budget:
+            break
+        report["phases"].append(concurrency_phase(url, pid, args, clients, rng))
+    outcomes: dict[str, int] = {}
+    with ThreadPoolExecutor(8) as pool:
+        seeds = [rng.randrange(1 << 30) for _ in range(args.disconnects)]
+        for o in pool.map(lambda s: disconnecting_client(url, random.Random(s), args.timeout), seeds):
+            outcomes[o] = outcomes.get(o, 0) + 1
+    report["disconnects"] = outcomes
+    deadline = time.monotonic() + 120
+    while True:  # the server settles: every abandoned generation cancelled, idle worker
+        after = metrics(url)  # threads of the event loop's pool retired (anyio: after 10 s idle)
+        if after.get("edge0_in_flight_requests") == 0 and after.get("edge0_engine_generations") == 0 \
+                and after.get("edge0_process_threads", 0) <= baseline.get("edge0_process_threads", 0):
+            break
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    keys = ["edge0_engine_generations", "edge0_engine_pinned_slots", "edge0_engine_pending_reads",
+            "edge0_engine_open_files", "edge0_process_threads", "edge0_process_open_fds", "edge0_process_tasks",
+            "edge0_in_flight_requests"]
+    report["leak_check"] = {k.replace("edge0_", ""): [baseline.get(k), after.get(k)] for k in keys}
+    report["after_soak_request"] = one_request(url, args.max_tokens, args.timeout, rng)["status"]
+    report["rss_end_kib"] = rss_kib(pid)
+    report["server_5xx"] = sum(v for k, v in after.items() if k.startswith("edge0_requests_total")
+                               and 'status="5' in k)
+    return report
+
+
+def concurrency_phase(url: str, pid: int | None, args: argparse.Namespace, clients: int,
+                      rng: random.Random) -> dict:
+    """``clients`` clients each sending ``args.requests`` streamed requests one after the other."""
+    before = rss_kib(pid)
+    seeds = [rng.randrange(1 << 30) for _ in range(clients)]
+
+    def client(seed):
+        local = random.Random(seed)
+        return [one_request(url, args.max_tokens, args.timeout, local) for _ in range(args.requests)]
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        results = [r for rs in pool.map(client, seeds) for r in rs]
+    wall = time.perf_counter() - t0
+    ok = [r for r in results if r["status"] == 200]
+    statuses: dict[str, int] = {}
+    for r in results:
+        statuses[str(r["status"])] = statuses.get(str(r["status"]), 0) + 1
+    return {"clients": clients, "requests": len(results), "statuses": statuses, "wall_s": round(wall, 2),
+            "ttft_p50_s": round(pct([r["ttft"] for r in ok], 0.5), 3),
+            "ttft_p95_s": round(pct([r["ttft"] for r in ok], 0.95), 3),
+            "decode_tps_p50": round(pct([r["decode_tps"] for r in ok if "decode_tps" in r], 0.5), 2),
+            "tokens_per_s_total": round(sum(r.get("tokens", 0) for r in ok) / wall, 2),
+            "rss_before_kib": before, "rss_after_kib": rss_kib(pid)}
 
 
 def markdown(r: dict) -> str:
@@ -224,15 +313,19 @@ def markdown(r: dict) -> str:
     for ph in r["phases"]:
         lines.append(f"| {ph['clients']} | {ph['requests']} | {ph['statuses']} | {ph['ttft_p50_s']:.3f} s | "
                      f"{ph['ttft_p95_s']:.3f} s | {ph['decode_tps_p50']:.1f} | {ph['tokens_per_s_total']:.1f} | "
-                     f"{ph['rss_before_kib'] / 1024:.0f} -> {ph['rss_after_kib'] / 1024:.0f} MiB |")
+                     f"{mib(ph['rss_before_kib'])} -> {mib(ph['rss_after_kib'])} |")
     lines += ["", f"disconnecting clients: {r['disconnects']}", "",
               "| after the first request -> after the soak | |", "|---|---|"]
     for k, (a, b) in r["leak_check"].items():
         lines.append(f"| {k} | {a} -> {b} |")
-    lines += ["", f"server RSS: {r['rss_start_kib'] / 1024:.0f} MiB at start, {r['rss_after_first_kib'] / 1024:.0f} "
-              f"MiB after the first request, {r['rss_end_kib'] / 1024:.0f} MiB at the end; 5xx answers: "
+    lines += ["", f"server RSS: {mib(r['rss_start_kib'])} at start, {mib(r['rss_after_first_kib'])} "
+              f"after the first request, {mib(r['rss_end_kib'])} at the end; 5xx answers: "
               f"{r['server_5xx']}; a request after the soak: {r['after_soak_request']}"]
     return "\n".join(lines)
+
+
+def mib(kib: int | None) -> str:
+    return "n/a" if kib is None else f"{kib / 1024:.0f} MiB"
 
 
 if __name__ == "__main__":
