@@ -634,3 +634,53 @@ def test_connections_beyond_max_connections_get_503(model):
         while httpx.get(url + "/health", timeout=10).status_code != 200:
             assert time.monotonic() < deadline
             time.sleep(0.05)
+
+
+def test_clients_that_stop_reading_lose_their_connections_not_others_theirs(model):
+    """Three streams whose clients never read, with room for four connections: each is
+    stopped after --send-timeout and its connection closed by the server, so a fourth
+    client is served (not 503) while the silent ones still hold their sockets open, and
+    the server's descriptors and tasks come back. No server error is logged."""
+    import socket
+
+    d, _, _ = model
+    with serving(d, EngineConfig(adapter="off"), send_timeout_s=1.0, max_connections=4) as (url, state):
+        host, port = url.rsplit("//", 1)[1].split(":")
+        before = _process_counts(url)
+        body = json.dumps({"prompt": PROMPT, "max_tokens": 4000, "stream": True,
+                           "logprobs": 20}).encode()  # about 1.5 KB a token: the buffers fill fast
+        silent = []
+        for _ in range(3):
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+            s.connect((host, int(port)))
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\n\r\n" % len(body) + body)
+            silent.append(s)
+        try:
+            deadline = time.monotonic() + 120
+            while state.in_flight or state.metrics.disconnects < 3:  # all three stopped and closed
+                assert time.monotonic() < deadline, (state.in_flight, state.metrics.disconnects)
+                time.sleep(0.1)
+            r = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 3}, timeout=60)
+            assert r.status_code == 200, r.text
+            after = _process_counts(url)
+            # the three client sockets are this process's too; the server's three ends are gone
+            assert after["open_fds"] <= before["open_fds"] + 3 + 1 and after["tasks"] <= before["tasks"] + 1, \
+                (before, after)
+            text = httpx.get(url + "/metrics").text
+            assert 'status="500"' not in text
+        finally:
+            for s in silent:
+                s.close()
+
+
+def _process_counts(url) -> dict:
+    text = httpx.get(url + "/metrics").text
+    out = {}
+    for line in text.splitlines():
+        for name in ("open_fds", "tasks"):
+            if line.startswith(f"edge0_process_{name} "):
+                out[name] = float(line.split()[1])
+    assert set(out) == {"open_fds", "tasks"}, text[-800:]
+    return out

@@ -33,7 +33,7 @@ from starlette.middleware import Middleware
 from starlette.routing import Route
 
 from edge0.config import EngineConfig
-from edge0.errors import ConfigError, Edge0Error, EngineBusyError
+from edge0.errors import ConfigError, Edge0Error, EngineBusyError, StalledConsumerError
 from edge0.logs import get_logger
 from edge0.server import protocol as P
 from edge0.server.guard import RequestGuard
@@ -443,6 +443,8 @@ async def _stream(state: ServerState, req: P.GenerationRequest, ids: list[int], 
             yield _sse(P.usage_chunk(req, rid, created, collector.usage(len(ids))))
         yield _sse("[DONE]")
         ended = True
+    except StalledConsumerError as e:  # the client stopped reading: its stream ends, nobody to tell
+        state.log.warning("server.stream_stopped", reason=str(e))
     except Edge0Error as e:
         state.log.error("server.generation_failed", error=f"{type(e).__name__}: {e}")
         ended = True
