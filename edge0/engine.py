@@ -298,12 +298,12 @@ class Engine:
         self.streaming.invalidate()
 
     def _end_generation(self) -> None:
-        """Cancel what a generation left in flight and unpin its slots."""
-        stager = self.streaming.stager
-        if stager is not None:
+        """Cancel what a generation left in flight, unpin its slots, trim MLX's buffer cache."""
+        if (stager := self.streaming.stager) is not None:
             stager.reset(keep_report=True)
         if self.streaming.recorder is not None:
             self.streaming.set_recorder(None)
+        B.trim_buffer_cache()
 
     def _steps(self, ids: list[int], params: SamplingParams, record, adapter=None) -> Iterator[TokenEvent]:
         # each generation's random state is its own: a seeded one starts from its seed, an

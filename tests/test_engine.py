@@ -356,3 +356,20 @@ def test_logit_bias_adds_to_the_named_tokens(engine):
 def test_bad_penalties_and_biases(engine, kwargs, match):
     with pytest.raises(ConfigError, match=match):
         list(engine.stream(PROMPT, **kwargs))
+
+
+def test_freed_buffers_are_given_back_beyond_the_bound(qwen, monkeypatch):
+    """MLX keeps freed buffers for reuse; after each generation the engine gives back what
+    it holds beyond BUFFER_CACHE_BYTES, so memory follows what is live: prompt-cache
+    entries evicted by later prompts do not stay behind as cached buffers."""
+    import mlx.core as mx
+
+    from edge0.backend.mlx import core
+
+    monkeypatch.setattr(core, "BUFFER_CACHE_BYTES", 256 * 1024)
+    held = []
+    with Engine(qwen, EngineConfig(prompt_cache_mb=1)) as e:
+        for n in range(4):  # distinct long prompts: each evicts the one before
+            e.generate_text([5 + (n + i) % 200 for i in range(600)], max_tokens=2)
+            held.append(mx.get_cache_memory())
+    assert max(held) <= 256 * 1024, held

@@ -129,6 +129,18 @@ def clear_cache() -> None:
     mx.clear_cache()
 
 
+BUFFER_CACHE_BYTES = 256 * 2**20
+
+
+def trim_buffer_cache(limit: int | None = None) -> None:
+    """Give back MLX's cache of freed buffers when it holds more than ``limit`` bytes
+    (``BUFFER_CACHE_BYTES``): what a finished generation freed (an evicted prompt-cache
+    entry, its activations) is reused by the next one up to that, and returned beyond it,
+    so the process's memory follows what is live, the prompt cache's bound included."""
+    if mx.get_cache_memory() > (BUFFER_CACHE_BYTES if limit is None else limit):
+        mx.clear_cache()
+
+
 def seed(value: int) -> None:
     mx.random.seed(value)
 
