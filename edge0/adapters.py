@@ -115,7 +115,7 @@ def _lora_config(adapter_dir: Path) -> dict:
         raise ConfigError(f"{adapter_dir / CONFIG_FILE} must hold a JSON object")
     kind = cfg.get("fine_tune_type", "lora")
     if kind != "lora":
-        raise ConfigError(f"{adapter_dir / CONFIG_FILE}: fine_tune_type {kind!r} is not supported (only 'lora': a "
+        raise ConfigError(f"{adapter_dir / CONFIG_FILE}: fine_tune_type {_show(kind)} is not supported (only 'lora': a "
                           "DoRA or full fine-tune changes the base weights, which Edge0 never does)")
     lp = cfg.get("lora_parameters")
     if not isinstance(lp, dict):
@@ -123,10 +123,34 @@ def _lora_config(adapter_dir: Path) -> dict:
     rank, scale = lp.get("rank"), lp.get("scale")
     if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= MAX_RANK:
         raise ConfigError(f"{adapter_dir / CONFIG_FILE}: lora_parameters.rank must be an integer in 1..{MAX_RANK}, "
-                          f"got {rank!r}")
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-        raise ConfigError(f"{adapter_dir / CONFIG_FILE}: lora_parameters.scale must be a number, got {scale!r}")
+                          f"got {_show(rank)}")
+    if not _finite(scale):
+        raise ConfigError(f"{adapter_dir / CONFIG_FILE}: lora_parameters.scale must be a finite number, got "
+                          f"{_show(scale)}")
     return cfg
+
+
+def _finite(value) -> bool:
+    """A number (not a bool) that converts to a finite float (10**400 does not)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return False
+
+
+def _show(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:40]}... ({len(text)} characters)"
+
+
+def _weights_file(adapter_dir: Path) -> Path:
+    try:
+        return check_entry(adapter_dir, WEIGHTS_FILE)
+    except FileNotFoundError:
+        raise CheckpointError(f"does not exist (an adapter directory holds {WEIGHTS_FILE} and {CONFIG_FILE})",
+                              file=adapter_dir / WEIGHTS_FILE) from None
 
 
 def load_adapter(adapter_dir: str | Path, model, spec: MoESpec, *, base_identity: str,
@@ -134,7 +158,7 @@ def load_adapter(adapter_dir: str | Path, model, spec: MoESpec, *, base_identity
     """Read and check an adapter directory against the loaded model; nothing is attached."""
     adapter_dir = Path(adapter_dir)
     cfg = _lora_config(adapter_dir)
-    weights = check_entry(adapter_dir, WEIGHTS_FILE)
+    weights = _weights_file(adapter_dir)
     header = read_header(weights)  # typed errors for malformed files, before any data is read
     meta = dict(header.metadata)
     _check_provenance(meta, weights, base_identity, heads_identity)

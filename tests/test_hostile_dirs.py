@@ -189,3 +189,180 @@ def test_data_bytes_flipped_give_output_or_typed_error(worker, tiny_model_factor
     f.write_bytes(bytes(raw))
     outcome, detail = worker.run(d, time_limit=60)
     assert outcome in ("typed", "opened"), detail
+
+
+# --- value kinds at every depth of config.json (tools/fuzz_checkpoints.py --mode values) ---
+
+def _with_value(tiny_model_factory, family, tmp_path, path: str, value, inject: dict | None = None) -> Path:
+    """A hard-linked copy of the tiny ``family`` checkpoint whose config.json holds
+    ``value`` at the dotted ``path`` (``inject``: an object placed at the path's parent
+    first, for objects the base has as null)."""
+    from tests.fuzz_values import _dumps, _replace, _set
+    from tests.fuzzing import _copy
+
+    d = tmp_path / "m"
+    _copy(tiny_model_factory(family), d)
+    cfg = json.loads((d / "config.json").read_text())
+    where = tuple(int(k) if k.isdigit() else k for k in path.split("."))
+    if inject is not None:
+        _set(cfg, where[:-1], dict(inject))
+    _set(cfg, where, value)
+    _replace(d / "config.json", _dumps(cfg))
+    return d
+
+
+YARN = {"type": "yarn", "factor": 2.0, "original_max_position_embeddings": 2048, "beta_fast": 32, "beta_slow": 1}
+DYNAMIC = {"type": "dynamic", "factor": 2.0}
+LONGROPE = {"type": "longrope", "original_max_position_embeddings": 2048, "short_factor": [1.0] * 16,
+            "long_factor": [1.0] * 16}
+INJECT = {("deepseek_v3", "rope_scaling.factor"): DYNAMIC, ("deepseek_v3", "rope_scaling.beta_fast"): YARN,
+          ("deepseek_v3", "rope_scaling.rope_type"): YARN,
+          ("kimi_k25", "text_config.rope_scaling.long_factor"): LONGROPE}
+
+
+def _id(value) -> str:
+    text = value if isinstance(value, str) else repr(value)
+    return text if len(text) <= 24 else f"{text[:16]}...{len(text)}"
+
+
+@pytest.mark.parametrize("family,path,value,match", [
+    # the three reported cases: a TypeError inside MLX's rope at the first token, the same
+    # for a list nested two objects deep, and a hang building 2**64 layers
+    ("qwen3_moe", "rope_theta", 10**400, "'rope_theta' must be a number, got an integer of 401 digits"),
+    ("qwen3_5_moe", "text_config.rope_parameters.rope_theta", [1, 2],
+     "'text_config.rope_parameters.rope_theta' must be a finite number, got [1, 2]"),
+    ("kimi_k25", "text_config.num_hidden_layers", 2**64,
+     "'text_config.num_hidden_layers' must be an integer, got 18446744073709551616 (beyond the range of a 64-bit"),
+    # one case of each value kind, at every depth
+    ("qwen3_5_moe", "text_config.num_experts", 2**64, "'text_config.num_experts' must be an integer"),  # huge_int
+    ("mellum", "rope_parameters.sliding_attention.rope_theta", -(10**400),
+     "'rope_parameters.sliding_attention.rope_theta' must be a finite number"),
+    ("qwen3_5_moe", "text_config.hidden_size", 1e300, "'text_config.hidden_size' must be an integer, got 1e+300"),
+    ("qwen3_5_moe", "text_config.rope_parameters.rope_theta", float("nan"),  # nonfinite
+     "'text_config.rope_parameters.rope_theta' must be a finite number, got nan"),
+    ("deepseek_v3", "rope_scaling.factor", float("inf"), "'rope_scaling.factor' must be a finite number, got inf"),
+    ("mellum", "sliding_window", -2**31, "'sliding_window' must not be negative"),  # negative
+    ("qwen3_5_moe", "text_config.linear_num_key_heads", -1, "'text_config.linear_num_key_heads' must not be negative"),
+    ("kimi_k25", "text_config.rms_norm_eps", 0.0, "'text_config.rms_norm_eps' must be a positive number"),  # zero
+    ("deepseek_v3", "rope_scaling.beta_fast", 0, "'rope_scaling.beta_fast' must be a positive number"),
+    ("qwen3_vl_moe", "text_config.num_attention_heads", 1.5,  # fraction
+     "'text_config.num_attention_heads' must be an integer, got 1.5"),
+    ("qwen3_5_moe", "text_config.rope_parameters.partial_rotary_factor", 0.001,
+     "text_config.rope_parameters.partial_rotary_factor = 0.001, text_config.head_dim = 32 give the rotary"),
+    ("qwen3_5_moe", "text_config.head_dim", 5e-324, "'text_config.head_dim' must be an integer"),  # tiny
+    ("deepseek_v3", "rope_scaling.factor", True, "'rope_scaling.factor' must be a finite number, got True"),  # bool
+    ("mistral4", "rope_parameters.llama_4_scaling_beta", [0.1],  # list
+     "'rope_parameters.llama_4_scaling_beta' must be a finite number, got [0.1]"),
+    ("qwen3_vl_moe", "text_config.rope_theta", {"type": "yarn"},  # object
+     "'text_config.rope_theta' must be a number, got {'type': 'yarn'}"),
+    ("qwen3_5_moe", "text_config.rope_parameters.rope_theta", "1e4",  # string
+     "'text_config.rope_parameters.rope_theta' must be a finite number, got '1e4'"),
+    ("deepseek_v3", "rope_scaling.rope_type", 5, "'rope_scaling.rope_type' must be a rope type name"),
+    ("deepseek_v3", "rope_scaling.factor", None, "'rope_scaling.factor' must be a finite number, got None"),  # null
+    ("mistral3", "text_config.rope_parameters", None,
+     "'text_config.rope_parameters' must be an object holding llama_4_scaling_beta"),
+    ("qwen3_moe", "torch_dtype", "x" * 100_000, "'torch_dtype' must be a dtype name"),  # long_string
+    ("mellum", "rope_parameters.sliding_attention.rope_theta", "9" * 5000,
+     "'rope_parameters.sliding_attention.rope_theta' must be a finite number, got '99999"),
+    ("qwen3_moe", "quantization.group_size", 2**64, "quantization.group_size must be one of 32, 64, 128"),
+    ("qwen3_5_moe", "text_config.rope_parameters.mrope_section.0", 2**64,  # inside a list
+     "'text_config.rope_parameters.mrope_section[0]' is 18446744073709551616, beyond the range of a 64-bit integer"),
+    ("kimi_linear", "linear_attn_config.head_dim", 10**12,  # a size in an object no annotation covers
+     "'linear_attn_config.head_dim' is 1000000000000, larger than any tensor of the checkpoint could hold"),
+    ("kimi_k25", "text_config.rope_scaling.long_factor", [[1]],  # a ValueError in MLX's rope at the first token
+     "'text_config.rope_scaling.long_factor' must be a list of finite numbers, got [[1]]"),
+], ids=_id)
+def test_value_kinds_at_every_depth(worker, tiny_model_factory, tmp_path, family, path, value, match):
+    d = _with_value(tiny_model_factory, family, tmp_path, path, value, inject=INJECT.get((family, path)))
+    _check(worker, d, "ConfigError", match)
+
+
+# --- hostile adapter/ directories beside the checkpoint (--mode adapter) ---
+
+@pytest.fixture(scope="module")
+def adapter_base(tiny_model_factory, tmp_path_factory):
+    """A tiny qwen3_moe checkpoint with a valid adapter in ``adapter/``."""
+    from tests.fuzz_values import make_adapter
+    from tests.fuzzing import _copy
+
+    d = tmp_path_factory.mktemp("adapter-base") / "m"
+    _copy(tiny_model_factory("qwen3_moe"), d)
+    make_adapter(d, d / "adapter")
+    return d
+
+
+def _adapter_copy(adapter_base, tmp_path) -> Path:
+    from tests.fuzz_values import copy_with_adapter
+
+    d = tmp_path / "m"
+    copy_with_adapter(adapter_base, d)
+    return d
+
+
+def test_valid_adapter_beside_the_checkpoint_opens(worker, adapter_base, tmp_path):
+    outcome, detail = worker.run(_adapter_copy(adapter_base, tmp_path), time_limit=60)
+    assert outcome == "opened", detail
+
+
+def _loop(p: Path) -> None:
+    os.symlink(p.name, p)
+
+
+@pytest.mark.parametrize("name,kind,error,match", [
+    ("adapter_config.json", "fifo", "UnsafeModelError", "adapter/adapter_config.json: is a FIFO"),
+    ("adapter_config.json", "dir", "UnsafeModelError", "adapter/adapter_config.json: is a directory"),
+    ("adapter_config.json", "loop", "UnsafeModelError", "adapter/adapter_config.json: broken symbolic link"),
+    ("adapter_config.json", "missing", "ConfigError", "adapter_config.json does not exist"),
+    ("adapters.safetensors", "fifo", "UnsafeModelError", "adapter/adapters.safetensors: is a FIFO"),
+    ("adapters.safetensors", "loop", "UnsafeModelError", "adapter/adapters.safetensors: broken symbolic link"),
+    ("adapters.safetensors", "missing", "CheckpointError", "adapter/adapters.safetensors: does not exist"),  # untyped
+    ("adapters.safetensors", "/dev/zero", "UnsafeModelError", "symbolic link leaves the model directory"),
+])
+def test_adapter_files_of_the_wrong_kind(worker, adapter_base, tmp_path, name, kind, error, match):
+    d = _adapter_copy(adapter_base, tmp_path)
+    p = d / "adapter" / name
+    p.unlink()
+    {"fifo": os.mkfifo, "dir": Path.mkdir, "loop": _loop, "missing": lambda p: None,
+     "/dev/zero": lambda p: os.symlink("/dev/zero", p)}[kind](p)
+    _check(worker, d, error, match)
+
+
+@pytest.mark.parametrize("length", [2**63, 2**64 - 1, 100 * 2**20 + 1])
+def test_adapter_header_length_past_anything(worker, adapter_base, tmp_path, length):
+    d = _adapter_copy(adapter_base, tmp_path)
+    p = d / "adapter" / "adapters.safetensors"
+    raw = bytearray(p.read_bytes())
+    raw[:8] = struct.pack("<Q", length)
+    p.unlink()
+    p.write_bytes(bytes(raw))
+    _check(worker, d, "HeaderError", "adapters.safetensors")
+
+
+def test_adapter_header_garbled(worker, adapter_base, tmp_path):
+    d = _adapter_copy(adapter_base, tmp_path)
+    p = d / "adapter" / "adapters.safetensors"
+    raw = bytearray(p.read_bytes())
+    raw[9] = 0xFF  # not UTF-8
+    p.unlink()
+    p.write_bytes(bytes(raw))
+    _check(worker, d, "HeaderError", "adapters.safetensors")
+
+
+@pytest.mark.parametrize("path,value,match", [
+    ("lora_parameters.scale", 10**400, "lora_parameters.scale must be a finite number"),  # was an OverflowError
+    ("lora_parameters.scale", float("nan"), "lora_parameters.scale must be a finite number, got nan"),
+    ("lora_parameters.scale", "2.0", "lora_parameters.scale must be a finite number, got '2.0'"),
+    ("lora_parameters.rank", [4], "lora_parameters.rank must be an integer in 1..4096, got [4]"),
+    ("lora_parameters.rank", 2**64, "lora_parameters.rank must be an integer in 1..4096"),
+    ("lora_parameters", None, "'lora_parameters' must be an object"),
+    ("fine_tune_type", "x" * 100_000, "fine_tune_type 'xxxxxxxx"),
+], ids=_id)
+def test_adapter_config_values(worker, adapter_base, tmp_path, path, value, match):
+    from tests.fuzz_values import _dumps, _replace, _set
+
+    d = _adapter_copy(adapter_base, tmp_path)
+    p = d / "adapter" / "adapter_config.json"
+    cfg = json.loads(p.read_text())
+    _set(cfg, tuple(path.split(".")), value)
+    _replace(p, _dumps(cfg))
+    _check(worker, d, "ConfigError", f"adapter_config.json: {match}")

@@ -16,7 +16,8 @@ from edge0.backend import nn as bnn
 from edge0.errors import ConfigError
 from edge0.model.arch import check_streamable, derive_spec
 from edge0.model.checkpoint import CheckpointIndex, check_half_dtypes, max_dimension, read_headers, refuse_unsafe
-from edge0.model.config_check import check_fractions, check_quantization, check_values, layer_bound
+from edge0.model.config_check import (check_fractions, check_nested, check_quantization, check_required, check_rotary,
+                                      check_values, layer_bound)
 from edge0.model.spec import MoESpec, load_config, with_experts_per_token
 
 
@@ -32,8 +33,11 @@ def validated(model_dir: Path, experts_per_token: int | None = None) -> tuple[di
                           "--q-group-size 64`")
     check_quantization(raw)
     headers = read_headers(model_dir)
-    check_values(raw, bnn.arg_annotations(raw), max_dim=max_dimension(headers),
-                 layers=layer_bound(name for h in headers for name in h.tensors))
+    annotations = bnn.arg_annotations(raw)
+    bounds = dict(max_dim=max_dimension(headers), layers=layer_bound(name for h in headers for name in h.tensors))
+    check_values(raw, annotations, **bounds)
+    check_nested(raw, annotations, **bounds)
+    check_required(raw)
     check_fractions(raw)
     check_half_dtypes(headers)
     return raw, headers
@@ -69,6 +73,7 @@ def open_model(model_dir: str | Path, experts_per_token: int | None = None) -> O
     model_dir = Path(model_dir)
     raw, headers = validated(model_dir, experts_per_token)
     model = bnn.build_model(raw)
+    check_rotary(bnn.rotary_dims(model), raw)
     spec = derive_spec(model, raw)
     templates = expert_templates(model, spec, raw, headers)
     index = CheckpointIndex(model_dir, spec, raw, headers=headers,
@@ -88,5 +93,7 @@ def load_spec(model_dir: str | Path, experts_per_token: int | None = None) -> Mo
     """The MoESpec of a checkpoint directory (config.json and the weight headers are
     checked first; mlx-lm's model is built as a skeleton, no weight is read)."""
     raw, _ = validated(Path(model_dir), experts_per_token)
-    return derive_spec(bnn.build_model(raw), raw)
+    model = bnn.build_model(raw)
+    check_rotary(bnn.rotary_dims(model), raw)
+    return derive_spec(model, raw)
 

@@ -42,7 +42,6 @@ def arg_annotations(config: dict) -> list[tuple[dict, dict]]:
     """For ``config`` and each nested text config mlx-lm reads through a second args
     class: (the dict, {field: type annotation}) of the dataclass that consumes it."""
     import dataclasses
-    import importlib
     import typing
 
     model_class, args_class = model_classes(config)
@@ -62,12 +61,46 @@ def arg_annotations(config: dict) -> list[tuple[dict, dict]]:
         return out
 
     out = [(config, hints(args_class))]
-    module = importlib.import_module(model_class.__module__)
-    text_cls = getattr(module, "TextModelArgs", None) or getattr(module, "TextArgs", None)
     nested = config.get("text_config")
-    if isinstance(nested, dict) and text_cls is not None:
-        out.append((nested, hints(text_cls)))
+    if isinstance(nested, dict):
+        text_cls = _text_args_class(model_class, args_class, nested)
+        if text_cls is not None:
+            out.append((nested, hints(text_cls)))
     return out
+
+
+def _text_args_class(model_class, args_class, text_config: dict):
+    """The dataclass mlx-lm builds ``text_config`` into: one named in the args class's
+    ``text_config`` annotation (kimi_k25), else ``TextModelArgs`` / ``TextArgs`` of the
+    model's module or of a module it inherits from (qwen3_5_moe's model is qwen3_5's), else
+    the args class of ``text_config``'s own model_type (qwen3_vl_moe's text model is a
+    qwen3_moe model); None when there is none."""
+    import dataclasses
+    import importlib
+    import inspect
+    import typing
+
+    try:
+        hint = typing.get_type_hints(args_class).get("text_config")
+    except Exception:
+        hint = None
+    for h in (hint, *typing.get_args(hint)):
+        if isinstance(h, type) and dataclasses.is_dataclass(h):
+            return h
+    for cls in inspect.getmro(model_class):
+        if not cls.__module__.startswith("mlx_lm."):
+            continue
+        module = importlib.import_module(cls.__module__)
+        found = getattr(module, "TextModelArgs", None) or getattr(module, "TextArgs", None)
+        if found is not None:
+            return found
+    inner = text_config.get("model_type")
+    if isinstance(inner, str) and inner != args_class.__module__.rpartition(".")[2]:
+        try:
+            return _get_classes({"model_type": inner})[1]
+        except (ValueError, ImportError, AttributeError, KeyError):
+            return None
+    return None
 
 
 def build_model(config: dict, replace_blocks: Callable[[nn.Module], None] = lambda m: None,
@@ -85,6 +118,18 @@ def build_model(config: dict, replace_blocks: Callable[[nn.Module], None] = lamb
                           f"{type(e).__name__}: {e}") from None
     replace_blocks(model)
     return model
+
+
+def rotary_dims(model: nn.Module) -> list[tuple[str, int]]:
+    """(module path, rotated dimensions) of every rotary embedding of ``model`` (MLX's
+    ``RoPE`` and mlx-lm's scaled variants: the classes named ``*RoPE``)."""
+    out = []
+    for path, module in model.named_modules():
+        if type(module).__name__.endswith("RoPE"):
+            dims = getattr(module, "dims", None)
+            if isinstance(dims, int) and not isinstance(dims, bool):
+                out.append((path, dims))
+    return out
 
 
 def _check_quantizable(model: nn.Module, class_predicate, group_size: int, bits: int, model_dir) -> None:

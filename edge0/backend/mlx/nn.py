@@ -24,7 +24,14 @@ from edge0.backend.mlx.generation import (
     make_cache,
     trim_cache,
 )
-from edge0.backend.mlx.models import arg_annotations, build_model, load_full_model, load_resident, model_classes
+from edge0.backend.mlx.models import (
+    arg_annotations,
+    build_model,
+    load_full_model,
+    load_resident,
+    model_classes,
+    rotary_dims,
+)
 from edge0.backend.mlx.split import SPLIT_MIN_WEIGHTS, SplitQuantizedLinear
 from edge0.backend.mlx.split import split_projections as _split_projections
 from edge0.backend.mlx.training import (
@@ -67,6 +74,6 @@ __all__ = [
     "hidden_width", "intercept", "is_linear", "is_switch", "linear_dims", "linear_modules", "load_full_model",
     "load_parameters_flat", "load_resident", "load_tokenizer", "log_sigmoid", "make_cache", "model_classes",
     "module_at", "parameters_flat", "quantize_switch", "router_weight", "set_module_at", "silu",
-    "split_projections", "switch_experts", "switch_layout", "switch_output_width", "token_embedding",
+    "rotary_dims", "split_projections", "switch_experts", "switch_layout", "switch_output_width", "token_embedding",
     "trim_cache", "value_and_grad", "copy_prefix",
 ]
