@@ -82,7 +82,7 @@ def test_latency_is_logged_and_never_deadlocks(setups, capsys):
     d, _, _, expected = setups["staged+heads"]
     cfg = EngineConfig(log_format="json", log_level="debug")
     with Engine(d, cfg) as engine:
-        engine.reader.pread = Faults("none", delay=0.05)
+        engine.reader.pread = Faults("none", delay=0.02)
         t0 = time.perf_counter()
         tokens = [ev.token for ev in engine.stream(PROMPT, max_tokens=N)]
         assert tokens == expected and time.perf_counter() - t0 < 120
@@ -91,7 +91,7 @@ def test_latency_is_logged_and_never_deadlocks(setups, capsys):
     reads = [e for e in events if e.get("event") == "io.read"]
     assert waits and all("layer" in e and "ms" in e for e in waits)
     assert reads and all(e["bytes"] > 0 and "layer" in e and "ms" in e for e in reads)
-    assert max(e["ms"] for e in reads) >= 50  # the injected latency shows in the events
+    assert max(e["ms"] for e in reads) >= 20  # the injected latency shows in the events
 
 
 def test_requests_that_need_no_reads_do_not_wait_on_slow_disk(setups):
