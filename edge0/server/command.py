@@ -47,7 +47,8 @@ def add_parser(sub) -> None:
                    help="connections served at once; more get 503 (default 256)")
     s.add_argument("--send-timeout", type=float, default=30.0,
                    help="seconds a client may take no token of its stream (not reading it) before its "
-                        "generation is stopped, so that it holds the engine no longer (default 30)")
+                        "generation is stopped and its connection closed, so that it holds neither the engine "
+                        "nor a connection slot (default 30)")
     s.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY,
                    help=f"largest request body accepted; more is 413 (default {DEFAULT_MAX_BODY})")
     s.add_argument("--grace", type=float, default=30.0,
