@@ -366,3 +366,21 @@ def test_adapter_config_values(worker, adapter_base, tmp_path, path, value, matc
     _set(cfg, tuple(path.split(".")), value)
     _replace(p, _dumps(cfg))
     _check(worker, d, "ConfigError", f"adapter_config.json: {match}")
+
+
+def test_a_per_layer_list_where_the_model_reads_one_is_served_as_the_single_value(tiny_model_factory, tmp_path):
+    """Hunyuan reads ``moe_topk`` (annotated int) through its ``_int_or_list``: a list with
+    one value per layer is a valid config, and gives what the single value gives; an entry
+    out of range is a typed error naming it."""
+    from edge0 import ConfigError, Engine
+
+    d = _copy(tiny_model_factory, "hunyuan", tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    with Engine(d) as e:
+        expected = [ev.token for ev in e.stream("def f(x):", max_tokens=6)]
+    _set_config(d, moe_topk=[cfg["moe_topk"]] * cfg["num_hidden_layers"])
+    with Engine(d) as e:
+        assert [ev.token for ev in e.stream("def f(x):", max_tokens=6)] == expected
+    _set_config(d, moe_topk=[2**40] * cfg["num_hidden_layers"])
+    with pytest.raises(ConfigError, match=r"moe_topk\[0\]"):
+        Engine(d)

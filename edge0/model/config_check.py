@@ -74,6 +74,9 @@ def check_values(config: dict, annotations: list[tuple[dict, dict]], *, max_dim:
                 raise ConfigError(f"{where}: field {label!r} must be {_describe(hint)}, got {_show(value)}"
                                   + _range_note(value))
             _check_range(name, value, size_limit, layers, where, label)
+            if isinstance(value, list) and hint is not None and typing.get_origin(hint) is not None:
+                for i, item in enumerate(value):  # a per-layer list: each entry as the single value
+                    _check_range(name, item, size_limit, layers, where, f"{label}[{i}]")
 
 
 def _prefix_of(config: dict, values: dict) -> str:

@@ -54,8 +54,11 @@ def arg_annotations(config: dict) -> list[tuple[dict, dict]]:
         if not dataclasses.is_dataclass(cls):
             return {}
         out = {}
+        per_layer = _per_layer_fields(cls)
         for f in dataclasses.fields(cls):
             hint = types_.get(f.name)
+            if f.name in per_layer and hint is int:  # the model reads it as one value or one per layer
+                hint = typing.Union[int, typing.List[int]]
             # ``x: Dict = None``: mlx-lm's own default makes null a valid value
             out[f.name] = typing.Optional[hint] if hint is not None and f.default is None else hint
         return out
@@ -67,6 +70,24 @@ def arg_annotations(config: dict) -> list[tuple[dict, dict]]:
         if text_cls is not None:
             out.append((nested, hints(text_cls)))
     return out
+
+
+def _per_layer_fields(cls) -> set[str]:
+    """Fields the model module passes through its ``_int_or_list(args.FIELD, layer)``
+    helper (Hunyuan's ``moe_topk``, ``num_shared_expert``, ``moe_intermediate_size``):
+    annotated ``int``, read as one value or as a list with one per layer."""
+    import inspect
+    import re
+    import sys
+
+    module = sys.modules.get(cls.__module__)
+    if module is None or not hasattr(module, "_int_or_list"):
+        return set()
+    try:
+        source = inspect.getsource(module)
+    except (OSError, TypeError):
+        return set()
+    return set(re.findall(r"_int_or_list\(\s*args\.(\w+)", source))
 
 
 def _text_args_class(model_class, args_class, text_config: dict):
