@@ -135,6 +135,19 @@ class SamplingParams:
         return dataclasses.replace(self, top_k=0) if self.top_k >= vocab else self
 
 
+def open_tail(text: str, markers) -> int:
+    """How many characters at the end of ``text`` begin one of ``markers`` without
+    completing it: the part of a streamed text to hold back while it may still grow into
+    a marker (a stop string, a tool call's start)."""
+    keep = 0
+    for m in markers:
+        for n in range(min(len(m) - 1, len(text)), keep, -1):
+            if text.endswith(m[:n]):
+                keep = n
+                break
+    return keep
+
+
 class StopMatcher:
     """Stop strings over streamed text: ``feed`` returns the text safe to emit (a tail that
     may still grow into a stop string is held back) and whether a stop string was reached
@@ -152,13 +165,7 @@ class StopMatcher:
         if hits:
             out, self.pending = self.pending[: min(hits)], ""
             return out, True
-        keep = 0
-        for s in self.stops:  # the longest tail of the text that begins some stop string
-            for n in range(min(len(s) - 1, len(self.pending)), keep, -1):
-                if self.pending.endswith(s[:n]):
-                    keep = n
-                    break
-        cut = len(self.pending) - keep
+        cut = len(self.pending) - open_tail(self.pending, self.stops)
         out, self.pending = self.pending[:cut], self.pending[cut:]
         return out, False
 

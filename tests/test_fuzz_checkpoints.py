@@ -17,6 +17,17 @@ from hypothesis import strategies as st
 from tests.fuzzing import Worker, mutate
 
 
+def _campaign(root, bases):
+    """(worker, bases, root, a directory outside every variant) for a module's variants."""
+    outside = root / "outside"
+    outside.mkdir()
+    worker = Worker(memory_limit=4 * 2**30)
+    try:
+        yield worker, bases, root, outside
+    finally:
+        worker.close()
+
+
 @pytest.fixture(scope="module")
 def fuzz_env(tiny_model_factory, tmp_path_factory):
     from edge0.train.heads import make_warm_heads
@@ -28,11 +39,7 @@ def fuzz_env(tiny_model_factory, tmp_path_factory):
         d = copy_model(tiny_model_factory(family), root / f"base-{family}")
         make_warm_heads(d, d / "prerouter.safetensors", width=32)
         bases.append(d)
-    outside = root / "outside"
-    outside.mkdir()
-    worker = Worker(memory_limit=4 * 2**30)
-    yield worker, bases, root, outside
-    worker.close()
+    yield from _campaign(root, bases)
 
 
 @settings(max_examples=120, deadline=None, derandomize=True,
@@ -66,11 +73,7 @@ def value_env(tiny_model_factory, tmp_path_factory):
         _copy(tiny_model_factory(family), d)
         make_adapter(d, d / "adapter")
         bases.append(d)
-    outside = root / "outside"
-    outside.mkdir()
-    worker = Worker(memory_limit=4 * 2**30)
-    yield worker, bases, root, outside
-    worker.close()
+    yield from _campaign(root, bases)
 
 
 @settings(max_examples=40, deadline=None, derandomize=True,

@@ -21,6 +21,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from edge0.sampling import open_tail
 from edge0.server.api_error import bad
 
 MAX_TOOLS = 128
@@ -126,9 +127,7 @@ class ToolCallSplitter:
                     out.append(("text", self.pending[:i]))
                 self.pending, self.in_call = self.pending[i + len(self.start):], True
                 continue
-            keep = next((n for n in range(min(len(self.start) - 1, len(self.pending)), 0, -1)
-                         if self.pending.endswith(self.start[:n])), 0)
-            cut = len(self.pending) - keep
+            cut = len(self.pending) - open_tail(self.pending, (self.start,))
             if cut:
                 out.append(("text", self.pending[:cut]))
             self.pending = self.pending[cut:]
@@ -149,7 +148,6 @@ class ToolCalls:
     def __init__(self, tokenizer, tools: list[dict]):
         self.parser: Callable = tokenizer.tool_parser
         self.splitter = ToolCallSplitter(tokenizer.tool_call_start, tokenizer.tool_call_end)
-        self.start, self.end = tokenizer.tool_call_start, tokenizer.tool_call_end
         self.tools = tools
         self.calls: list[dict] = []
 
@@ -163,7 +161,8 @@ class ToolCalls:
                 continue
             parsed = self._parse(s)
             if parsed is None:  # not a call after all: the text stays in the answer
-                plain.append(self.start + s + (self.end if kind == "call" else ""))
+                marks = self.splitter
+                plain.append(marks.start + s + (marks.end if kind == "call" else ""))
                 continue
             calls.extend(parsed)
         self.calls.extend(calls)
