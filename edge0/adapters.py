@@ -241,6 +241,7 @@ class AdaptedLinear(bnn.Module):
         super().__init__()
         self.linear = linear
         self.scale = 0.0
+        object.__setattr__(self, "row_deltas", None)  # a batch of mixed adapters: [(a, b, scale, rows)]
 
     def set_delta(self, a, b, scale: float) -> None:
         if a is None:
@@ -251,8 +252,20 @@ class AdaptedLinear(bnn.Module):
         else:
             self.lora_a, self.lora_b, self.scale = a, b, scale
 
+    def set_row_deltas(self, deltas) -> None:
+        """A batch whose rows use different adapters: ``deltas`` [(a, b, scale, rows)],
+        ``rows`` a bool mask over the batch's rows (the rows that apply that delta; rows in
+        no mask apply none); None: the one delta of ``set_delta`` for every row."""
+        object.__setattr__(self, "row_deltas", deltas)
+
     def __call__(self, x):
         y = self.linear(x)
+        if self.row_deltas is not None:
+            out = y
+            for a, b, scale, rows in self.row_deltas:  # each row: exactly its own adapter's sum
+                mask = rows.reshape(-1, *(1,) * (x.ndim - 1))
+                out = B.where(mask, y + (scale * ((x @ a) @ b)).astype(x.dtype), out)
+            return out
         if "lora_a" not in self:
             return y
         z = (x @ self.lora_a) @ self.lora_b
@@ -281,6 +294,10 @@ class AdapterBank:
 
     def activate(self, name: str | None) -> None:
         """Make ``name`` (or no adapter) the one every wrapped projection applies."""
+        if self.active == "<mixed>":
+            for wrapper in self.wrapped.values():
+                wrapper.set_row_deltas(None)
+            self.active = None
         if name == self.active:
             return
         if name is not None and name not in self.adapters:
@@ -290,6 +307,28 @@ class AdapterBank:
             pair = adapter.tensors.get(module) if adapter is not None else None
             wrapper.set_delta(*(pair or (None, None)), adapter.scale if pair else 0.0)
         self.active = name
+
+    def activate_rows(self, names: list) -> None:
+        """A batch's adapters, one name (or None) per row, applied in one forward pass:
+        each row gets exactly the sum it would get alone with its adapter."""
+        if len(set(names)) <= 1:
+            self.activate(names[0] if names else None)
+            for wrapper in self.wrapped.values():
+                wrapper.set_row_deltas(None)
+            return
+        for name in set(names):
+            if name is not None and name not in self.adapters:
+                raise ConfigError(f"no adapter named {name!r}; loaded: {sorted(self.adapters) or 'none'}")
+        self.activate(None)
+        for module, wrapper in self.wrapped.items():
+            deltas = []
+            for name in dict.fromkeys(n for n in names if n is not None):
+                pair = self.adapters[name].tensors.get(module)
+                if pair is not None:
+                    rows = B.array([n == name for n in names])
+                    deltas.append((*pair, self.adapters[name].scale, rows))
+            wrapper.set_row_deltas(deltas)
+        self.active = "<mixed>"
 
     @property
     def nbytes(self) -> int:

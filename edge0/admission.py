@@ -1,6 +1,7 @@
 """Who is in line for an engine: admission, queue depth, and the engine's metrics.
 
-An engine runs one generation at a time, in arrival order. A caller that wants a bound on
+An engine decodes up to ``max_batch`` generations together (its room), in arrival order;
+the others wait. A caller that wants a bound on
 the line (the server) asks ``Engine.admit(max_waiting)`` before it does any work for a
 request (before the prompt is tokenized); the request counts from then until its
 generation ends or it is released. Generations started without an admission count from
@@ -37,7 +38,8 @@ class Admission:
 class Line:
     """The counts behind ``Engine.admit`` and ``Engine.metrics`` (any thread)."""
 
-    def __init__(self):
+    def __init__(self, room: int = 1):
+        self.room = room  # generations that run together; beyond them, requests wait
         self._lock = threading.Lock()
         self._admitted: set[Admission] = set()
         self._unadmitted = 0  # generations submitted without an admission, not yet ended
@@ -46,9 +48,10 @@ class Line:
     def admit(self, max_waiting: int | None) -> Admission:
         with self._lock:
             n = len(self._admitted) + self._unadmitted
-            if max_waiting is not None and n > max_waiting:
-                raise EngineBusyError(f"{n - 1} requests are waiting (at most {max_waiting}); retry later",
-                                      waiting=n - 1, limit=max_waiting)
+            waiting = max(0, n - self.room)  # those the batch has no room for
+            if max_waiting is not None and n >= self.room and waiting >= max_waiting:
+                raise EngineBusyError(f"{waiting} requests are waiting (at most {max_waiting}); retry later",
+                                      waiting=waiting, limit=max_waiting)
             a = Admission(self)
             self._admitted.add(a)
             return a
@@ -97,3 +100,12 @@ class EngineMetrics:
     prompt_cache_bytes: int
     prompt_cache_hits: int
     last_generation: object | None
+    batch_size: int = 0  # generations decoding together now
+    decode_steps: int = 0  # decode forward passes so far (one per step, for every row of it)
+    decode_tokens: int = 0  # tokens those steps generated, every row
+    decode_expert_bytes: int = 0  # expert bytes read during those steps
+
+    @property
+    def expert_bytes_per_token(self) -> float:
+        """Expert bytes read per generated token at decode (0 before the first)."""
+        return self.decode_expert_bytes / self.decode_tokens if self.decode_tokens else 0.0

@@ -33,8 +33,12 @@ class EngineConfig:
     bundle_capacity: int = 32
     # Threads issuing positional reads of expert byte ranges.
     reader_threads: int = 2
-    # Prompt tokens per prefill forward pass (as mlx-lm's prefill_step_size).
+    # Prompt tokens per prefill forward pass (as mlx-lm's prefill_step_size). While other
+    # generations decode, a new one prefills one such chunk between two of their steps.
     prefill_step_size: int = 2048
+    # Generations decoding together, one forward pass per step for all of them (continuous
+    # batching; mlx-lm's --decode-concurrency); more wait their turn. 1: one at a time.
+    max_batch: int = 16
     # Executor path of every MoE layer at decode (one-token steps): exact, staged, hot or
     # whole_layer. Layers a prerouter head predicts decode staged whatever this says.
     decode_path: str = "exact"
@@ -106,7 +110,8 @@ class EngineConfig:
     def __post_init__(self):
         if self.compute_dtype not in COMPUTE_DTYPES:
             raise ConfigError(f"compute_dtype must be one of {COMPUTE_DTYPES}, got {self.compute_dtype!r}")
-        for name in ("bundle_capacity", "reader_threads", "prefill_step_size", "prefetch_depth", "hot_experts"):
+        for name in ("bundle_capacity", "reader_threads", "prefill_step_size", "prefetch_depth", "hot_experts",
+                     "max_batch"):
             _positive(name, getattr(self, name))
         if isinstance(self.slots_per_layer, bool) or not isinstance(self.slots_per_layer, int) \
                 or self.slots_per_layer < 0:

@@ -14,18 +14,16 @@ embedding Edge0 is never blocked by compute or reads.
 
 from __future__ import annotations
 
-import os
 import time
 import weakref
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator, Iterator, Sequence
 
 import anyio
-import numpy as np
 
 from edge0.admission import Admission, EngineMetrics, Line
+from edge0.batch import Batcher, Row, TokenEvent  # noqa: F401 - TokenEvent: part of this module's API
 from edge0.backend import core as B
 from edge0.backend import nn as bnn
 from edge0.config import EngineConfig
@@ -38,8 +36,8 @@ from edge0.prompts import check_text_size, longest_token_chars
 from edge0.prompts import prompt_ids as build_prompt_ids
 from edge0.logs import configure as configure_logs
 from edge0.logs import get_logger
-from edge0.sampling import SamplingParams, StopMatcher
-from edge0.stats import GenerationStats, peak_rss_bytes
+from edge0.sampling import SamplingParams
+from edge0.stats import GenerationStats
 from edge0.worker import END, TIMEOUT, AsyncWaker, ComputeThread, Job
 from edge0.worker import acquire as acquire_thread
 from edge0.worker import release as release_thread
@@ -53,24 +51,13 @@ class _DefaultAdapter:
 DEFAULT_ADAPTER = _DefaultAdapter()
 
 
-@dataclass
-class TokenEvent:
-    """One generated token. ``stats`` is filled on the last event (finish_reason set)."""
-
-    token: int
-    text: str
-    finish_reason: str | None = None  # "stop" (EOS or a stop token) or "length"
-    stats: GenerationStats | None = field(default=None, repr=False)
-    logprob: float | None = None  # with SamplingParams.logprobs
-    top_logprobs: list[tuple[int, float]] | None = None  # with SamplingParams.top_logprobs > 0
-
-
 class Engine:
     """A streaming MoE model ready to generate. Use ``Engine.open`` from async code.
 
-    Every MLX call of an engine runs on its compute thread (``edge0.worker``); generations
-    are jobs that thread runs one at a time, in submission order, so concurrent callers
-    wait their turn and a consumer may leave at any point without disturbing the next."""
+    Every MLX call of an engine runs on its compute thread (``edge0.worker``). Concurrent
+    generations decode together, up to ``max_batch`` of them in one forward pass per step
+    (``edge0.batch``), the others waiting their turn in submission order; a consumer may
+    leave at any point without disturbing the others."""
 
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None, *,
                  oracle: OracleRouting | None = None):
@@ -88,10 +75,11 @@ class Engine:
         self.model, self.spec, self.index = self.streaming.model, self.streaming.spec, self.streaming.index
         self.reader = self.streaming.reader
         self._step_model = StepModel(self.streaming)
+        self._batcher = Batcher(self, self.config.max_batch)
         self.prompt_cache = PromptCache(self.config.prompt_cache_mb * 2**20) if self.config.prompt_cache_mb else None
         self._constraints = ConstraintCache(self.tokenizer)
         self._jobs: set[Job] = set()
-        self._line = Line()
+        self._line = Line(self.config.max_batch)
         self._resources: dict = {}
         self._longest_token: int | None = None
         self._worker.call(self._count_resources)
@@ -189,16 +177,23 @@ class Engine:
 
     def _submit(self, prompt, sampling: dict, record: RoutingRecorder | None = None,
                 adapter=None, admission: Admission | None = None, consumer_timeout: float | None = None) -> Job:
-        """Validate, then queue a generation job on the compute thread."""
+        """Validate, then queue a generation for the batch loop on the compute thread."""
         if self._closed:
             raise EngineClosedError("the engine is closed")
         ids, params = self.validate(prompt, **sampling)
         job = Job()
         job.admission = admission
         job.stall_timeout = consumer_timeout
+        ctx = self.context_length
+        max_tokens = min(params.max_tokens, ctx - len(ids)) if ctx is not None else params.max_tokens
+        row = Row(job, ids, params, record, adapter, max_tokens)
+        stager = self.streaming.stager
+        # alone: a recording, a rotating cache, an oracle's step-by-step routing of one sequence
+        row.alone = (record is not None or params.max_kv_size is not None
+                     or (stager is not None and stager.oracle is not None))
         self._jobs.add(job)
         self._line.submitted(admission)
-        self._worker.submit(self._run, job, ids, params, record, adapter)
+        self._batcher.submit(row)
         return job
 
     def stream(self, prompt: str | Sequence[int], *, adapter=DEFAULT_ADAPTER, admission: Admission | None = None,
@@ -225,8 +220,8 @@ class Engine:
         generator being garbage collected) stops the generation: the compute thread
         closes it by itself, and the next generation starts from a clean state.
 
-        Generations run one at a time, in the order they were asked for; one waiting its
-        turn holds no thread, nor does one waiting for its next token: the compute thread
+        Up to ``max_batch`` generations decode together, the others wait in the order they
+        were asked for; one waiting its turn holds no thread, nor does one waiting for its next token: the compute thread
         wakes the event loop when the job changes. ``heartbeat``: yield ``None`` whenever that
         many seconds pass without a token (waiting in line, a long prefill), e.g. to keep a
         connection alive. ``admission``: from ``admit()``, released when the generation ends.
@@ -258,38 +253,21 @@ class Engine:
             job.remove_waker(wake)
             job.cancel()
 
-    def _run(self, job: Job, ids: list[int], params: SamplingParams, record, adapter) -> None:
-        """One generation, on the compute thread."""
-        error = None
-        job.start()
-        self._line.started()
-        try:
-            if job.cancelled:
-                return
-            self.streaming.check_files(self.log)
-            if self.streaming.adapters is not None:
-                self.streaming.adapters.activate(adapter)
-            steps = self._steps(ids, params, record, adapter)
-            try:
-                for event in steps:
-                    if not job.put(event):
-                        if job.error is not None:  # a stalled consumer: say why its generation stopped
-                            self.log.warning("generation.consumer_stalled", error=str(job.error))
-                        break
-            finally:
-                steps.close()
-        except BaseException as e:
-            error = e
-            if isinstance(e, ExpertReadError):
-                self._after_read_error(e)
-        finally:
-            self._jobs.discard(job)
-            self._line.ended(job.admission, started=True)
-            try:
-                self._end_generation()
-                self._count_resources()
-            finally:
-                job.finish(error)
+    def _begin_batch(self) -> None:
+        """A batch starts from nothing: what the last one left in the staged machinery and
+        the prerouter goes (slots keep their experts)."""
+        if (stager := self.streaming.stager) is not None:
+            stager.reset()
+        if self.streaming.prerouter is not None:
+            self.streaming.prerouter.reset()
+
+    def _constraint_processors(self, params: SamplingParams) -> tuple:
+        constraint = self._constraints.get(params.response_format)
+        return (constraint.processor(),) if constraint is not None else ()
+
+    def _describe_adapter(self, name: str | None) -> str | None:
+        bank = self.streaming.adapters
+        return bank.adapters[name].describe() if bank is not None and name is not None else None
 
     def _after_read_error(self, e: ExpertReadError) -> None:
         """What was read from a file that just failed may not match it: forget it all."""
@@ -298,99 +276,13 @@ class Engine:
         self.streaming.invalidate()
 
     def _end_generation(self) -> None:
-        """Cancel what a generation left in flight, unpin its slots, trim MLX's buffer cache."""
+        """The batch is empty: cancel what it left in flight, unpin its slots, trim MLX's
+        buffer cache."""
         if (stager := self.streaming.stager) is not None:
             stager.reset(keep_report=True)
         if self.streaming.recorder is not None:
             self.streaming.set_recorder(None)
         B.trim_buffer_cache()
-
-    def _steps(self, ids: list[int], params: SamplingParams, record, adapter=None) -> Iterator[TokenEvent]:
-        # each generation's random state is its own: a seeded one starts from its seed, an
-        # unseeded one from fresh entropy (never from what an earlier generation left, which
-        # a failure inside a compiled sampler can leave unusable)
-        B.seed(params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
-        cache, cached = None, 0
-        reuse = self.prompt_cache is not None and params.max_kv_size is None and record is None
-        if reuse:
-            cache, cached = self.prompt_cache.take(adapter, ids)
-            if cache is None:
-                cache = bnn.make_cache(self._step_model)
-        generated: list[int] = []
-        self._step_model.tokens_seen = cached
-
-        def keep():  # a generation that failed keeps nothing: its cache may hold bad values
-            covered = (ids + generated)[: self._step_model.tokens_seen]
-            if reuse and len(covered) == self._step_model.tokens_seen:
-                self.prompt_cache.put(adapter, covered, cache)
-
-        try:
-            yield from self._generate(ids, params, record, cache, cached, generated)
-        except GeneratorExit:  # the consumer left: what was computed is sound
-            keep()
-            raise
-        keep()
-
-    def _generate(self, ids: list[int], params: SamplingParams, record, cache, cached: int,
-                  generated: list[int]) -> Iterator[TokenEvent]:
-        if record is not None:
-            self.streaming.set_recorder(record)
-        detok = self.tokenizer.detokenizer
-        detok.reset()
-        eos = set(self.tokenizer.eos_token_ids) | set(params.stop_token_ids)
-        stops = StopMatcher(params.stop)
-        ctx = self.context_length
-        max_tokens = min(params.max_tokens, ctx - len(ids)) if ctx is not None else params.max_tokens
-        stats = GenerationStats(prompt_tokens=len(ids), cached_tokens=cached)
-        stats.heads, stats.adapter = self.streaming.describe_artifacts()
-        stats.compute_dtype = self.streaming.compute_dtype
-        reads = self.reader.stats
-        bytes0, wait0 = reads.bytes, reads.seconds
-        stager = self.streaming.stager
-        if stager is not None:
-            stager.reset()
-            stage0 = stager.stats()
-        t0 = time.perf_counter()
-        constraint = self._constraints.get(params.response_format)
-        steps = bnn.generate_step(ids[cached:], self._step_model, params, max_tokens=max_tokens,
-                                  prefill_step_size=self.config.prefill_step_size, prompt_cache=cache,
-                                  extra_processors=(constraint.processor(),) if constraint is not None else ())
-        t_first = None
-        try:
-            for n, (token, logprobs) in enumerate(steps):
-                generated.append(token)
-                now = time.perf_counter()
-                if n == 0:
-                    t_first, bytes_first = now, reads.bytes
-                    stats.prefill_seconds = now - t0
-                    stats.prefill_expert_bytes = bytes_first - bytes0
-                stats.generated_tokens = n + 1
-                stats.decode_seconds = now - t_first
-                stats.decode_expert_bytes = reads.bytes - bytes_first
-                finish = "stop" if token in eos else "length" if n + 1 == max_tokens else None
-                lp = _logprobs(token, logprobs, params)
-                if finish != "stop":  # an end-of-generation token's text is not part of the answer
-                    detok.add_token(token)
-                if finish is not None:
-                    detok.finalize()
-                text, stopped = stops.feed(detok.last_segment)
-                if stopped:
-                    finish = "stop"
-                elif finish is not None:
-                    text += stops.flush()
-                if finish is None:
-                    yield TokenEvent(token, text, **lp)
-                    continue
-                stats.read_wait_seconds = reads.seconds - wait0
-                if stager is not None:
-                    stats.add_stage(stage0, stager.stats())
-                stats.peak_active_memory = B.peak_memory()
-                stats.peak_rss = peak_rss_bytes()
-                self._last_stats = stats
-                yield TokenEvent(token, text, finish, stats, **lp)
-                return
-        finally:
-            steps.close()
 
     def record_routing(self, prompt: str | Sequence[int], **sampling) -> OracleRouting:
         """Run a generation on the exact path and return its per-step routing (the oracle)."""
@@ -424,7 +316,7 @@ class Engine:
     def admit(self, max_waiting: int | None = None) -> Admission:
         """Count a request in line from now (before any work for it) until its generation
         ends or ``release()``. ``EngineBusyError`` when ``max_waiting`` requests already wait
-        behind the running one (None: no bound)."""
+        beyond the ``max_batch`` that run together (None: no bound)."""
         if self._closed:
             raise EngineClosedError("the engine is closed")
         return self._line.admit(max_waiting)
@@ -434,8 +326,10 @@ class Engine:
         the last finished generation's stats. Any thread; never waits for the compute thread."""
         in_flight, queued = self._line.counts()
         cache = self.prompt_cache
+        batch = self._batcher
         return EngineMetrics(in_flight, queued, self.reader.stats.bytes, cache.nbytes if cache is not None else 0,
-                             cache.hits if cache is not None else 0, self._last_stats)
+                             cache.hits if cache is not None else 0, self._last_stats, batch.counts()[0],
+                             batch.steps, batch.tokens, batch.decode_bytes)
 
     # -- introspection (tests, the server's leak checks) ----------------------------------
     def resources(self, wait: bool = True) -> dict:
@@ -453,18 +347,6 @@ class Engine:
                            "pending_reads": stager.pending_reads() if stager is not None else 0,
                            "open_files": self.reader.open_files}
         return self._resources
-
-
-def _logprobs(token: int, logprobs, params: SamplingParams) -> dict:
-    if not params.logprobs and not params.top_logprobs:
-        return {}
-    row = B.to_host(logprobs.astype(B.float32)).reshape(-1)
-    out = {"logprob": float(row[token])}
-    if params.top_logprobs:
-        top = np.argpartition(-row, params.top_logprobs - 1)[: params.top_logprobs]
-        top = top[np.argsort(-row[top], kind="stable")]
-        out["top_logprobs"] = [(int(i), float(row[i])) for i in top]
-    return out
 
 
 def _open(model_dir: Path, config: EngineConfig, oracle, log) -> tuple[Streaming, object]:

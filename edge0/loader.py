@@ -30,7 +30,7 @@ from edge0.model.files import check_entry
 from edge0.model.open import open_model
 from edge0.prerouter.files import HEADS_FILENAME, checkpoint_identity, load_heads, serving_of
 from edge0.prerouter.runtime import Prerouter
-from edge0.exec.taps import RouterTap, StreamingSwitch
+from edge0.exec.taps import RouterTap, StepPhase, StreamingSwitch
 
 
 class Streaming:
@@ -53,7 +53,7 @@ class Streaming:
             seen = ", token" if h.sees_token else ""
             heads = f"{Path(self.heads_path).name} ({len(h.owners)} heads, k={h.k}{seen}, {how})"
         adapter = None
-        if self.adapters is not None and self.adapters.active is not None:
+        if self.adapters is not None and self.adapters.active in self.adapters.adapters:
             adapter = self.adapters.adapters[self.adapters.active].describe()
         return heads, adapter
 
@@ -94,11 +94,14 @@ class Streaming:
         """Record the exact path's routing into ``recorder`` (None: stop recording)."""
         self.recorder = self.exact.recorder = recorder
 
-    def begin_step(self, inputs) -> None:
-        """Called before every forward pass (the step hook)."""
+    def begin_step(self, inputs, decode: bool | None = None) -> None:
+        """Called before every forward pass (the step hook); ``decode`` False: a prompt
+        chunk (of any length), which the staged layers do not plan."""
+        if decode is None:
+            decode = inputs.shape[-1] == 1
         if self.recorder is not None:
-            self.recorder.begin_step(inputs.shape[-1])
-        if self.stager is not None:
+            self.recorder.begin_step(decode)
+        if self.stager is not None and decode:
             self.stager.begin_step(inputs)
 
     def invalidate(self) -> None:
@@ -137,10 +140,21 @@ class StepModel:
     def __init__(self, streaming: Streaming):
         self._streaming = streaming
 
-    def __call__(self, inputs, cache=None, **kwargs):
-        self._streaming.begin_step(inputs)
+    def __call__(self, inputs, cache=None, decode: bool | None = None, **kwargs):
+        """``inputs`` [rows, tokens]: one sequence's prompt chunk, or a decode step of one
+        token for each row of a batch. ``decode``: which it is (None: a pass on one token per
+        row is a decode step, as mlx-lm's generation loop makes them)."""
+        decode = inputs.shape[-1] == 1 if decode is None else decode
+        phase = getattr(self._streaming, "phase", None)
+        if phase is not None:
+            phase.decode = decode
+        self._streaming.begin_step(inputs, decode)
         self.tokens_seen += inputs.shape[-1]
-        return self._streaming.model(inputs, cache=cache, **kwargs)
+        try:
+            return self._streaming.model(inputs, cache=cache, **kwargs)
+        finally:
+            if phase is not None:
+                phase.decode = None
 
     def __getattr__(self, name):
         return getattr(self._streaming.model, name)
@@ -223,6 +237,7 @@ def load_streaming_model(model_dir: str | Path, config: EngineConfig, *, oracle:
                           f"per layer (k={spec.k} + stage_extra={extra})")
     _check_budget(spec, index, config, on["staged"], on["hot"], on["whole_layer"], slots)
     reader = ExpertReader(index, threads=config.reader_threads, log=log)
+    phase = StepPhase()  # the step hook says whether each forward pass decodes or prefills
     stager = None
     try:
         exact = ExactExecutor(index, reader, config.bundle_capacity, templates, log=log)
@@ -250,14 +265,16 @@ def load_streaming_model(model_dir: str | Path, config: EngineConfig, *, oracle:
             template = templates[layer]
             width_out = bnn.switch_output_width(template)
             executors = {ph: paths[path_of[layer, ph]] for ph in PHASES}
-            bnn.set_module_at(model, spec.switch_path(layer), StreamingSwitch(layer, template, executors, width_out))
+            bnn.set_module_at(model, spec.switch_path(layer), StreamingSwitch(layer, template, executors, width_out,
+                                                                                 phase))
         compute_dtype = resolve_compute_dtype(config.compute_dtype, raw)
         model = bnn.load_resident(model, model_dir, raw, index.files, spec.is_expert_key, B.dtype(compute_dtype))
         bnn.split_projections(model, exact.split.threads)  # attention and other large projections: both cores too
         for layer, m in spec.layers.items():
             if m.router_path:
                 original = bnn.module_at(model, m.router_path)
-                bnn.set_module_at(model, m.router_path, RouterTap(layer, original, m.router_kind, m.router_outputs))
+                bnn.set_module_at(model, m.router_path, RouterTap(layer, original, m.router_kind, m.router_outputs,
+                                                                             phase))
         adapters = _load_adapters(model_dir, config, model, spec, heads_path, log)
     except BaseException:
         if stager is not None:
@@ -267,6 +284,7 @@ def load_streaming_model(model_dir: str | Path, config: EngineConfig, *, oracle:
     streaming = Streaming(model, spec, index, reader, exact, hot, whole, stager, recorder, prerouter, heads_path,
                           adapters)
     streaming.compute_dtype = compute_dtype
+    streaming.phase = phase
     streaming.routing = (routing, extra) if prerouter is not None else None
     if prerouter is not None:
         try:
@@ -337,9 +355,15 @@ def _wire_prerouter(streaming: Streaming, prerouter, stager) -> None:
     for l, switch in streaming.switches().items():
         if l in prerouter.owners:
             routers[l].watch = watch
-            switch.observer = prerouter.on_experts
+            switch.observer = _observer(prerouter, switch.phase)
     if stager is not None:
         stager.routers = {l: routers[l] for l in stager.layers}
+
+
+def _observer(prerouter, phase: StepPhase):
+    def observe(layer: int, inds) -> None:
+        prerouter.on_experts(layer, inds, phase.decode)
+    return observe
 
 
 def _watcher(prerouter):

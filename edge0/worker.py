@@ -138,6 +138,7 @@ class Job:
         self.admission = None  # the engine's Admission this generation was started with, if any
         self.stall_timeout: float | None = None  # longest wait for the consumer in put (None: no bound)
         self._wakers: list = []  # called (without arguments, any thread) whenever the job changes
+        self._behind_since: float | None = None  # offer: since when ``ahead`` items wait for the consumer
 
     def add_waker(self, fn) -> None:
         """Call ``fn`` whenever an item, the start, the end or a cancellation happens: an
@@ -179,6 +180,34 @@ class Job:
             self._changed()
             return True
 
+    def offer(self, item) -> bool:
+        """Hand ``item`` to the consumer without waiting (a batch's step must not wait for
+        one consumer): False when the consumer has left, or has taken nothing for
+        ``stall_timeout`` seconds while ``ahead`` items waited for it (the job is then
+        cancelled with ``StalledConsumerError``)."""
+        with self._cond:
+            if self.cancelled:
+                return False
+            now = time.monotonic()
+            if len(self._items) < self.ahead:
+                self._behind_since = None
+            elif self._behind_since is None:
+                self._behind_since = now
+            elif self.stall_timeout is not None and now - self._behind_since >= self.stall_timeout:
+                self.error = StalledConsumerError(
+                    f"the consumer took no token for {self.stall_timeout:g} s; the generation was stopped")
+                self.cancelled = True
+                self._items.clear()
+                self._changed()
+                return False
+            self._items.append(item)
+            self._changed()
+            return True
+
+    def _took(self) -> None:  # under the condition's lock: the consumer took an item
+        self._behind_since = None
+        self._cond.notify_all()
+
     def start(self) -> None:
         with self._cond:
             self.started = True
@@ -200,7 +229,7 @@ class Job:
                 return TIMEOUT
             if self._items and not self.cancelled:
                 item = self._items.popleft()
-                self._cond.notify_all()
+                self._took()
                 return item
             return END
 
@@ -209,7 +238,7 @@ class Job:
         with self._cond:
             if self._items and not self.cancelled:
                 item = self._items.popleft()
-                self._cond.notify_all()
+                self._took()
                 return item
             return END if (self.finished or self.cancelled) else None
 

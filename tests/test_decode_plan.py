@@ -78,7 +78,8 @@ def test_prompt_ids_build_prompts_as_mlx_lm_does(tiny_model_factory):
 
 
 def test_admission_bounds_the_line_and_counts_until_the_generation_ends(tiny_model_factory):
-    with Engine(tiny_model_factory("qwen3_moe")) as engine:
+    # one at a time (max_batch 1): the second request waits (tests/test_batch.py: the line of a batch)
+    with Engine(tiny_model_factory("qwen3_moe"), EngineConfig(max_batch=1)) as engine:
         first = engine.admit(max_waiting=0)
         assert engine.metrics().in_flight == 1 and engine.metrics().queued == 1
         with pytest.raises(EngineBusyError, match="1 requests are waiting|0 requests are waiting") as info:
@@ -113,7 +114,7 @@ async def test_a_queued_async_generation_waits_without_polling(tiny_model_factor
         polls["n"] += 1
         return poll(self)
 
-    engine = await anyio.to_thread.run_sync(Engine, tiny_model_factory("qwen3_moe"))
+    engine = await anyio.to_thread.run_sync(Engine, tiny_model_factory("qwen3_moe"), EngineConfig(max_batch=1))
     try:
         started = threading.Event()
 

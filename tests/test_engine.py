@@ -218,9 +218,9 @@ def test_prompt_cache_reuses_a_prefix_and_changes_nothing(tiny_model_factory, fa
         out2 = list(cached.stream(follow, max_tokens=6))
         ref2 = list(plain.stream(follow, max_tokens=6))
         assert [e.token for e in out2] == [e.token for e in ref2]
-        # the cache held the prompt and the six generated tokens (mlx-lm's loop feeds each
-        # token as soon as it is sampled, one step ahead)
-        assert out2[-1].stats.cached_tokens == len(ids) + 6
+        # the cache held the prompt and the generated tokens but the last (sampled, never
+        # forwarded: a step computes no token beyond what it hands out)
+        assert out2[-1].stats.cached_tokens == len(ids) + 5
         diverging = ids[:-1] + [(ids[-1] + 1) % 256] + [7, 8, 9]
         out3 = list(cached.stream(diverging, max_tokens=4))
         assert [e.token for e in out3] == [e.token for e in plain.stream(diverging, max_tokens=4)]
@@ -266,7 +266,7 @@ def test_another_prompt_between_two_turns_keeps_the_conversations_cache(tiny_mod
         assert [e.token for e in out_other] == [e.token for e in plain.stream(other, max_tokens=4)]
         follow = ids + [e.token for e in out1] + cached.encode("\n    return 1")
         out2 = list(cached.stream(follow, max_tokens=6))
-        assert out2[-1].stats.cached_tokens == len(ids) + 6
+        assert out2[-1].stats.cached_tokens == len(ids) + 5  # all it generated but the last token
         assert [e.token for e in out2] == [e.token for e in plain.stream(follow, max_tokens=6)]
 
 

@@ -143,9 +143,9 @@ def test_wrong_oracle_is_detected_not_silent(qwen, tiny_model_factory):
 
 def test_oracle_shorter_than_the_run(qwen):
     oracle, _, _ = record(qwen, n=3)
-    # 3 tokens take 4 one-token forwards: mlx-lm's loop computes one step ahead
+    # 3 tokens take 3 one-token forwards (the last prompt token's, then one per token but the last)
     with Engine(qwen, EngineConfig(decode_path="staged"), oracle=oracle) as e:
-        with pytest.raises(ConfigError, match="covers 4 decode steps; step 4 was requested"):
+        with pytest.raises(ConfigError, match="covers 3 decode steps; step 3 was requested"):
             list(e.stream(PROMPT, max_tokens=8))
 
 
@@ -154,7 +154,7 @@ def test_oracle_file_roundtrip_and_errors(qwen, tmp_path):
     path = tmp_path / "routing.json"
     oracle.save(path)
     again = OracleRouting.load(path)
-    assert again.steps == oracle.steps and len(again) == 6
+    assert again.steps == oracle.steps and len(again) == 5
     with Engine(qwen, EngineConfig(decode_path="staged", oracle_file=str(path))) as e:
         assert [ev.token for ev in e.stream(PROMPT, max_tokens=5)] == expected
     (tmp_path / "bad.json").write_text('{"format": "something else"}')

@@ -439,7 +439,8 @@ def test_disconnect_mid_stream_frees_everything(model):
 
 def test_queue_bound_429_and_keepalive_while_waiting(model):
     d, _, _ = model
-    with serving(d, EngineConfig(adapter="off"), max_queue=1, keepalive_s=0.05) as (url, state):
+    # one generation at a time (max_batch 1), so that the second one waits in the queue
+    with serving(d, EngineConfig(adapter="off", max_batch=1), max_queue=1, keepalive_s=0.05) as (url, state):
         results = {}
 
         def long_request():

@@ -40,6 +40,9 @@ _CHOICES = {
     "prerouter": "PREROUTER_MODES",
 }
 
+# Fields that also answer to mlx-lm's name for the same setting.
+_ALIASES = {"max_batch": "--decode-concurrency"}
+
 _GIVEN_ATTR = "_edge0_config_given"   # set of dests given on the command line (see _GivenAction)
 
 
@@ -136,7 +139,7 @@ def _add_field_flag(group, f: dataclasses.Field, kind: str, doc: str) -> None:
         kwargs["choices"] = tuple(getattr(_config_module, _CHOICES[name]))
     elif kind == STR:
         kwargs["metavar"] = "TEXT"
-    group.add_argument(flag(name), **kwargs)
+    group.add_argument(flag(name), *((_ALIASES[name],) if name in _ALIASES else ()), **kwargs)
 
 
 def config_from_args(args: argparse.Namespace) -> dict:

@@ -83,8 +83,9 @@ class RoutingRecorder:
         self.steps: list[dict[int, tuple[int, ...]]] = []
         self._current: dict[int, tuple[int, ...]] | None = None
 
-    def begin_step(self, n_tokens: int) -> None:
-        if n_tokens == 1:
+    def begin_step(self, decode: bool) -> None:
+        """A forward pass begins: a decode step (recorded) or a prompt chunk (not)."""
+        if decode:
             self._current = {}
             self.steps.append(self._current)
         else:

@@ -76,6 +76,7 @@ class Stager:
         self.planner = (PrerouterPlanner(prerouter, self.layers, routing) if prerouter is not None
                         else OraclePlanner(oracle, self.layers) if oracle is not None else None)
         self._ahead: dict[int, DecodePlan] = {}  # oracle plans submitted ahead of their step
+        self._staged: dict[int, set] = {}  # submitted step -> its layers that fit their slots
         self.routers: dict = {}  # staged layer -> its RouterTap, which gets each step's route
         self.plan: DecodePlan | None = None  # the current step's, when the prerouter planned it
         self.predicted: dict[int, tuple] = {}  # the plan's flush: layer -> (indices, logits)
@@ -115,6 +116,7 @@ class Stager:
         for step in sorted(self._submitted):
             self.portal.call(self.scheduler.cancel, step)
         self._submitted.clear()
+        self._staged.clear()
         self._ahead.clear()
         if isinstance(self.planner, PrerouterPlanner):
             self.planner.reset()
@@ -151,10 +153,17 @@ class Stager:
             tap.route = plan.route(layer) if plan is not None else None
 
     def _submit(self, plan: DecodePlan) -> None:
-        """Hand ``plan``'s expert sets to the scheduler, layers in execution order."""
+        """Hand ``plan``'s expert sets to the scheduler, layers in execution order. A layer
+        whose set does not fit its slots (a batch's union of many rows' sets) is not staged
+        at that step: it computes on its fallback path, routed by the same plan."""
+        fits = [l for l in self.layers if len(plan.experts[l]) <= self.slots]
+        if len(fits) < len(self.layers) and self.log is not None:
+            self.log.info("stage.over_slots", step=plan.step, slots=self.slots,
+                          layers={l: len(plan.experts[l]) for l in self.layers if l not in fits})
         self.portal.call(self.scheduler.submit, StepPlan(plan.step, tuple(LayerPlan(l, plan.experts[l])
-                                                                          for l in self.layers)))
+                                                                          for l in fits)))
         self._submitted.add(plan.step)
+        self._staged[plan.step] = set(fits)
 
     def _predict_and_plan(self, inputs) -> None:
         """One batched flush of every head, one host read of all predicted sets (with the
@@ -205,6 +214,7 @@ class Stager:
             self._end_step()
             self.portal.call(self.scheduler.release, self.step)
             self._submitted.discard(self.step)
+            self._staged.pop(self.step, None)
         self.step += 1
         self._step_t0, self._step_stall = time.perf_counter(), 0.0
         self._io0 = (self.scheduler.stats.reads, self.scheduler.stats.bytes, self.scheduler.stats.hits,
@@ -242,8 +252,8 @@ class Stager:
 
     # -- the layer computation --------------------------------------------------------------
     def compute(self, layer: int, x, inds):
-        if self.step not in self._submitted:  # an unplanned step (no prerouter state yet)
-            return self.fallback(layer, x, inds)
+        if layer not in self._staged.get(self.step, ()):  # an unplanned step (no prerouter state
+            return self.fallback(layer, x, inds)  # yet), or a batch's union over the layer's slots
         B.async_eval(x)  # let the layers below run while this layer's reads finish
         t0 = time.perf_counter()
         slot_map = self.portal.call(self.scheduler.ready, self.step, layer)

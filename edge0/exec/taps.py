@@ -60,11 +60,28 @@ def bind(template, views: dict):
     return clone
 
 
+class StepPhase:
+    """What the forward pass running now is, shared by a model's taps and switches: set by
+    the engine's step hook (``StepModel``) before each pass. ``decode`` True: a decode step,
+    one new token for each row of a batch (however many rows); False: a prefill; None
+    (outside the step hook: training, probes, tools): a call on one token is a decode step."""
+
+    def __init__(self):
+        self.decode: bool | None = None
+
+    def is_decode(self, x) -> bool:
+        """Whether a call on ``x`` ([..., D] or indices [..., k]) belongs to a decode step."""
+        if self.decode is not None:
+            return self.decode
+        return x.size // x.shape[-1] == 1
+
+
 class StreamingSwitch(bnn.Module):
     """Stands where the block's switch stack stood; the experts stream from disk."""
 
-    def __init__(self, layer: int, template, executors: dict, width_out: int):
+    def __init__(self, layer: int, template, executors: dict, width_out: int, phase: StepPhase | None = None):
         super().__init__()
+        object.__setattr__(self, "phase", phase or StepPhase())  # not a child module
         self.layer_id = layer
         object.__setattr__(self, "_template", template)  # not a parameter: its weights are on disk
         self.executors: dict[str, Executor] = executors  # phase ("decode", "prefill") -> its path
@@ -82,7 +99,7 @@ class StreamingSwitch(bnn.Module):
             return B.zeros((*indices.shape, self.width_out), dtype=x.dtype)
         if self.observer is not None:
             self.observer(self.layer_id, indices)
-        decode = (indices.size // indices.shape[-1]) == 1
+        decode = self.phase.is_decode(indices)
         return self.executors["decode" if decode else "prefill"](self.layer_id, x, indices)
 
 
@@ -92,9 +109,11 @@ MASKED_BIAS = 1e4  # subtracted from an unstaged expert's ranking bias (scores a
 
 
 def _aligned(staged, logits):
-    """A staged-set mask shaped to broadcast against ``logits`` ([1, E] for one token, or
-    one row per position)."""
-    return staged.reshape(*(1,) * (logits.ndim - 1), -1) if staged.size == logits.shape[-1] else staged
+    """A staged-set mask shaped to broadcast against ``logits``: one set for every token
+    ([E]), or one per token (a batch's rows at a decode step, a sequence's positions)."""
+    if staged.size == logits.shape[-1]:
+        return staged.reshape(*(1,) * (logits.ndim - 1), -1)
+    return staged.reshape(logits.shape) if staged.size == logits.size else staged
 
 
 class RouterTap(bnn.Module):
@@ -102,8 +121,9 @@ class RouterTap(bnn.Module):
     logits; "inline": a gate module that multiplies by its ``weight`` itself and returns
     the routing)."""
 
-    def __init__(self, layer: int, original, kind: str, num_outputs: int):
+    def __init__(self, layer: int, original, kind: str, num_outputs: int, phase: StepPhase | None = None):
         super().__init__()
+        object.__setattr__(self, "phase", phase or StepPhase())  # not a child module
         self.layer_id = layer
         self.original = original
         self.kind = kind
@@ -123,7 +143,7 @@ class RouterTap(bnn.Module):
         route = self.route
         if self.watch is not None and (route is None or route.scope != "probe"):
             self.watch(self.layer_id, x, self)
-        if route is None or (route.scope == "decode" and x.size // x.shape[-1] != 1):
+        if route is None or (route.scope == "decode" and not self.phase.is_decode(x)):
             return self.original(x)  # the prompt's prefill routes on its own
         if route.observe is not None:
             route.observe(self.layer_id, self.logits(x))
@@ -154,8 +174,11 @@ class RouterTap(bnn.Module):
             own = self.logits(x)
             return self._route_inline(B.where(_aligned(staged, own), own, B.array(float("-inf"), dtype=own.dtype)))
         bias = getattr(gate, name)
-        setattr(gate, name, B.where(staged.reshape(bias.shape) if staged.size == bias.size else staged, bias,
-                                    bias - MASKED_BIAS))
+        if staged.size == bias.size:
+            staged = staged.reshape(bias.shape)
+        elif staged.size == (x.size // x.shape[-1]) * bias.size:  # one set per token: per-token biases
+            staged = staged.reshape(*x.shape[:-1], bias.size)
+        setattr(gate, name, B.where(staged, bias, bias - MASKED_BIAS))
         try:
             return gate(x)
         finally:

@@ -48,6 +48,9 @@ class _Job:
     done: anyio.Event = field(default_factory=anyio.Event)
 
 
+READY_TIMEOUT_S = 120.0  # a layer waiting this long for its slots: an error, not a hang
+
+
 class PrefetchScheduler:
     def __init__(self, store: Store, slots_per_layer: dict[int, int], *, readers: int = 2,
                  prefetch_depth: int = 4, retries: int = 2, log=None):
@@ -101,7 +104,12 @@ class PrefetchScheduler:
         job = next((j for j in self._jobs if j.step == step and j.layer == layer), None)
         if job is None:
             raise SchedulerError(f"no pending plan for step {step}, layer {layer}")
-        await job.done.wait()
+        with anyio.move_on_after(READY_TIMEOUT_S):
+            await job.done.wait()
+        if not job.done.is_set():  # never in a sound state: say so rather than hang the engine
+            pinned = {l: t.pinned() for l, t in self.tables.items()}
+            raise SchedulerError(f"step {step}, layer {layer}: its slots were not ready after {READY_TIMEOUT_S:g} s "
+                                 f"(slots pinned per layer: {pinned})")
         self._jobs.remove(job)
         self._pump()
         if job.error is not None:

@@ -115,9 +115,10 @@ class PrerouterHeads(bnn.Module):
         self._stacked_dtype = dtype
 
     def predict_all(self, h, inds_t, inds_prev, tok=None):
-        """Every head at once. h [H, 1, D], inds_* [H, 1, k] (inds_prev may hold -1 rows:
-        no previous token), tok [1, 1, token_dim] (the embedding of the token the next step
-        decodes; heads with the token input only) -> logits [H, 1, E], in owner order."""
+        """Every head at once. h [H, R, D], inds_* [H, R, k] (R: one row per sequence;
+        inds_prev may hold -1 rows: no previous token), tok [1, R, token_dim] (the embedding
+        of the token the next step decodes; heads with the token input only) -> logits
+        [H, R, E], in owner order."""
         st, dtype = self._stacked, self._stacked_dtype
         on_t = B.one_hot_k(inds_t, self.experts, dtype)
         on_prev = B.one_hot_k(B.maximum(inds_prev, 0), self.experts, dtype) * (inds_prev[..., :1] >= 0).astype(dtype)
@@ -125,7 +126,7 @@ class PrerouterHeads(bnn.Module):
         if not self.token_dim:
             z = B.concat([h, on_t, on_prev], axis=-1)
             return h @ st["res"] + bnn.silu(z @ st["w1"] + st["b1"]) @ st["w2"] + st["b2"]
-        tok = B.broadcast_to(tok.astype(dtype).reshape(1, 1, -1), (h.shape[0], 1, self.token_dim))
+        tok = B.broadcast_to(tok.astype(dtype).reshape(1, h.shape[1], -1), (h.shape[0], h.shape[1], self.token_dim))
         z = B.concat([h, tok, on_t, on_prev], axis=-1)
         return h @ st["res"] + tok @ st["tok"] + bnn.silu(z @ st["w1"] + st["b1"]) @ st["w2"] + st["b2"]
 

@@ -31,27 +31,61 @@ class Prerouter:
         self.route, self.embed = route, embed
 
     def reset(self) -> None:
-        self.last: dict[int, tuple] = {}  # owner -> (router input at t [1, D], experts at t [1, k])
-        self.prev: dict[int, object] = {}  # owner -> experts at t-1
+        self.last: dict[int, tuple] = {}  # owner -> (router input at t [R, D], experts at t [R, k]), one row per sequence
+        self.prev: dict[int, object] = {}  # owner -> experts at t-1 [R, k] (-1 rows: none yet)
         self._x: dict[int, object] = {}
+
+    # -- per-sequence state (batches) ---------------------------------------------------------
+    def take_state(self) -> dict:
+        """What the heads have observed (one row per sequence), detached: the prerouter
+        starts afresh, as after ``reset``; ``put_state`` gives it back."""
+        state = {"last": self.last, "prev": self.prev}
+        self.reset()
+        return state
+
+    def put_state(self, state: dict) -> None:
+        self.last, self.prev, self._x = dict(state["last"]), dict(state["prev"]), {}
+
+    def merge_states(self, states: list[dict]) -> dict:
+        """One state whose rows are the given states' rows, in order (each state observed
+        every owner: a sequence after its prefill)."""
+        last, prev = {}, {}
+        for o in self.owners:
+            rows = [s["last"][o] for s in states]
+            last[o] = (B.concat([r[0] for r in rows]), B.concat([r[1] for r in rows]))
+            prev[o] = B.concat([s["prev"][o] if s["prev"].get(o) is not None else B.full(r[1].shape, -1, B.int32)
+                                for s, r in zip(states, rows)])
+        return {"last": last, "prev": prev}
+
+    @staticmethod
+    def select_rows(state: dict, rows: list[int]) -> dict:
+        """The state of the sequences ``rows`` (row numbers) only, in that order."""
+        idx = B.array(rows, dtype=B.int32)
+        return {"last": {o: (x[idx], i[idx]) for o, (x, i) in state["last"].items()},
+                "prev": {o: (p[idx] if p is not None else None) for o, p in state["prev"].items()}}
 
     def on_router_input(self, layer: int, x) -> None:
         self._x[layer] = x
 
-    def on_experts(self, layer: int, inds) -> None:
+    def on_experts(self, layer: int, inds, decode: bool | None = None) -> None:
         x = self._x.pop(layer, None)
         if x is not None and layer in self.owners:
-            self.observe(layer, x, inds)
+            self.observe(layer, x, inds, decode)
 
-    def observe(self, layer: int, x, inds) -> None:
+    def observe(self, layer: int, x, inds, decode: bool | None = None) -> None:
+        """``decode``: the call is a decode step (one token per sequence, each row its own
+        sequence); else one sequence's prefill (its last row is "t", the one before "t-1").
+        None: a call on one token is a decode step."""
         rows_x = x.reshape(-1, x.shape[-1])
         rows_i = inds.reshape(-1, inds.shape[-1])
         n = rows_i.shape[0]
-        if n == 1:
+        if decode is None:
+            decode = n == 1
+        if decode or n == 1:
             if layer in self.last:
                 self.prev[layer] = self.last[layer][1]
-            self.last[layer] = (rows_x[-1:], rows_i[-1:])
-        else:  # a prefill pass: its last row is "t", the one before "t-1"
+            self.last[layer] = (rows_x, rows_i)
+        else:
             self.last[layer] = (rows_x[-1:], rows_i[-1:])
             self.prev[layer] = rows_i[-2:-1]
 
@@ -59,26 +93,27 @@ class Prerouter:
         return all(o in self.last for o in self.owners)
 
     def flush(self, tokens=None) -> dict[int, tuple]:
-        """consumer layer -> (predicted experts [1, k] (or [1, width]), predicted router
-        logits [1, E]) for the coming step (lazy): every head in one batched evaluation,
-        each prediction routed by its consumer's own block (the consumer: the next MoE layer
-        after the owner). ``tokens`` [1, 1]: the token the coming step decodes (heads that
-        see the token need it)."""
+        """consumer layer -> (predicted experts [R, k] (or [R, width]), predicted router
+        logits [R, E]) for the coming step (lazy), one row per sequence: every head in one
+        batched evaluation, each prediction routed by its consumer's own block (the consumer:
+        the next MoE layer after the owner). ``tokens`` [R, 1]: the tokens the coming step
+        decodes (heads that see the token need them)."""
         owners = self.heads.owners
-        x = B.concat([self.last[o][0].reshape(1, 1, -1) for o in owners])
-        inds = B.concat([self.last[o][1].reshape(1, 1, -1) for o in owners])
+        rows = self.last[owners[0]][1].shape[0]
+        x = B.concat([self.last[o][0].reshape(1, rows, -1) for o in owners])
+        inds = B.concat([self.last[o][1].reshape(1, rows, -1) for o in owners])
         k = inds.shape[-1]
-        prev = B.concat([self.prev[o].reshape(1, 1, -1) if self.prev.get(o) is not None
-                         else B.full((1, 1, k), -1, B.int32) for o in owners])
+        prev = B.concat([self.prev[o].reshape(1, rows, -1) if self.prev.get(o) is not None
+                         else B.full((1, rows, k), -1, B.int32) for o in owners])
         tok = None
         if self.heads.sees_token:
             if tokens is None:
                 raise ValueError("these heads see the token being decoded: flush(tokens) needs it")
-            tok = self.embed(tokens.reshape(1, 1))
+            tok = self.embed(tokens.reshape(rows, 1)).reshape(1, rows, -1)
         logits = self.heads.predict_all(x, inds, prev, tok).astype(B.float32)
         out = {}
         for i, o in enumerate(owners):
-            z = logits[i].reshape(1, -1)
+            z = logits[i].reshape(rows, -1)
             c = self.heads.consumer[o]
             out[c] = (self.route(c, z, self.width), z)
         return out

@@ -2,8 +2,9 @@
 
 No thread per request and nothing blocking on the event loop: tokenizing runs in a worker
 thread, generation on the engine's compute thread, and each request awaits its tokens.
-The engine runs one generation at a time, in arrival order; requests beyond ``max_queue``
-waiting ones are answered 429 with ``Retry-After``. A client that goes away cancels its
+The engine decodes up to ``max_batch`` generations together (continuous batching, in
+arrival order); requests beyond ``max_queue`` waiting ones are answered 429 with
+``Retry-After``. A client that goes away cancels its
 generation (within one decode step). Every adapter is resident: each request applies its
 own, and switching never reloads the base.
 
@@ -213,7 +214,9 @@ def _metrics(state: ServerState):
         text = state.metrics.render(
             in_flight=m.in_flight if m else 0, queued=m.queued if m else 0, expert_bytes=m.expert_bytes if m else 0,
             cache_bytes=m.prompt_cache_bytes if m else 0, cache_hits=m.prompt_cache_hits if m else 0,
-            loaded=engine is not None, resources=resources, process=_process())
+            loaded=engine is not None, resources=resources, process=_process(),
+            batch_size=m.batch_size if m else 0, decode_steps=m.decode_steps if m else 0,
+            decode_tokens=m.decode_tokens if m else 0, bytes_per_token=m.expert_bytes_per_token if m else 0.0)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
     return handler
 

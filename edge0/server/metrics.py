@@ -32,7 +32,8 @@ class Metrics:
             self.guard_recall = sum(stats.guard_recall.values()) / len(stats.guard_recall)
 
     def render(self, *, in_flight: int, queued: int, expert_bytes: int, cache_bytes: int, cache_hits: int,
-               loaded: bool, resources: dict | None = None, process: dict | None = None) -> str:
+               loaded: bool, resources: dict | None = None, process: dict | None = None, batch_size: int = 0,
+               decode_steps: int = 0, decode_tokens: int = 0, bytes_per_token: float = 0.0) -> str:
         lines: list[str] = []
 
         def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]):
@@ -62,6 +63,14 @@ class Metrics:
         metric("in_flight_requests", "gauge", "Generations admitted and not finished (running + queued).",
                [("", in_flight)])
         metric("queue_depth", "gauge", "Generations waiting for their turn.", [("", queued)])
+        metric("batch_size", "gauge", "Generations decoding together now (one forward pass per step).",
+               [("", batch_size)])
+        metric("decode_steps_total", "counter", "Decode forward passes (one per step, whatever the batch).",
+               [("", decode_steps)])
+        metric("decode_tokens_total", "counter", "Tokens the decode steps generated, every generation.",
+               [("", decode_tokens)])
+        metric("expert_bytes_per_token", "gauge", "Expert bytes read per generated token at decode, since start.",
+               [("", round(bytes_per_token, 1))])
         metric("prompt_cache_bytes", "gauge", "Bytes held by the prompt cache.", [("", cache_bytes)])
         metric("prompt_cache_hits_total", "counter", "Prompts that reused a cached KV prefix.", [("", cache_hits)])
         metric("model_loaded", "gauge", "1 once the model is loaded and the server answers requests.",

@@ -36,6 +36,7 @@ concatenate = mx.concatenate
 broadcast_to = mx.broadcast_to
 logical_or = mx.logical_or
 logical_not = mx.logical_not
+logsumexp = mx.logsumexp
 
 float32 = mx.float32
 int32 = mx.int32

@@ -38,6 +38,25 @@ def generate_step(prompt, model, params, *, prefill_step_size: int, max_tokens: 
     SamplingParams), then ``extra_processors`` (a constraint's mask last, so nothing
     lifts a token it masked); yields (token, logprobs [V])."""
     from mlx_lm.generate import generate_step as _generate_step
+
+    sampler, processors = row_sampling(params, extra_processors)
+    return _generate_step(mx.array(prompt), model, max_tokens=max_tokens or params.max_tokens, sampler=sampler,
+                          logits_processors=processors or None, max_kv_size=params.max_kv_size,
+                          prompt_cache=prompt_cache, prefill_step_size=prefill_step_size)
+
+
+def make_cache(model: nn.Module, max_kv_size: int | None = None) -> list:
+    """A fresh KV / state cache for ``model`` (mlx-lm's, so hybrid models get theirs; with
+    ``max_kv_size``, rotating KV caches of that size)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    return make_prompt_cache(model, max_kv_size=max_kv_size)
+
+
+def row_sampling(params, extra_processors: tuple = ()) -> tuple:
+    """(sampler, logits processors) of one generation, mlx-lm's, built from ``params`` (a
+    SamplingParams), then ``extra_processors`` (a constraint's mask last, so nothing lifts
+    a token it masked). The sampler takes log-probabilities [1, V] and returns [1]."""
     from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
     sampler = make_sampler(params.temp, params.top_p if params.top_p < 1.0 else 0.0, params.min_p,
@@ -48,17 +67,39 @@ def generate_step(prompt, model, params, *, prefill_step_size: int, max_tokens: 
                                         presence_context_size=params.presence_context_size,
                                         frequency_penalty=params.frequency_penalty,
                                         frequency_context_size=params.frequency_context_size)
-    processors += list(extra_processors)
-    return _generate_step(mx.array(prompt), model, max_tokens=max_tokens or params.max_tokens, sampler=sampler,
-                          logits_processors=processors or None, max_kv_size=params.max_kv_size,
-                          prompt_cache=prompt_cache, prefill_step_size=prefill_step_size)
+    return sampler, list(processors) + list(extra_processors)
 
 
-def make_cache(model: nn.Module) -> list:
-    """A fresh KV / state cache for ``model`` (mlx-lm's, so hybrid models get theirs)."""
-    from mlx_lm.models.cache import make_prompt_cache
+def is_plain_kv_cache(c) -> bool:
+    """A layer cache that can join a batch: mlx-lm's plain ``KVCache``."""
+    from mlx_lm.models.cache import KVCache
 
-    return make_prompt_cache(model)
+    return type(c) is KVCache
+
+
+def batch_cache(caches: list[list]) -> list:
+    """One batch cache (mlx-lm's left-padded ``BatchKVCache`` per layer) holding the given
+    sequences' caches as its rows, in order."""
+    from mlx_lm.models.cache import BatchKVCache
+
+    return [BatchKVCache.merge([c[layer] for c in caches]) for layer in range(len(caches[0]))]
+
+
+def extend_batch_cache(cache: list, other: list) -> None:
+    """Append ``other``'s rows to ``cache``'s (in place)."""
+    for a, b in zip(cache, other):
+        a.extend(b)
+
+
+def filter_batch_cache(cache: list, rows: list[int]) -> None:
+    """Keep only the rows ``rows`` of a batch cache (in place)."""
+    for c in cache:
+        c.filter(rows)
+
+
+def extract_batch_row(cache: list, row: int) -> list:
+    """Row ``row`` of a batch cache as a sequence's own cache (new arrays)."""
+    return [c.extract(row) for c in cache]
 
 
 def cache_nbytes(cache: list) -> int:

@@ -1,0 +1,423 @@
+"""Continuous batching: the generations of one engine decode together, one forward pass
+per step for all of them.
+
+Every generation is a ``Row``. A new row prefills alone, in chunks of
+``prefill_step_size`` tokens, one chunk between two decode steps of the rows already
+running (their streams keep flowing); then it joins the batch at a step boundary, its KV
+cache merged into the batch's (mlx-lm's left-padded ``BatchKVCache``). Each decode step
+forwards one token of every row: the attention weights, every layer's expert reads (the
+exact path reads the union of the rows' experts once; the staged path plans the union of
+the rows' predictions, one prerouter flush for the batch) and the projections are shared;
+each row keeps its own cache, sampling parameters and random stream, logits processors,
+stops, logprobs and adapter (``AdapterBank.activate_rows``). A row that finishes, is
+cancelled or fails leaves at the next boundary, its cache going to the prompt cache.
+
+On MLX's CPU backend a row's numbers do not depend on the batch: the matmuls (plain,
+quantized, gathered) compute each row on its own and attention over left padding equals
+attention without it, so a row's greedy tokens in a batch equal its tokens alone
+(``tests/test_batch.py``). Generations that cannot share a batch run alone, one after the
+other, in the same loop: a routing recording, a bounded KV size (a rotating cache), a
+model whose caches are not plain KV caches (state-space and linear-attention layers).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from edge0.backend import core as B
+from edge0.backend import nn as bnn
+from edge0.errors import ExpertReadError
+from edge0.sampling import SamplingParams, StopMatcher
+from edge0.stats import GenerationStats, peak_rss_bytes
+
+
+@dataclass
+class TokenEvent:
+    """One generated token. ``stats`` is filled on the last event (finish_reason set)."""
+
+    token: int
+    text: str
+    finish_reason: str | None = None  # "stop" (EOS or a stop token) or "length"
+    stats: GenerationStats | None = field(default=None, repr=False)
+    logprob: float | None = None  # with SamplingParams.logprobs
+    top_logprobs: list[tuple[int, float]] | None = None  # with SamplingParams.top_logprobs > 0
+
+
+class Row:
+    """One generation: its prompt, sampling, cache, what it generated and its consumer."""
+
+    def __init__(self, job, ids: list[int], params: SamplingParams, record, adapter, max_tokens: int):
+        self.job, self.ids, self.params, self.record, self.adapter = job, ids, params, record, adapter
+        self.max_tokens = max_tokens
+        self.generated: list[int] = []
+        self.cache = None  # its own cache (mlx-lm's list, one per layer) until it joins the batch
+        self.pos = 0  # tokens its cache holds
+        self.cached = 0  # prompt tokens that came from the prompt cache
+        self.next = None  # the token its next forward pass takes
+        self.pstate = None  # the prerouter's observations of this sequence (before it joins)
+        self.seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+        self.sampler = self.processors = None
+        self.events = None  # its RowEvents, from the first token on
+        self.error: BaseException | None = None
+        self.alone = False  # runs alone: nothing joins while it runs
+
+
+class RowEvents:
+    """Turns a row's sampled tokens into its ``TokenEvent``s: the streaming detokenizer,
+    EOS and stop ids, stop strings, the length bound, logprobs, and its stats."""
+
+    def __init__(self, row: Row, tokenizer, stats: GenerationStats, reads, stage=None):
+        self.row, self.stats, self.reads, self.stage = row, stats, reads, stage
+        self.detok = tokenizer.detokenizer
+        self.detok.reset()
+        self.eos = set(tokenizer.eos_token_ids) | set(row.params.stop_token_ids)
+        self.stops = StopMatcher(row.params.stop)
+        self.t0 = time.perf_counter()
+        self.bytes0, self.wait0 = reads.stats.bytes, reads.stats.seconds
+        self.stage0 = stage.stats() if stage is not None else None
+        self.t_first = self.bytes_first = None
+
+    def event(self, token: int, logprobs) -> TokenEvent:
+        row, stats, reads = self.row, self.stats, self.reads.stats
+        n = len(row.generated)
+        row.generated.append(token)
+        now = time.perf_counter()
+        if n == 0:
+            self.t_first, self.bytes_first = now, reads.bytes
+            stats.prefill_seconds = now - self.t0
+            stats.prefill_expert_bytes = self.bytes_first - self.bytes0
+        stats.generated_tokens = n + 1
+        stats.decode_seconds = now - self.t_first
+        stats.decode_expert_bytes = reads.bytes - self.bytes_first
+        finish = "stop" if token in self.eos else "length" if n + 1 == row.max_tokens else None
+        lp = _logprobs(token, logprobs, row.params)
+        if finish != "stop":  # an end-of-generation token's text is not part of the answer
+            self.detok.add_token(token)
+        if finish is not None:
+            self.detok.finalize()
+        text, stopped = self.stops.feed(self.detok.last_segment)
+        if stopped:
+            finish = "stop"
+        elif finish is not None:
+            text += self.stops.flush()
+        if finish is None:
+            return TokenEvent(token, text, **lp)
+        stats.read_wait_seconds = reads.seconds - self.wait0
+        if self.stage is not None:
+            stats.add_stage(self.stage0, self.stage.stats())
+        stats.peak_active_memory = B.peak_memory()
+        stats.peak_rss = peak_rss_bytes()
+        return TokenEvent(token, text, finish, stats, **lp)
+
+
+def _logprobs(token: int, logprobs, params: SamplingParams) -> dict:
+    if not params.logprobs and not params.top_logprobs:
+        return {}
+    row = B.to_host(logprobs.astype(B.float32)).reshape(-1)
+    out = {"logprob": float(row[token])}
+    if params.top_logprobs:
+        top = np.argpartition(-row, params.top_logprobs - 1)[: params.top_logprobs]
+        top = top[np.argsort(-row[top], kind="stable")]
+        out["top_logprobs"] = [(int(i), float(row[i])) for i in top]
+    return out
+
+
+def _observed(state: dict | None, prerouter) -> bool:
+    """Whether a sequence's prerouter state has seen every owner layer."""
+    return state is not None and all(o in state["last"] for o in prerouter.owners)
+
+
+def batchable(cache: list) -> bool:
+    """Whether a sequence with this cache can share a batch (every layer a plain KV cache)."""
+    return bool(cache) and all(bnn.is_plain_kv_cache(c) for c in cache)
+
+
+class Batcher:
+    """The batch loop of one engine, on its compute thread: rows waiting, prefilling and
+    decoding; ``submit`` from any thread. ``host`` is the engine (its streaming model,
+    tokenizer, prompt cache, constraints, line, log and the end-of-row hook)."""
+
+    def __init__(self, host, max_batch: int):
+        self.host = host
+        self.max_batch = max_batch
+        self._lock = threading.Lock()
+        self._waiting: deque[Row] = deque()
+        self._running = False
+        self.joining: list[Row] = []  # admitted, prefilling
+        self.rows: list[Row] = []  # decoding, in the batch's row order
+        self.cache = None  # the batch's cache (one BatchKVCache per layer), or the alone row's
+        self.steps = 0  # decode forward passes
+        self.tokens = 0  # tokens they generated, every row
+        self.decode_bytes = 0  # expert bytes read during them
+
+    # -- any thread -----------------------------------------------------------------------
+    def submit(self, row: Row) -> None:
+        with self._lock:
+            self._waiting.append(row)
+            if self._running:
+                return
+            self._running = True
+        self.host._worker.submit(self.run)
+
+    def counts(self) -> tuple[int, int]:
+        """(rows decoding, rows waiting or prefilling)."""
+        with self._lock:
+            return len(self.rows), len(self._waiting) + len(self.joining)
+
+    # -- the compute thread -----------------------------------------------------------------
+    def run(self) -> None:
+        while True:
+            with self._lock:
+                if not self._waiting and not self.joining and not self.rows:
+                    self._running = False
+                    return
+                admitted = self._admit()
+            try:
+                for row in admitted:
+                    self._start(row)
+                self._drop_cancelled()
+                if self.joining:
+                    self._prefill_chunk(self.joining[0])
+                if self.rows:
+                    self._decode_step()
+            except BaseException as e:  # a fault of the loop itself: its rows fail, the engine goes on
+                self._fail_all(e)
+
+    def _fail_all(self, error: BaseException) -> None:
+        self.host.log.error("batch.failed", error=f"{type(error).__name__}: {error}")
+        for row in self.rows + self.joining:
+            row.error = row.error or error
+        with self._lock:
+            gone, self.rows, self.cache = self.rows + self.joining, [], None
+        for row in gone:
+            try:
+                self._end_row(row)
+            except BaseException:  # noqa: BLE001 - each row still gets its end
+                row.job.finish(row.error)
+
+    def _admit(self) -> list[Row]:  # under the lock
+        out = []
+        busy = self.rows + self.joining
+        if any(r.alone for r in busy):
+            return out
+        while self._waiting and len(busy) + len(out) < self.max_batch:
+            row = self._waiting[0]
+            if row.alone and (busy or out):
+                break
+            out.append(self._waiting.popleft())
+            if row.alone:
+                break
+        self.joining.extend(out)
+        return out
+
+    def _start(self, row: Row) -> None:
+        host, job = self.host, row.job
+        job.start()
+        host._line.started()
+        if job.cancelled:
+            return
+        try:
+            host.streaming.check_files(host.log)
+            if not self.rows and not any(r.cache is not None for r in self.joining if r is not row):
+                host._begin_batch()
+            cache, cached = None, 0
+            if host.prompt_cache is not None and row.params.max_kv_size is None and row.record is None:
+                cache, cached = host.prompt_cache.take(row.adapter, row.ids)
+            row.cache = cache if cache is not None else bnn.make_cache(host._step_model, row.params.max_kv_size)
+            row.pos = row.cached = cached
+            row.alone = row.alone or not batchable(row.cache)
+            row.sampler, row.processors = bnn.row_sampling(row.params, host._constraint_processors(row.params))
+            stats = GenerationStats(prompt_tokens=len(row.ids), cached_tokens=cached)
+            stats.heads, _ = host.streaming.describe_artifacts()
+            stats.adapter = host._describe_adapter(row.adapter)
+            stats.compute_dtype = host.streaming.compute_dtype
+            row.events = RowEvents(row, host.tokenizer, stats, host.reader, host.streaming.stager)
+            if row.record is not None:
+                host.streaming.set_recorder(row.record)
+        except BaseException as e:
+            row.error = e
+
+    def _drop_cancelled(self) -> None:
+        for row in [r for r in self.joining if r.job.cancelled or r.error is not None]:
+            self._end_row(row)
+        gone = [r for r in self.rows if r.job.cancelled or r.error is not None]
+        if gone:
+            self._leave(gone)
+
+    def _prefill_chunk(self, row: Row) -> None:
+        """One chunk of ``row``'s prompt (all but its last token); with the last chunk done,
+        the row joins the batch."""
+        host = self.host
+        rest = row.ids[row.pos:]
+        pre = host.streaming.prerouter
+        batch_state = pre.take_state() if pre is not None else None
+        if pre is not None and row.pstate is not None:
+            pre.put_state(row.pstate)
+        try:
+            if len(rest) > 1:
+                n = min(host.config.prefill_step_size, len(rest) - 1)
+                if host.streaming.adapters is not None:
+                    host.streaming.adapters.activate(row.adapter)
+                host._step_model(B.array([rest[:n]]), cache=row.cache, decode=False)
+                B.eval([c.state for c in row.cache])
+                row.pos += n
+        except BaseException as e:
+            row.error = e
+        finally:
+            if pre is not None:
+                row.pstate = pre.take_state()
+                if batch_state is not None:
+                    pre.put_state(batch_state)
+        if row.error is None and len(row.ids) - row.pos <= 1:
+            self._join(row)
+
+    def _join(self, row: Row) -> None:
+        self.joining.remove(row)
+        row.next = row.ids[-1]
+        pre = self.host.streaming.prerouter
+        if pre is not None and not row.alone and not _observed(row.pstate, pre):
+            # the heads have seen nothing of this sequence (a prompt of one token, or all but
+            # one cached): its first step runs alone on its own cache, as it would alone
+            if not self._solo_step(row):
+                return
+        if row.alone:
+            self.cache = row.cache
+        elif not self.rows:
+            self.cache = bnn.batch_cache([row.cache])
+        else:
+            bnn.extend_batch_cache(self.cache, bnn.batch_cache([row.cache]))
+        if pre is not None and not row.alone:
+            states = ([pre.take_state()] if self.rows else []) + [row.pstate]
+            pre.put_state(pre.merge_states(states))
+        row.cache, row.pstate = None, None
+        with self._lock:
+            self.rows.append(row)
+
+    def _solo_step(self, row: Row) -> bool:
+        """``row``'s next token from a forward pass of its own; False when it ended there."""
+        pre = self.host.streaming.prerouter
+        batch_state = pre.take_state()
+        if row.pstate is not None:
+            pre.put_state(row.pstate)
+        try:
+            done = self._step([row], row.cache)
+        finally:
+            row.pstate = pre.take_state()
+            pre.put_state(batch_state)
+        if done:
+            self._end_row(row)
+        return not done
+
+    def _decode_step(self) -> None:
+        rows = list(self.rows)
+        done = self._step(rows, self.cache)
+        if done:
+            self._leave(done)
+
+    def _step(self, rows: list[Row], cache) -> list[Row]:
+        """One forward pass of ``rows`` (one token each) on ``cache``, each row's token
+        sampled and handed to its consumer; the rows that ended (finished, left, failed)."""
+        host = self.host
+        bank = host.streaming.adapters
+        bytes0 = host.reader.stats.bytes
+        try:
+            if bank is not None:
+                bank.activate_rows([r.adapter for r in rows])
+            inputs = B.array([[r.next] for r in rows], dtype=B.int32)
+            logits = host._step_model(inputs, cache=cache, decode=True)[:, -1, :]
+            sampled, logprobs = [], []
+            for i, row in enumerate(rows):
+                try:
+                    token, lp = self._sample(row, logits[i:i + 1])
+                except BaseException as e:  # this row's processors or sampler: this row fails
+                    row.error = e
+                    token, lp = None, None
+                sampled.append(token)
+                logprobs.append(lp)
+            B.eval([t for t in sampled if t is not None])
+        except BaseException as e:  # the step itself: every row of it fails
+            for row in rows:
+                row.error = row.error or e
+            if isinstance(e, ExpertReadError):
+                host._after_read_error(e)
+            return rows
+        self.steps += 1
+        self.decode_bytes += host.reader.stats.bytes - bytes0
+        done = []
+        for row, token, lp in zip(rows, sampled, logprobs):
+            if row.error is not None:
+                done.append(row)
+                continue
+            row.pos += 1
+            token = int(B.to_host(token).reshape(-1)[0])
+            self.tokens += 1
+            event = row.events.event(token, lp)
+            row.next = token
+            if not row.job.offer(event) or event.finish_reason is not None:
+                if event.finish_reason is not None:
+                    host._last_stats = event.stats
+                elif row.job.error is not None:
+                    host.log.warning("generation.consumer_stalled", error=str(row.job.error))
+                done.append(row)
+        return done
+
+    def _sample(self, row: Row, logits):
+        if row.processors:
+            history = B.array(row.ids + row.generated, dtype=B.int32)
+            for proc in row.processors:
+                logits = proc(history, logits)
+        logprobs = logits - B.logsumexp(logits, keepdims=True)
+        if row.params.temp > 0:  # each row's random stream is its own: (seed, step) -> key
+            B.seed(hash((row.seed, len(row.generated))) & (2**63 - 1))
+        return row.sampler(logprobs), logprobs.squeeze(0)
+
+    def _leave(self, gone: list[Row]) -> None:
+        """Take ``gone`` out of the batch: their caches to the prompt cache, the batch's
+        cache and the prerouter's state filtered to the rows that stay."""
+        host = self.host
+        index = {id(r): i for i, r in enumerate(self.rows)}
+        keep = [i for i, r in enumerate(self.rows) if r not in gone]
+        for row in gone:
+            if row.error is None and self.cache is not None and id(row) in index:
+                self._keep_cache(row, index[id(row)])
+        pre = host.streaming.prerouter
+        if keep and self.cache is not None:
+            bnn.filter_batch_cache(self.cache, keep)
+            if pre is not None and pre.ready():
+                pre.put_state(pre.select_rows(pre.take_state(), keep))
+        with self._lock:
+            self.rows = [self.rows[i] for i in keep]
+        if not self.rows:
+            self.cache = None
+        for row in gone:
+            self._end_row(row)
+
+    def _keep_cache(self, row: Row, i: int) -> None:
+        host = self.host
+        if host.prompt_cache is None or row.params.max_kv_size is not None or row.record is not None:
+            return
+        covered = (row.ids + row.generated)[: row.pos]
+        cache = self.cache if row.alone else bnn.extract_batch_row(self.cache, i)
+        if cache is not None and len(covered) == row.pos:
+            host.prompt_cache.put(row.adapter, covered, cache)
+
+    def _end_row(self, row: Row) -> None:
+        if row in self.joining:
+            self.joining.remove(row)
+        host = self.host
+        host._jobs.discard(row.job)
+        host._line.ended(row.job.admission, started=True)
+        try:
+            if row.record is not None:
+                host.streaming.set_recorder(None)
+            if not self.rows and not self.joining:
+                host._end_generation()
+                host._count_resources()
+        finally:
+            row.job.finish(row.error)

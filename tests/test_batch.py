@@ -1,0 +1,173 @@
+"""Continuous batching through the public API: a row decodes in a batch as it would alone
+(every path, with and without heads and adapters, rows joining mid-stream), mixed adapters
+in one batch, rows that leave or fail leave the others unchanged, resources come back."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import pytest
+
+from edge0 import Engine, EngineConfig
+from edge0.errors import StalledConsumerError
+from tests.test_adapters import random_adapter
+
+DEMO = Path(__file__).resolve().parent.parent / "edge0" / "data" / "demo_model"
+PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n", "class Stack:\n    def", "for i in range(10):",
+           "x", "    return self._value\n\n    def __eq__(self, other):\n"]
+
+# (name, config): each decode path; the demo's shipped heads (select, k+2) and replace
+CONFIGS = {
+    "exact": EngineConfig(prerouter="off"),
+    "hot": EngineConfig(prerouter="off", decode_path="hot", hot_experts=8),
+    "whole_layer": EngineConfig(prerouter="off", decode_path="whole_layer"),
+    "staged-select": EngineConfig(),
+    "staged-replace": EngineConfig(routing="replace"),
+}
+
+
+def _alone(model, config, prompts, **sampling) -> list[list[int]]:
+    with Engine(model, EngineConfig(**{**config.__dict__, "max_batch": 1})) as e:
+        return [[ev.token for ev in e.stream(p, **sampling)] for p in prompts]
+
+
+async def _together(engine: Engine, prompts, **sampling) -> list[list[int]]:
+    async def one(p):
+        return [ev.token async for ev in engine.generate(p, **sampling)]
+    return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_a_row_decodes_in_a_batch_as_it_would_alone(name):
+    config = CONFIGS[name]
+    alone = _alone(DEMO, config, PROMPTS, max_tokens=20)
+    with Engine(DEMO, config) as e:
+        together = asyncio.run(_together(e, PROMPTS, max_tokens=20))
+        m = e.metrics()
+        assert e.resources() == {"generations": 0, "pinned_slots": 0, "pending_reads": 0, "open_files": 1}
+    assert together == alone
+    # they shared steps: far fewer forward passes than tokens
+    assert m.decode_steps < 0.5 * m.decode_tokens
+
+
+def test_rows_that_join_and_leave_mid_stream_change_no_others_tokens():
+    prompts = PROMPTS[:4]
+    lengths = [40, 8, 25, 12]
+    config = CONFIGS["staged-select"]
+    alone = [_alone(DEMO, config, [p], max_tokens=n)[0] for p, n in zip(prompts, lengths)]
+    with Engine(DEMO, config) as e:
+        out: list = [None] * 4
+        started = threading.Event()
+
+        def run(i):
+            toks = []
+            for ev in e.stream(prompts[i], max_tokens=lengths[i]):
+                toks.append(ev.token)
+                if i == 0 and len(toks) == 5:
+                    started.set()
+            out[i] = toks
+
+        first = threading.Thread(target=run, args=(0,))
+        first.start()
+        assert started.wait(60)
+        late = [threading.Thread(target=run, args=(i,)) for i in (1, 2, 3)]
+        for t in late:
+            t.start()
+        for t in [first, *late]:
+            t.join(120)
+    assert out == alone
+
+
+def test_mixed_adapters_in_one_batch_equal_each_alone(tmp_path):
+    a = random_adapter(DEMO, tmp_path / "alpha", seed=1, scale=12.0)
+    b = random_adapter(DEMO, tmp_path / "beta", seed=2, scale=12.0, only=("q_proj", "o_proj"))
+    config = EngineConfig(adapter=str(a), extra_adapters=(str(b),))
+    names = ["alpha", "beta", None, "alpha", "beta", None]
+    prompts = [PROMPTS[1]] * 3 + PROMPTS[3:]  # one prompt under each adapter, and others
+    with Engine(DEMO, EngineConfig(**{**config.__dict__, "max_batch": 1})) as e:
+        alone = [[ev.token for ev in e.stream(p, max_tokens=16, adapter=n)] for p, n in zip(prompts, names)]
+
+    async def together(engine):
+        async def one(p, n):
+            return [ev.token async for ev in engine.generate(p, max_tokens=16, adapter=n)]
+        return list(await asyncio.gather(*(one(p, n) for p, n in zip(prompts, names))))
+
+    with Engine(DEMO, config) as e:
+        mixed = asyncio.run(together(e))
+        assert e.metrics().decode_steps < 40
+    assert mixed == alone
+    assert len({tuple(t) for t in alone[:3]}) == 3  # each adapter changes the tokens
+
+
+def test_seeded_sampling_in_a_batch_equals_it_alone():
+    sampling = dict(max_tokens=16, temp=0.9, top_p=0.95, seed=7, repetition_penalty=1.2)
+    alone = _alone(DEMO, EngineConfig(), PROMPTS[:3], **sampling)
+    with Engine(DEMO) as e:
+        assert asyncio.run(_together(e, PROMPTS[:3], **sampling)) == alone
+
+
+def test_a_row_that_leaves_or_stalls_leaves_the_others_unchanged():
+    config = EngineConfig()
+    alone = _alone(DEMO, config, PROMPTS[:3], max_tokens=30)
+
+    async def scenario(engine):
+        async def full(p):
+            return [ev.token async for ev in engine.generate(p, max_tokens=30)]
+
+        async def leaves(p):  # takes three tokens, then goes
+            got = []
+            async for ev in engine.generate(p, max_tokens=30):
+                got.append(ev.token)
+                if len(got) == 3:
+                    break
+            return got
+
+        async def stalls(p):  # never reads: stopped after its consumer_timeout
+            agen = engine.generate(p, max_tokens=400, consumer_timeout=0.3)
+            first = await agen.__anext__()
+            await asyncio.sleep(3)
+            with pytest.raises(StalledConsumerError):
+                async for _ in agen:
+                    pass
+            return first
+
+        async def holds(p):  # takes one token, then holds its stream without reading (no timeout)
+            agen = engine.generate(p, max_tokens=400)
+            first = await agen.__anext__()
+            await done.wait()  # the others finish meanwhile: the batch never waits for this one
+            await agen.aclose()
+            return first
+
+        done = asyncio.Event()
+
+        async def others():
+            try:
+                return await asyncio.wait_for(asyncio.gather(full(PROMPTS[0]), leaves(PROMPTS[1]), full(PROMPTS[2]),
+                                                             stalls(PROMPTS[3])), 120)
+            finally:
+                done.set()
+
+        got, _ = await asyncio.gather(others(), holds(PROMPTS[4]))
+        return got
+
+    with Engine(DEMO, config) as e:
+        a, gone, c, _ = asyncio.run(scenario(e))
+        assert e.resources() == {"generations": 0, "pinned_slots": 0, "pending_reads": 0, "open_files": 1}
+    assert a == alone[0] and c == alone[2] and gone == alone[1][:3]
+
+
+def test_the_line_counts_waiting_requests_beyond_the_batch():
+    from edge0.errors import EngineBusyError
+
+    with Engine(DEMO, EngineConfig(max_batch=2)) as e:
+        running = [e.admit(0), e.admit(0)]  # both fit the batch: nobody waits
+        with pytest.raises(EngineBusyError, match="0 requests are waiting"):
+            e.admit(0)
+        waiting = e.admit(1)  # one may wait beyond the two that run
+        with pytest.raises(EngineBusyError, match="1 requests are waiting"):
+            e.admit(1)
+        for a in [*running, waiting]:
+            a.release()
+        e.admit(0).release()
