@@ -98,10 +98,12 @@ class ExpertReader:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _read_one(self, loc: TensorLocation, expert: int, view, layer: int) -> int:
+    def _read_one(self, loc: TensorLocation, expert: int, view, layer: int, count: int = 1) -> int:
+        """Experts ``expert`` .. ``expert + count - 1`` of one stacked tensor (adjacent in the
+        file) into ``view`` (as many adjacent rows)."""
         start, _ = loc.expert_range(expert)
         fd = self._fds[loc.file]
-        done, want = 0, loc.row_bytes
+        done, want = 0, loc.row_bytes * count
         mv = memoryview(view).cast("B")
         failures = 0
         while done < want:
@@ -111,15 +113,15 @@ class ExpertReader:
                 failures += 1
                 if e.errno in self.RETRY_ERRNOS and failures <= self.retries:
                     if self.log is not None:
-                        self.log.warning("io.retry", file=loc.file, layer=layer, expert=expert, attempt=failures,
-                                         error=str(e))
+                        self.log.warning("io.retry", file=loc.file, layer=layer, expert=expert + done // loc.row_bytes,
+                                         attempt=failures, error=str(e))
                     continue
-                raise ExpertReadError(f"read of {want} bytes at offset {start} failed: {e}",
-                                      file=loc.file, tensor=loc.key, layer=layer, expert=expert) from e
+                raise ExpertReadError(f"read of {want} bytes at offset {start} failed: {e}", file=loc.file,
+                                      tensor=loc.key, layer=layer, expert=expert + done // loc.row_bytes) from e
             if n == 0:
                 raise ExpertReadError(
                     f"short read: got {done} of {want} bytes at offset {start} (file truncated?)",
-                    file=loc.file, tensor=loc.key, layer=layer, expert=expert)
+                    file=loc.file, tensor=loc.key, layer=layer, expert=expert + done // loc.row_bytes)
             done += n
         return want
 
@@ -152,8 +154,8 @@ class ExpertReader:
         if bad:  # never read bytes that belong to another tensor
             raise ExpertReadError(f"expert ids {bad[:4]} are outside [0, {self.index.spec.num_experts})",
                                   layer=layer, expert=bad[0])
-        jobs = [(loc, e, buf.host[r], layer)
-                for e, r in zip(experts, rows) for loc, buf in zip(locs, buffers)]
+        jobs = [(loc, e, buf.host[r:r + n], layer, n)  # adjacent experts into adjacent rows: one read
+                for e, r, n in _runs(experts, [int(r) for r in rows]) for loc, buf in zip(locs, buffers)]
         t0 = time.perf_counter()
         if self._pool is None or not parallel or len(jobs) < 4:
             total = sum(self._read_one(*job) for job in jobs)
@@ -164,6 +166,18 @@ class ExpertReader:
             self.stats.reads += len(jobs)
             self.stats.seconds += time.perf_counter() - t0
         return total
+
+
+def _runs(experts: list[int], rows: list[int]) -> list[tuple[int, int, int]]:
+    """(first expert, first row, count) of each run of experts that are adjacent in the file
+    and go to adjacent rows (a layer's distinct experts read into rows 0..n-1 in order)."""
+    out: list[list[int]] = []
+    for e, r in zip(experts, rows):
+        if out and e == out[-1][0] + out[-1][2] and r == out[-1][1] + out[-1][2]:
+            out[-1][2] += 1
+        else:
+            out.append([e, r, 1])
+    return [tuple(x) for x in out]
 
 
 def _identity(st: os.stat_result) -> tuple:
