@@ -98,8 +98,11 @@ def filter_batch_cache(cache: list, rows: list[int]) -> None:
 
 
 def extract_batch_row(cache: list, row: int) -> list:
-    """Row ``row`` of a batch cache as a sequence's own cache (new arrays)."""
-    return [c.extract(row) for c in cache]
+    """Row ``row`` of a batch cache as a sequence's own cache (new arrays, evaluated: a lazy
+    slice would keep the whole batch's buffers alive as long as the copy lives)."""
+    out = [c.extract(row) for c in cache]
+    mx.eval([c.state for c in out])
+    return out
 
 
 def cache_nbytes(cache: list) -> int:
