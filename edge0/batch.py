@@ -2,8 +2,10 @@
 per step for all of them.
 
 Every generation is a ``Row``. A new row prefills alone, in chunks of
-``prefill_step_size`` tokens, one chunk between two decode steps of the rows already
-running (their streams keep flowing); then it joins the batch at a step boundary, its KV
+``prefill_step_size`` tokens; between two decode steps of the rows already running, new
+rows' chunks run until that many prompt tokens were forwarded (so running streams keep
+flowing, and short prompts arriving together all prefill before the next step); then the
+row joins the batch at a step boundary, its KV
 cache merged into the batch's (mlx-lm's left-padded ``BatchKVCache``). Each decode step
 forwards one token of every row: the attention weights, every layer's expert reads (the
 exact path reads the union of the rows' experts once; the staged path plans the union of
@@ -182,8 +184,11 @@ class Batcher:
                 for row in admitted:
                     self._start(row)
                 self._drop_cancelled()
-                if self.joining:
-                    self._prefill_chunk(self.joining[0])
+                budget = self.host.config.prefill_step_size  # prompt tokens between two decode steps
+                for row in list(self.joining):
+                    if budget <= 0:
+                        break
+                    budget -= self._prefill_chunk(row)
                 if self.rows:
                     self._decode_step()
             except BaseException as e:  # a fault of the loop itself: its rows fail, the engine goes on
@@ -231,7 +236,6 @@ class Batcher:
                 cache, cached = host.prompt_cache.take(row.adapter, row.ids)
             row.cache = cache if cache is not None else bnn.make_cache(host._step_model, row.params.max_kv_size)
             row.pos = row.cached = cached
-            row.alone = row.alone or not batchable(row.cache)
             row.sampler, row.processors = bnn.row_sampling(row.params, host._constraint_processors(row.params))
             stats = GenerationStats(prompt_tokens=len(row.ids), cached_tokens=cached)
             stats.heads, _ = host.streaming.describe_artifacts()
@@ -250,9 +254,10 @@ class Batcher:
         if gone:
             self._leave(gone)
 
-    def _prefill_chunk(self, row: Row) -> None:
-        """One chunk of ``row``'s prompt (all but its last token); with the last chunk done,
-        the row joins the batch."""
+    def _prefill_chunk(self, row: Row) -> int:
+        """One chunk of ``row``'s prompt (all but its last token; ``prefill_step_size``
+        tokens at most); with the last chunk done, the row joins the batch. Returns the
+        tokens forwarded (at least 1, so that every call makes progress)."""
         host = self.host
         rest = row.ids[row.pos:]
         pre = host.streaming.prerouter
@@ -260,8 +265,10 @@ class Batcher:
         if pre is not None and row.pstate is not None:
             pre.put_state(row.pstate)
         try:
+            n = 0
             if len(rest) > 1:
-                n = min(host.config.prefill_step_size, len(rest) - 1)
+                n = min(host.config.prefill_step_size, len(rest) - 1)  # never cut by the budget:
+                # a row's chunks are the same whatever runs beside it
                 if host.streaming.adapters is not None:
                     host.streaming.adapters.activate(row.adapter)
                 host._step_model(B.array([rest[:n]]), cache=row.cache, decode=False)
@@ -276,6 +283,7 @@ class Batcher:
                     pre.put_state(batch_state)
         if row.error is None and len(row.ids) - row.pos <= 1:
             self._join(row)
+        return max(n, 1)
 
     def _join(self, row: Row) -> None:
         self.joining.remove(row)

@@ -34,7 +34,7 @@ class EngineConfig:
     # Threads issuing positional reads of expert byte ranges.
     reader_threads: int = 2
     # Prompt tokens per prefill forward pass (as mlx-lm's prefill_step_size). While other
-    # generations decode, a new one prefills one such chunk between two of their steps.
+    # generations decode, new ones prefill about that many tokens between two of their steps.
     prefill_step_size: int = 2048
     # Generations decoding together, one forward pass per step for all of them (continuous
     # batching; mlx-lm's --decode-concurrency); more wait their turn. 1: one at a time.

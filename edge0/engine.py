@@ -23,7 +23,7 @@ from typing import AsyncIterator, Iterator, Sequence
 import anyio
 
 from edge0.admission import Admission, EngineMetrics, Line
-from edge0.batch import Batcher, Row, TokenEvent  # noqa: F401 - TokenEvent: part of this module's API
+from edge0.batch import Batcher, Row, TokenEvent, batchable  # noqa: F401 - TokenEvent: part of this module's API
 from edge0.backend import core as B
 from edge0.backend import nn as bnn
 from edge0.config import EngineConfig
@@ -76,6 +76,9 @@ class Engine:
         self.reader = self.streaming.reader
         self._step_model = StepModel(self.streaming)
         self._batcher = Batcher(self, self.config.max_batch)
+        # a model whose caches are not all plain KV caches (state-space, linear attention)
+        # runs its generations one at a time
+        self._batchable = self._worker.call(lambda: batchable(bnn.make_cache(self._step_model)))
         self.prompt_cache = PromptCache(self.config.prompt_cache_mb * 2**20) if self.config.prompt_cache_mb else None
         self._constraints = ConstraintCache(self.tokenizer)
         self._jobs: set[Job] = set()
@@ -189,7 +192,7 @@ class Engine:
         row = Row(job, ids, params, record, adapter, max_tokens)
         stager = self.streaming.stager
         # alone: a recording, a rotating cache, an oracle's step-by-step routing of one sequence
-        row.alone = (record is not None or params.max_kv_size is not None
+        row.alone = (record is not None or params.max_kv_size is not None or not self._batchable
                      or (stager is not None and stager.oracle is not None))
         self._jobs.add(job)
         self._line.submitted(admission)

@@ -135,8 +135,6 @@ class Streaming:
 class StepModel:
     """The model as mlx-lm's generation loop sees it, with Edge0's step hook in front."""
 
-    tokens_seen = 0  # tokens forwarded through the model (the prompt cache counts what a cache holds)
-
     def __init__(self, streaming: Streaming):
         self._streaming = streaming
 
@@ -149,7 +147,6 @@ class StepModel:
         if phase is not None:
             phase.decode = decode
         self._streaming.begin_step(inputs, decode)
-        self.tokens_seen += inputs.shape[-1]
         try:
             return self._streaming.model(inputs, cache=cache, **kwargs)
         finally:

@@ -171,3 +171,48 @@ def test_the_line_counts_waiting_requests_beyond_the_batch():
         for a in [*running, waiting]:
             a.release()
         e.admit(0).release()
+
+
+def test_a_finished_rows_cache_holds_only_its_own_bytes():
+    """A row's cache kept by the prompt cache is its own copy: the batch's buffers are not
+    held behind it (MLX memory grows by what the prompt cache holds, not by batches)."""
+    from edge0.backend import core as B
+
+    with Engine(DEMO, EngineConfig(prerouter="off", prompt_cache_mb=512)) as e:
+        asyncio.run(_together(e, PROMPTS * 2, max_tokens=48))
+        B.eval()
+        m0, a0 = e.metrics().prompt_cache_bytes, B.active_memory()
+        for r in range(2):  # prompts that share no prefix with those before: new entries
+            asyncio.run(_together(e, [f"{chr(65 + r)}{i} = {i} * {r}\n" for i in range(12)], max_tokens=48))
+        grown = B.active_memory() - a0
+        cached = e.metrics().prompt_cache_bytes - m0
+    assert cached > 0 and grown < cached + 4 * 2**20, (grown, cached)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "mixtral"])
+def test_other_architectures_batch_as_they_decode_alone(tiny_model_factory, tmp_path, family):
+    """Sigmoid-group routing with its ranking bias (DeepSeek-V3: the staged mask enters the
+    bias, one per row) and a softmax router (Mixtral), with warm-start heads, select routing."""
+    from edge0.train.heads import make_warm_heads
+    from tests.ckpt_tools import copy_model
+
+    d = copy_model(tiny_model_factory(family), tmp_path / "m")
+    make_warm_heads(d, d / "prerouter.safetensors", width=32)
+    for config in (EngineConfig(prerouter="off"), EngineConfig(routing="select", stage_extra=2)):
+        alone = _alone(d, config, PROMPTS[:4], max_tokens=12)
+        with Engine(d, config) as e:
+            assert asyncio.run(_together(e, PROMPTS[:4], max_tokens=12)) == alone
+            assert e.metrics().decode_steps < 30
+
+
+@pytest.mark.parametrize("family", ["jamba", "gpt_oss", "qwen3_next"])
+def test_models_with_state_or_window_caches_run_their_generations_in_turn(tiny_model_factory, family):
+    """State-space, linear-attention and sliding-window layers keep caches a batch cannot
+    merge: concurrent generations run one after the other, each as it would alone."""
+    d = tiny_model_factory(family)
+    config = EngineConfig(prerouter="off")
+    alone = _alone(d, config, PROMPTS[:3], max_tokens=8)
+    with Engine(d, config) as e:
+        assert asyncio.run(_together(e, PROMPTS[:3], max_tokens=8)) == alone
+        m = e.metrics()
+    assert m.decode_steps == m.decode_tokens == sum(len(t) for t in alone)

@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {arm} | {b} | {med['tok_s']:.2f} | {med['tok_s'] / base:.2f}x | {med['ttft_median_s']:.3f} | "
                   f"{med['ttft_max_s']:.3f} | {med['steps']} | {med['bytes_per_token']:,.0f} |")
     if args.json:
-        Path(args.json).write_text(json.dumps({"model": args.model, "tokens": args.tokens, "runs": results},
+        Path(args.json).write_text(json.dumps({"model": Path(args.model).name, "tokens": args.tokens, "runs": results},
                                               indent=1))
     return 0
 

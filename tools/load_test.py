@@ -92,6 +92,13 @@ PROMPTS = ["def fibonacci(n):", "class Stack:", "import os\n\ndef walk(path):", 
 HOSTILE_SERVE_FLAGS = ["--send-timeout", "5", "--header-timeout", "5", "--body-timeout", "5"]
 
 
+def model_name(model: str) -> str:
+    """How a report names the model: its path inside this repository, else its directory's
+    name (a report never carries where a machine keeps its files)."""
+    path = Path(model).resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else path.name
+
+
 def rss_kib(pid: int | None) -> int | None:
     if pid is None:
         return None
@@ -340,7 +347,7 @@ def main() -> int:
                 proc.wait(60)
             except subprocess.TimeoutExpired:
                 proc.kill()
-    report.update(model=args.model, max_tokens=args.max_tokens, url=url if args.url else None, server=args.server,
+    report.update(model=model_name(args.model), max_tokens=args.max_tokens, url=url if args.url else None, server=args.server,
                   load_average_1m=[round(load_start[0], 2), round(os.getloadavg()[0], 2)], cpus=os.cpu_count(),
                   serve_flags=flags if flags is not None else "a running server (flags unknown)")
     if args.hostile:
