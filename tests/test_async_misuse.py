@@ -210,3 +210,32 @@ def test_readme_async_example_runs_staged_with_heads(setups):
             return [event.token async for event in engine.generate(PROMPT, max_tokens=N, temp=0.0)]
 
     assert anyio.run(main) == expected
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # both event loops: the matrix above
+@pytest.mark.parametrize("config", ["exact", "staged+select"])
+@pytest.mark.parametrize("misuse", list(MISUSES))
+async def test_a_misuse_inside_a_batch_leaves_the_other_rows_as_they_were(setups, config, misuse):
+    """Each misuse while two other generations decode in the same batch: theirs are the
+    tokens of a generation alone, and the engine comes back to its state before."""
+    d, cfg, oracle, expected = setups[config]
+    with anyio.fail_after(120):
+        engine = await anyio.to_thread.run_sync(lambda: Engine(d, cfg, oracle=oracle))
+        try:
+            assert [ev.token async for ev in engine.generate(PROMPT, max_tokens=N)] == expected
+            before = baseline(engine)
+            got = {}
+
+            async def full(key):
+                got[key] = [ev.token async for ev in engine.generate(PROMPT, max_tokens=N)]
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(full, "a")
+                tg.start_soon(MISUSES[misuse], engine)
+                tg.start_soon(full, "b")
+            gc.collect()
+            assert got == {"a": expected, "b": expected}
+            await wait_for(lambda: baseline(engine) == before, what=lambda: (baseline(engine), before))
+        finally:
+            await anyio.to_thread.run_sync(engine.close)
