@@ -12,8 +12,9 @@ after that Python thread ends, so a thread per engine would leak one OS thread p
 engine opened; and a thread that used MLX and ended can make the process abort at exit.
 A closed engine's thread goes back to the pool, named ``edge0-idle``.
 
-A ``Job`` hands its events to one consumer through a small bounded buffer (the compute
-thread runs at most ``ahead`` events ahead of the consumer). The consumer may leave at any
+A ``Job`` hands its events to one consumer through its buffer (``offer``: the compute
+thread never waits on a consumer; one that leaves ``ahead`` events untaken for
+``stall_timeout`` seconds is stopped). The consumer may leave at any
 time from any thread or task: ``cancel()`` only sets a flag and wakes the producer, which
 then closes the generation on the compute thread by itself. Nothing is released by the
 consumer, so a consumer that is cancelled, breaks out of its loop or is garbage collected
@@ -157,29 +158,6 @@ class Job:
             fn()
 
     # -- producer (compute thread) --------------------------------------------------------
-    def put(self, item) -> bool:
-        """Hand ``item`` to the consumer, waiting while it is ``ahead`` items behind, at
-        most ``stall_timeout`` seconds (then the job is cancelled with ``StalledConsumerError``:
-        a consumer that takes nothing must not hold the compute thread). False when the
-        consumer has left (the producer should stop)."""
-        with self._cond:
-            deadline = None if self.stall_timeout is None else time.monotonic() + self.stall_timeout
-            while len(self._items) >= self.ahead and not self.cancelled:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    self.error = StalledConsumerError(
-                        f"the consumer took no token for {self.stall_timeout:g} s; the generation was stopped")
-                    self.cancelled = True
-                    self._items.clear()
-                    self._changed()
-                    break
-                self._cond.wait(left)
-            if self.cancelled:
-                return False
-            self._items.append(item)
-            self._changed()
-            return True
-
     def offer(self, item) -> bool:
         """Hand ``item`` to the consumer without waiting (a batch's step must not wait for
         one consumer): False when the consumer has left, or has taken nothing for
