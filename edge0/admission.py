@@ -104,6 +104,8 @@ class EngineMetrics:
     decode_steps: int = 0  # decode forward passes so far (one per step, for every row of it)
     decode_tokens: int = 0  # tokens those steps generated, every row
     decode_expert_bytes: int = 0  # expert bytes read during those steps
+    slot_bytes: int = 0  # bytes the staged layers' slots hold now (grown while a batch needs more)
+    over_slot_layers: int = 0  # staged layer-steps run exact: a batch's union did not fit the slots
 
     @property
     def expert_bytes_per_token(self) -> float:

@@ -130,11 +130,6 @@ def _logprobs(token: int, logprobs, params: SamplingParams) -> dict:
     return out
 
 
-def _observed(state: dict | None, prerouter) -> bool:
-    """Whether a sequence's prerouter state has seen every owner layer."""
-    return state is not None and all(o in state["last"] for o in prerouter.owners)
-
-
 def batchable(cache: list) -> bool:
     """Whether a sequence with this cache can share a batch (every layer a plain KV cache)."""
     return bool(cache) and all(bnn.is_plain_kv_cache(c) for c in cache)
@@ -289,7 +284,7 @@ class Batcher:
         self.joining.remove(row)
         row.next = row.ids[-1]
         pre = self.host.streaming.prerouter
-        if pre is not None and not row.alone and not _observed(row.pstate, pre):
+        if pre is not None and not row.alone and not pre.seen(row.pstate):
             # the heads have seen nothing of this sequence (a prompt of one token, or all but
             # one cached): its first step runs alone on its own cache, as it would alone
             if not self._solo_step(row):
@@ -348,7 +343,8 @@ class Batcher:
                     token, lp = None, None
                 sampled.append(token)
                 logprobs.append(lp)
-            B.eval([t for t in sampled if t is not None])
+            live = [t.reshape(-1) for t in sampled if t is not None]
+            values = iter(B.to_host(B.concat(live)).tolist() if live else [])  # one read for the step
         except BaseException as e:  # the step itself: every row of it fails
             for row in rows:
                 row.error = row.error or e
@@ -363,7 +359,7 @@ class Batcher:
                 done.append(row)
                 continue
             row.pos += 1
-            token = int(B.to_host(token).reshape(-1)[0])
+            token = int(next(values))
             self.tokens += 1
             event = row.events.event(token, lp)
             row.next = token

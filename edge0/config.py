@@ -50,6 +50,12 @@ class EngineConfig:
     layer_paths: tuple[tuple[int, str, str], ...] = ()
     # Staged layers: slots per layer (0 = 2 x k: double buffered). Must be >= k.
     slots_per_layer: int = 0
+    # Staged layers: MiB the slots of all staged layers together may grow to when a batch's
+    # union of experts outgrows a layer's slots (each layer up to an equal share, at most its
+    # experts; back to slots_per_layer when the batch empties). None = 4 x the slots' memory
+    # at open, within memory_budget_mb when that is set; 0 = never grow (a layer whose union
+    # does not fit runs exact for that step).
+    slot_budget_mb: int | None = None
     # Staged layers: how many layer reads the scheduler may run ahead of compute.
     prefetch_depth: int = 4
     # Where a staged layer's routing comes from before the step: "prerouter" (the heads'
@@ -165,6 +171,10 @@ class EngineConfig:
             raise ConfigError(f"extra_adapters must be adapter directories, got {self.extra_adapters!r}")
         if self.memory_budget_mb is not None:
             _positive("memory_budget_mb", self.memory_budget_mb)
+        if self.slot_budget_mb is not None and (isinstance(self.slot_budget_mb, bool) or not isinstance(
+                self.slot_budget_mb, int) or self.slot_budget_mb < 0):
+            raise ConfigError(f"slot_budget_mb must be None (4 x the slots at open), 0 (never grow) or a positive "
+                              f"number of MiB, got {self.slot_budget_mb!r}")
         if self.log_format not in LOG_FORMATS:
             raise ConfigError(f"log_format must be one of {LOG_FORMATS}, got {self.log_format!r}")
         if self.log_level not in LOG_LEVELS:

@@ -329,10 +329,12 @@ class Engine:
         the last finished generation's stats. Any thread; never waits for the compute thread."""
         in_flight, queued = self._line.counts()
         cache = self.prompt_cache
-        batch = self._batcher
+        batch, stager = self._batcher, self.streaming.stager
         return EngineMetrics(in_flight, queued, self.reader.stats.bytes, cache.nbytes if cache is not None else 0,
                              cache.hits if cache is not None else 0, self._last_stats, batch.counts()[0],
-                             batch.steps, batch.tokens, batch.decode_bytes)
+                             batch.steps, batch.tokens, batch.decode_bytes,
+                             stager.slot_bytes() if stager is not None else 0,
+                             stager.over_slot_layers if stager is not None else 0)
 
     # -- introspection (tests, the server's leak checks) ----------------------------------
     def resources(self, wait: bool = True) -> dict:

@@ -18,6 +18,7 @@ from edge0.backend import core as B
 from edge0.backend import nn as bnn
 from edge0.config import PATHS, PHASES, EngineConfig
 from edge0.errors import ConfigError
+from edge0.exec.budget import check_budget, slot_ceiling, staged_slots
 from edge0.exec.exact import ExactExecutor
 from edge0.exec.hot import HotExecutor
 from edge0.exec.oracle import OracleRouting, RoutingRecorder
@@ -157,30 +158,6 @@ class StepModel:
         return getattr(self._streaming.model, name)
 
 
-def staged_slots(config: EngineConfig, spec, staged_width: int) -> int:
-    """Slots per staged layer: ``slots_per_layer``, or 2 x the experts a step stages (at most
-    the layer's experts, never fewer than a step stages)."""
-    if config.slots_per_layer:
-        return config.slots_per_layer
-    return max(min(2 * staged_width, spec.num_experts), staged_width)
-
-
-def _check_budget(spec, index, config: EngineConfig, staged, hot, whole, slots: int) -> None:
-    per_expert = max(le.expert_bytes for le in index.layers.values())
-    parts = {"exact bundle": config.bundle_capacity * per_expert}
-    if staged:
-        parts["staged slots"] = len(staged) * max(slots, spec.k) * per_expert
-    if hot:
-        parts["hot sets"] = len(hot) * max(config.hot_experts, spec.k) * per_expert
-    if whole:
-        parts["whole-layer buffers"] = 2 * spec.num_experts * per_expert
-    total = sum(parts.values())
-    if config.memory_budget_mb is not None and total > config.memory_budget_mb * 2**20:
-        detail = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in parts.items())
-        raise ConfigError(f"expert buffers need {total / 2**20:.1f} MiB ({detail}), over memory_budget_mb="
-                          f"{config.memory_budget_mb}")
-
-
 def resolve_compute_dtype(name: str, config: dict) -> str:
     """``auto``: float32 on MLX's CPU backend, else the checkpoint's own float dtype."""
     if name != "auto":
@@ -232,7 +209,7 @@ def load_streaming_model(model_dir: str | Path, config: EngineConfig, *, oracle:
     if on["staged"] and extra and slots < spec.k + extra:  # (fewer than k: the Stager says so)
         raise ConfigError(f"slots_per_layer={slots} cannot hold the {spec.k + extra} experts select routing stages "
                           f"per layer (k={spec.k} + stage_extra={extra})")
-    _check_budget(spec, index, config, on["staged"], on["hot"], on["whole_layer"], slots)
+    others = check_budget(spec, index, config, on["staged"], on["hot"], on["whole_layer"], slots)
     reader = ExpertReader(index, threads=config.reader_threads, log=log)
     phase = StepPhase()  # the step hook says whether each forward pass decodes or prefills
     stager = None
@@ -251,11 +228,11 @@ def load_streaming_model(model_dir: str | Path, config: EngineConfig, *, oracle:
         if prerouter is not None and routing == "select":
             prerouter.width = spec.k + extra
         if on["staged"]:
-            stager = Stager(index, on["staged"], slots, reader,
-                            None if prerouter is not None else oracle,
+            stager = Stager(index, on["staged"], slots, reader, None if prerouter is not None else oracle,
                             readers=config.reader_threads, prefetch_depth=config.prefetch_depth, log=log,
                             prerouter=prerouter, fallback=exact, guard_every=config.guard_every,
-                            routing=routing if prerouter is not None else "replace")
+                            routing=routing if prerouter is not None else "replace",
+                            max_slots=slot_ceiling(config, index, on["staged"], slots, others))
         paths = {"exact": exact, "hot": hot, "whole_layer": whole,
                  "staged": StagedExecutor(stager) if stager is not None else None}
         for layer in layers:

@@ -101,6 +101,40 @@ def test_mixed_adapters_in_one_batch_equal_each_alone(tmp_path):
     assert len({tuple(t) for t in alone[:3]}) == 3  # each adapter changes the tokens
 
 
+@pytest.mark.parametrize("budget", [None, 0, 8])
+def test_staged_slots_grow_for_a_batchs_union_within_their_budget(budget):
+    """Six rows' candidate sets outgrow a staged layer's 12 slots (2 x (k + 2)): the slots
+    grow (default: up to 4x, here every one of the demo's 32 experts) or, with no budget
+    left, the layer runs exact for that step; tokens as alone either way, and the slots go
+    back to their size at open when the batch empties."""
+    config = EngineConfig(slot_budget_mb=budget)
+    alone = _alone(DEMO, config, PROMPTS, max_tokens=20)
+
+    async def together(engine, seen):
+        async def one(p):
+            toks = []
+            async for ev in engine.generate(p, max_tokens=20):
+                toks.append(ev.token)
+                seen.append(engine.metrics().slot_bytes)
+            return toks
+        return list(await asyncio.gather(*(one(p) for p in PROMPTS)))
+
+    with Engine(DEMO, config) as e:
+        base, seen = e.metrics().slot_bytes, []
+        out = asyncio.run(together(e, seen))
+        m = e.metrics()
+        per_slot = base // (7 * 12)  # 7 staged layers of 12 slots
+        ceiling = {None: 7 * 32 * per_slot, 0: base, 8: 8 * 2**20}[budget]
+        assert base > 0 and m.slot_bytes == base  # back at the end
+    assert out == alone
+    assert max(seen) <= ceiling
+    if budget is None:
+        assert max(seen) > base and m.over_slot_layers == 0
+    else:
+        assert m.over_slot_layers > 0
+        assert (max(seen) > base) == (budget == 8)
+
+
 def test_seeded_sampling_in_a_batch_equals_it_alone():
     sampling = dict(max_tokens=16, temp=0.9, top_p=0.95, seed=7, repetition_penalty=1.2)
     alone = _alone(DEMO, EngineConfig(), PROMPTS[:3], **sampling)

@@ -446,3 +446,9 @@ def test_adapter_flag_takes_several_directories():
     assert resolve_config(p.parse_args([]), environ={}, defaults={"prompt_cache_mb": 7}).prompt_cache_mb == 7
     assert resolve_config(p.parse_args(["--prompt-cache-mb", "0"]), environ={},
                           defaults={"prompt_cache_mb": 7}).prompt_cache_mb == 0
+
+
+@pytest.mark.parametrize("value", [-1, True, 1.5, "8"])
+def test_slot_budget_must_be_none_zero_or_mib(value):
+    with pytest.raises(ConfigError, match=r"slot_budget_mb must be None \(4 x the slots at open\), 0 \(never grow\)"):
+        EngineConfig(slot_budget_mb=value)

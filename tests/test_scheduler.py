@@ -204,3 +204,27 @@ async def test_bad_plans_are_refused():
             s.submit(plan(0, [(0, [1, 2, 3])]))
     with pytest.raises(SchedulerError, match="not running"):
         PrefetchScheduler(FakeStore(), {0: 2}).submit(plan(0, [(0, [1])]))
+
+
+async def test_a_layers_slots_resize_only_while_no_step_uses_them():
+    store = FakeStore()
+    async with PrefetchScheduler(store, {0: 2, 1: 2}, readers=1, prefetch_depth=4) as s:
+        s.submit(plan(0, [(0, [1, 2]), (1, [3])]))
+        assert not s.idle(0)
+        with pytest.raises(SchedulerError, match="layer 0: its slots cannot be resized while a step uses them"):
+            s.resize(0, 4)
+        await s.ready(0, 0)
+        assert not s.idle(0)  # consumed, still pinned by step 0
+        s.release(0)
+        with anyio.fail_after(10):
+            while s.pending_reads():  # layer 1's read done: only its unconsumed job holds it
+                await anyio.sleep(0.01)
+        assert s.idle(0) and not s.idle(1)
+        s.resize(0, 4)  # grow: the experts already read stay hits
+        s.submit(plan(1, [(0, [1, 2, 5, 6])]))
+        got = await s.ready(1, 0)
+        assert (got.hits, got.misses) == (2, 2) and s.tables[0].num_slots == 4
+        s.release(1)
+        s.resize(0, 1)  # shrink: what the cut-off slots held is forgotten
+        table = s.tables[0]
+        assert table.num_slots == 1 and len(table.state) == 1 and set(table.slot_of) <= {table.expert_of[0]}

@@ -11,7 +11,8 @@ of ``--tokens`` tokens, started together through the async API (each its own pro
 from the first submission to the last token. Reported per (arm, B): the median aggregate
 tok/s (every row's tokens over the wall time) and its ratio to B = 1, time to first token
 (median over the rows of the median run), decode forward passes, and the expert bytes read
-per generated token (``Engine.metrics()``). Prints a markdown table; ``--json`` writes the
+per generated token, the staged slots' peak bytes and the staged layer-steps run exact because
+a union did not fit (``Engine.metrics()``). Prints a markdown table; ``--json`` writes the
 raw runs too.
 """
 
@@ -37,6 +38,8 @@ ARMS = {
     "exact": dict(prerouter="off"),
     "staged": dict(),
     "staged-replace": dict(routing="replace"),
+    "staged-fixed": dict(slot_budget_mb=0),  # the slots never grow: a union over them runs exact
+    "staged-replace-fixed": dict(routing="replace", slot_budget_mb=0),
 }
 
 
@@ -44,6 +47,7 @@ async def run_batch(engine: Engine, b: int, tokens: int) -> dict:
     m0 = engine.metrics()
     t0 = time.perf_counter()
     firsts: list[float] = []
+    slot_bytes = [m0.slot_bytes]
 
     async def one(i: int) -> int:
         n, first = 0, None
@@ -52,6 +56,7 @@ async def run_batch(engine: Engine, b: int, tokens: int) -> dict:
             if first is None:
                 first = time.perf_counter() - t0
             n += 1
+            slot_bytes.append(engine.metrics().slot_bytes)
         firsts.append(first)
         return n
 
@@ -62,7 +67,8 @@ async def run_batch(engine: Engine, b: int, tokens: int) -> dict:
     return {"rows": b, "tokens": sum(counts), "wall_s": wall, "tok_s": sum(counts) / wall,
             "ttft_median_s": statistics.median(firsts), "ttft_max_s": max(firsts),
             "steps": m1.decode_steps - m0.decode_steps,
-            "bytes_per_token": (m1.decode_expert_bytes - m0.decode_expert_bytes) / made if made else 0.0}
+            "bytes_per_token": (m1.decode_expert_bytes - m0.decode_expert_bytes) / made if made else 0.0,
+            "peak_slot_bytes": max(slot_bytes), "over_slot_layers": m1.over_slot_layers - m0.over_slot_layers}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,8 +103,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[batch_bench] {arm} B={b}: {med['tok_s']:.2f} tok/s", file=sys.stderr, flush=True)
     print(f"model: {Path(args.model).name}, {args.tokens} greedy tokens per row, median of {args.repeats}\n")
     print("| arm | rows | aggregate tok/s | vs 1 row | TTFT median s | TTFT max s | decode steps | "
-          "expert bytes / token |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+          "expert bytes / token | peak slot MiB | layer-steps over slots |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for arm in arms:
         base = None
         for b in sizes:
@@ -106,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
             med = sorted(runs, key=lambda r: r["tok_s"])[len(runs) // 2]
             base = base or med["tok_s"]
             print(f"| {arm} | {b} | {med['tok_s']:.2f} | {med['tok_s'] / base:.2f}x | {med['ttft_median_s']:.3f} | "
-                  f"{med['ttft_max_s']:.3f} | {med['steps']} | {med['bytes_per_token']:,.0f} |")
+                  f"{med['ttft_max_s']:.3f} | {med['steps']} | {med['bytes_per_token']:,.0f} | "
+                  f"{med['peak_slot_bytes'] / 2**20:.1f} | {med['over_slot_layers']} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"model": Path(args.model).name, "tokens": args.tokens, "runs": results},
                                               indent=1))

@@ -59,7 +59,11 @@ against the state before. A server it starts gets short timeouts (``--send-timeo
 The server: ``--serve-model DIR`` (``--model``; the demo model by default) starts it on a
 free port and stops it after, with the flags after ``--`` added (``edge0 serve`` or
 ``mlx_lm server`` flags); ``--url URL`` targets a running one instead (its RSS only with
-``--server-pid``; ``--server`` still says which kind it is).
+``--server-pid``; ``--server`` still says which kind it is). ``--memory-limit 8G`` starts it
+in a memory cgroup of that size (anonymous memory and page cache together: a checkpoint
+larger than the cap cannot sit in RAM; edge0/benchmark/cgroup.py, root only) and reports
+the cgroup's peak and whether the kernel killed the server for memory; ``--cold`` drops the
+checkpoint's files from the page cache before the server starts.
 """
 
 from __future__ import annotations
@@ -85,6 +89,9 @@ import hostile_clients  # noqa: E402 - beside this file
 import hostile_report  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from edge0.benchmark.cgroup import MemoryCap, parse_size  # noqa: E402
+from edge0.benchmark.harness import checkpoint_files, evict  # noqa: E402
 PROMPTS = ["def fibonacci(n):", "class Stack:", "import os\n\ndef walk(path):", "def parse_args(argv):",
            "def merge_sorted(a, b):", "with open(path) as f:"]
 
@@ -134,9 +141,9 @@ def serve_flags(extra: list[str]) -> list[str]:
     return ["--host", "127.0.0.1", "--port", "0", "--max-queue", "64", *extra]
 
 
-def start_server(model: str, extra: list[str]) -> tuple[subprocess.Popen, str]:
+def start_server(model: str, extra: list[str], preexec=None) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen([sys.executable, "-m", "edge0", "serve", "--model", model, *serve_flags(extra)],
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=preexec)
     line = proc.stderr.readline()
     if " on http://" not in line:
         proc.kill()
@@ -176,13 +183,13 @@ def mlx_lm_flags(port: int, decode_concurrency: int, prompt_concurrency: int, ex
             "--prompt-concurrency", str(prompt_concurrency), *extra]
 
 
-def start_mlx_lm_server(model: str, flags: list[str]) -> tuple[subprocess.Popen, str]:
+def start_mlx_lm_server(model: str, flags: list[str], preexec=None) -> tuple[subprocess.Popen, str]:
     """``python -m mlx_lm server`` with ``flags`` (those of ``mlx_lm_flags``), once ``/health``
     answers 200 (up to 120 s). It loads the model in its generation thread, so the first
     request may still wait for that."""
     port = flags[flags.index("--port") + 1]
     proc = subprocess.Popen([sys.executable, "-m", "mlx_lm", "server", "--model", model, *flags],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=preexec)
     tail: deque[str] = deque(maxlen=40)
     threading.Thread(target=lambda: tail.extend(proc.stdout), daemon=True).start()  # drain, keep the end
     url = f"http://127.0.0.1:{port}"
@@ -295,6 +302,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="--hostile: max_tokens of a silent stream (default 64)")
     p.add_argument("--settle", type=float, default=60.0,
                    help="--hostile: longest wait for the server to settle before a state is read (default 60)")
+    p.add_argument("--memory-limit", default=None,
+                   help="run the server in a memory cgroup of this size (8G, 512M: anonymous memory and page "
+                        "cache together, as `edge0 bench --memory-limit`; needs root); the cgroup's peak is reported")
+    p.add_argument("--cold", action="store_true",
+                   help="drop the checkpoint's files from the page cache before the server starts")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", "--out", dest="json", default=None, help="write the results here too")
     p.add_argument("serve_args", nargs="*", help="more `edge0 serve` (or `mlx_lm server`) flags, after --")
@@ -314,7 +326,12 @@ def sampling(args: argparse.Namespace) -> dict:
 
 def main() -> int:
     args = parse_args()
-    proc, flags = None, None
+    proc, flags, cap, preexec = None, None, None, None
+    if args.cold and not args.url:
+        evict(checkpoint_files(Path(args.model)))
+    if args.memory_limit and not args.url:
+        cap = MemoryCap(parse_size(args.memory_limit), f"edge0-load-test-{os.getpid()}")
+        preexec = cap.prepare()
     load_start = os.getloadavg()
     if args.url:
         url, pid = args.url.rstrip("/"), args.server_pid
@@ -322,13 +339,13 @@ def main() -> int:
         flags = mlx_lm_flags(free_port(), args.mlx_lm_decode_concurrency, args.mlx_lm_prompt_concurrency,
                              args.serve_args)
         print(f"mlx_lm server --model {args.model} {' '.join(flags)}", file=sys.stderr, flush=True)
-        proc, url = start_mlx_lm_server(args.model, flags)
+        proc, url = start_mlx_lm_server(args.model, flags, preexec)
         pid = proc.pid
     else:
         extra = (HOSTILE_SERVE_FLAGS if args.hostile else []) + args.serve_args
         flags = serve_flags(extra)
         print(f"edge0 serve --model {args.model} {' '.join(flags)}", file=sys.stderr, flush=True)
-        proc, url = start_server(args.model, extra)
+        proc, url = start_server(args.model, extra, preexec)
         pid = proc.pid
     try:
         if args.hostile:
@@ -347,7 +364,12 @@ def main() -> int:
                 proc.wait(60)
             except subprocess.TimeoutExpired:
                 proc.kill()
-    report.update(model=model_name(args.model), max_tokens=args.max_tokens, url=url if args.url else None, server=args.server,
+                proc.wait()
+        if cap is not None:
+            cap_result = cap.finish(proc.returncode if proc is not None else 0)
+    if cap is not None:
+        report["memory_cap"] = cap_result
+    report.update(cold=args.cold, model=model_name(args.model), max_tokens=args.max_tokens, url=url if args.url else None, server=args.server,
                   load_average_1m=[round(load_start[0], 2), round(os.getloadavg()[0], 2)], cpus=os.cpu_count(),
                   serve_flags=flags if flags is not None else "a running server (flags unknown)")
     if args.hostile:
@@ -589,6 +611,12 @@ def markdown(r: dict) -> str:
     lines += ["", f"server RSS: {mib(r['rss_start_kib'])} at start, {mib(r['rss_after_first_kib'])} "
               f"after the first request, {mib(r['rss_end_kib'])} at the end; 5xx answers: "
               f"{r['server_5xx']}; a request after the soak: {r['after_soak_request']}"]
+    if r.get("memory_cap"):
+        c = r["memory_cap"]
+        peak = "n/a" if c["peak_bytes"] is None else f"{c['peak_bytes'] / 2**20:.0f} MiB"
+        lines += ["", f"memory cgroup (anonymous memory and page cache): cap {c['limit_bytes'] / 2**30:.1f} GiB, "
+                  f"peak {peak}{', killed for memory' if c['oom_killed'] else ''}; page cache "
+                  f"{'dropped' if r.get('cold') else 'as found'} before the server started"]
     return "\n".join(lines)
 
 

@@ -43,10 +43,13 @@ class Stager:
 
     def __init__(self, index: CheckpointIndex, layers: list[int], slots: int, reader: ExpertReader,
                  oracle: OracleRouting | None, *, readers: int, prefetch_depth: int, log=None,
-                 prerouter=None, fallback=None, guard_every: int = 0, routing: str = "replace"):
+                 prerouter=None, fallback=None, guard_every: int = 0, routing: str = "replace",
+                 max_slots: int | None = None):
         """``routing`` (with a prerouter): "replace", the prediction is the staged layers'
         routing; "select", the prerouter stages candidates (its ``width``) and each staged
-        layer's own router chooses among them (``LayerRoute``)."""
+        layer's own router chooses among them (``LayerRoute``). ``max_slots``: how far a
+        layer's ``slots`` may grow when a step's set outgrows them (a batch's union; back to
+        ``slots`` at ``reset``); None = never."""
         spec = index.spec
         if slots < spec.k:
             raise ConfigError(f"slots_per_layer must be >= k = {spec.k}, got {slots}")
@@ -54,6 +57,7 @@ class Stager:
         self.layers = list(layers)
         self.num_experts = spec.num_experts
         self.slots = slots
+        self.max_slots = max(slots, min(max_slots or slots, spec.num_experts))
         self.oracle = oracle
         self.log = log
         self.rows = {l: ExpertRows(index.layers[l], slots) for l in self.layers}
@@ -85,6 +89,7 @@ class Stager:
         self._step_t0 = None
         self._step_stall = 0.0
         self._outputs: list = []  # this step's staged outputs: evaluated before their slots are reused
+        self.over_slot_layers = 0  # layer-steps run on the fallback: the set did not fit max_slots
 
     def _route_of(self, layer: int, logits):
         return self.prerouter.route(layer, logits)
@@ -125,6 +130,9 @@ class Stager:
         self.step = -1
         self._outputs = []
         self._misses = self._zero_misses()  # a mismatch raised last time must not poison the next run
+        for layer in self.layers:  # grown slots go back: memory follows the batch
+            if self.rows[layer].capacity > self.slots:
+                self._resize(layer, self.slots)
 
     @staticmethod
     def _zero_misses():
@@ -152,13 +160,43 @@ class Stager:
         for layer, tap in self.routers.items():
             tap.route = plan.route(layer) if plan is not None else None
 
+    def slot_bytes(self) -> int:
+        """Bytes the staged layers' slots hold now (more than at open while a batch grew them)."""
+        return sum(r.nbytes for r in self.rows.values())
+
+    def _resize(self, layer: int, n: int) -> bool:
+        """Give ``layer`` ``n`` slots, keeping the experts of those kept; False (nothing
+        changed) while a step still uses its slots."""
+        if not self.portal.call(self.scheduler.idle, layer):
+            return False
+        old = self.rows[layer]
+        new = ExpertRows(self.index.layers[layer], n)
+        keep = min(n, old.capacity)
+        for src, dst in zip(old.buffers, new.buffers):
+            dst.host[:keep] = src.host[:keep]
+        self.portal.call(self.scheduler.resize, layer, n, new.buffers)
+        self.rows[layer] = new
+        if self.log is not None:
+            self.log.info("stage.slots", layer=layer, slots=n, was=old.capacity, mib=round(new.nbytes / 2**20, 1))
+        return True
+
+    def _fits(self, layer: int, need: int) -> bool:
+        """Whether ``need`` experts fit ``layer``'s slots, growing them (doubling, at most
+        ``max_slots``) when they do not and the layer is idle."""
+        have = self.rows[layer].capacity
+        if need > have and have < self.max_slots:
+            self._resize(layer, min(self.max_slots, max(need, 2 * have)))
+        return need <= self.rows[layer].capacity
+
     def _submit(self, plan: DecodePlan) -> None:
         """Hand ``plan``'s expert sets to the scheduler, layers in execution order. A layer
-        whose set does not fit its slots (a batch's union of many rows' sets) is not staged
-        at that step: it computes on its fallback path, routed by the same plan."""
-        fits = [l for l in self.layers if len(plan.experts[l]) <= self.slots]
+        whose set does not fit its slots (a batch's union of many rows' sets), even grown
+        to ``max_slots``, is not staged at that step: it computes on its fallback path,
+        routed by the same plan."""
+        fits = [l for l in self.layers if self._fits(l, len(plan.experts[l]))]
+        self.over_slot_layers += len(self.layers) - len(fits)
         if len(fits) < len(self.layers) and self.log is not None:
-            self.log.info("stage.over_slots", step=plan.step, slots=self.slots,
+            self.log.info("stage.over_slots", step=plan.step, max_slots=self.max_slots,
                           layers={l: len(plan.experts[l]) for l in self.layers if l not in fits})
         self.portal.call(self.scheduler.submit, StepPlan(plan.step, tuple(LayerPlan(l, plan.experts[l])
                                                                           for l in fits)))

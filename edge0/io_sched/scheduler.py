@@ -139,6 +139,21 @@ class PrefetchScheduler:
         self._emit("io.cancel", step=step, jobs=len(dropped))
         self._pump()
 
+    def idle(self, layer: int) -> bool:
+        """Nothing of ``layer``'s is queued, pinned or being read: its slots may be resized."""
+        table = self.tables[layer]
+        return not table.pinned() and not table.loading() and not any(j.layer == layer for j in self._jobs)
+
+    def resize(self, layer: int, num_slots: int, buffers=None) -> None:
+        """``layer`` now has ``num_slots`` slots, in ``buffers`` (the store's new buffers for
+        it, holding the bytes of the slots kept) when given. Only while the layer is ``idle``."""
+        if not self.idle(layer):
+            raise SchedulerError(f"layer {layer}: its slots cannot be resized while a step uses them")
+        self.tables[layer].resize(num_slots)
+        if buffers is not None:
+            self.store.buffers[layer] = buffers
+        self._emit("io.resize", layer=layer, slots=num_slots)
+
     def pending_reads(self) -> int:
         return len(self._heap) + sum(self._in_flight.values())
 

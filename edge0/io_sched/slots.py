@@ -79,6 +79,21 @@ class SlotTable:
         for pins in self.pins:
             pins.discard(step)
 
+    def resize(self, num_slots: int) -> None:
+        """Grow to ``num_slots`` (new slots EMPTY) or shrink to it (the experts of the slots
+        cut off are forgotten). Only while nothing is pinned or loading: the caller has
+        moved the slots' bytes to buffers of the new size."""
+        if num_slots < 1 or self.pinned() or self.loading():
+            raise ValueError(f"layer {self.layer}: cannot resize to {num_slots} slots with slots pinned or loading")
+        for slot in range(num_slots, self.num_slots):
+            self.complete(slot, False)
+        extra = max(0, num_slots - self.num_slots)
+        self.expert_of = self.expert_of[:num_slots] + [None] * extra
+        self.state = self.state[:num_slots] + [EMPTY] * extra
+        self.pins = self.pins[:num_slots] + [set() for _ in range(extra)]
+        self.last_used = self.last_used[:num_slots] + [-1] * extra
+        self.num_slots = num_slots
+
     def pinned(self) -> int:
         return sum(1 for p in self.pins if p)
 

@@ -90,7 +90,12 @@ class Prerouter:
             self.prev[layer] = rows_i[-2:-1]
 
     def ready(self) -> bool:
-        return all(o in self.last for o in self.owners)
+        """Whether the heads have observed every owner layer (a flush can predict)."""
+        return self.seen({"last": self.last})
+
+    def seen(self, state: dict | None) -> bool:
+        """Whether a sequence's detached state (``take_state``) has observed every owner layer."""
+        return state is not None and all(o in state["last"] for o in self.owners)
 
     def flush(self, tokens=None) -> dict[int, tuple]:
         """consumer layer -> (predicted experts [R, k] (or [R, width]), predicted router

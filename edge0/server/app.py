@@ -216,7 +216,8 @@ def _metrics(state: ServerState):
             cache_bytes=m.prompt_cache_bytes if m else 0, cache_hits=m.prompt_cache_hits if m else 0,
             loaded=engine is not None, resources=resources, process=_process(),
             batch_size=m.batch_size if m else 0, decode_steps=m.decode_steps if m else 0,
-            decode_tokens=m.decode_tokens if m else 0, bytes_per_token=m.expert_bytes_per_token if m else 0.0)
+            decode_tokens=m.decode_tokens if m else 0, bytes_per_token=m.expert_bytes_per_token if m else 0.0,
+            slot_bytes=m.slot_bytes if m else 0, over_slot_layers=m.over_slot_layers if m else 0)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
     return handler
 
@@ -232,7 +233,10 @@ def _process() -> dict:
         tasks = len(asyncio.all_tasks())
     except RuntimeError:  # not an asyncio loop
         tasks = -1
-    return {"threads": threading.active_count(), "open_fds": fds, "tasks": tasks}
+    from edge0.backend import core as B
+
+    return {"threads": threading.active_count(), "open_fds": fds, "tasks": tasks,
+            "mlx_active_bytes": B.active_memory(), "mlx_cache_bytes": B.cache_memory()}
 
 
 INLINE_JSON_BYTES = 64 * 1024  # larger request bodies are parsed in a worker thread

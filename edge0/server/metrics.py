@@ -33,7 +33,8 @@ class Metrics:
 
     def render(self, *, in_flight: int, queued: int, expert_bytes: int, cache_bytes: int, cache_hits: int,
                loaded: bool, resources: dict | None = None, process: dict | None = None, batch_size: int = 0,
-               decode_steps: int = 0, decode_tokens: int = 0, bytes_per_token: float = 0.0) -> str:
+               decode_steps: int = 0, decode_tokens: int = 0, bytes_per_token: float = 0.0,
+               slot_bytes: int = 0, over_slot_layers: int = 0) -> str:
         lines: list[str] = []
 
         def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]):
@@ -71,6 +72,10 @@ class Metrics:
                [("", decode_tokens)])
         metric("expert_bytes_per_token", "gauge", "Expert bytes read per generated token at decode, since start.",
                [("", round(bytes_per_token, 1))])
+        metric("slot_bytes", "gauge", "Bytes the staged layers' expert slots hold now (they grow while a batch's "
+               "union of experts needs more, within slot_budget_mb).", [("", slot_bytes)])
+        metric("over_slot_layers_total", "counter", "Staged layer-steps run exact because a batch's union of "
+               "experts did not fit the layer's slots.", [("", over_slot_layers)])
         metric("prompt_cache_bytes", "gauge", "Bytes held by the prompt cache.", [("", cache_bytes)])
         metric("prompt_cache_hits_total", "counter", "Prompts that reused a cached KV prefix.", [("", cache_hits)])
         metric("model_loaded", "gauge", "1 once the model is loaded and the server answers requests.",

@@ -118,6 +118,11 @@ def active_memory() -> int:
     return mx.get_active_memory()
 
 
+def cache_memory() -> int:
+    """Bytes of freed buffers MLX keeps for reuse (``trim_buffer_cache`` bounds them)."""
+    return mx.get_cache_memory()
+
+
 def peak_memory() -> int:
     return mx.get_peak_memory()
 

@@ -1,0 +1,53 @@
+"""How much memory the expert buffers take: the staged slots at open and how far they may
+grow, and the ``memory_budget_mb`` check made before any buffer is allocated."""
+
+from __future__ import annotations
+
+from edge0.config import EngineConfig
+from edge0.errors import ConfigError
+
+
+def staged_slots(config: EngineConfig, spec, staged_width: int) -> int:
+    """Slots per staged layer: ``slots_per_layer``, or 2 x the experts a step stages (at most
+    the layer's experts, never fewer than a step stages)."""
+    if config.slots_per_layer:
+        return config.slots_per_layer
+    return max(min(2 * staged_width, spec.num_experts), staged_width)
+
+
+SLOT_GROWTH = 4  # slot_budget_mb None: the staged slots may grow to this many times their memory at open
+
+
+def slot_ceiling(config: EngineConfig, index, staged: list[int], slots: int, others: int) -> int:
+    """The most slots a staged layer may grow to: an equal share of ``slot_budget_mb`` (None:
+    ``SLOT_GROWTH`` x the slots at open, and never past ``memory_budget_mb`` less the
+    ``others`` expert buffers' bytes); never fewer than ``slots``."""
+    if not staged:
+        return slots
+    per_expert = max(index.layers[l].expert_bytes for l in staged)
+    if config.slot_budget_mb is not None:
+        budget = config.slot_budget_mb * 2**20
+    else:
+        budget = SLOT_GROWTH * len(staged) * slots * per_expert
+        if config.memory_budget_mb is not None:
+            budget = min(budget, config.memory_budget_mb * 2**20 - others)
+    return max(slots, budget // (len(staged) * per_expert))
+
+
+def check_budget(spec, index, config: EngineConfig, staged, hot, whole, slots: int) -> int:
+    """Refuse (ConfigError) expert buffers over ``memory_budget_mb``; return the bytes of the
+    buffers other than the staged slots."""
+    per_expert = max(le.expert_bytes for le in index.layers.values())
+    parts = {"exact bundle": config.bundle_capacity * per_expert}
+    if staged:
+        parts["staged slots"] = len(staged) * max(slots, spec.k) * per_expert
+    if hot:
+        parts["hot sets"] = len(hot) * max(config.hot_experts, spec.k) * per_expert
+    if whole:
+        parts["whole-layer buffers"] = 2 * spec.num_experts * per_expert
+    total = sum(parts.values())
+    if config.memory_budget_mb is not None and total > config.memory_budget_mb * 2**20:
+        detail = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in parts.items())
+        raise ConfigError(f"expert buffers need {total / 2**20:.1f} MiB ({detail}), over memory_budget_mb="
+                          f"{config.memory_budget_mb}")
+    return total - parts.get("staged slots", 0)
