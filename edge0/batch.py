@@ -236,6 +236,7 @@ class Batcher:
             stats.heads, _ = host.streaming.describe_artifacts()
             stats.adapter = host._describe_adapter(row.adapter)
             stats.compute_dtype = host.streaming.compute_dtype
+            stats.reads = "direct" if host.reader.direct else "buffered"
             row.events = RowEvents(row, host.tokenizer, stats, host.reader, host.streaming.stager)
             if row.record is not None:
                 host.streaming.set_recorder(row.record)

@@ -33,6 +33,11 @@ class EngineConfig:
     bundle_capacity: int = 32
     # Threads issuing positional reads of expert byte ranges.
     reader_threads: int = 2
+    # Expert reads with O_DIRECT, bypassing the page cache (aligned reads through a bounce
+    # buffer): "on", "off", or "auto" (on when the checkpoint is larger than the memory this
+    # process may use: physical memory or its cgroup's limit). A filesystem that refuses
+    # O_DIRECT (tmpfs) is read buffered, with one log line.
+    direct_io: str = "auto"
     # Prompt tokens per prefill forward pass (as mlx-lm's prefill_step_size). While other
     # generations decode, new ones prefill about that many tokens between two of their steps.
     prefill_step_size: int = 2048
@@ -175,6 +180,8 @@ class EngineConfig:
                 self.slot_budget_mb, int) or self.slot_budget_mb < 0):
             raise ConfigError(f"slot_budget_mb must be None (4 x the slots at open), 0 (never grow) or a positive "
                               f"number of MiB, got {self.slot_budget_mb!r}")
+        if self.direct_io not in ("auto", "on", "off"):
+            raise ConfigError(f"direct_io must be 'auto', 'on' or 'off', got {self.direct_io!r}")
         if self.log_format not in LOG_FORMATS:
             raise ConfigError(f"log_format must be one of {LOG_FORMATS}, got {self.log_format!r}")
         if self.log_level not in LOG_LEVELS:

@@ -26,6 +26,7 @@ from edge0.exec.plan import LayerRoute
 from edge0.exec.split import Split, resolve_threads
 from edge0.exec.staged import StagedExecutor, Stager
 from edge0.exec.whole_layer import WholeLayerExecutor
+from edge0.io_sched.direct import wants_direct
 from edge0.io_sched.reader import ExpertReader
 from edge0.model.files import check_entry
 from edge0.model.open import open_model
@@ -210,7 +211,7 @@ def load_streaming_model(model_dir: str | Path, config: EngineConfig, *, oracle:
         raise ConfigError(f"slots_per_layer={slots} cannot hold the {spec.k + extra} experts select routing stages "
                           f"per layer (k={spec.k} + stage_extra={extra})")
     others = check_budget(spec, index, config, on["staged"], on["hot"], on["whole_layer"], slots)
-    reader = ExpertReader(index, threads=config.reader_threads, log=log)
+    reader = ExpertReader(index, config.reader_threads, log=log, direct=wants_direct(config.direct_io, index.files))
     phase = StepPhase()  # the step hook says whether each forward pass decodes or prefills
     stager = None
     try:

@@ -41,6 +41,7 @@ class GenerationStats:
     compute_dtype: str = ""  # the activation dtype the engine resolved
     heads: str | None = None  # the prerouter heads in use (they change the output), or None
     adapter: str | None = None  # the adapter applied, or None
+    reads: str = "buffered"  # how experts were read: "direct" (O_DIRECT) or "buffered" (page cache)
 
     @property
     def prefill_tps(self) -> float:
@@ -84,4 +85,5 @@ class GenerationStats:
                 f"stall {self.stall_ms_per_step:.1f} ms/step"
                 + (f" | guard recall@k {sum(self.guard_recall.values()) / len(self.guard_recall):.3f}"
                    if self.guard_recall else "")
-                + f" | compute {self.compute_dtype} | heads {self.heads or 'none'} | adapter {self.adapter or 'none'}")
+                + f" | compute {self.compute_dtype} | heads {self.heads or 'none'} | adapter {self.adapter or 'none'}"
+                + f" | reads {self.reads}")

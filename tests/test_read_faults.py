@@ -48,7 +48,10 @@ class Faults:
             raise OSError(code, f"injected {errno.errorcode[code]}")
         if self.kind == "short" and len(buffers[0]) > 1:
             self.injected += 1
-            return os.preadv(fd, [buffers[0][: len(buffers[0]) // 2]], offset)
+            half = len(buffers[0]) // 2
+            if len(buffers[0]) % 4096 == 0:  # a direct read's: short by whole blocks, as a device's
+                half -= half % 4096
+            return os.preadv(fd, [buffers[0][:half or len(buffers[0])]], offset)
         return os.preadv(fd, buffers, offset)
 
 

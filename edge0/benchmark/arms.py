@@ -84,6 +84,7 @@ def _streaming(model_dir: str, settings: dict, oracle=None, **paths) -> Loaded:
     info = {k: getattr(cfg, k) for k in ("bundle_capacity", "slots_per_layer", "prefetch_depth", "hot_experts",
                                          "reader_threads")}
     info["experts_per_token"] = s.spec.k
+    info["direct_reads"] = s.reader.direct  # direct_io's outcome (auto: on under a cap below the checkpoint)
     bank = s.adapters
     info["adapter_bytes"] = bank.nbytes if bank is not None and bank.active is not None else 0
     return Loaded(StepModel(s), lambda: s.reader.stats.bytes, stall, s.close, info=info)

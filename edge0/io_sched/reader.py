@@ -3,7 +3,10 @@
 One file descriptor per shard, opened once; ``os.preadv`` fills a NumPy view of device
 memory, so bytes go from the page cache (or disk) into the tensor the kernel reads with
 no intermediate copy. pread rather than mmap: a file truncated under an mmap is SIGBUS,
-which cannot be caught; a short pread is an ordinary, typed error.
+which cannot be caught; a short pread is an ordinary, typed error. With ``direct=True``
+the reads bypass the page cache (O_DIRECT, ``edge0.io_sched.direct``) through a page-aligned
+bounce buffer per thread; a file whose filesystem refuses O_DIRECT is read buffered (one
+``io.direct_unavailable`` log line).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from edge0.io_sched import direct as dio
 from edge0.model.checkpoint import CheckpointIndex, TensorLocation
 from edge0.errors import CheckpointError, ExpertReadError
 
@@ -36,18 +40,23 @@ class ExpertReader:
     # errnos worth another try: interrupted, would block, or a transient device error
     RETRY_ERRNOS = (errno.EINTR, errno.EAGAIN, errno.EIO)
 
-    def __init__(self, index: CheckpointIndex, threads: int = 2, *, retries: int = 2, log=None):
+    def __init__(self, index: CheckpointIndex, threads: int = 2, *, retries: int = 2, log=None,
+                 direct: bool = False):
         self.index = index
         self.retries = retries
         self.log = log
         self.pread = os.preadv  # replaced by fault-injection tests
         self._fds: dict[str, int] = {}
         self._identity: dict[str, tuple] = {}
+        self._direct: dict[str, int] = {}  # file -> its O_DIRECT descriptor (direct reads)
+        self._bounce = dio.Bounce()
         try:
             for path in index.files:
                 fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
                 self._fds[path] = fd
                 self._identity[path] = _identity(os.fstat(fd))
+                if direct:
+                    self._open_direct(path)
         except BaseException:
             self.close()
             raise
@@ -59,9 +68,31 @@ class ExpertReader:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
-        for fd in self._fds.values():
+        for fd in [*self._fds.values(), *self._direct.values()]:
             os.close(fd)
         self._fds.clear()
+        self._direct.clear()
+
+    def _open_direct(self, path: str) -> None:
+        fd = dio.open_direct(path)
+        if fd is not None:
+            self._direct[path] = fd
+        elif self.log is not None:
+            self.log.warning("io.direct_unavailable", file=path, action="buffered reads")
+
+    def _buffered_from_now(self, path: str, error: OSError) -> None:
+        """The filesystem took the O_DIRECT open but refuses its reads: buffered from now."""
+        with self._lock:
+            fd = self._direct.pop(path, None)
+        if fd is not None:
+            os.close(fd)
+            if self.log is not None:
+                self.log.warning("io.direct_unavailable", file=path, error=str(error), action="buffered reads")
+
+    @property
+    def direct(self) -> bool:
+        """Whether reads bypass the page cache (every file opened with O_DIRECT)."""
+        return bool(self._fds) and len(self._direct) == len(self._fds)
 
     @property
     def open_files(self) -> int:
@@ -102,14 +133,20 @@ class ExpertReader:
         """Experts ``expert`` .. ``expert + count - 1`` of one stacked tensor (adjacent in the
         file) into ``view`` (as many adjacent rows)."""
         start, _ = loc.expert_range(expert)
-        fd = self._fds[loc.file]
         done, want = 0, loc.row_bytes * count
         mv = memoryview(view).cast("B")
         failures = 0
         while done < want:
+            direct = self._direct.get(loc.file)
             try:
-                n = self.pread(fd, [mv[done:]], start + done)
+                if direct is not None:
+                    n = dio.read_direct(self.pread, direct, self._bounce.get(), mv[done:], start + done)
+                else:
+                    n = self.pread(self._fds[loc.file], [mv[done:]], start + done)
             except OSError as e:
+                if direct is not None and e.errno == errno.EINVAL:
+                    self._buffered_from_now(loc.file, e)
+                    continue
                 failures += 1
                 if e.errno in self.RETRY_ERRNOS and failures <= self.retries:
                     if self.log is not None:

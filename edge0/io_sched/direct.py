@@ -1,0 +1,119 @@
+"""Direct reads (O_DIRECT): expert bytes from the disk without the page cache.
+
+A buffered read copies out of the page cache, and under a memory cap the kernel also
+reclaims the pages it has just filled, which nothing reuses: both cost CPU on the cores the
+compute needs. With O_DIRECT the device writes into the process's memory. Its rules: the
+file offset, the length and the buffer address are multiples of the block size (``ALIGN``).
+Expert byte ranges in a safetensors file are not aligned, so each read covers the aligned
+range around the wanted bytes, lands in a page-aligned bounce buffer of the reading thread
+(at most ``CHUNK`` bytes at a time), and the wanted bytes are copied out.
+
+``wants_direct`` decides ``direct_io = "auto"``: on when the checkpoint's files are larger
+than the memory this process may use (physical memory, or its memory cgroup's limit), so
+they could not stay in the page cache anyway.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+from pathlib import Path
+
+ALIGN = 4096  # O_DIRECT's alignment of offsets, lengths and buffers (a page; covers 512-byte devices)
+CHUNK = 8 * 2**20  # the most one direct read covers (the bounce buffer's size per thread)
+O_DIRECT = getattr(os, "O_DIRECT", 0)
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def physical_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def cgroup_limit(proc_cgroup: str = "/proc/self/cgroup", root: Path = CGROUP_ROOT) -> int | None:
+    """The smallest memory limit of this process's cgroup and its parents (v2 ``memory.max``,
+    v1 ``memory.limit_in_bytes``), or None when there is none."""
+    try:
+        lines = Path(proc_cgroup).read_text().splitlines()
+    except OSError:
+        return None
+    limits = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2 (at the root, or beside v1 controllers under unified/)
+            base = root if (root / "cgroup.controllers").exists() else root / "unified"
+            name = "memory.max"
+        elif "memory" in controllers.split(","):
+            base, name = root / "memory", "memory.limit_in_bytes"
+        else:
+            continue
+        here = base / path.lstrip("/")
+        while True:
+            try:
+                text = (here / name).read_text().strip()
+            except OSError:
+                text = ""
+            if text.isdigit():
+                limits.append(int(text))
+            if here == base or base not in here.parents:
+                break
+            here = here.parent
+    return min(limits) if limits else None
+
+
+def memory_limit() -> int:
+    """The memory this process may use: physical memory, or less under a cgroup limit."""
+    limit = cgroup_limit()
+    return min(physical_memory(), limit) if limit else physical_memory()
+
+
+def wants_direct(mode: str, files: list[str]) -> bool:
+    """``direct_io`` ``on`` / ``off``, or ``auto``: on when ``files`` are larger than
+    ``memory_limit()``."""
+    if mode != "auto":
+        return mode == "on"
+    return sum(os.path.getsize(f) for f in files) > memory_limit()
+
+
+def open_direct(path: str) -> int | None:
+    """A read-only O_DIRECT descriptor of ``path``, or None where the filesystem (or the
+    platform) refuses it."""
+    if not O_DIRECT:
+        return None
+    try:
+        return os.open(path, os.O_RDONLY | O_DIRECT | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None
+
+
+class Bounce:
+    """One page-aligned buffer of ``CHUNK`` bytes per reading thread."""
+
+    def __init__(self):
+        self._local = threading.local()
+
+    def get(self) -> memoryview:
+        view = getattr(self._local, "view", None)
+        if view is None:
+            buf = mmap.mmap(-1, CHUNK)  # anonymous memory: page-aligned
+            view = self._local.view = memoryview(buf)
+        return view
+
+
+def read_direct(pread, fd: int, bounce: memoryview, dest: memoryview, offset: int) -> int:
+    """Bytes of the file at ``offset`` .. into ``dest`` through one aligned read of at most
+    ``CHUNK`` bytes (``pread``: ``os.preadv``'s signature); returns how many were copied (0
+    at the end of the file)."""
+    lo = offset - offset % ALIGN
+    hi = min(-(-(offset + len(dest)) // ALIGN) * ALIGN, lo + CHUNK)
+    need, got = min(hi - lo, offset - lo + len(dest)), 0
+    while got < need:  # a short read (whole blocks) goes on where it stopped
+        n = pread(fd, [bounce[got:hi - lo]], lo + got)
+        if n == 0:
+            break
+        got += n
+    usable = min(got - (offset - lo), len(dest))
+    if usable <= 0:
+        return 0
+    dest[:usable] = bounce[offset - lo:offset - lo + usable]
+    return usable

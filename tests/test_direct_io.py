@@ -1,0 +1,143 @@
+"""Direct reads (``direct_io``): O_DIRECT through aligned bounce buffers gives the bytes and
+the tokens buffered reads give, on every path, through injected faults; ``auto`` turns on
+when the checkpoint is larger than the memory the process may use; a filesystem that
+refuses O_DIRECT is read buffered, with one log line."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import numpy as np
+import pytest
+
+from edge0 import Engine, EngineConfig
+from edge0.errors import ConfigError
+from edge0.io_sched import direct as dio
+from edge0.io_sched.reader import ExpertReader
+from tests.test_async_misuse import CONFIGS, N, PROMPT, setups  # noqa: F401
+from tests.test_read_faults import Faults
+
+
+def _direct_or_skip(model_dir) -> None:
+    fd = dio.open_direct(str(next(model_dir.glob("model*.safetensors"))))
+    if fd is None:
+        pytest.skip("this filesystem refuses O_DIRECT (the fallback is tested below)")
+    os.close(fd)
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_direct_reads_give_the_same_tokens_on_every_path(setups, config):
+    d, cfg, oracle, expected = setups[config]
+    _direct_or_skip(d)
+    with Engine(d, EngineConfig(**{**cfg.__dict__, "direct_io": "on"}), oracle=oracle) as engine:
+        assert engine.reader.direct
+        assert [ev.token for ev in engine.stream(PROMPT, max_tokens=N)] == expected
+        assert engine.reader.stats.bytes > 0
+
+
+@pytest.mark.parametrize("config", ["exact", "staged+heads"])
+@pytest.mark.parametrize("kind", ["eio", "eintr", "short"])
+def test_transient_faults_under_direct_reads_are_retried(setups, config, kind):
+    d, cfg, oracle, expected = setups[config]
+    _direct_or_skip(d)
+    with Engine(d, EngineConfig(**{**cfg.__dict__, "direct_io": "on"}), oracle=oracle) as engine:
+        faults = Faults(kind)
+        engine.reader.pread = faults
+        assert [ev.token for ev in engine.stream(PROMPT, max_tokens=N)] == expected
+        assert faults.injected > 0 and engine.reader.direct  # still direct: no fallback on these
+
+
+def test_direct_bytes_equal_buffered_bytes_at_any_offset(tiny_model_factory, monkeypatch):
+    d = tiny_model_factory("qwen3_moe")
+    _direct_or_skip(d)
+    monkeypatch.setattr(dio, "CHUNK", 3 * dio.ALIGN)  # reads longer than a chunk take several
+    with Engine(d) as e:
+        index = e.streaming.index
+    path = index.files[0]
+    data = open(path, "rb").read()
+    rng = random.Random(0)
+    with ExpertReader(index, threads=1, direct=True) as reader:
+        fd = reader._direct[path]
+        bounce = reader._bounce.get()
+        for _ in range(200):
+            offset = rng.randrange(len(data))
+            length = rng.randrange(1, min(5 * dio.ALIGN, len(data) - offset) + 1)
+            dest = bytearray(length)
+            done = 0
+            while done < length:
+                n = dio.read_direct(os.preadv, fd, bounce, memoryview(dest)[done:], offset + done)
+                assert n > 0
+                done += n
+            assert bytes(dest) == data[offset:offset + length]
+        end = bytearray(16)  # past the end of the file: nothing, not an error
+        assert dio.read_direct(os.preadv, fd, bounce, memoryview(end), len(data)) == 0
+
+
+def test_auto_is_on_when_the_checkpoint_is_larger_than_the_memory_limit(tiny_model_factory, monkeypatch):
+    d = tiny_model_factory("qwen3_moe")
+    files = [str(p) for p in d.glob("model*.safetensors")]
+    size = sum(os.path.getsize(f) for f in files)
+    monkeypatch.setattr(dio, "memory_limit", lambda: size - 1)
+    assert dio.wants_direct("auto", files) and not dio.wants_direct("off", files)
+    monkeypatch.setattr(dio, "memory_limit", lambda: size)
+    assert not dio.wants_direct("auto", files) and dio.wants_direct("on", files)
+    with pytest.raises(ConfigError, match="direct_io must be 'auto', 'on' or 'off', got 'yes'"):
+        EngineConfig(direct_io="yes")
+
+
+def test_the_cgroup_limit_is_the_smallest_on_the_path(tmp_path):
+    root = tmp_path / "cg"
+    (root / "a" / "b").mkdir(parents=True)
+    (root / "cgroup.controllers").write_text("memory\n")
+    (root / "memory.max").write_text("max\n")
+    (root / "a" / "memory.max").write_text(f"{8 * 2**30}\n")
+    (root / "a" / "b" / "memory.max").write_text("max\n")
+    proc = tmp_path / "cgroup"
+    proc.write_text("0::/a/b\n")
+    assert dio.cgroup_limit(str(proc), root) == 8 * 2**30
+    (root / "memory" / "x").mkdir(parents=True)  # v1: the memory controller's own hierarchy
+    (root / "memory" / "x" / "memory.limit_in_bytes").write_text(f"{2**30}\n")
+    proc.write_text("4:memory:/x\n1:cpu:/y\n")
+    assert dio.cgroup_limit(str(proc), root) == 2**30
+    proc.write_text("0::/\n")
+    assert dio.cgroup_limit(str(proc), root) is None
+    assert dio.cgroup_limit(str(tmp_path / "absent"), root) is None
+
+
+def test_a_filesystem_that_refuses_o_direct_is_read_buffered(setups, monkeypatch, capsys):
+    d, cfg, oracle, expected = setups["exact"]
+    monkeypatch.setattr(dio, "open_direct", lambda path: None)  # as tmpfs answers
+    with Engine(d, EngineConfig(direct_io="on", log_format="json")) as engine:
+        assert not engine.reader.direct
+        assert [ev.token for ev in engine.stream(PROMPT, max_tokens=N)] == expected
+    events = [json.loads(line) for line in capsys.readouterr().err.splitlines() if line.startswith("{")]
+    refused = [e for e in events if e.get("event") == "io.direct_unavailable"]
+    assert len(refused) == len(engine.streaming.index.files) and refused[0]["action"] == "buffered reads"
+
+
+def test_reads_refused_after_the_open_go_buffered(setups, capsys):
+    """A filesystem that takes the O_DIRECT open but fails its reads with EINVAL."""
+    import errno
+
+    d, cfg, oracle, expected = setups["exact"]
+    _direct_or_skip(d)
+    with Engine(d, EngineConfig(direct_io="on", log_format="json")) as engine:
+        direct_fds = set(engine.reader._direct.values())
+
+        def refuse(fd, buffers, offset):
+            if fd in direct_fds:
+                raise OSError(errno.EINVAL, "Invalid argument")
+            return os.preadv(fd, buffers, offset)
+
+        engine.reader.pread = refuse
+        assert [ev.token for ev in engine.stream(PROMPT, max_tokens=N)] == expected
+        assert not engine.reader.direct
+    assert '"io.direct_unavailable"' in capsys.readouterr().err
+
+
+def test_bounce_buffers_are_page_aligned():
+    view = dio.Bounce().get()
+    assert len(view) == dio.CHUNK
+    assert np.frombuffer(view, dtype=np.uint8).ctypes.data % dio.ALIGN == 0
