@@ -17,6 +17,14 @@ from edge0.model.checkpoint import LayerExperts
 from edge0.exec.taps import bind
 
 
+def row_phase(loc) -> int | None:
+    """The memory phase that lets a direct read of ``loc``'s experts land in place: its file
+    offset's, when every expert row keeps it (row bytes a whole number of pages) and its
+    dtype stays aligned (offset a multiple of 8); else None (direct reads bounce)."""
+    page = bio.PAGE
+    return loc.offset % page if loc.row_bytes % page == 0 and loc.offset % 8 == 0 else None
+
+
 class ExpertRows:
     """One row buffer per stacked tensor of a layer, ``capacity`` expert rows each: the
     exact path's bundle, a staged layer's slots, a hot set, a whole-layer buffer.
@@ -25,7 +33,7 @@ class ExpertRows:
     def __init__(self, layer: LayerExperts, capacity: int):
         self.capacity = capacity
         self.layout = layer.layout
-        self.buffers = [bio.RowBuffer(capacity, t.row_bytes) for t in layer.tensors]
+        self.buffers = [bio.RowBuffer(capacity, t.row_bytes, row_phase(t)) for t in layer.tensors]
         self.views = {name: buf.typed(t.dtype, t.row_shape)
                       for name, buf, t in zip(layer.names, self.buffers, layer.tensors)}
         self._kernels: dict[int, object] = {}

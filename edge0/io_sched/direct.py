@@ -20,6 +20,8 @@ import os
 import threading
 from pathlib import Path
 
+import numpy as np
+
 ALIGN = 4096  # O_DIRECT's alignment of offsets, lengths and buffers (a page; covers 512-byte devices)
 CHUNK = 8 * 2**20  # the most one direct read covers (the bounce buffer's size per thread)
 O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -117,3 +119,31 @@ def read_direct(pread, fd: int, bounce: memoryview, dest: memoryview, offset: in
         return 0
     dest[:usable] = bounce[offset - lo:offset - lo + usable]
     return usable
+
+
+def read_in_place(pread, fd: int, bounce: memoryview, dest: memoryview, offset: int) -> int | None:
+    """``dest``'s bytes from the file at ``offset`` with one direct read that lands in place:
+    the pages between the first and the last go straight into ``dest`` (its address has the
+    offset's phase: ``RowBuffer(phase=...)``), the partial first and last pages through the
+    bounce buffer, and their bytes are copied over. None when ``dest`` does not have the
+    phase, is too short, or the read came back short: the caller reads it through the
+    bounce buffer instead."""
+    address = np.frombuffer(dest, dtype=np.uint8).ctypes.data if len(dest) else 0
+    if len(dest) < 2 * ALIGN or (address - offset) % ALIGN:
+        return None
+    head = -offset % ALIGN  # bytes of the first, partial page (0: the offset is aligned)
+    end = offset + len(dest)
+    tail = end % ALIGN
+    mid = len(dest) - head - tail
+    if mid <= 0:
+        return None
+    iov = ([bounce[:ALIGN]] if head else []) + [dest[head:head + mid]] + ([bounce[ALIGN:2 * ALIGN]] if tail else [])
+    first = offset - (ALIGN - head) if head else offset
+    n = pread(fd, iov, first)
+    if n < end - first:
+        return None
+    if head:
+        dest[:head] = bounce[ALIGN - head:ALIGN]
+    if tail:
+        dest[len(dest) - tail:] = bounce[ALIGN:ALIGN + tail]
+    return len(dest)

@@ -29,9 +29,10 @@ class ReadStats:
     bytes: int = 0
     reads: int = 0
     seconds: float = 0.0  # wall time the caller spent waiting on reads
+    in_place_reads: int = 0  # direct reads that landed in the rows' memory (no bounce copy)
 
     def snapshot(self) -> "ReadStats":
-        return ReadStats(self.bytes, self.reads, self.seconds)
+        return ReadStats(self.bytes, self.reads, self.seconds, self.in_place_reads)
 
 
 class ExpertReader:
@@ -140,7 +141,13 @@ class ExpertReader:
             direct = self._direct.get(loc.file)
             try:
                 if direct is not None:
-                    n = dio.read_direct(self.pread, direct, self._bounce.get(), mv[done:], start + done)
+                    bounce = self._bounce.get()
+                    n = dio.read_in_place(self.pread, direct, bounce, mv[done:], start + done) if not done else None
+                    if n is not None:
+                        with self._lock:
+                            self.stats.in_place_reads += 1
+                    else:
+                        n = dio.read_direct(self.pread, direct, bounce, mv[done:], start + done)
                 else:
                     n = self.pread(self._fds[loc.file], [mv[done:]], start + done)
             except OSError as e:

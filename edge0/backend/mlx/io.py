@@ -16,6 +16,9 @@ import numpy as np
 from edge0.backend.mlx.core import SAFETENSORS_DTYPES
 
 
+PAGE = 4096
+
+
 class RowBuffer:
     """``rows`` rows of ``row_bytes`` raw bytes, resident in device memory.
 
@@ -23,14 +26,27 @@ class RowBuffer:
     reinterprets the same memory as an array of [rows, *shape] of a safetensors dtype.
     """
 
-    def __init__(self, rows: int, row_bytes: int):
+    def __init__(self, rows: int, row_bytes: int, phase: int | None = None):
+        """``phase``: where, modulo ``PAGE``, row 0 starts in memory (every row too when
+        ``row_bytes`` is a multiple of ``PAGE``): given the file offset of the rows' bytes,
+        a direct read lands in place, every page of the file on a page of the buffer."""
         self.rows = rows
         self.row_bytes = row_bytes
-        self.device = mx.zeros((rows, row_bytes), dtype=mx.uint8)
-        mx.eval(self.device)
+        n = rows * row_bytes
+        if phase is None:
+            self.device = mx.zeros((rows, row_bytes), dtype=mx.uint8)
+            mx.eval(self.device)
+        else:  # one page more, and the rows start where their address has the file's phase
+            flat = mx.zeros((n + PAGE,), dtype=mx.uint8)
+            mx.eval(flat)
+            start = (phase - np.array(flat, copy=False).ctypes.data) % PAGE
+            self.device = flat[start:start + n].reshape(rows, row_bytes)
+            mx.eval(self.device)
         self.host = np.array(self.device, copy=False)
         if not self.host.flags.writeable or self.host.ctypes.data == 0:
             raise RuntimeError("the MLX backend did not expose a writable host view")
+        if phase is not None and self.host.ctypes.data % PAGE != phase:
+            raise RuntimeError("a sliced MLX buffer did not share its memory (the row phase is lost)")
 
     @property
     def nbytes(self) -> int:
