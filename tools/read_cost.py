@@ -1,11 +1,13 @@
 """What an expert read costs the CPU: buffered reads against direct (O_DIRECT) reads.
 
-    python tools/read_cost.py [--model DIR] [--gb 2] [--modes buffered,direct]
+    python tools/read_cost.py [--model DIR] [--gb 2] [--modes buffered,direct-bounce,direct]
                               [--memory-limit 8G,none] [--repeats 3] [--threads 2] [--json FILE]
 
 For each (memory cap, mode), ``--repeats`` times, one child process (in a memory cgroup of
 the cap, anonymous memory and page cache together, as ``edge0 bench --memory-limit``; root
-only) opens the checkpoint's ``ExpertReader`` with direct reads on or off, drops the
+only) opens the checkpoint's ``ExpertReader`` with direct reads on or off (``direct``: into slot
+buffers laid out as the engine's, so whole pages land in place; ``direct-bounce``: every byte
+through the bounce buffer), drops the
 checkpoint's files from the page cache, and reads ``--gb`` GB of experts the way a decode
 step does: for one layer after another, 8 experts drawn at random (seeded, the same draw in
 every run), each read whole into rows of slot buffers by ``--threads`` reader threads. The
@@ -46,12 +48,17 @@ def child(model: str, mode: str, gb: float, threads: int, seed: int) -> dict:
     spec, index, _ = open_checkpoint(model)  # checks, headers, byte ranges: no tensor read
     layers = sorted(index.layers)
     per_expert = index.layers[layers[0]].expert_bytes
-    buffers = {l: [bio.RowBuffer(8, t.row_bytes) for t in index.layers[l].tensors] for l in layers}
+    from edge0.exec.rows import row_phase
+
+    place = mode != "direct-bounce"  # slots laid out as the engine's (direct reads land in place)
+    buffers = {l: [bio.RowBuffer(8, t.row_bytes, row_phase(t) if place else None) for t in index.layers[l].tensors]
+               for l in layers}
     rng = random.Random(seed)
     evict(checkpoint_files(Path(model)))
-    with ExpertReader(index, threads=threads, direct=mode == "direct") as reader:
-        if (mode == "direct") != reader.direct:
-            return {"error": f"direct reads were {'refused' if mode == 'direct' else 'used'} on this filesystem"}
+    direct = mode.startswith("direct")
+    with ExpertReader(index, threads=threads, direct=direct) as reader:
+        if direct != reader.direct:
+            return {"error": f"direct reads were {'refused' if direct else 'used'} on this filesystem"}
         r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
         total, step = 0, 0
         while total < gb * 1e9:
@@ -64,7 +71,8 @@ def child(model: str, mode: str, gb: float, threads: int, seed: int) -> dict:
     user, system = r1.ru_utime - r0.ru_utime, r1.ru_stime - r0.ru_stime
     return {"bytes": total, "wall_s": wall, "user_s": user, "system_s": system, "expert_bytes": per_expert,
             "cpu_s_per_gb": (user + system) / (total / 1e9), "gb_per_s": total / 1e9 / wall,
-            "major_faults": r1.ru_majflt - r0.ru_majflt}
+            "major_faults": r1.ru_majflt - r0.ru_majflt, "in_place_reads": reader.stats.in_place_reads,
+            "reads": reader.stats.reads}
 
 
 def run_one(args, cap_text: str, mode: str, repeat: int) -> dict:
@@ -85,7 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=str(DEFAULT_MODEL), help="checkpoint (default: the 40-layer bench one)")
     p.add_argument("--gb", type=float, default=2.0, help="GB of experts each run reads (default 2)")
-    p.add_argument("--modes", default="buffered,direct")
+    p.add_argument("--modes", default="buffered,direct-bounce,direct",
+                   help="buffered (page cache), direct-bounce (O_DIRECT, every byte through the bounce buffer), "
+                        "direct (O_DIRECT into slots laid out as the engine's: whole pages land in place)")
     p.add_argument("--memory-limit", default="8G,none", help="caps, comma-separated; none = no cap")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=2, help="reader threads (default 2, the engine's)")
