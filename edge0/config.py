@@ -33,10 +33,11 @@ class EngineConfig:
     bundle_capacity: int = 32
     # Threads issuing positional reads of expert byte ranges.
     reader_threads: int = 2
-    # Expert reads with O_DIRECT, bypassing the page cache (aligned reads through a bounce
-    # buffer): "on", "off", or "auto" (on when the checkpoint is larger than the memory this
-    # process may use: physical memory or its cgroup's limit). A filesystem that refuses
-    # O_DIRECT (tmpfs) is read buffered, with one log line.
+    # Expert reads with O_DIRECT (Linux), bypassing the page cache: whole pages straight into
+    # the slots where the checkpoint's layout allows, else through a bounce buffer: "on",
+    # "off", or "auto" (on when the checkpoint is larger than the memory this process may
+    # use: physical memory or its cgroup's limit). A filesystem that refuses O_DIRECT
+    # (tmpfs) is read buffered, with one log line.
     direct_io: str = "auto"
     # Prompt tokens per prefill forward pass (as mlx-lm's prefill_step_size). While other
     # generations decode, new ones prefill about that many tokens between two of their steps.
@@ -57,9 +58,10 @@ class EngineConfig:
     slots_per_layer: int = 0
     # Staged layers: MiB the slots of all staged layers together may grow to when a batch's
     # union of experts outgrows a layer's slots (each layer up to an equal share, at most its
-    # experts; back to slots_per_layer when the batch empties). None = 4 x the slots' memory
-    # at open, within memory_budget_mb when that is set; 0 = never grow (a layer whose union
-    # does not fit runs exact for that step).
+    # experts; back to slots_per_layer when the batch empties; never past memory_budget_mb
+    # when that is set). None = 4 x the slots' memory at open, within a quarter of the memory
+    # the process may use (physical or its cgroup's limit); 0 = never grow (a layer whose
+    # union does not fit runs exact for that step).
     slot_budget_mb: int | None = None
     # Staged layers: how many layer reads the scheduler may run ahead of compute.
     prefetch_depth: int = 4

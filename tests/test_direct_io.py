@@ -134,7 +134,32 @@ def test_reads_refused_after_the_open_go_buffered(setups, capsys):
         engine.reader.pread = refuse
         assert [ev.token for ev in engine.stream(PROMPT, max_tokens=N)] == expected
         assert not engine.reader.direct
+        for fd in direct_fds:  # given up, not closed: another reader thread may still hold it
+            os.fstat(fd)
     assert '"io.direct_unavailable"' in capsys.readouterr().err
+    for fd in direct_fds:  # closed with the engine
+        with pytest.raises(OSError):
+            os.fstat(fd)
+
+
+def test_in_place_reads_refused_go_through_the_bounce_buffer_still_direct(setups):
+    """A device that refuses the in-place layout (EINVAL on a read of several iovecs) keeps
+    direct reads, through the bounce buffer."""
+    import errno
+
+    d, cfg, oracle, expected = setups["exact"]
+    _direct_or_skip(d)
+    with Engine(d, EngineConfig(direct_io="on")) as engine:
+        direct_fds = set(engine.reader._direct.values())
+
+        def refuse_in_place(fd, buffers, offset):
+            if fd in direct_fds and len(buffers) > 1:
+                raise OSError(errno.EINVAL, "Invalid argument")
+            return os.preadv(fd, buffers, offset)
+
+        engine.reader.pread = refuse_in_place
+        assert [ev.token for ev in engine.stream(PROMPT, max_tokens=N)] == expected
+        assert engine.reader.direct and engine.reader._bounce_only
 
 
 def test_bounce_buffers_are_page_aligned():
@@ -192,3 +217,17 @@ def test_engine_reads_land_in_place_where_the_checkpoint_allows(tiny_model_facto
         if not placeable:
             pytest.skip("no tensor of this tiny checkpoint has page-sized rows at an 8-byte offset")
         assert stats.in_place_reads > 0
+
+
+def test_slot_growth_never_passes_the_memory_budget(tiny_model_factory):
+    from edge0.exec.budget import slot_ceiling
+
+    d = tiny_model_factory("qwen3_moe")
+    with Engine(d, EngineConfig(decode_path="staged", prerouter="off"), oracle=None) as e:
+        index, staged = e.streaming.index, sorted(e.streaming.index.layers)
+    per = max(index.layers[l].expert_bytes for l in staged)
+    others = 4 * per
+    budget_mb = -(-(len(staged) * 6 * per + others) // 2**20)  # room for about 6 slots a layer
+    ceiling = slot_ceiling(EngineConfig(memory_budget_mb=budget_mb, slot_budget_mb=1024), index, staged, 4, others)
+    assert ceiling * len(staged) * per + others <= budget_mb * 2**20
+    assert slot_ceiling(EngineConfig(slot_budget_mb=1024), index, staged, 4, others) > ceiling

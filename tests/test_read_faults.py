@@ -47,11 +47,12 @@ class Faults:
             code = errno.EINTR if self.kind == "eintr" else errno.EIO
             raise OSError(code, f"injected {errno.errorcode[code]}")
         if self.kind == "short" and len(buffers[0]) > 1:
-            self.injected += 1
             half = len(buffers[0]) // 2
             if len(buffers[0]) % 4096 == 0:  # a direct read's: short by whole blocks, as a device's
                 half -= half % 4096
-            return os.preadv(fd, [buffers[0][:half or len(buffers[0])]], offset)
+            if half:
+                self.injected += 1
+                return os.preadv(fd, [buffers[0][:half]], offset)
         return os.preadv(fd, buffers, offset)
 
 

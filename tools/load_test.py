@@ -326,12 +326,21 @@ def sampling(args: argparse.Namespace) -> dict:
 
 def main() -> int:
     args = parse_args()
-    proc, flags, cap, preexec = None, None, None, None
+    cap, preexec = None, None
     if args.cold and not args.url:
         evict(checkpoint_files(Path(args.model)))
     if args.memory_limit and not args.url:
         cap = MemoryCap(parse_size(args.memory_limit), f"edge0-load-test-{os.getpid()}")
         preexec = cap.prepare()
+    try:
+        return _run(args, cap, preexec)
+    finally:
+        if cap is not None:
+            cap.remove()  # a server that never started leaves no cgroup behind (finish() removed it otherwise)
+
+
+def _run(args: argparse.Namespace, cap, preexec) -> int:
+    proc, flags = None, None
     load_start = os.getloadavg()
     if args.url:
         url, pid = args.url.rstrip("/"), args.server_pid

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from edge0.config import EngineConfig
 from edge0.errors import ConfigError
+from edge0.io_sched.direct import memory_limit
 
 
 def staged_slots(config: EngineConfig, spec, staged_width: int) -> int:
@@ -20,17 +21,18 @@ SLOT_GROWTH = 4  # slot_budget_mb None: the staged slots may grow to this many t
 
 def slot_ceiling(config: EngineConfig, index, staged: list[int], slots: int, others: int) -> int:
     """The most slots a staged layer may grow to: an equal share of ``slot_budget_mb`` (None:
-    ``SLOT_GROWTH`` x the slots at open, and never past ``memory_budget_mb`` less the
-    ``others`` expert buffers' bytes); never fewer than ``slots``."""
+    ``SLOT_GROWTH`` x the slots at open, within a quarter of the memory the process may use
+    less the ``others`` expert buffers' bytes), never past ``memory_budget_mb`` less those
+    bytes when that is set, never fewer than ``slots``."""
     if not staged:
         return slots
     per_expert = max(index.layers[l].expert_bytes for l in staged)
     if config.slot_budget_mb is not None:
         budget = config.slot_budget_mb * 2**20
-    else:
-        budget = SLOT_GROWTH * len(staged) * slots * per_expert
-        if config.memory_budget_mb is not None:
-            budget = min(budget, config.memory_budget_mb * 2**20 - others)
+    else:  # and never more than a quarter of the memory the process may use
+        budget = min(SLOT_GROWTH * len(staged) * slots * per_expert, memory_limit() // 4 - others)
+    if config.memory_budget_mb is not None:
+        budget = min(budget, config.memory_budget_mb * 2**20 - others)
     return max(slots, budget // (len(staged) * per_expert))
 
 

@@ -10,7 +10,8 @@ range around the wanted bytes, lands in a page-aligned bounce buffer of the read
 
 ``wants_direct`` decides ``direct_io = "auto"``: on when the checkpoint's files are larger
 than the memory this process may use (physical memory, or its memory cgroup's limit), so
-they could not stay in the page cache anyway.
+they could not stay in the page cache anyway. O_DIRECT is Linux's: where the platform has
+none (macOS), ``auto`` is off and ``on`` reads buffered with a log line.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import numpy as np
 
 ALIGN = 4096  # O_DIRECT's alignment of offsets, lengths and buffers (a page; covers 512-byte devices)
 CHUNK = 8 * 2**20  # the most one direct read covers (the bounce buffer's size per thread)
+IN_PLACE_MAX = 64 * 2**20  # the most one in-place direct read covers (a whole number of pages)
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
@@ -74,7 +76,7 @@ def wants_direct(mode: str, files: list[str]) -> bool:
     ``memory_limit()``."""
     if mode != "auto":
         return mode == "on"
-    return sum(os.path.getsize(f) for f in files) > memory_limit()
+    return bool(O_DIRECT) and sum(os.path.getsize(f) for f in files) > memory_limit()
 
 
 def open_direct(path: str) -> int | None:
@@ -131,6 +133,7 @@ def read_in_place(pread, fd: int, bounce: memoryview, dest: memoryview, offset: 
     address = np.frombuffer(dest, dtype=np.uint8).ctypes.data if len(dest) else 0
     if len(dest) < 2 * ALIGN or (address - offset) % ALIGN:
         return None
+    dest = dest[:IN_PLACE_MAX]  # longer: the caller reads on from where this one stopped
     head = -offset % ALIGN  # bytes of the first, partial page (0: the offset is aligned)
     end = offset + len(dest)
     tail = end % ALIGN

@@ -50,7 +50,11 @@ class ExpertReader:
         self._fds: dict[str, int] = {}
         self._identity: dict[str, tuple] = {}
         self._direct: dict[str, int] = {}  # file -> its O_DIRECT descriptor (direct reads)
+        self._retired: list[int] = []  # O_DIRECT descriptors given up: closed by close(), never before
+        self._bounce_only: set[str] = set()  # files whose in-place direct reads were refused
         self._bounce = dio.Bounce()
+        self._pool = None
+        self._lock = threading.Lock()
         try:
             for path in index.files:
                 fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
@@ -63,16 +67,16 @@ class ExpertReader:
             raise
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="edge0-read") if threads > 1 else None
         self.stats = ReadStats()
-        self._lock = threading.Lock()
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
-        for fd in [*self._fds.values(), *self._direct.values()]:
+        for fd in [*self._fds.values(), *self._direct.values(), *self._retired]:
             os.close(fd)
         self._fds.clear()
         self._direct.clear()
+        self._retired.clear()
 
     def _open_direct(self, path: str) -> None:
         fd = dio.open_direct(path)
@@ -82,11 +86,13 @@ class ExpertReader:
             self.log.warning("io.direct_unavailable", file=path, action="buffered reads")
 
     def _buffered_from_now(self, path: str, error: OSError) -> None:
-        """The filesystem took the O_DIRECT open but refuses its reads: buffered from now."""
+        """The filesystem took the O_DIRECT open but refuses its reads: buffered from now. The
+        descriptor stays open until ``close``: another reader thread may be reading with it."""
         with self._lock:
             fd = self._direct.pop(path, None)
+            if fd is not None:
+                self._retired.append(fd)
         if fd is not None:
-            os.close(fd)
             if self.log is not None:
                 self.log.warning("io.direct_unavailable", file=path, error=str(error), action="buffered reads")
 
@@ -139,20 +145,25 @@ class ExpertReader:
         failures = 0
         while done < want:
             direct = self._direct.get(loc.file)
+            in_place = direct is not None and loc.file not in self._bounce_only
             try:
                 if direct is not None:
                     bounce = self._bounce.get()
-                    n = dio.read_in_place(self.pread, direct, bounce, mv[done:], start + done) if not done else None
+                    n = dio.read_in_place(self.pread, direct, bounce, mv[done:], start + done) if in_place else None
                     if n is not None:
                         with self._lock:
                             self.stats.in_place_reads += 1
                     else:
+                        in_place = False
                         n = dio.read_direct(self.pread, direct, bounce, mv[done:], start + done)
                 else:
                     n = self.pread(self._fds[loc.file], [mv[done:]], start + done)
             except OSError as e:
                 if direct is not None and e.errno == errno.EINVAL:
-                    self._buffered_from_now(loc.file, e)
+                    if in_place:  # the device refuses this layout: the bounce buffer, then buffered
+                        self._bounce_only.add(loc.file)
+                    else:
+                        self._buffered_from_now(loc.file, e)
                     continue
                 failures += 1
                 if e.errno in self.RETRY_ERRNOS and failures <= self.retries:
