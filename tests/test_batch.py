@@ -250,3 +250,17 @@ def test_models_with_state_or_window_caches_run_their_generations_in_turn(tiny_m
         assert asyncio.run(_together(e, PROMPTS[:3], max_tokens=8)) == alone
         m = e.metrics()
     assert m.decode_steps == m.decode_tokens == sum(len(t) for t in alone)
+
+
+def test_slot_growth_never_passes_the_memory_budget(tiny_model_factory):
+    from edge0.exec.budget import slot_ceiling
+
+    d = tiny_model_factory("qwen3_moe")
+    with Engine(d, EngineConfig(decode_path="staged", prerouter="off"), oracle=None) as e:
+        index, staged = e.streaming.index, sorted(e.streaming.index.layers)
+    per = max(index.layers[l].expert_bytes for l in staged)
+    others = 4 * per
+    budget_mb = -(-(len(staged) * 6 * per + others) // 2**20)  # room for about 6 slots a layer
+    ceiling = slot_ceiling(EngineConfig(memory_budget_mb=budget_mb, slot_budget_mb=1024), index, staged, 4, others)
+    assert ceiling * len(staged) * per + others <= budget_mb * 2**20
+    assert slot_ceiling(EngineConfig(slot_budget_mb=1024), index, staged, 4, others) > ceiling
