@@ -33,20 +33,21 @@ class RowBuffer:
         self.rows = rows
         self.row_bytes = row_bytes
         n = rows * row_bytes
-        if phase is None:
-            self.device = mx.zeros((rows, row_bytes), dtype=mx.uint8)
-            mx.eval(self.device)
-        else:  # one page more, and the rows start where their address has the file's phase
+        self.device = None
+        if phase is not None:  # one page more, and the rows start where their address has the file's phase
             flat = mx.zeros((n + PAGE,), dtype=mx.uint8)
             mx.eval(flat)
             start = (phase - np.array(flat, copy=False).ctypes.data) % PAGE
             self.device = flat[start:start + n].reshape(rows, row_bytes)
             mx.eval(self.device)
+            if np.array(self.device, copy=False).ctypes.data % PAGE != phase:
+                self.device = None  # the slice did not share the buffer: plain rows (reads bounce)
+        if self.device is None:
+            self.device = mx.zeros((rows, row_bytes), dtype=mx.uint8)
+            mx.eval(self.device)
         self.host = np.array(self.device, copy=False)
         if not self.host.flags.writeable or self.host.ctypes.data == 0:
             raise RuntimeError("the MLX backend did not expose a writable host view")
-        if phase is not None and self.host.ctypes.data % PAGE != phase:
-            raise RuntimeError("a sliced MLX buffer did not share its memory (the row phase is lost)")
 
     @property
     def nbytes(self) -> int:
