@@ -28,6 +28,7 @@ import os
 import threading
 import time
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -227,7 +228,7 @@ class Batcher:
             if not self.rows and not any(r.cache is not None for r in self.joining if r is not row):
                 host._begin_batch()
             cache, cached = None, 0
-            if host.prompt_cache is not None and row.params.max_kv_size is None and row.record is None:
+            if self._cached(row):
                 cache, cached = host.prompt_cache.take(row.adapter, row.ids)
             row.cache = cache if cache is not None else bnn.make_cache(host._step_model, row.params.max_kv_size)
             row.pos = row.cached = cached
@@ -256,30 +257,39 @@ class Batcher:
         tokens forwarded (at least 1, so that every call makes progress)."""
         host = self.host
         rest = row.ids[row.pos:]
-        pre = host.streaming.prerouter
-        batch_state = pre.take_state() if pre is not None else None
-        if pre is not None and row.pstate is not None:
-            pre.put_state(row.pstate)
+        n = 0
         try:
-            n = 0
-            if len(rest) > 1:
-                n = min(host.config.prefill_step_size, len(rest) - 1)  # never cut by the budget:
-                # a row's chunks are the same whatever runs beside it
-                if host.streaming.adapters is not None:
-                    host.streaming.adapters.activate(row.adapter)
-                host._step_model(B.array([rest[:n]]), cache=row.cache, decode=False)
-                B.eval([c.state for c in row.cache])
-                row.pos += n
+            with self._heads_on(row):
+                if len(rest) > 1:
+                    n = min(host.config.prefill_step_size, len(rest) - 1)  # never cut by the budget:
+                    # a row's chunks are the same whatever runs beside it
+                    if host.streaming.adapters is not None:
+                        host.streaming.adapters.activate(row.adapter)
+                    host._step_model(B.array([rest[:n]]), cache=row.cache, decode=False)
+                    B.eval([c.state for c in row.cache])
+                    row.pos += n
         except BaseException as e:
             row.error = e
-        finally:
-            if pre is not None:
-                row.pstate = pre.take_state()
-                if batch_state is not None:
-                    pre.put_state(batch_state)
         if row.error is None and len(row.ids) - row.pos <= 1:
             self._join(row)
         return max(n, 1)
+
+    @contextmanager
+    def _heads_on(self, row: Row):
+        """Inside, the prerouter observes ``row``'s sequence alone (its own state); the
+        batch's state is put back after, ``row``'s kept for it."""
+        pre = self.host.streaming.prerouter
+        if pre is None:
+            yield
+            return
+        batch_state = pre.take_state()
+        if row.pstate is not None:
+            pre.put_state(row.pstate)
+        try:
+            yield
+        finally:
+            row.pstate = pre.take_state()
+            pre.put_state(batch_state)
 
     def _join(self, row: Row) -> None:
         self.joining.remove(row)
@@ -305,15 +315,8 @@ class Batcher:
 
     def _solo_step(self, row: Row) -> bool:
         """``row``'s next token from a forward pass of its own; False when it ended there."""
-        pre = self.host.streaming.prerouter
-        batch_state = pre.take_state()
-        if row.pstate is not None:
-            pre.put_state(row.pstate)
-        try:
+        with self._heads_on(row):
             done = self._step([row], row.cache)
-        finally:
-            row.pstate = pre.take_state()
-            pre.put_state(batch_state)
         if done:
             self._end_row(row)
         return not done
@@ -403,9 +406,14 @@ class Batcher:
         for row in gone:
             self._end_row(row)
 
+    def _cached(self, row: Row) -> bool:
+        """Whether ``row`` takes its cache from the prompt cache and gives it back (not with
+        a bounded KV size, nor a routing recording)."""
+        return self.host.prompt_cache is not None and row.params.max_kv_size is None and row.record is None
+
     def _keep_cache(self, row: Row, i: int) -> None:
         host = self.host
-        if host.prompt_cache is None or row.params.max_kv_size is not None or row.record is not None:
+        if not self._cached(row):
             return
         covered = (row.ids + row.generated)[: row.pos]
         cache = self.cache if row.alone else bnn.extract_batch_row(self.cache, i)

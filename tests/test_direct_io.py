@@ -217,3 +217,22 @@ def test_engine_reads_land_in_place_where_the_checkpoint_allows(tiny_model_facto
         if not placeable:
             pytest.skip("no tensor of this tiny checkpoint has page-sized rows at an 8-byte offset")
         assert stats.in_place_reads > 0
+
+
+def test_the_stats_line_says_how_experts_were_read(setups):
+    d, cfg, oracle, _ = setups["exact"]
+    lines = {}
+    for mode in ("off", "on"):
+        with Engine(d, EngineConfig(direct_io=mode)) as engine:
+            lines[mode] = list(engine.stream(PROMPT, max_tokens=2))[-1].stats.line()
+    assert lines["off"].endswith("| reads buffered")
+    if dio.open_direct(str(next(d.glob("model*.safetensors")))) is not None:
+        assert lines["on"].endswith("| reads direct")
+
+
+def test_auto_is_off_where_the_platform_has_no_o_direct(tiny_model_factory, monkeypatch):
+    files = [str(p) for p in tiny_model_factory("qwen3_moe").glob("model*.safetensors")]
+    monkeypatch.setattr(dio, "memory_limit", lambda: 1)
+    assert dio.wants_direct("auto", files)
+    monkeypatch.setattr(dio, "O_DIRECT", 0)
+    assert not dio.wants_direct("auto", files)

@@ -685,3 +685,17 @@ def _process_counts(url) -> dict:
                 out[name] = float(line.split()[1])
     assert set(out) == {"open_fds", "tasks"}, text[-800:]
     return out
+
+
+def test_metrics_show_the_staged_slots_and_mlx_memory():
+    """/metrics carries the engine's slot bytes and over-slot count, and MLX's memory."""
+    demo = Path(__file__).resolve().parent.parent / "edge0" / "data" / "demo_model"
+    with serving(demo, EngineConfig()) as (url, state):
+        r = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 4}, timeout=120)
+        assert r.status_code == 200, r.text
+        values = {line.split()[0]: float(line.split()[1]) for line in httpx.get(url + "/metrics").text.splitlines()
+                  if line.startswith("edge0_")}
+        m = state.engine.metrics()
+    assert m.slot_bytes > 0 and values["edge0_slot_bytes"] == m.slot_bytes
+    assert values["edge0_over_slot_layers_total"] == m.over_slot_layers
+    assert values["edge0_process_mlx_active_bytes"] > 0 and values["edge0_process_mlx_cache_bytes"] >= 0
