@@ -76,9 +76,15 @@ class EngineConfig:
     prerouter: str = "auto"
     # A heads file elsewhere than <model>/prerouter.safetensors.
     prerouter_file: str | None = None
-    # Dtype the heads run in: "auto" = float16 (as stored) on GPU backends, float32 on the CPU
-    # backend, where a float16 flush of 11 heads at 35B shapes measured 67 ms vs 8.6 ms.
+    # Dtype the heads run in when they flush in MLX: "auto" = float16 (as stored) on GPU
+    # backends, float32 on the CPU backend, where a float16 flush of 11 heads at 35B shapes
+    # measured 86 ms vs 15 ms.
     prerouter_dtype: str = "auto"
+    # Where the heads' one flush per decode step runs: "mlx" (on MLX's device, in
+    # prerouter_dtype), "numpy" (float32 NumPy products: on the CPU backend a flush of 39
+    # heads at 35B shapes measured 16 ms against MLX's 40 ms, 48 against 975 ms for a batch of
+    # 16 rows), or "auto" = numpy on the CPU backend in float32, mlx otherwise.
+    prerouter_flush: str = "auto"
     # How a staged layer routes on the heads' prediction: "replace" (the prediction IS the
     # routing: k experts staged), "select" (the top k + stage_extra predicted experts are
     # staged and the layer's own router chooses its k among them: nothing read outside the
@@ -152,6 +158,8 @@ class EngineConfig:
             raise ConfigError(f"prerouter must be one of {PREROUTER_MODES}, got {self.prerouter!r}")
         if self.prerouter_dtype not in ("auto", "float16", "float32"):
             raise ConfigError(f"prerouter_dtype must be auto, float16 or float32, got {self.prerouter_dtype!r}")
+        if self.prerouter_flush not in ("auto", "mlx", "numpy"):
+            raise ConfigError(f"prerouter_flush must be auto, mlx or numpy, got {self.prerouter_flush!r}")
         if self.routing not in ROUTINGS:
             raise ConfigError(f"routing must be one of {ROUTINGS}, got {self.routing!r}")
         if self.stage_extra is not None and (isinstance(self.stage_extra, bool) or not isinstance(

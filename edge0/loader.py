@@ -189,6 +189,26 @@ def _paths(config: EngineConfig, layers: list[int], heads) -> dict[tuple[int, st
     return path_of
 
 
+def _make_prerouter(config: EngineConfig, heads, width: int | None) -> Prerouter | None:
+    """The decode-time prerouter over ``heads`` (None: no heads), its flush where
+    ``prerouter_flush`` and ``prerouter_dtype`` resolve to; ``width``: experts staged per
+    consumer (select routing), None: k (the prediction is the routing)."""
+    if heads is None:
+        return None
+    dtype = config.prerouter_dtype
+    if dtype == "auto":
+        dtype = "float32" if B.is_cpu() else "float16"
+    flush = config.prerouter_flush
+    if flush == "auto":
+        flush = "numpy" if B.is_cpu() and dtype == "float32" else "mlx"
+    if flush == "numpy" and dtype != "float32":
+        raise ConfigError(f"prerouter_flush numpy computes in float32; prerouter_dtype {dtype} needs "
+                          "prerouter_flush mlx (or auto)")
+    prerouter = Prerouter(heads, dtype=B.dtype(dtype), on_host=flush == "numpy")
+    prerouter.width = width
+    return prerouter
+
+
 def load_streaming_model(model_dir: str | Path, config: EngineConfig, *, oracle: OracleRouting | None = None,
                          record: bool = False, log=None) -> Streaming:
     """Open ``model_dir`` for streaming: mlx-lm's model with every expert stack replaced by a
@@ -222,12 +242,7 @@ def load_streaming_model(model_dir: str | Path, config: EngineConfig, *, oracle:
         hot = HotExecutor(index, reader, config.hot_experts, exact, log=log) if on["hot"] else None
         whole = (WholeLayerExecutor(index, reader, on["whole_layer"], templates, log=log, split=exact.split)
                  if on["whole_layer"] else None)
-        heads_dtype = config.prerouter_dtype
-        if heads_dtype == "auto":
-            heads_dtype = "float32" if B.is_cpu() else "float16"
-        prerouter = Prerouter(heads, dtype=B.dtype(heads_dtype)) if heads is not None else None
-        if prerouter is not None and routing == "select":
-            prerouter.width = spec.k + extra
+        prerouter = _make_prerouter(config, heads, spec.k + extra if routing == "select" else None)
         if on["staged"]:
             stager = Stager(index, on["staged"], slots, reader, None if prerouter is not None else oracle,
                             readers=config.reader_threads, prefetch_depth=config.prefetch_depth, log=log,

@@ -452,3 +452,10 @@ def test_adapter_flag_takes_several_directories():
 def test_slot_budget_must_be_none_zero_or_mib(value):
     with pytest.raises(ConfigError, match=r"slot_budget_mb must be None \(4 x the slots at open\), 0 \(never grow\)"):
         EngineConfig(slot_budget_mb=value)
+
+
+def test_prerouter_flush_is_auto_mlx_or_numpy():
+    for good in ("auto", "mlx", "numpy"):
+        EngineConfig(prerouter_flush=good)
+    with pytest.raises(ConfigError, match="prerouter_flush must be auto, mlx or numpy, got 'host'"):
+        EngineConfig(prerouter_flush="host")

@@ -161,10 +161,11 @@ def test_select_adds_no_host_sync(heads, monkeypatch):
     from tests.test_prerouter import _staged_step_syncs
 
     per_step, inside, n_staged = _staged_step_syncs(heads("qwen3_moe"), monkeypatch,
-                                                    EngineConfig(routing="select", stage_extra=2))
+                                                    EngineConfig(routing="select", stage_extra=2,
+                                                                 prerouter_flush="numpy"))
     assert len(inside) == 4 * n_staged and all(c == {"async_eval": 1} for c in inside), inside
-    for counts in per_step:
-        assert counts == {"eval": 2, "numpy": 2, "async_eval": n_staged}, counts
+    for counts in per_step:  # as replace: tests/test_prerouter.py::test_host_syncs_per_step_do_not_grow_with_layers
+        assert counts == {"eval": 2, "numpy": 3, "async_eval": n_staged}, counts
 
 
 def test_token_heads_are_handed_the_token_being_decoded(heads):
@@ -176,14 +177,14 @@ def test_token_heads_are_handed_the_token_being_decoded(heads):
         pr = s.prerouter
         assert pr.heads.sees_token and pr.heads.token_dim == s.embed_dim
         calls = []
-        predict_all = pr.heads.predict_all
+        predict_all = pr.logits
 
         def capture(h, inds_t, inds_prev, tok=None):
             out = predict_all(h, inds_t, inds_prev, tok)
             calls.append((h, inds_t, inds_prev, tok, out))
             return out
 
-        pr.heads.predict_all = capture
+        pr.logits = capture
         flush = pr.flush
         fed = []
         pr.flush = lambda tokens=None: (fed.append(tokens), flush(tokens))[1]
@@ -253,11 +254,14 @@ def test_select_settings_are_checked(heads):
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("routing", ["replace", "select"])
-def test_student_path_is_the_served_path_with_token_heads(heads, family, routing, tmp_path):
+@pytest.mark.parametrize("flush", ["mlx", "numpy"])
+def test_student_path_is_the_served_path_with_token_heads(heads, family, routing, flush, tmp_path):
     """The training path (parallel over the sequence) computes the served logits with heads
-    that see the token, under either routing, adapter included: bit for bit on qwen3_moe;
-    on deepseek_v3 to float rounding, since its attention over a whole sequence already
-    differs from token-by-token decode in the last bits on its own gates."""
+    that see the token, under either routing, adapter included: bit for bit on qwen3_moe
+    with the heads flushed in MLX, as training computes them; to float rounding with the
+    flush in NumPy (other summation order), and on deepseek_v3, since its attention over a
+    whole sequence already differs from token-by-token decode in the last bits on its own
+    gates."""
     from edge0.prerouter.files import checkpoint_identity
     from edge0.train.student import StudentModel
     from tests.test_recipe import served_logits
@@ -272,10 +276,11 @@ def test_student_path_is_the_served_path_with_token_heads(heads, family, routing
     student.save(tmp_path / "a", {"base_identity": checkpoint_identity(d)})
     prompt, continuation = [5, 17, 33, 2, 99, 41], [7, 250, 13, 77, 101, 3, 64, 9, 11, 200]
     ours = student.logits(mx.array([prompt + continuation]), np.array([len(prompt)]))[0, len(prompt) - 1:-1]
-    config = EngineConfig(adapter=str(tmp_path / "a"), routing=routing, stage_extra=extra)
+    config = EngineConfig(adapter=str(tmp_path / "a"), routing=routing, stage_extra=extra, prerouter_flush=flush)
     served = served_logits(d, config, prompt, continuation)
     diff = mx.abs(ours.astype(mx.float32) - served).max().item()
-    assert diff == 0 if family == "qwen3_moe" else diff < 1e-5 * mx.abs(served).max().item(), diff
+    exact = family == "qwen3_moe" and flush == "mlx"
+    assert diff == 0 if exact else diff < 1e-5 * mx.abs(served).max().item(), diff
     other = EngineConfig(adapter=str(tmp_path / "a"), routing="select" if routing == "replace" else "replace")
     assert mx.abs(served_logits(d, other, prompt, continuation) - served).max().item() > 1e-3
 
@@ -337,3 +342,34 @@ def test_quality_rows_without_a_teacher_serve_their_settings(heads, tmp_path, ca
     assert rows["rep 2-3"]["routing"] == ["replace", 0] and rows["rep 2-3"]["staged_layers"] == [2, 3]
     assert all("ratio_to_teacher" not in r for r in rows.values())
     assert "ratio to own gates" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("token", [True, False], ids=["token-heads", "base-heads"])
+def test_the_numpy_flush_plans_what_the_mlx_flush_plans(heads, family, token):
+    """prerouter_flush numpy (the CPU backend's default) against mlx, replace and select:
+    the heads' logits equal within float32 rounding, hence the same staged sets, the same
+    routing and the same greedy text."""
+    d = heads(family, token=token)
+    for routing, extra in (("replace", None), ("select", 2)):
+        runs = {}
+        for flush in ("mlx", "numpy"):
+            with Engine(d, EngineConfig(prerouter_flush=flush, routing=routing, stage_extra=extra)) as engine:
+                pr = engine.streaming.prerouter
+                assert (pr.host is not None) == (flush == "numpy")
+                seen, logits = [], pr.logits
+                pr.logits = lambda *a, _f=logits: (lambda out: (seen.append(np.array(out)), out)[1])(_f(*a))
+                plans, used, events = record_staging(engine, PROMPT, 16)
+            runs[flush] = (seen, plans, used, [e.text for e in events])
+        (m_logits, *m_rest), (n_logits, *n_rest) = runs["mlx"], runs["numpy"]
+        assert len(m_logits) == len(n_logits) >= 12
+        for a, b in zip(m_logits, n_logits):
+            assert a.shape == b.shape and np.allclose(a, b, rtol=1e-5, atol=1e-5), np.abs(a - b).max()
+        assert m_rest == n_rest, routing
+
+
+def test_a_numpy_flush_in_float16_is_refused(heads):
+    with pytest.raises(ConfigError, match="prerouter_flush numpy computes in float32; prerouter_dtype float16"):
+        Engine(heads("qwen3_moe"), EngineConfig(prerouter_flush="numpy", prerouter_dtype="float16"))
+    with Engine(heads("qwen3_moe"), EngineConfig(prerouter_dtype="float16")) as engine:  # auto: then mlx
+        assert engine.streaming.prerouter.host is None

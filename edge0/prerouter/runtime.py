@@ -11,14 +11,21 @@ the block computes with, combine weights included.
 
 from __future__ import annotations
 
+import numpy as np
+
 from edge0.backend import core as B
 from edge0.prerouter.heads import PrerouterHeads
+from edge0.prerouter.host import HostHeads
 
 
 class Prerouter:
-    def __init__(self, heads: PrerouterHeads, dtype=None):
+    def __init__(self, heads: PrerouterHeads, dtype=None, on_host: bool = False):
+        """``on_host``: the flush runs as float32 NumPy products (``edge0.prerouter.host``),
+        else as MLX's on its device, in ``dtype``."""
         self.heads = heads
-        heads.freeze_for_inference(dtype or heads.head(heads.owners[0]).residual.weight.dtype)
+        self.host = HostHeads(heads) if on_host else None
+        if not on_host:
+            heads.freeze_for_inference(dtype or heads.head(heads.owners[0]).residual.weight.dtype)
         self.owners = set(heads.owners)
         self.route = None  # set by connect(): (consumer, logits, width) -> that block's routing of them
         self.embed = None  # set by connect(): token ids -> embedding rows (heads that see the token)
@@ -115,10 +122,24 @@ class Prerouter:
             if tokens is None:
                 raise ValueError("these heads see the token being decoded: flush(tokens) needs it")
             tok = self.embed(tokens.reshape(rows, 1)).reshape(1, rows, -1)
-        logits = self.heads.predict_all(x, inds, prev, tok).astype(B.float32)
+        logits = self.logits(x, inds, prev, tok)
         out = {}
         for i, o in enumerate(owners):
             z = logits[i].reshape(rows, -1)
             c = self.heads.consumer[o]
             out[c] = (self.route(c, z, self.width), z)
         return out
+
+    def logits(self, x, inds, prev, tok=None):
+        """Every head's predicted router logits [H, R, E] (float32) from their inputs
+        (``PrerouterHeads.predict_all``'s), on the device or, with ``on_host``, in NumPy after
+        one host read of the inputs (computed already: the step before is evaluated)."""
+        if self.host is None:
+            return self.heads.predict_all(x, inds, prev, tok).astype(B.float32)
+        parts = [x, inds, prev] + ([] if tok is None else [tok])
+        flat = B.to_host(B.concat([p.astype(B.float32).reshape(-1) for p in parts]))
+        cut = np.cumsum([0] + [p.size for p in parts])
+        host = [flat[a:b].reshape(p.shape) for p, a, b in zip(parts, cut[:-1], cut[1:])]
+        h, i, ip = host[0], host[1].astype("int64"), host[2].astype("int64")
+        t = host[3].reshape(x.shape[1], -1) if tok is not None else None
+        return B.array(self.host.logits(h, i, ip, t))
