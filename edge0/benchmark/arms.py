@@ -128,6 +128,13 @@ def staged_prerouter(model_dir: str, settings: dict) -> Loaded:
                       **({} if "prerouter_file" in options else {"prerouter_file": settings["prerouter_file"]}))
 
 
+@arm("llama.cpp")
+def llama_cpp_arm(model_dir: str, settings: dict) -> Loaded:
+    """llama.cpp's own decode of the checkpoint converted to GGUF (``edge0.benchmark.llama_cpp``);
+    it has a replay of its own, not an MLX model."""
+    raise RuntimeError("the llama.cpp arm replays through edge0.benchmark.llama_cpp.replay")
+
+
 class _NoReads:
     def read(self, layer, expert, slot):
         return 0
@@ -187,6 +194,12 @@ def tokens_digest(tokens: list[int]) -> str:
 
 def replay(name: str, model_dir: str, prompt: list[int], continuation: list[int], settings: dict) -> dict:
     """Run arm ``name`` over the replay sequence; returns its figures (one JSON object)."""
+    if base_arm(name) == "llama.cpp":
+        from edge0.benchmark import llama_cpp
+
+        result = llama_cpp.replay(name, prompt, continuation, dict(settings, arm=name))
+        return dict(result, consumed_digest=tokens_digest(prompt + continuation),
+                    argmax_digest=tokens_digest(result.pop("argmax")))
     from edge0.backend import core as B
     from edge0.backend import nn as bnn
     from edge0.stats import peak_rss_bytes

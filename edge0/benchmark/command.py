@@ -52,6 +52,11 @@ def add_parser(sub) -> None:
     b.add_argument("--memory-limit", default=None, metavar="SIZE",
                    help="run each arm in a memory cgroup capped at SIZE (e.g. 8G), anonymous memory and page cache "
                         "together, so a checkpoint larger than SIZE cannot stay in RAM (root; cgroup v2 or v1)")
+    b.add_argument("--gguf", default=None, metavar="FILE",
+                   help="the llama.cpp arm's GGUF copy of the checkpoint (converted into FILE if it does not exist; "
+                        "default: one kept in Edge0's cache, converted once)")
+    b.add_argument("--llama-threads", type=int, default=None, metavar="N",
+                   help="threads of the llama.cpp arm (default: every core, llama.cpp's own default)")
     b.add_argument("--out", default="bench-results", help="directory for JSON, markdown and chart")
     b.add_argument("--chart", action="store_true", help="also draw bench.png (needs matplotlib)")
     b.set_defaults(func=run)
@@ -90,8 +95,7 @@ def run(args) -> int:
         settings = BenchSettings(arms=arms, rounds=args.rounds, arm_options=options,
                                  cache=mode, prompt_tokens=args.prompt_tokens, decode_tokens=args.decode_tokens,
                                  compute_dtype=args.compute_dtype, cache_budget_mb=args.cache_budget_mb,
-                                 memory_limit=limit,
-                                 extra={"prerouter_file": str(Path(args.heads).resolve())} if args.heads else {})
+                                 memory_limit=limit, extra=_extra(args))
         doc = run_bench(model, settings, progress=lambda s: print(f"[bench] {s}", file=sys.stderr))
         (out / f"bench-{mode}.json").write_text(json.dumps(doc, indent=2))
         docs.append(doc)
@@ -101,6 +105,22 @@ def run(args) -> int:
         chart(docs, out / "bench.png")
     print(f"[bench] results in {out}/", file=sys.stderr)
     return 0
+
+
+def _extra(args) -> dict:
+    """Settings every arm's process gets besides the engine's: files named by the command line."""
+    extra = {}
+    if args.heads:
+        extra["prerouter_file"] = str(Path(args.heads).resolve())
+    if args.gguf:
+        extra["gguf_file"] = str(Path(args.gguf).resolve())
+    if args.llama_threads is not None:
+        if args.llama_threads < 1:
+            from edge0.errors import ConfigError
+
+            raise ConfigError(f"--llama-threads must be at least 1, got {args.llama_threads}")
+        extra["llama_threads"] = args.llama_threads
+    return extra
 
 
 def arm_options(items: list[str], arms: tuple[str, ...]) -> dict:

@@ -53,6 +53,12 @@ class BenchSettings:
         for name in ("rounds", "prompt_tokens", "decode_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if LLAMA_CPP in {base_arm(a) for a in self.arms}:
+            from edge0.benchmark.llama_cpp import available
+
+            missing = available()
+            if missing:
+                raise ConfigError(missing)
 
     def arm_settings(self) -> dict:
         s = {"compute_dtype": self.compute_dtype, "arm_options": self.arm_options, **self.extra}
@@ -116,6 +122,32 @@ def make_replay(model_dir: Path, prompt_tokens: int, decode_tokens: int, seed: i
 
 
 STAGED_ARMS = ("staged+oracle", "compute-only", "read-only")
+LLAMA_CPP = "llama.cpp"
+
+
+def default_gguf(model_dir: Path) -> Path:
+    """Where the llama.cpp arm's GGUF copy of ``model_dir`` is kept (converted once): named
+    by the checkpoint's config and its files' names, sizes and times."""
+    import hashlib
+
+    from edge0.cache import cache_dir
+
+    h = hashlib.sha256((model_dir / "config.json").read_bytes())
+    for f in checkpoint_files(model_dir):
+        st = f.stat()
+        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return cache_dir() / "gguf" / f"{model_dir.name}-{h.hexdigest()[:12]}.q4_1.gguf"
+
+
+def _gguf_for(model_dir: Path, arm_settings: dict, progress) -> Path:
+    from edge0.benchmark.to_gguf import convert
+
+    path = Path(arm_settings.get("gguf_file") or default_gguf(model_dir))
+    if not path.exists():
+        progress(f"converting the checkpoint to GGUF for the llama.cpp arm: {path.name}")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        convert(model_dir, path, progress)
+    return path
 
 
 _CAPS = iter(range(1 << 30))
@@ -190,21 +222,29 @@ def run_bench(model_dir: str | Path, settings: BenchSettings, progress: Callable
             _child({"warm_heads": str(heads), "model": str(model_dir)})
             arm_settings["prerouter_file"] = str(heads)
             arm_settings["heads"] = "warm start (untrained)"
-        runs, orders = _rounds(model_dir, files, settings, replay, arm_settings, progress, runner)
-    return _document(model_dir, files, settings, replay, runs, orders)
+        gguf = None
+        if LLAMA_CPP in {base_arm(a) for a in settings.arms}:
+            gguf = _gguf_for(model_dir, arm_settings, progress)
+            arm_settings["gguf_file"] = str(gguf)
+        runs, orders = _rounds(model_dir, files, settings, replay, arm_settings, progress, runner, gguf)
+    doc = _document(model_dir, files, settings, replay, runs, orders)
+    if gguf is not None:
+        doc["gguf_bytes"] = gguf.stat().st_size
+    return doc
 
 
-def _rounds(model_dir, files, settings, replay, arm_settings, progress, runner):
+def _rounds(model_dir, files, settings, replay, arm_settings, progress, runner, gguf=None):
     runs: dict[str, list[dict]] = {a: [] for a in settings.arms}
     orders = []
     for r in range(settings.rounds):
         order = rotation(settings.arms, r)
         orders.append(order)
         for name in order:
+            reads = [gguf] if base_arm(name) == LLAMA_CPP else files  # the file(s) this arm reads
             if settings.cache == "cold":
-                evict(files)
+                evict(files + ([gguf] if gguf is not None else []))
             else:
-                warm(files)
+                warm(reads)
             progress(f"round {r + 1}/{settings.rounds}: {name} ({settings.cache})")
             if settings.memory_limit is not None:
                 result = runner(name, model_dir, replay, arm_settings, memory_limit=settings.memory_limit)
@@ -243,7 +283,8 @@ def _paired(base: str, base_runs: list[dict], runs: list[dict]) -> dict:
     info = lambda run, key: (run.get("info") or {}).get(key)
     return {"arm": base,
             "decode_tps_ratio": summarize([v["decode_tps"] / b["decode_tps"] for b, v in pairs]),
-            "peak_active_memory_delta": summarize([v["peak_active_memory"] - b["peak_active_memory"] for b, v in pairs]),
+            "peak_active_memory_delta": _maybe_summary([v["peak_active_memory"] - b["peak_active_memory"]
+                                                        for b, v in pairs if v["peak_active_memory"] is not None]),
             # None where the base arm reads no experts (a resident arm): no ratio to give
             "expert_bytes_per_token_ratio": _maybe_summary([v["expert_bytes_per_token"] / b["expert_bytes_per_token"]
                                                             for b, v in pairs if b["expert_bytes_per_token"]]),
@@ -266,7 +307,10 @@ def _document(model_dir, files, settings, replay, runs, orders) -> dict:
             arm["out_of_memory_runs"] = len(ooms)
             arm["did_not_run"] = f"out of memory at {peak / 2**20:.0f} MiB" if not results else None
         if results:
-            arm.update({fig: summarize([res[fig] for res in results]) for fig in FIGURES})
+            for fig in FIGURES:  # (a figure an arm has no counterpart for is None: llama.cpp's MLX memory)
+                values = [res[fig] for res in results if res.get(fig) is not None]
+                if values:
+                    arm[fig] = summarize(values)
             arm["consumed_digest"] = sorted({res["consumed_digest"] for res in results})
             arm["argmax_digest"] = sorted({res["argmax_digest"] for res in results})
             caps = [res["memory_cap"]["peak_bytes"] for res in results if res.get("memory_cap")]
@@ -278,7 +322,7 @@ def _document(model_dir, files, settings, replay, runs, orders) -> dict:
         for name, a in arms.items():
             if "decode_tps" in a:
                 a["ratio_to_resident"] = {
-                    fig: (a[fig]["median"] / base[fig]["median"]) if base[fig]["median"] else None
+                    fig: (a[fig]["median"] / base[fig]["median"]) if fig in a and base[fig]["median"] else None
                     for fig in ("decode_tps", "prefill_tps", "peak_active_memory", "peak_rss")
                 }
     for name, a in arms.items():

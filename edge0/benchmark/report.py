@@ -7,7 +7,9 @@ from pathlib import Path
 MIB = 2**20
 
 
-def _fmt(fig: dict, scale: float = 1.0, digits: int = 1) -> str:
+def _fmt(fig: dict | None, scale: float = 1.0, digits: int = 1) -> str:
+    if fig is None:
+        return "n/a"
     m, lo, hi = fig["median"] / scale, fig["min"] / scale, fig["max"] / scale
     return f"{m:.{digits}f} [{lo:.{digits}f}–{hi:.{digits}f}]"
 
@@ -36,8 +38,8 @@ def markdown(doc: dict) -> str:
         mem = ratio.get("peak_active_memory")
         lines.append(
             f"| {name} | {_fmt(a['decode_tps'], digits=2)} | {_fmt(a['prefill_tps'], digits=2)} "
-            f"| {_fmt(a['peak_active_memory'], MIB, 0)} | {_fmt(a['peak_rss'], MIB, 0)} "
-            f"| {_fmt(a['expert_bytes_per_token'], MIB, 1)} | {_fmt(a['read_wait_ms_per_step'], digits=1)} "
+            f"| {_fmt(a.get('peak_active_memory'), MIB, 0)} | {_fmt(a['peak_rss'], MIB, 0)} "
+            f"| {_fmt(a['expert_bytes_per_token'], MIB, 1)} | {_fmt(a.get('read_wait_ms_per_step'), digits=1)} "
             f"| {_fmt(a['load_seconds'], digits=1)} "
             f"| {'' if dec is None else f'{dec:.2f}x'} | {'' if mem is None else f'{mem:.1%}'} |"
             + (f" {_fmt(a['cgroup_peak_bytes'], MIB, 0)} |" if limit and "cgroup_peak_bytes" in a else
@@ -58,9 +60,15 @@ def markdown(doc: dict) -> str:
         lines.append(
             f"- {name} vs {v['arm']}: decode {_fmt(v['decode_tps_ratio'], digits=3)}x, "
             + (f"expert bytes per token {_fmt(ratio, digits=3)}x, " if ratio else "")
-            + "peak MLX active "
-            f"{mem['median'] / MIB:+.3f} MiB [{mem['min'] / MIB:+.3f}–{mem['max'] / MIB:+.3f}]"
+            + ("peak MLX active "
+               f"{mem['median'] / MIB:+.3f} MiB [{mem['min'] / MIB:+.3f}–{mem['max'] / MIB:+.3f}]" if mem else
+               "no MLX memory")
             + (f" ({', '.join(what)})" if what else ""))
+    if doc.get("gguf_bytes"):
+        lines += ["", f"llama.cpp runs the GGUF copy of the checkpoint (the same weights in Q4_1, "
+                      f"{doc['gguf_bytes'] / 1e9:.2f} GB); its MiB/token is what the kernel read from the disk for "
+                      "it per token (`/proc/self/io`: every weight a step touched that was not in the page cache), "
+                      "and its read wait is inside its step (page faults), n/a here."]
     ov = doc.get("overlap")
     if ov:
         lines += ["", f"Staged+oracle decode step {ov['staged_step_ms']:.1f} ms = {ov['staged_over_max']:.3f} x "
@@ -86,7 +94,7 @@ def chart(docs: list[dict], path: str | Path) -> None:
         names = list(doc["arms"])
         xs = [j + i * width for j in range(len(names))]
         tps = [doc["arms"][n]["decode_tps"] for n in names]
-        mem = [doc["arms"][n]["peak_active_memory"] for n in names]
+        mem = [doc["arms"][n].get("peak_active_memory") or {"median": 0} for n in names]
         label = doc["settings"]["cache"]
         ax1.bar(xs, [t["median"] for t in tps], width, label=label,
                 yerr=[[t["median"] - t["min"] for t in tps], [t["max"] - t["median"] for t in tps]])
