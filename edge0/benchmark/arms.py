@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import resource
 import sys
 import time
 from dataclasses import dataclass, field
@@ -220,6 +221,7 @@ def replay(name: str, model_dir: str, prompt: list[int], continuation: list[int]
         prefill_bytes = loaded.read_bytes() - bytes0
         argmax = [int(logits[0, -1].argmax().item())]
         steps, step_bytes, step_waits = [], [], []
+        usage0 = resource.getrusage(resource.RUSAGE_SELF)
         for token in continuation:
             b, w = loaded.read_bytes(), loaded.read_seconds()
             t0 = time.perf_counter()
@@ -234,6 +236,9 @@ def replay(name: str, model_dir: str, prompt: list[int], continuation: list[int]
             if base_arm(name) not in ("read-only", "compute-only"):
                 argmax.append(int(logits[0, -1].argmax().item()))
         decode_seconds = sum(steps)
+        usage = resource.getrusage(resource.RUSAGE_SELF)  # the decode steps' CPU: user and system (reads)
+        loaded.info.update(decode_user_s=usage.ru_utime - usage0.ru_utime,
+                           decode_system_s=usage.ru_stime - usage0.ru_stime)
         return dict(
             arm=name, settings=settings, info=loaded.info, load_seconds=load_seconds,
             prompt_tokens=len(prompt), decode_tokens=len(continuation),

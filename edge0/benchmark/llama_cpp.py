@@ -78,6 +78,7 @@ def replay(name: str, prompt: list[int], continuation: list[int], settings: dict
         argmax = [int(_last_logits(llm, n_vocab).argmax())]
         prefill_bytes = _read_bytes() - read0
         steps, step_bytes = [], []
+        usage0 = resource.getrusage(resource.RUSAGE_SELF)
         for token in continuation:
             b = _read_bytes()
             t0 = time.perf_counter()
@@ -85,10 +86,15 @@ def replay(name: str, prompt: list[int], continuation: list[int], settings: dict
             steps.append(time.perf_counter() - t0)
             step_bytes.append(_read_bytes() - b)
             argmax.append(int(_last_logits(llm, n_vocab).argmax()))
-        faults = resource.getrusage(resource.RUSAGE_SELF).ru_majflt - faults0
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        faults = usage.ru_majflt - faults0
         info = {"threads": threads, "mmap": bool(settings.get("llama_mmap", True)), "weights": "Q4_1 (GGUF)",
                 "bytes_read": "/proc/self/io read_bytes: every weight the step touched that was not in the page cache",
-                "major_faults": faults, "rss_anon_mib_at_end": _status_kib("RssAnon") / 1024,
+                "major_faults": faults, "decode_major_faults": usage.ru_majflt - usage0.ru_majflt,
+                # where its decode steps' CPU went: user time (its kernels) and system time (page faults:
+                # reading the mapped file, and reclaim under a cap)
+                "decode_user_s": usage.ru_utime - usage0.ru_utime, "decode_system_s": usage.ru_stime - usage0.ru_stime,
+                "rss_anon_mib_at_end": _status_kib("RssAnon") / 1024,
                 "rss_file_mib_at_end": _status_kib("RssFile") / 1024,
                 "llama_cpp_python": getattr(llama_cpp, "__version__", "?")}
     finally:
