@@ -198,9 +198,7 @@ def _make_prerouter(config: EngineConfig, heads, width: int | None) -> Prerouter
     dtype = config.prerouter_dtype
     if dtype == "auto":
         dtype = "float32" if B.is_cpu() else "float16"
-    flush = config.prerouter_flush
-    if flush == "auto":
-        flush = "numpy" if B.is_cpu() and dtype == "float32" else "mlx"
+    flush = "mlx" if config.prerouter_flush == "auto" else config.prerouter_flush
     if flush == "numpy" and dtype != "float32":
         raise ConfigError(f"prerouter_flush numpy computes in float32; prerouter_dtype {dtype} needs "
                           "prerouter_flush mlx (or auto)")

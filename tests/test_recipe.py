@@ -64,7 +64,7 @@ def test_student_path_is_the_served_path(model_with_heads, tmp_path):
     # kernel, same delta (this also holds the staged path to evaluating a step's slots before
     # reusing them when the next input is teacher-forced)
     assert mx.array_equal(ours, served).item(), mx.abs(ours - served).max().item()
-    # the flush in NumPy (the CPU backend's default) sums in another order: float rounding apart
+    # the flush in NumPy (prerouter_flush numpy) sums in another order: float rounding apart
     on_host = served_logits(model_with_heads, EngineConfig(adapter=str(tmp_path / "a"), prerouter_flush="numpy"),
                             prompt, continuation)
     assert mx.abs(ours - on_host).max().item() < 1e-5 * mx.abs(ours).max().item()

@@ -347,7 +347,7 @@ def test_quality_rows_without_a_teacher_serve_their_settings(heads, tmp_path, ca
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("token", [True, False], ids=["token-heads", "base-heads"])
 def test_the_numpy_flush_plans_what_the_mlx_flush_plans(heads, family, token):
-    """prerouter_flush numpy (the CPU backend's default) against mlx, replace and select:
+    """prerouter_flush numpy against mlx (the default), replace and select:
     the heads' logits equal within float32 rounding, hence the same staged sets, the same
     routing and the same greedy text."""
     d = heads(family, token=token)
