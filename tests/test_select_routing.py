@@ -252,9 +252,8 @@ def test_select_settings_are_checked(heads):
         s.close()
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("routing", ["replace", "select"])
-@pytest.mark.parametrize("flush", ["mlx", "numpy"])
+@pytest.mark.parametrize("family,routing,flush", [(f, r, "mlx") for f in FAMILIES for r in ("replace", "select")]
+                         + [("qwen3_moe", r, "numpy") for r in ("replace", "select")])
 def test_student_path_is_the_served_path_with_token_heads(heads, family, routing, flush, tmp_path):
     """The training path (parallel over the sequence) computes the served logits with heads
     that see the token, under either routing, adapter included: bit for bit on qwen3_moe
@@ -344,8 +343,8 @@ def test_quality_rows_without_a_teacher_serve_their_settings(heads, tmp_path, ca
     assert "ratio to own gates" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("token", [True, False], ids=["token-heads", "base-heads"])
+@pytest.mark.parametrize("family,token", [("qwen3_moe", True), ("deepseek_v3", True), ("qwen3_moe", False)],
+                         ids=["token-heads-qwen3_moe", "token-heads-deepseek_v3", "base-heads-qwen3_moe"])
 def test_the_numpy_flush_plans_what_the_mlx_flush_plans(heads, family, token):
     """prerouter_flush numpy against mlx (the default), replace and select:
     the heads' logits equal within float32 rounding, hence the same staged sets, the same
@@ -359,10 +358,10 @@ def test_the_numpy_flush_plans_what_the_mlx_flush_plans(heads, family, token):
                 assert (pr.host is not None) == (flush == "numpy")
                 seen, logits = [], pr.logits
                 pr.logits = lambda *a, _f=logits: (lambda out: (seen.append(np.array(out)), out)[1])(_f(*a))
-                plans, used, events = record_staging(engine, PROMPT, 16)
+                plans, used, events = record_staging(engine, PROMPT, 12)
             runs[flush] = (seen, plans, used, [e.text for e in events])
         (m_logits, *m_rest), (n_logits, *n_rest) = runs["mlx"], runs["numpy"]
-        assert len(m_logits) == len(n_logits) >= 12
+        assert len(m_logits) == len(n_logits) >= 8
         for a, b in zip(m_logits, n_logits):
             assert a.shape == b.shape and np.allclose(a, b, rtol=1e-5, atol=1e-5), np.abs(a - b).max()
         assert m_rest == n_rest, routing
