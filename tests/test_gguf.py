@@ -150,3 +150,25 @@ def test_the_default_gguf_copy_is_named_by_the_checkpoint(bench_gguf, tmp_path, 
         assert harness.default_gguf(d) != first
     finally:
         cfg.write_text(cfg.read_text()[:-1])
+
+
+@pytest.mark.parametrize("cache", ["cold", "warm"])
+def test_the_page_cache_protocol_covers_the_gguf_copy(bench_gguf, monkeypatch, cache):
+    """Cold: before every run the GGUF copy is evicted with the checkpoint (a llama.cpp run
+    finds neither cached); warm: each arm's own file is read through first."""
+    from tests.test_bench import fake_runner
+
+    d, path = bench_gguf
+    monkeypatch.setattr(harness, "make_replay", lambda *a: {"prompt": [1, 2], "continuation": [3]})
+    monkeypatch.setattr("edge0.benchmark.llama_cpp.available", lambda: None)
+    evicted, warmed = [], []
+    monkeypatch.setattr(harness, "evict", lambda files: evicted.append(list(files)))
+    monkeypatch.setattr(harness, "warm", lambda files: warmed.append(list(files)))
+    settings = harness.BenchSettings(arms=("resident", "llama.cpp"), rounds=1, cache=cache,
+                                     extra={"gguf_file": str(path)})
+    harness.run_bench(d, settings, runner=fake_runner([]))
+    files = harness.checkpoint_files(d)
+    if cache == "cold":
+        assert evicted == [files + [path]] * 2 and not warmed
+    else:
+        assert warmed == [files, [path]] and not evicted

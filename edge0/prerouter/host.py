@@ -4,8 +4,10 @@ A decode step's flush is a few matrix-vector products per head over weights much
 than its inputs (39 heads at the 35B tier's shapes: about 300 MB of float32 per flush), so
 it is bound by how fast the weights stream through the cores. MLX's CPU wheel runs such
 products on a reference BLAS; NumPy's OpenBLAS streams them at several times its rate
-(``tools/prerouter_flush_cost.py``: 39 heads, 56 ms in MLX against 16 ms here, one thread).
-On a GPU backend the flush stays on the device (``EngineConfig.prerouter_flush``).
+(``tools/prerouter_flush_cost.py``: 39 heads, 40 ms in MLX against 16 ms here). Inside the
+engine NumPy's BLAS threads compete with MLX's for the cores, so this flush is an opt-in
+(``EngineConfig.prerouter_flush`` "numpy", with ``OPENBLAS_NUM_THREADS=1``); the default
+flushes in MLX (docs/PREROUTER.md).
 
 The layout serves one flush: per head, the two products of the hidden state (the residual
 path and fc1's hidden part) are one matrix, and the multi-hot inputs are row gathers of
