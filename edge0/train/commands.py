@@ -19,6 +19,9 @@ def add_parsers(sub) -> None:
     add_heads_parser(trs)
     add_lora_parsers(trs)
     add_quality_parser(trs)
+    for name in ("teacher", "recipe", "quality"):
+        one = trs.choices[name]
+        one.set_defaults(func=_one_process(name, one.get_default("func")))
     ad = sub.add_parser("adapter", help="adapters: merge-report (what merging into int4 destroys), init (an "
                                         "untrained one)")
     ads = ad.add_subparsers(dest="what", required=True, metavar="{merge-report,init}")
@@ -122,17 +125,54 @@ def _bars(args):
     return lambda name: Progress(name)
 
 
+_DATA_PARALLEL = ("heads", "sft", "distill")
+
+
+def _one_process(name: str, func):
+    """``func``, refused under ``mlx.launch`` with more than one rank (only the phases in
+    ``_DATA_PARALLEL`` split their work over ranks)."""
+    def run(args) -> int:
+        from edge0.errors import ConfigError
+        from edge0.train.parallel import DataParallel
+
+        dp = DataParallel.current()
+        if dp.size > 1:
+            raise ConfigError(f"edge0 train {name} runs in one process, not over {dp.size} ranks: under mlx.launch "
+                              f"run its phases, edge0 train {'|'.join(_DATA_PARALLEL)}")
+        return func(args)
+    return run
+
+
+def _ranked(args, name: str):
+    """The data-parallel group (``mlx.launch``), and the progress bar and ``say`` of this
+    rank: rank 0 speaks, the others are silent."""
+    from edge0.train.parallel import DataParallel
+
+    dp = DataParallel.current()
+    if not dp.is_main:
+        return dp, None, lambda *a, **k: None
+    no_progress = getattr(args, "no_progress", False)
+    if dp.size > 1:
+        say(f"{name}: {dp.describe()}")
+    return dp, (None if no_progress else Progress(name)), say
+
+
+def _finish(dp, bar, result: dict) -> int:
+    if bar is not None:
+        bar.close()
+    if dp.is_main:
+        print(json.dumps({k: v for k, v in result.items() if k != "losses"}, indent=1, default=str))
+    return 0
+
+
 def cmd_sft(args) -> int:
     from edge0.train.sft import SFTConfig, run_sft
 
     work = _work(args)
-    bar = None if args.no_progress else Progress("sft")
+    dp, bar, talk = _ranked(args, "sft")
     result = run_sft(args.model, args.teacher, args.out or work / "adapter-sft", _configured(SFTConfig(), args),
-                     work=work, heads_file=args.heads, resume=args.resume, progress=bar, say=say)
-    if bar is not None:
-        bar.close()
-    print(json.dumps({k: v for k, v in result.items() if k != "losses"}, indent=1, default=str))
-    return 0
+                     work=work, heads_file=args.heads, resume=args.resume, progress=bar, say=talk, dp=dp)
+    return _finish(dp, bar, result)
 
 
 def cmd_distill(args) -> int:
@@ -140,14 +180,11 @@ def cmd_distill(args) -> int:
     from edge0.train.distill import DistillConfig, run_distill
 
     work = _work(args)
-    bar = None if args.no_progress else Progress("distill")
+    dp, bar, talk = _ranked(args, "distill")
     result = run_distill(args.model, args.teacher, args.adapter, args.out or Path(args.model) / ADAPTER_DIRNAME,
                          _configured(DistillConfig(), args), work=work, heads_file=args.heads, resume=args.resume,
-                         progress=bar, say=say)
-    if bar is not None:
-        bar.close()
-    print(json.dumps({k: v for k, v in result.items() if k != "losses"}, indent=1, default=str))
-    return 0
+                         progress=bar, say=talk, dp=dp)
+    return _finish(dp, bar, result)
 
 
 def cmd_recipe(args) -> int:
@@ -364,13 +401,16 @@ def cmd_heads(args) -> int:
         if not (Path(args.model) / "provenance.json").exists():
             raise ConfigError(f"--data model: {args.model} has no provenance.json naming its training corpus")
         streams = D.token_streams(Path(args.model))
-    bar = Progress("heads")
+    dp, bar, _ = _ranked(args, "heads")
     report = train_heads(args.model, data=None if streams else args.data, tokens=args.tokens,
                          heldout_tokens=args.heldout_tokens, seq_len=args.seq_len, steps=args.steps, batch=args.batch,
                          lr=args.lr, width=args.width, owners=_owner_range(args.owners), out=args.out, seed=args.seed,
                          progress=bar, streams=streams, token_input=args.inputs == "token", traces_dir=args.traces,
-                         extras=extras, serving={"routing": args.routing, "stage_extra": args.stage_extra})
-    bar.close()
+                         extras=extras, serving={"routing": args.routing, "stage_extra": args.stage_extra}, dp=dp)
+    if bar is not None:
+        bar.close()
+    if not dp.is_main:
+        return 0
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1, default=str))
     print(heads_report_table(report))

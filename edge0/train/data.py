@@ -77,29 +77,45 @@ def prompts(stream: np.ndarray, n: int, length: int, seed: int) -> np.ndarray:
 
 
 def sample(model, prompt_rows: np.ndarray, new_tokens: int, *, temp: float, seed: int, batch: int = 16,
-           progress=None) -> np.ndarray:
+           progress=None, dp=None) -> np.ndarray:
     """Continue every prompt by ``new_tokens`` sampled tokens (temperature ``temp``) with a
-    batched KV cache; returns int32 [n, P + new_tokens]."""
-    from mlx_lm.models.cache import make_prompt_cache
-
+    batched KV cache; returns int32 [n, P + new_tokens].  Under a data-parallel group
+    (``dp``, edge0.train.parallel) each rank samples its share of the batches, with the
+    random key each batch has in one process, and the rows are put back together."""
     key = mx.random.key(seed)
-    out = []
-    for start in range(0, len(prompt_rows), batch):
-        rows = mx.array(prompt_rows[start:start + batch])
-        cache = make_prompt_cache(model)
-        logits = model(rows, cache=cache)[:, -1].astype(mx.float32)
-        tokens = [rows]
+    starts = range(0, len(prompt_rows), batch)
+    parts = {}
+    for i, start in enumerate(starts):
+        if dp is not None and not dp.mine(i):
+            for _ in range(new_tokens):  # the key this batch would have used, skipped
+                key, _ = mx.random.split(key)
+            continue
+        parts[i] = _sample_batch(model, prompt_rows[start:start + batch], new_tokens, temp, key)
         for _ in range(new_tokens):
-            key, sub = mx.random.split(key)
-            nxt = mx.random.categorical(logits / temp, key=sub)[:, None].astype(mx.int32) if temp > 0 \
-                else mx.argmax(logits, axis=-1)[:, None].astype(mx.int32)
-            tokens.append(nxt)
-            logits = model(nxt, cache=cache)[:, -1].astype(mx.float32)
-            mx.eval(logits)
-        out.append(np.array(mx.concatenate(tokens, axis=1)))
+            key, _ = mx.random.split(key)
         if progress is not None:
             progress(min(start + batch, len(prompt_rows)), len(prompt_rows))
-    return np.concatenate(out).astype(np.int32)
+    lengths = [len(prompt_rows[start:start + batch]) for start in starts]
+    if dp is not None:
+        return dp.assemble(lengths, parts).astype(np.int32)
+    return np.concatenate([parts[i] for i in range(len(lengths))]).astype(np.int32)
+
+
+def _sample_batch(model, prompt_rows: np.ndarray, new_tokens: int, temp: float, key) -> np.ndarray:
+    from mlx_lm.models.cache import make_prompt_cache
+
+    rows = mx.array(prompt_rows)
+    cache = make_prompt_cache(model)
+    logits = model(rows, cache=cache)[:, -1].astype(mx.float32)
+    tokens = [rows]
+    for _ in range(new_tokens):
+        key, sub = mx.random.split(key)
+        nxt = mx.random.categorical(logits / temp, key=sub)[:, None].astype(mx.int32) if temp > 0 \
+            else mx.argmax(logits, axis=-1)[:, None].astype(mx.int32)
+        tokens.append(nxt)
+        logits = model(nxt, cache=cache)[:, -1].astype(mx.float32)
+        mx.eval(logits)
+    return np.array(mx.concatenate(tokens, axis=1))
 
 
 def continuation_mask(rows: np.ndarray, prompt_len: int) -> np.ndarray:
@@ -121,9 +137,15 @@ def cache_key(*parts) -> str:
 
 
 def save_rows(path: Path, rows: np.ndarray, prompt_len: int, meta: dict) -> None:
-    np.save(path, rows)
-    Path(str(path) + ".json").write_text(json.dumps(dict(meta, prompt_len=prompt_len, shape=list(rows.shape)),
-                                                    indent=1))
+    """Rows and their metadata, each written beside and renamed into place (the rows last),
+    so that a reader never finds half a file."""
+    meta_path = Path(str(path) + ".json")
+    tmp = meta_path.with_name(meta_path.name + ".tmp")
+    tmp.write_text(json.dumps(dict(meta, prompt_len=prompt_len, shape=list(rows.shape)), indent=1))
+    tmp.replace(meta_path)
+    with open(path.with_name(path.name + ".tmp"), "wb") as f:
+        np.save(f, rows)
+    path.with_name(path.name + ".tmp").replace(path)
 
 
 def load_rows(path: Path) -> tuple[np.ndarray, int, dict]:

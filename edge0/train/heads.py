@@ -28,6 +28,7 @@ from edge0.config import EngineConfig
 from edge0.errors import ConfigError
 from edge0.prerouter.files import HEADS_FILENAME, checkpoint_identity, save_heads
 from edge0.prerouter.heads import PrerouterHeads, eligible_owners
+from edge0.train.parallel import DataParallel
 
 
 @dataclass
@@ -105,9 +106,12 @@ def token_chunks(tokenizer, texts: list[str], total: int, seq_len: int) -> list[
     return [ids[i:i + seq_len] for i in range(0, len(ids) - seq_len + 1, seq_len)] or [ids]
 
 
-def collect_traces(streaming, chunks: list[list[int]], owners: list[int]) -> Traces:
+def collect_traces(streaming, chunks: list[list[int]], owners: list[int], dp: DataParallel | None = None) -> Traces:
     """Run the model over ``chunks`` (teacher forcing) and record, for every owner layer, its
-    router's input and the experts its block routed to, and its consumer's router logits."""
+    router's input and the experts its block routed to, and its consumer's router logits.
+    Under a data-parallel group each rank traces its share of the chunks and every rank
+    ends with all the traces, in chunk order."""
+    dp = dp or DataParallel(None)
     from edge0.prerouter.heads import consumer_of
 
     routers, switches = streaming.routers(), streaming.switches()
@@ -117,25 +121,29 @@ def collect_traces(streaming, chunks: list[list[int]], owners: list[int]) -> Tra
     for layer in want:
         routers[layer].watch = lambda l, x, tap: seen.update({(l, "x"): x, (l, "logits"): tap.logits(x)})
         switches[layer].observer = lambda l, inds: seen.__setitem__((l, "inds"), inds)
-    xs, it, ip, tg = ({o: [] for o in owners} for _ in range(4))
-    toks = []
+    parts: dict[int, dict] = {}
     try:
-        for chunk in chunks:
+        for ci, chunk in enumerate(chunks):
+            if not dp.mine(ci):
+                continue
             seen.clear()
             B.eval(streaming.model(B.array([chunk])))
             n = len(chunk) - 1  # pairs (t, t+1)
+            part = parts[ci] = {"tok": np.asarray(chunk[1:n + 1], dtype=np.int32)}
             for o in owners:
                 x = B.to_host(seen[o, "x"].astype(B.float32)).reshape(len(chunk), -1)
-                inds = B.to_host(seen[o, "inds"]).reshape(len(chunk), -1)
+                inds = B.to_host(seen[o, "inds"]).reshape(len(chunk), -1).astype(np.int32)
                 nxt = B.to_host(seen[consumer[o], "logits"].astype(B.float32)).reshape(len(chunk), -1)
-                prev = np.concatenate([np.full((1, inds.shape[1]), -1), inds[:-1]])
-                xs[o].append(x[:n]); it[o].append(inds[:n]); ip[o].append(prev[:n]); tg[o].append(nxt[1:n + 1])
-            toks.append(np.asarray(chunk[1:n + 1], dtype=np.int32))
+                prev = np.concatenate([np.full((1, inds.shape[1]), -1, dtype=np.int32), inds[:-1]])
+                part.update({f"x/{o}": x[:n], f"inds_t/{o}": inds[:n], f"inds_prev/{o}": prev[:n],
+                             f"target/{o}": nxt[1:n + 1]})
     finally:
         for layer in want:
             routers[layer].watch = switches[layer].observer = None
-    cat = lambda d: {o: np.concatenate(v) for o, v in d.items()}
-    return Traces(cat(xs), cat(it), cat(ip), cat(tg), np.concatenate(toks))
+    keys = ["tok"] + [f"{name}/{o}" for name in ("x", "inds_t", "inds_prev", "target") for o in owners]
+    full = dp.assemble_dict([len(c) - 1 for c in chunks], parts, keys)
+    field = lambda name: {o: full[f"{name}/{o}"] for o in owners}
+    return Traces(field("x"), field("inds_t"), field("inds_prev"), field("target"), full["tok"])
 
 
 def _predict(heads: PrerouterHeads, owner: int, x, inds_t, inds_prev, tok=None):
@@ -218,13 +226,17 @@ def train_heads(model_dir: str | Path, *, data: str | None = None, tokens: int =
                 progress=None, streams: tuple[np.ndarray, np.ndarray, str] | None = None,
                 experts_per_token: int | None = None, token_input: bool = False,
                 traces_dir: str | Path | None = None, extras: tuple[int, ...] = (),
-                serving: dict | None = None) -> dict:
+                serving: dict | None = None, dp: DataParallel | None = None) -> dict:
     """``streams``: (train tokens, held-out tokens, description) to trace instead of text
     (the recipe passes the model's own training split). ``token_input``: heads also see
     the embedding of the token the next step decodes. ``traces_dir``: keep the traces
     there and reuse them when the same model, text and settings are traced again (heads
     variants then train without tracing). ``extras``: also report recall@(k+m) for each m.
-    ``serving``: the routing recorded in the file as the heads' default."""
+    ``serving``: the routing recorded in the file as the heads' default. ``dp``: the
+    data-parallel group (default: the one ``mlx.launch`` started, or one process): the
+    ranks trace their shares of the text and step on their parts of each batch; rank 0
+    writes the traces and the heads."""
+    dp = dp or DataParallel.current()
     from edge0.loader import load_streaming_model
 
     model_dir = Path(model_dir)
@@ -249,8 +261,8 @@ def train_heads(model_dir: str | Path, *, data: str | None = None, tokens: int =
             train_texts, held_texts, description = texts_from(data) if data else default_texts()
             train_chunks = token_chunks(tokenizer, train_texts, tokens, seq_len)
             held_chunks = token_chunks(tokenizer, held_texts, heldout_tokens, seq_len)
-        tr = _traced(streaming, train_chunks, owners, traces_dir, "train", model_dir, experts_per_token)
-        he = _traced(streaming, held_chunks, owners, traces_dir, "heldout", model_dir, experts_per_token)
+        tr = _traced(streaming, train_chunks, owners, traces_dir, "train", model_dir, experts_per_token, dp)
+        he = _traced(streaming, held_chunks, owners, traces_dir, "heldout", model_dir, experts_per_token, dp)
         routers = streaming.routers()
         B.seed(seed)  # before the heads are built: their initialisation draws from it
         token_dim = streaming.embed_dim if token_input else 0
@@ -258,26 +270,8 @@ def train_heads(model_dir: str | Path, *, data: str | None = None, tokens: int =
         heads16 = lambda: _cast(heads, B.float16)
         before = evaluate(heads16(), he, streaming, extras)
         sigmoid = _sigmoid_routed(streaming)
-        loss_fn = _loss_fn(sigmoid)
-        opt = bnn.adamw(lr)
-        rng = np.random.default_rng(seed)
-
-        def total(model, batches, tok):
-            return sum(loss_fn(model, *b, tok, o) for o, b in batches.items())
-
-        step_fn = bnn.value_and_grad(heads, total)
-        n = tr.size()
-        losses = []
-        for step in range(steps):
-            idx = rng.integers(0, n, size=min(batch, n))
-            batches = {o: (B.array(tr.x[o][idx]), B.array(tr.inds_t[o][idx]), B.array(tr.inds_prev[o][idx]),
-                           B.array(tr.target[o][idx])) for o in owners}
-            loss, grads = step_fn(heads, batches, _embedded(streaming, tr.tok[idx], heads))
-            opt.update(heads, grads)
-            B.eval(heads.parameters(), opt.state, loss)
-            losses.append(float(B.to_host(loss)))
-            if progress is not None:
-                progress(step + 1, steps, losses[-1])
+        losses = _fit(heads, tr, streaming, owners, _loss_fn(sigmoid), steps=steps, batch=batch, lr=lr, seed=seed,
+                      dp=dp, progress=progress)
         after = evaluate(heads16(), he, streaming, extras)
         recipe = dict(phase=1, steps=steps, batch=batch, lr=lr, width=width, seq_len=seq_len, tokens=tr.size(),
                       experts_per_token=spec.k, inputs=list(heads.inputs),
@@ -285,29 +279,58 @@ def train_heads(model_dir: str | Path, *, data: str | None = None, tokens: int =
                       consumers={str(o): c for o, c in zip(heads.owners, heads.consumers())}, loss="BCE" if sigmoid else "soft-CE",
                       warm_start="next router")
         path = Path(out) if out else model_dir / HEADS_FILENAME
-        save_heads(heads, path, base_identity=checkpoint_identity(model_dir), recipe=recipe,
-                   training_data=description, serving=serving)
+        if dp.is_main:
+            save_heads(heads, path, base_identity=checkpoint_identity(model_dir), recipe=dict(recipe, ranks=dp.size),
+                       training_data=description, serving=serving)
         return {"path": str(path), "before": before, "after": after, "losses": losses, "recipe": recipe}
     finally:
         streaming.close()
 
 
-def _traced(streaming, chunks, owners, traces_dir, name, model_dir, experts_per_token) -> Traces:
+def _fit(heads: PrerouterHeads, tr: Traces, streaming, owners: list[int], loss_fn, *, steps: int, batch: int,
+         lr: float, seed: int, dp: DataParallel, progress=None) -> list[float]:
+    """``steps`` AdamW steps on random batches of the traces (each rank on its part of
+    every batch under ``dp``); the loss at each step."""
+    opt = bnn.adamw(lr)
+    rng = np.random.default_rng(seed)
+
+    def total(model, batches, tok):
+        return sum(loss_fn(model, *b, tok, o) for o, b in batches.items())
+
+    step_fn = bnn.value_and_grad(heads, total)
+    n = tr.size()
+    losses = []
+    for step in range(steps):
+        (idx,) = dp.shard((rng.integers(0, n, size=min(batch, n)),))
+        batches = {o: (B.array(tr.x[o][idx]), B.array(tr.inds_t[o][idx]), B.array(tr.inds_prev[o][idx]),
+                       B.array(tr.target[o][idx])) for o in owners}
+        loss, grads = step_fn(heads, batches, _embedded(streaming, tr.tok[idx], heads))
+        grads, (loss,) = dp.reduce(grads, (loss,), B.array(float(len(idx))))
+        opt.update(heads, grads)
+        B.eval(heads.parameters(), opt.state, loss)
+        losses.append(float(B.to_host(loss)))
+        if progress is not None:
+            progress(step + 1, steps, losses[-1])
+    return losses
+
+
+def _traced(streaming, chunks, owners, traces_dir, name, model_dir, experts_per_token, dp) -> Traces:
     """``collect_traces``, through a file in ``traces_dir`` keyed by everything the traces
     depend on (the checkpoint, the routing width, the owners and every traced token)."""
     if traces_dir is None:
-        return collect_traces(streaming, chunks, owners)
+        return collect_traces(streaming, chunks, owners, dp)
     h = hashlib.sha256(json.dumps([checkpoint_identity(model_dir), experts_per_token, owners]).encode())
     for c in chunks:
         h.update(np.asarray(c, dtype=np.int64).tobytes() + b"|")
     key = h.hexdigest()
     path = Path(traces_dir) / f"traces-{name}.npz"
     found = Traces.load(path, key)
-    if found is not None:
+    if not dp.any(found is None):
         return found
-    traces = collect_traces(streaming, chunks, owners)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    traces.save(path, key)
+    traces = collect_traces(streaming, chunks, owners, dp)
+    if dp.is_main:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        traces.save(path, key)
     return traces
 
 

@@ -32,6 +32,8 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
+from edge0.train.parallel import DataParallel, rows_weight
+
 
 @dataclass
 class LoopConfig:
@@ -86,18 +88,27 @@ class Run:
 
 
 def make_step(model: nn.Module, loss_fn: Callable, optimizer, grad_clip: float, *,
-              compile: bool = False) -> Callable[..., tuple]:
+              compile: bool = False, dp: DataParallel | None = None,
+              weight: Callable[..., mx.array] = rows_weight) -> Callable[..., tuple]:
     """``step(*batch)``: one optimizer step on ``loss_fn(model, *batch)``, returning the
     loss's outputs as a tuple.  A loss that returns a tuple is minimised on its first
     element and reports the others; a loss that returns one array reports that array.
-    ``compile=True`` compiles the whole step with the model's and optimizer's state."""
+    ``compile=True`` compiles the whole step with the model's and optimizer's state.
+    With a ``dp`` group of several ranks each computes on its part of the global batch and
+    the gradients are averaged, weighed by ``weight(*part)`` (edge0.train.parallel)."""
     loss_and_grad = nn.value_and_grad(model, loss_fn)
+    dp = dp or DataParallel(None)
+    if compile and dp.size > 1:
+        raise ValueError("a compiled step does not run data parallel")
 
     def step(*batch):
-        value, grads = loss_and_grad(model, *batch)
+        part = dp.shard(batch)
+        value, grads = loss_and_grad(model, *part)
+        outputs = tuple(value[1:]) if isinstance(value, (tuple, list)) else (value,)
+        grads, outputs = dp.reduce(grads, outputs, weight(*part))
         grads, _ = optim.clip_grad_norm(grads, grad_clip)
         optimizer.update(model, grads)
-        return tuple(value[1:]) if isinstance(value, (tuple, list)) else (value,)
+        return outputs
 
     if compile:
         state = [model.state, optimizer.state]
@@ -110,13 +121,15 @@ def run_steps(model: nn.Module, step: Callable[..., tuple], batches: Callable[[n
               time_budget_s: float | None = None,
               on_step: Callable[[Run, Sequence[float]], None] | None = None,
               checkpoint: Callable[[Run], None] | None = None, checkpoint_every: int = 0,
-              checkpoint_last: bool = True) -> Run:
+              checkpoint_last: bool = True, dp: DataParallel | None = None) -> Run:
     """Take steps until ``run.step`` reaches ``run.total`` or the budget is spent.
 
     Each step: ``batches(rng)``, the learning rate ``lr(step, total)``, ``step(*batch)``,
     then ``on_step(run, values)`` with the outputs as floats, ``checkpoint(run)`` every
     ``checkpoint_every`` steps (at the last step too only with ``checkpoint_last``), and a
-    stop once ``run.seconds`` reaches ``time_budget_s`` before the end (checkpointed then)."""
+    stop once ``run.seconds`` reaches ``time_budget_s`` before the end (checkpointed then).
+    Under a ``dp`` group the ranks stop together: at the first step where any rank's
+    budget is spent."""
     run.started = time.perf_counter() - run.seconds
     while run.step < run.total:
         batch = batches(rng)
@@ -135,7 +148,8 @@ def run_steps(model: nn.Module, step: Callable[..., tuple], batches: Callable[[n
         if (checkpoint is not None and checkpoint_every and run.step % checkpoint_every == 0
                 and (checkpoint_last or run.step < run.total)):
             checkpoint(run)
-        if time_budget_s is not None and run.seconds >= time_budget_s and run.step < run.total:
+        if (time_budget_s is not None and run.step < run.total
+                and (dp or DataParallel(None)).any(run.seconds >= time_budget_s)):
             run.stopped_by_budget = True
             if checkpoint is not None and not (checkpoint_every and run.step % checkpoint_every == 0):
                 checkpoint(run)  # the state at the stop, so that a resumed run continues from here
@@ -179,11 +193,14 @@ def restore_optimizer(state_dir: Path, optimizer, rng: np.random.Generator, meta
 
 def train(model: nn.Module, loss_fn: Callable, batches: Callable[[np.random.Generator], tuple],
           cfg: LoopConfig, *, work: Path | None = None, resume: bool = False,
-          progress: Callable[[int, int, float], None] | None = None) -> LoopResult:
+          progress: Callable[[int, int, float], None] | None = None, dp: DataParallel | None = None,
+          weight: Callable[..., mx.array] = rows_weight) -> LoopResult:
     """Minimise ``loss_fn(model, *batch)`` over ``model``'s trainable parameters.
 
     ``batches(rng)`` draws one batch; the rng is the loop's, so batches are reproducible and
-    resumable."""
+    resumable.  With a ``dp`` group every rank draws the same batch and steps on its part
+    (:func:`make_step`); rank 0 alone writes the state."""
+    dp = dp or DataParallel(None)
     opt = optim.AdamW(learning_rate=cfg.lr, weight_decay=cfg.weight_decay)
     rng = np.random.default_rng(cfg.seed)
     result = LoopResult(0)
@@ -200,9 +217,10 @@ def train(model: nn.Module, loss_fn: Callable, batches: Callable[[np.random.Gene
     def save(run: Run) -> None:
         _save(state_dir, model, opt, rng, result)
 
-    run_steps(model, make_step(model, loss_fn, opt, cfg.grad_clip), batches, rng, opt, run,
+    run_steps(model, make_step(model, loss_fn, opt, cfg.grad_clip, dp=dp, weight=weight), batches, rng, opt, run,
               lr=lambda step, total: lr_at(cfg, step), time_budget_s=cfg.time_budget_s, on_step=report,
-              checkpoint=save if state_dir is not None else None, checkpoint_every=cfg.checkpoint_every)
+              checkpoint=save if state_dir is not None and dp.is_main else None,
+              checkpoint_every=cfg.checkpoint_every, dp=dp)
     result.stopped_by_budget = run.stopped_by_budget
     return result
 
@@ -223,20 +241,32 @@ def _load(state_dir: Path, model: nn.Module, opt, rng: np.random.Generator) -> L
 
 def fit_adapter(student, loss: Callable, batches: Callable, fixed: tuple, cfg, *, name: str, phase: str,
                 model_dir: Path, teacher_dir: Path, data_meta: dict, tokens: int, work: Path, out: Path,
-                resume: bool = False, progress=None, provenance: dict | None = None) -> dict:
+                resume: bool = False, progress=None, provenance: dict | None = None,
+                dp: DataParallel | None = None, weight: Callable[..., mx.array] = rows_weight) -> dict:
     """Train ``student``'s adapter with ``cfg`` (an SFT or distillation config), measure the
     loss on the batch ``fixed`` before and after, and save the adapter to ``out`` with its
-    provenance (``provenance`` adds phase-specific fields)."""
+    provenance (``provenance`` adds phase-specific fields; rank 0 saves under ``dp``)."""
+    dp = dp or DataParallel(None)
+    loop = LoopConfig(steps=cfg.steps, batch=cfg.batch, lr=cfg.lr, warmup=cfg.warmup, seed=cfg.seed,
+                      checkpoint_every=cfg.checkpoint_every, time_budget_s=cfg.time_budget_s)
+    before = loss(student.model, *fixed).item()
+    result = train(student.model, loss, batches, loop, work=work / name, resume=resume,
+                   progress=progress if dp.is_main else None, dp=dp, weight=weight)
+    after = loss(student.model, *fixed).item()
+    if dp.is_main:
+        _save_adapter(student, out, cfg, result, before, after, model_dir, teacher_dir, data_meta, phase, provenance)
+    return {"adapter": str(out), "losses": result.losses, "loss_before": before, "loss_after": after,
+            "steps": result.steps_done, "seconds": result.seconds, "tokens": tokens,
+            "stopped_by_budget": result.stopped_by_budget, "data": data_meta, "ranks": dp.size}
+
+
+def _save_adapter(student, out: Path, cfg, result: LoopResult, before: float, after: float, model_dir: Path,
+                  teacher_dir: Path, data_meta: dict, phase: str, provenance: dict | None) -> None:
     from dataclasses import asdict
 
     from edge0.adapters import artifact_identity
     from edge0.prerouter.files import checkpoint_identity
 
-    loop = LoopConfig(steps=cfg.steps, batch=cfg.batch, lr=cfg.lr, warmup=cfg.warmup, seed=cfg.seed,
-                      checkpoint_every=cfg.checkpoint_every, time_budget_s=cfg.time_budget_s)
-    before = loss(student.model, *fixed).item()
-    result = train(student.model, loss, batches, loop, work=work / name, resume=resume, progress=progress)
-    after = loss(student.model, *fixed).item()
     student.save(out, {
         "base_identity": checkpoint_identity(model_dir),
         "heads_identity": artifact_identity(student.heads_path) if student.heads_path else "",
@@ -245,6 +275,3 @@ def fit_adapter(student, loss: Callable, batches: Callable, fixed: tuple, cfg, *
                    "seconds": round(result.seconds, 1)},
         "data": data_meta, "teacher_identity": checkpoint_identity(teacher_dir), **(provenance or {}),
     })
-    return {"adapter": str(out), "losses": result.losses, "loss_before": before, "loss_after": after,
-            "steps": result.steps_done, "seconds": result.seconds, "tokens": tokens,
-            "stopped_by_budget": result.stopped_by_budget, "data": data_meta}

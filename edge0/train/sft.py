@@ -18,6 +18,7 @@ import numpy as np
 from edge0.prerouter.files import checkpoint_identity
 from edge0.train import data as D
 from edge0.train.loop import fit_adapter
+from edge0.train.parallel import DataParallel, mask_weight
 from edge0.train.student import StudentModel, continuation_ce
 
 
@@ -39,14 +40,17 @@ class SFTConfig:
     experts_per_token: int | None = None
 
 
-def teacher_rows(teacher_dir: Path, model_dir: Path, cfg: SFTConfig, work: Path, say=print) -> tuple[np.ndarray, dict]:
-    """The teacher's continuations of training-split prompts (cached in ``work``)."""
+def teacher_rows(teacher_dir: Path, model_dir: Path, cfg: SFTConfig, work: Path, say=print,
+                 dp: DataParallel | None = None) -> tuple[np.ndarray, dict]:
+    """The teacher's continuations of training-split prompts (cached in ``work``; under a
+    data-parallel group each rank writes its share, rank 0 the cache)."""
     from edge0.backend import nn as bnn
 
+    dp = dp or DataParallel(None)
     identity = checkpoint_identity(teacher_dir)
     key = D.cache_key(identity, cfg.rows, cfg.prompt_len, cfg.new_tokens, cfg.temp, cfg.seed)
     path = work / f"sft_rows-{key}.npy"
-    if path.exists():
+    if not dp.any(not path.exists()):
         rows, _, meta = D.load_rows(path)
         return rows, meta
     train_stream, _, corpus_desc = D.token_streams(model_dir)
@@ -54,21 +58,26 @@ def teacher_rows(teacher_dir: Path, model_dir: Path, cfg: SFTConfig, work: Path,
     teacher = bnn.load_full_model(teacher_dir)
     bnn.cast_model(teacher, mx.float32)
     t0 = time.perf_counter()
-    rows = D.sample(teacher, prompt_rows, cfg.new_tokens, temp=cfg.temp, seed=cfg.seed,
+    rows = D.sample(teacher, prompt_rows, cfg.new_tokens, temp=cfg.temp, seed=cfg.seed, dp=dp,
                     progress=lambda done, total: say(f"teacher wrote {done}/{total} sequences"))
     meta = {"teacher": str(teacher_dir.name), "teacher_identity": identity,
             "prompts": f"{cfg.rows} random {cfg.prompt_len}-token windows of the training split (seed {cfg.seed})",
             "corpus": corpus_desc, "temp": cfg.temp,
             "seconds": round(time.perf_counter() - t0, 1)}
-    D.save_rows(path, rows, cfg.prompt_len, meta)
+    if dp.is_main:
+        D.save_rows(path, rows, cfg.prompt_len, meta)
     return rows, meta
 
 
 def run_sft(model_dir: str | Path, teacher_dir: str | Path, out: str | Path, cfg: SFTConfig, *, work: str | Path,
-            heads_file: str | Path | None = None, resume: bool = False, progress=None, say=print) -> dict:
+            heads_file: str | Path | None = None, resume: bool = False, progress=None, say=print,
+            dp: DataParallel | None = None) -> dict:
+    """Phase 2 into the adapter directory ``out``; ``dp``: the data-parallel group
+    (edge0.train.parallel; default: the one ``mlx.launch`` started, or one process)."""
     model_dir, teacher_dir, work, out = Path(model_dir), Path(teacher_dir), Path(work), Path(out)
+    dp = dp or DataParallel.current()
     work.mkdir(parents=True, exist_ok=True)
-    rows, data_meta = teacher_rows(teacher_dir, model_dir, cfg, work, say)
+    rows, data_meta = teacher_rows(teacher_dir, model_dir, cfg, work, say, dp)
     mask = D.continuation_mask(rows, cfg.prompt_len)
     student = StudentModel(model_dir, heads_file=heads_file, rank=cfg.rank, scale=cfg.scale, seed=cfg.seed,
                            experts_per_token=cfg.experts_per_token)
@@ -84,4 +93,4 @@ def run_sft(model_dir: str | Path, teacher_dir: str | Path, out: str | Path, cfg
     fixed = (mx.array(rows[: cfg.batch]), mx.array(mask[: cfg.batch]))  # the same batch before and after
     return fit_adapter(student, loss, batches, fixed, cfg, name="sft", phase="2 (SFT on the student path)",
                        model_dir=model_dir, teacher_dir=teacher_dir, data_meta=data_meta, tokens=int(mask.sum()),
-                       work=work, out=out, resume=resume, progress=progress)
+                       work=work, out=out, resume=resume, progress=progress, dp=dp, weight=mask_weight(1))
