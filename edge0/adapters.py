@@ -154,8 +154,10 @@ def _weights_file(adapter_dir: Path) -> Path:
 
 
 def load_adapter(adapter_dir: str | Path, model, spec: MoESpec, *, base_identity: str,
-                 heads_identity: str | None, name: str | None = None) -> Adapter:
-    """Read and check an adapter directory against the loaded model; nothing is attached."""
+                 heads_identity: str | None, name: str | None = None, held=None) -> Adapter:
+    """Read and check an adapter directory against the loaded model; nothing is attached.
+    ``held(module)``: whether this process holds that module (a pipeline rank holds its
+    layers' only); the adapter's tensors for the others are left to their ranks."""
     adapter_dir = Path(adapter_dir)
     cfg = _lora_config(adapter_dir)
     weights = _weights_file(adapter_dir)
@@ -166,6 +168,8 @@ def load_adapter(adapter_dir: str | Path, model, spec: MoESpec, *, base_identity
     by_module: dict[str, dict] = {}
     for key, entry in header.tensors.items():
         module, _, leaf = key.rpartition(".")
+        if held is not None and not held(module):
+            continue
         if leaf not in ("lora_a", "lora_b"):
             raise CheckpointError("not a LoRA tensor (expected <module>.lora_a / .lora_b); Edge0 serves LoRA "
                                   "adapters only", file=weights, tensor=key)
@@ -333,3 +337,45 @@ class AdapterBank:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.adapters.values())
+
+
+def adapter_dirs(model_dir: Path, config) -> list[tuple[str, Path]]:
+    """(name, directory) of the adapters to load: the default one first."""
+    out = []
+    if config.adapter == "auto":
+        beside = model_dir / ADAPTER_DIRNAME
+        if beside.is_dir() and not beside.is_symlink():
+            out.append((ADAPTER_DIRNAME, beside))
+    elif config.adapter != "off":
+        d = Path(config.adapter)
+        if not d.is_dir():
+            raise ConfigError(f"adapter {d} is not a directory (an adapter is a directory with "
+                              "adapters.safetensors and adapter_config.json)")
+        out.append((d.name, d))
+    for extra in config.extra_adapters:
+        d = Path(extra)
+        if not d.is_dir():
+            raise ConfigError(f"adapter {d} is not a directory")
+        out.append((d.name, d))
+    return out
+
+
+def load_adapters(model_dir: Path, config, model, spec, heads_path, log, held=None) -> "AdapterBank | None":
+    """The adapters ``config`` names (or the one beside the checkpoint), checked against
+    the loaded model and attached, the default one active; ``held``: see ``load_adapter``."""
+    dirs = adapter_dirs(model_dir, config)
+    if not dirs:
+        return None
+    bank = AdapterBank(model, spec)
+    from edge0.prerouter.files import checkpoint_identity
+
+    base = checkpoint_identity(model_dir)
+    heads_id = artifact_identity(heads_path) if heads_path is not None else None
+    for name, d in dirs:
+        adapter = load_adapter(d, model, spec, base_identity=base, heads_identity=heads_id, name=name, held=held)
+        if log is not None and adapter.meta.get("heads_identity") and heads_id is None:
+            log.warning("adapter.without_heads", adapter=name,
+                        detail="trained under prerouter heads that this engine does not use")
+        bank.add(adapter)
+    bank.activate(dirs[0][0] if config.adapter != "off" else None)
+    return bank

@@ -75,8 +75,8 @@ class RowEvents:
     """Turns a row's sampled tokens into its ``TokenEvent``s: the streaming detokenizer,
     EOS and stop ids, stop strings, the length bound, logprobs, and its stats."""
 
-    def __init__(self, row: Row, tokenizer, stats: GenerationStats, reads, stage=None):
-        self.row, self.stats, self.reads, self.stage = row, stats, reads, stage
+    def __init__(self, row: Row, tokenizer, stats: GenerationStats, reads, stage=None, pipeline=None):
+        self.row, self.stats, self.reads, self.stage, self.pipeline = row, stats, reads, stage, pipeline
         self.detok = tokenizer.detokenizer
         self.detok.reset()
         self.eos = set(tokenizer.eos_token_ids) | set(row.params.stop_token_ids)
@@ -116,6 +116,12 @@ class RowEvents:
             stats.add_stage(self.stage0, self.stage.stats())
         stats.peak_active_memory = B.peak_memory()
         stats.peak_rss = peak_rss_bytes()
+        if self.pipeline is not None:  # every rank ends the generation at this token: one exchange
+            stats.pipeline = self.pipeline.layout.describe()
+            per_rank = self.pipeline.gather([stats.prefill_expert_bytes, stats.decode_expert_bytes])
+            stats.rank_expert_bytes = [int(round(d)) for _, d in per_rank]
+            stats.prefill_expert_bytes = int(round(sum(p for p, _ in per_rank)))
+            stats.decode_expert_bytes = sum(stats.rank_expert_bytes)
         return TokenEvent(token, text, finish, stats, **lp)
 
 
@@ -238,7 +244,8 @@ class Batcher:
             stats.adapter = host._describe_adapter(row.adapter)
             stats.compute_dtype = host.streaming.compute_dtype
             stats.reads = "direct" if host.reader.direct else "buffered"
-            row.events = RowEvents(row, host.tokenizer, stats, host.reader, host.streaming.stager)
+            row.events = RowEvents(row, host.tokenizer, stats, host.reader, host.streaming.stager,
+                                   getattr(host.streaming, "pipeline", None))
             if row.record is not None:
                 host.streaming.set_recorder(row.record)
         except BaseException as e:

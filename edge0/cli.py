@@ -131,27 +131,29 @@ def _run_generation(model_dir: Path, args) -> int:
         ids, prompt = _prompt_ids(engine, args)
         sampling["stop_token_ids"] = _stop_ids(engine, args.extra_eos_token)
         engine.validate(ids, **sampling)  # before anything is printed
+        pipe = engine.streaming.pipeline
+        say = print if pipe is None or pipe.rank == 0 else (lambda *a, **k: None)  # a pipeline: rank 0 prints
         verbose = args.verbose
         if verbose:
-            print("=" * 10)
-            print(prompt or "", end="", flush=True)
+            say("=" * 10)
+            say(prompt or "", end="", flush=True)
         text, stats = [], None
         for event in engine.stream(ids, **sampling):
             if verbose:
-                print(event.text, end="", flush=True)
+                say(event.text, end="", flush=True)
             text.append(event.text)
             stats = event.stats or stats
         if not verbose:
-            print("".join(text))
+            say("".join(text))
             return 0
-        print()
-        print("=" * 10)
+        say()
+        say("=" * 10)
         spec = engine.spec
-        print(f"model: {model_dir} ({spec.model_type}, {len(spec.moe_layers)} MoE layers x "
-              f"{spec.num_experts} experts, k={spec.k}; experts on disk "
-              f"{engine.index.expert_bytes_total / 2**20:.1f} MiB of {engine.index.total_bytes / 2**20:.1f} MiB)")
+        say(f"model: {model_dir} ({spec.model_type}, {len(spec.moe_layers)} MoE layers x "
+            f"{spec.num_experts} experts, k={spec.k}; experts on disk "
+            f"{engine.index.expert_bytes_total / 2**20:.1f} MiB of {engine.index.total_bytes / 2**20:.1f} MiB)")
         if stats is not None:
-            print(stats.line())
+            say(stats.line())
     return 0
 
 

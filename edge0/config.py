@@ -121,6 +121,17 @@ class EngineConfig:
     # when a prompt extends its tokens (the next turn of a chat): only the new tokens are
     # prefilled. 0 = off.
     prompt_cache_mb: int = 0
+    # Under mlx.launch with more than one rank: "auto" splits the decoder layers over the
+    # ranks (pipeline parallelism: each rank holds and streams its own layers), "off" runs
+    # the whole model on every rank. One process: nothing to split.
+    pipeline: str = "auto"
+    # The pipeline's layer ranges, one per rank in rank order, e.g. "0-3,4-7" (None = cut
+    # where the checkpoint's bytes per layer come closest to an equal share).
+    pipeline_layers: str | None = None
+    # Under a pipeline: the longest a generation waits for its next token before it fails
+    # with DistributedError (a rank that stopped, or a link that broke, without the launcher
+    # ending this rank).
+    pipeline_timeout_s: int = 300
     # Structured logs (reads, waits, stalls, steps): "console" (human) or "json" (one
     # object per line), on standard error.
     log_format: str = "console"
@@ -159,6 +170,9 @@ class EngineConfig:
             raise ConfigError(f"prerouter must be one of {PREROUTER_MODES}, got {self.prerouter!r}")
         if self.prerouter_dtype not in ("auto", "float16", "float32"):
             raise ConfigError(f"prerouter_dtype must be auto, float16 or float32, got {self.prerouter_dtype!r}")
+        _positive("pipeline_timeout_s", self.pipeline_timeout_s)
+        if self.pipeline not in ("auto", "off"):
+            raise ConfigError(f"pipeline must be auto or off, got {self.pipeline!r}")
         if self.prerouter_flush not in ("auto", "mlx", "numpy"):
             raise ConfigError(f"prerouter_flush must be auto, mlx or numpy, got {self.prerouter_flush!r}")
         if self.routing not in ROUTINGS:

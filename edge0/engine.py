@@ -14,6 +14,7 @@ embedding Edge0 is never blocked by compute or reads.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import weakref
 from contextlib import asynccontextmanager
@@ -28,7 +29,7 @@ from edge0.backend import core as B
 from edge0.backend import nn as bnn
 from edge0.config import EngineConfig
 from edge0.constrain import ConstraintCache
-from edge0.errors import ConfigError, EngineClosedError, ExpertReadError
+from edge0.errors import DistributedError, ConfigError, EngineClosedError, ExpertReadError
 from edge0.exec.oracle import OracleRouting, RoutingRecorder
 from edge0.loader import StepModel, Streaming, load_streaming_model
 from edge0.prompt_cache import PromptCache
@@ -75,7 +76,8 @@ class Engine:
         self.model, self.spec, self.index = self.streaming.model, self.streaming.spec, self.streaming.index
         self.reader = self.streaming.reader
         self._step_model = StepModel(self.streaming)
-        self._batcher = Batcher(self, self.config.max_batch)
+        # a pipeline's ranks run the same generations in the same order: one at a time
+        self._batcher = Batcher(self, 1 if self.streaming.pipeline is not None else self.config.max_batch)
         # a model whose caches are not all plain KV caches (state-space, linear attention)
         # runs its generations one at a time
         self._batchable = self._worker.call(lambda: batchable(bnn.make_cache(self._step_model)))
@@ -105,6 +107,11 @@ class Engine:
         """Stop every generation, release the slots, threads and file descriptors."""
         if not self._closed:
             self._closed = True
+            if getattr(self, "_lost", False):  # the compute thread waits on a rank that is gone: leave it
+                self._finalizer.detach()
+                for job in list(self._jobs):
+                    job.cancel()
+                return
             self._finalizer()
 
     def __enter__(self) -> "Engine":
@@ -184,6 +191,8 @@ class Engine:
         if self._closed:
             raise EngineClosedError("the engine is closed")
         ids, params = self.validate(prompt, **sampling)
+        if params.seed is None and self.streaming.pipeline is not None:  # every rank samples alike
+            params = dataclasses.replace(params, seed=self.streaming.pipeline.next_seed())
         job = Job()
         job.admission = admission
         job.stall_timeout = consumer_timeout
@@ -206,8 +215,11 @@ class Engine:
         engine's default adapter (if any). ``admission``: from ``admit()``, released when the
         generation ends."""
         job = self._submit(prompt, sampling, adapter=self._adapter_for(adapter), admission=admission)
+        wait = self._pipeline_wait()
         try:
-            while (event := job.get()) is not END:
+            while (event := job.get(wait)) is not END:
+                if event is TIMEOUT:
+                    raise self._pipeline_lost(wait)
                 yield event
             if job.error is not None:
                 raise job.error
@@ -234,14 +246,20 @@ class Engine:
                            consumer_timeout=consumer_timeout)
         wake = AsyncWaker(anyio.lowlevel.current_token())
         job.add_waker(wake)
+        lost_after = self._pipeline_wait()
         try:
             last = time.monotonic()
             while True:
                 event = job.poll()
                 if event is None:
                     wait = max(0.0, last + heartbeat - time.monotonic()) if heartbeat else None
+                    if lost_after is not None:
+                        until = max(0.0, last + lost_after - time.monotonic())
+                        wait = until if wait is None else min(wait, until)
                     event = await wake.wait(job, wait)
                 if event is TIMEOUT:
+                    if lost_after is not None and time.monotonic() - last >= lost_after:
+                        raise self._pipeline_lost(lost_after)
                     if heartbeat and time.monotonic() - last >= heartbeat:
                         last = time.monotonic()
                         yield None
@@ -255,6 +273,16 @@ class Engine:
         finally:
             job.remove_waker(wake)
             job.cancel()
+
+    def _pipeline_wait(self) -> float | None:
+        """Under a pipeline, how long a generation waits for a token (None: alone, no bound)."""
+        return self.config.pipeline_timeout_s if self.streaming.pipeline is not None else None
+
+    def _pipeline_lost(self, seconds: float) -> DistributedError:
+        pipe = self.streaming.pipeline
+        self._lost = True
+        return DistributedError(f"rank {pipe.rank} of the {pipe.layout.describe()}: no token for {seconds:g} s; "
+                                "another rank stopped or the link between them broke (pipeline_timeout_s)")
 
     def _begin_batch(self) -> None:
         """A batch starts from nothing: what the last one left in the staged machinery and

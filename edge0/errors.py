@@ -131,3 +131,8 @@ class ConstraintError(Edge0Error):
     """Constrained decoding (``response_format``) went wrong while generating: the grammar
     refused a token that was sampled under its own mask, left no token to allow, or a
     processor was fed tokens that are not its generation's (e.g. reused across two)."""
+
+
+class DistributedError(Edge0Error):
+    """A group of ranks (``mlx.launch``) could not form or lost a rank: the other ranks did
+    not connect in time, or joining the group failed."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from edge0.adapters import ADAPTER_DIRNAME, AdapterBank, artifact_identity, load_adapter
+from edge0.adapters import AdapterBank, load_adapters
 from edge0.backend import core as B
 from edge0.backend import nn as bnn
 from edge0.config import PATHS, PHASES, EngineConfig
@@ -22,6 +22,7 @@ from edge0.exec.budget import check_budget, slot_ceiling, staged_slots
 from edge0.exec.exact import ExactExecutor
 from edge0.exec.hot import HotExecutor
 from edge0.exec.oracle import OracleRouting, RoutingRecorder
+from edge0.exec.pipeline import pipeline_part
 from edge0.exec.plan import LayerRoute
 from edge0.exec.split import Split, resolve_threads
 from edge0.exec.staged import StagedExecutor, Stager
@@ -30,7 +31,7 @@ from edge0.io_sched.direct import wants_direct
 from edge0.io_sched.reader import ExpertReader
 from edge0.model.files import check_entry
 from edge0.model.open import open_model
-from edge0.prerouter.files import HEADS_FILENAME, checkpoint_identity, load_heads, serving_of
+from edge0.prerouter.files import HEADS_FILENAME, load_heads, serving_of
 from edge0.prerouter.runtime import Prerouter
 from edge0.exec.taps import RouterTap, StepPhase, StreamingSwitch
 
@@ -48,8 +49,9 @@ class Streaming:
     def describe_artifacts(self) -> tuple[str | None, str | None]:
         """(heads, adapter) as the stats line names them: what changes the output."""
         heads = None
-        if self.prerouter is not None:
-            h = self.prerouter.heads
+        pipe = getattr(self, "pipeline", None)
+        if self.prerouter is not None or (pipe is not None and pipe.heads is not None):
+            h = pipe.heads if pipe is not None and pipe.heads is not None else self.prerouter.heads  # all ranks' heads
             mode, extra = getattr(self, "routing", None) or ("replace", 0)
             how = f"select k+{extra}" if mode == "select" else "replace"
             seen = ", token" if h.sees_token else ""
@@ -61,15 +63,22 @@ class Streaming:
 
     def blocks(self) -> dict:
         """MoE layer -> its block (mlx-lm's own module, running unchanged)."""
-        return {l: bnn.module_at(self.model, self.spec.block_path(l)) for l in self.spec.moe_layers}
+        return {l: bnn.module_at(self.model, self.spec.block_path(l)) for l in self.held_layers()}
 
     def switches(self) -> dict:
         """MoE layer -> the StreamingSwitch standing in its expert stack's place."""
-        return {l: bnn.module_at(self.model, self.spec.switch_path(l)) for l in self.spec.moe_layers}
+        return {l: bnn.module_at(self.model, self.spec.switch_path(l)) for l in self.held_layers()}
 
     def routers(self) -> dict:
         """MoE layer -> the RouterTap standing in its router's place (layers with a router)."""
-        return {l: bnn.module_at(self.model, m.router_path) for l, m in self.spec.layers.items() if m.router_path}
+        held = set(self.held_layers())
+        return {l: bnn.module_at(self.model, m.router_path) for l, m in self.spec.layers.items()
+                if m.router_path and l in held}
+
+    def held_layers(self) -> list[int]:
+        """The MoE layers this process holds: every one, or a pipeline rank's."""
+        layers = getattr(self, "layers", None)
+        return list(self.spec.moe_layers if layers is None else layers)
 
     def route(self, layer: int, logits, width: int | None = None):
         """The routing layer ``layer``'s own block code makes of router ``logits`` [N, E]:
@@ -103,6 +112,9 @@ class Streaming:
             decode = inputs.shape[-1] == 1
         if self.recorder is not None:
             self.recorder.begin_step(decode)
+        pipe = getattr(self, "pipeline", None)
+        if pipe is not None and decode:
+            pipe.begin_step(inputs, pipe.heads.token_dim if pipe.relay else 0, self.embed)
         if self.stager is not None and decode:
             self.stager.begin_step(inputs)
 
@@ -215,13 +227,14 @@ def load_streaming_model(model_dir: str | Path, config: EngineConfig, *, oracle:
     model_dir = Path(model_dir)
     opened = open_model(model_dir, config.experts_per_token)
     model, spec, raw, index, templates = opened.model, opened.spec, opened.raw, opened.index, opened.templates
-    layers = list(spec.moe_layers)
     if oracle is None and config.oracle_file and config.staged_source != "prerouter":
         oracle = OracleRouting.load(config.oracle_file)
     if oracle is not None:
         oracle.check(spec.moe_layers, spec.num_experts)
     heads, heads_path, heads_meta = _load_heads(model_dir, config, oracle, spec)
     routing, extra = resolve_routing(config, heads_meta, spec, heads_path)
+    pipe, config, heads = pipeline_part(config, model, spec, index, heads)
+    layers = [l for l in spec.moe_layers if pipe is None or pipe.layout.holds(l)]
     path_of = _paths(config, layers, heads)
     on = {p: [l for l in layers if p in (path_of[l, "prefill"], path_of[l, "decode"])] for p in PATHS}
     slots = staged_slots(config, spec, spec.k + extra)
@@ -256,14 +269,19 @@ def load_streaming_model(model_dir: str | Path, config: EngineConfig, *, oracle:
             bnn.set_module_at(model, spec.switch_path(layer), StreamingSwitch(layer, template, executors, width_out,
                                                                                  phase))
         compute_dtype = resolve_compute_dtype(config.compute_dtype, raw)
-        model = bnn.load_resident(model, model_dir, raw, index.files, spec.is_expert_key, B.dtype(compute_dtype))
+        skip = spec.is_expert_key
+        if pipe is not None:
+            pipe.strip(B.dtype(compute_dtype))
+            skip = lambda key: spec.is_expert_key(key) or pipe.remote_key(key)
+        model = bnn.load_resident(model, model_dir, raw, index.files, skip, B.dtype(compute_dtype))
         bnn.split_projections(model, exact.split.threads)  # attention and other large projections: both cores too
         for layer, m in spec.layers.items():
-            if m.router_path:
+            if m.router_path and layer in layers:
                 original = bnn.module_at(model, m.router_path)
                 bnn.set_module_at(model, m.router_path, RouterTap(layer, original, m.router_kind, m.router_outputs,
                                                                              phase))
-        adapters = _load_adapters(model_dir, config, model, spec, heads_path, log)
+        adapters = load_adapters(model_dir, config, model, spec, heads_path, log,
+                                  held=None if pipe is None else (lambda m: not pipe.remote_module(m)))
     except BaseException:
         if stager is not None:
             stager.close()
@@ -272,15 +290,26 @@ def load_streaming_model(model_dir: str | Path, config: EngineConfig, *, oracle:
     streaming = Streaming(model, spec, index, reader, exact, hot, whole, stager, recorder, prerouter, heads_path,
                           adapters)
     streaming.compute_dtype = compute_dtype
-    streaming.phase = phase
-    streaming.routing = (routing, extra) if prerouter is not None else None
-    if prerouter is not None:
-        try:
+    streaming.phase, streaming.pipeline, streaming.layers = phase, pipe, layers
+    streaming.routing = (routing, extra) if prerouter is not None or (pipe is not None and pipe.heads) else None
+    return _wired(streaming, prerouter, stager, heads, routing, extra)
+
+
+def _wired(streaming: Streaming, prerouter, stager, heads, routing: str, extra: int) -> Streaming:
+    """The prerouter checked and wired to its owners and the Stager; a pipeline rank's
+    boundaries wired (its heads that see the token take the rows the first rank sends)."""
+    pipe = streaming.pipeline
+    if pipe is not None and pipe.rank > 0 and heads is not None and heads.sees_token:
+        streaming._embed = pipe.relayed_embedding(heads.token_dim)
+    try:
+        if prerouter is not None:
             _check_prerouter_fits(streaming, prerouter, routing, extra)
-        except BaseException:
-            streaming.close()
-            raise
-        _wire_prerouter(streaming, prerouter, stager)
+            _wire_prerouter(streaming, prerouter, stager)
+        if pipe is not None:
+            pipe.wire(streaming, prerouter)
+    except BaseException:
+        streaming.close()
+        raise
     return streaming
 
 
@@ -420,44 +449,6 @@ def probe_routing(streaming: Streaming, layer: int, logits, width: int | None = 
         for module, name in widened:
             setattr(module, name, spec.k)
     return captured[0].reshape(n, -1)
-
-
-def _adapter_dirs(model_dir: Path, config: EngineConfig) -> list[tuple[str, Path]]:
-    """(name, directory) of the adapters to load: the default one first."""
-    out = []
-    if config.adapter == "auto":
-        beside = model_dir / ADAPTER_DIRNAME
-        if beside.is_dir() and not beside.is_symlink():
-            out.append((ADAPTER_DIRNAME, beside))
-    elif config.adapter != "off":
-        d = Path(config.adapter)
-        if not d.is_dir():
-            raise ConfigError(f"adapter {d} is not a directory (an adapter is a directory with "
-                              "adapters.safetensors and adapter_config.json)")
-        out.append((d.name, d))
-    for extra in config.extra_adapters:
-        d = Path(extra)
-        if not d.is_dir():
-            raise ConfigError(f"adapter {d} is not a directory")
-        out.append((d.name, d))
-    return out
-
-
-def _load_adapters(model_dir: Path, config: EngineConfig, model, spec, heads_path, log) -> AdapterBank | None:
-    dirs = _adapter_dirs(model_dir, config)
-    if not dirs:
-        return None
-    bank = AdapterBank(model, spec)
-    base = checkpoint_identity(model_dir)
-    heads_id = artifact_identity(heads_path) if heads_path is not None else None
-    for name, d in dirs:
-        adapter = load_adapter(d, model, spec, base_identity=base, heads_identity=heads_id, name=name)
-        if log is not None and adapter.meta.get("heads_identity") and heads_id is None:
-            log.warning("adapter.without_heads", adapter=name,
-                        detail="trained under prerouter heads that this engine does not use")
-        bank.add(adapter)
-    bank.activate(dirs[0][0] if config.adapter != "off" else None)
-    return bank
 
 
 def _load_heads(model_dir: Path, config: EngineConfig, oracle, spec):

@@ -42,6 +42,8 @@ class GenerationStats:
     heads: str | None = None  # the prerouter heads in use (they change the output), or None
     adapter: str | None = None  # the adapter applied, or None
     reads: str = "buffered"  # how experts were read: "direct" (O_DIRECT) or "buffered" (page cache)
+    pipeline: str | None = None  # the pipeline's ranks and their layers, or None (one process)
+    rank_expert_bytes: list | None = None  # a pipeline: each rank's decode expert bytes (the totals above sum them)
 
     @property
     def prefill_tps(self) -> float:
@@ -86,4 +88,11 @@ class GenerationStats:
                 + (f" | guard recall@k {sum(self.guard_recall.values()) / len(self.guard_recall):.3f}"
                    if self.guard_recall else "")
                 + f" | compute {self.compute_dtype} | heads {self.heads or 'none'} | adapter {self.adapter or 'none'}"
-                + f" | reads {self.reads}")
+                + f" | reads {self.reads}" + self._pipeline_part())
+
+    def _pipeline_part(self) -> str:
+        if not self.pipeline:
+            return ""
+        steps = max(self.generated_tokens - 1, 1)
+        per = ", ".join(f"rank {r} {b / steps / 2**20:.2f}" for r, b in enumerate(self.rank_expert_bytes or []))
+        return f" | {self.pipeline}, expert reads MiB/token: {per}"

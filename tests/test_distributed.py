@@ -4,6 +4,7 @@ rounding, with the data each phase makes split over the ranks."""
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
@@ -162,3 +163,193 @@ def test_commands_that_run_in_one_process_are_refused_over_ranks(what, model, mo
             "teacher": ["--out", "unused"], "quality": ["--model", str(model)]}[what]
     assert main(["train", what, *args]) == 2
     assert f"edge0 train {what} runs in one process, not over 2 ranks" in capsys.readouterr().err
+
+
+# -- pipeline-parallel generation ------------------------------------------------------------
+
+RUN = Path(__file__).parent / "pipeline_run.py"
+
+
+def _perturbed(path: Path, which: str, scale: float, seed: int) -> None:
+    """Give the tensors of ``path`` named ``*{which}`` random values (metadata kept)."""
+    arrays, meta = mx.load(str(path), return_metadata=True)
+    mx.random.seed(seed)
+    arrays = {k: (mx.random.normal(v.shape) * scale).astype(v.dtype) if k.endswith(which) else v
+              for k, v in arrays.items()}
+    mx.save_safetensors(str(path), arrays, metadata=meta)
+
+
+@pytest.fixture(scope="module")
+def piped(tiny_model_factory, tmp_path_factory):
+    """A 4-layer model with token heads whose token path is not zero (so the token rows the
+    first rank relays change the prediction) and an adapter that changes the text."""
+    from edge0.train.heads import make_warm_heads
+    from tests.ckpt_tools import copy_model
+
+    tmp = tmp_path_factory.mktemp("pipe")
+    d = copy_model(tiny_model_factory("qwen3_moe"), tmp / "m")
+    make_warm_heads(d, d / "prerouter.safetensors", width=32)
+    _perturbed(d / "prerouter.safetensors", "token.weight", 0.5, 1)
+    assert main(["adapter", "init", "--model", str(d), "--out", str(tmp / "ad")]) == 0
+    _perturbed(tmp / "ad" / "adapters.safetensors", "lora_b", 0.05, 3)
+    return d, tmp / "ad"
+
+
+def _configs(adapter: Path) -> dict:
+    return {"exact": {"prerouter": "off"},
+            "staged replace": {"prerouter": "on", "routing": "replace"},
+            "staged select + adapter": {"prerouter": "on", "routing": "select", "stage_extra": 2,
+                                        "adapter": str(adapter)},
+            "staged replace, layers 0 | 1-3": {"prerouter": "on", "routing": "replace", "pipeline_layers": "0-0,1-3"}}
+
+
+def _results(stdout: str) -> dict[int, dict]:
+    rows = [json.loads(line[len("RESULT "):]) for line in stdout.splitlines() if line.startswith("RESULT ")]
+    return {r["rank"]: r for r in rows}
+
+
+def _run(job: dict, ranks: int | None, **kw) -> subprocess.CompletedProcess:
+    if ranks is None:
+        return subprocess.run([sys.executable, str(RUN), json.dumps(job)], capture_output=True, text=True,
+                              timeout=240)
+    cmd = [str(BIN / "mlx.launch"), "-n", str(ranks), "--backend", "ring", "--starting-port", str(free_port_pair()),
+           sys.executable, str(RUN), json.dumps(job)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=kw.get("timeout", 240))
+
+
+@pytest.fixture(scope="module")
+def pipeline_runs(piped):
+    model, adapter = piped
+    job = {"model": str(model), "prompt": [5, 6, 7, 8, 9, 10, 11], "max_tokens": 16, "configs": _configs(adapter)}
+    alone = _results(ok(_run(job, None)).stdout)[0]
+    two = _results(ok(_run(job, 2)).stdout)
+    return alone, two
+
+
+@pytest.mark.parametrize("name", list(_configs(Path("a"))))
+def test_greedy_text_under_two_ranks_equals_one_process(pipeline_runs, name):
+    """Exact; staged on the heads' prediction; staged select with an adapter. Layers 0-1 on
+    rank 0, 2-3 on rank 1: the head owned by layer 1 predicts layer 2 across the ranks, and
+    the heads on rank 1 see the token through the row rank 0 relays."""
+    alone, two = pipeline_runs
+    assert sorted(two) == [0, 1] and all(two[r]["size"] == 2 for r in two)
+    want = alone["results"][name]["tokens"]
+    assert len(want) == 16
+    assert two[0]["results"][name]["tokens"] == want
+    assert two[1]["results"][name]["tokens"] == want
+    layers = "0-0 | 1-3" if "layers 0 |" in name else "0-1 | 2-3"  # bytes balanced by default, or as named
+    assert f"pipeline 2 ranks (layers {layers})" in two[0]["results"][name]["line"]
+
+
+def test_the_configurations_differ(pipeline_runs):
+    """The equalities above compare different texts: the heads route, the adapter changes it."""
+    alone, _ = pipeline_runs
+    texts = [tuple(r["tokens"]) for name, r in alone["results"].items() if "layers 0 |" not in name]
+    assert len(set(texts)) == 3
+
+
+def test_each_rank_reads_and_holds_only_its_layers(pipeline_runs):
+    alone, two = pipeline_runs
+    for name in [n for n in alone["results"] if "layers 0 |" not in n]:
+        one = alone["results"][name]
+        assert one["layers_read"] == [0, 1, 2, 3]
+        assert two[0]["results"][name]["layers_read"] == [0, 1]
+        assert two[1]["results"][name]["layers_read"] == [2, 3]
+        keys0, keys1 = set(two[0]["results"][name]["param_keys"]), set(two[1]["results"][name]["param_keys"])
+        assert not any(k.startswith(("model.layers.2.", "model.layers.3.", "lm_head.", "model.norm.")) for k in keys0)
+        assert not any(k.startswith(("model.layers.0.", "model.layers.1.", "model.embed_tokens.")) for k in keys1)
+        assert any(k.startswith("model.embed_tokens.") for k in keys0) and any(k.startswith("lm_head.") for k in keys1)
+        assert keys0 | keys1 == set(one["param_keys"]) and not keys0 & keys1
+        for r in (0, 1):  # resident weights: a share of one process's
+            assert two[r]["results"][name]["param_bytes"] < 0.75 * one["param_bytes"]
+    line = two[0]["results"]["staged replace"]["line"]
+    assert "expert reads MiB/token: rank 0 " in line and ", rank 1 " in line
+
+
+def _hostfile(tmp_path: Path) -> Path:
+    p = free_port_pair()
+    path = tmp_path / "hosts.json"
+    path.write_text(json.dumps([[f"127.0.0.1:{p}"], [f"127.0.0.1:{p + 1}"]]))
+    return path
+
+
+def _rank(rank: int, hostfile: Path, job: dict, **env) -> subprocess.Popen:
+    import os
+
+    return subprocess.Popen([sys.executable, str(RUN), json.dumps(job)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile), **env})
+
+
+def test_a_rank_whose_peers_never_connect_fails_within_the_timeout(piped, tmp_path):
+    import time
+
+    job = {"model": str(piped[0]), "prompt": [5], "max_tokens": 2, "configs": {"exact": {"prerouter": "off"}}}
+    t0 = time.monotonic()
+    proc = _rank(0, _hostfile(tmp_path), job, EDGE0_CONNECT_TIMEOUT="2")  # rank 1 is never started
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0 and time.monotonic() - t0 < 30
+    assert "rank 0: the other ranks did not connect within 2 s" in err
+
+
+def test_a_rank_that_dies_ends_the_launch_within_bounded_time(piped):
+    import time
+
+    job = {"model": str(piped[0]), "prompt": [5, 6], "max_tokens": 4, "die": 1,
+           "configs": {"exact": {"prerouter": "off"}}}
+    t0 = time.monotonic()
+    proc = _run(job, 2, timeout=120)
+    assert time.monotonic() - t0 < 90
+    said = proc.stdout + proc.stderr  # (mlx.launch itself exits 0 here: its warnings say what happened)
+    assert "rank 1 exited with code 3" in said and "rank 0 exited with code -15" in said  # rank 0 ended for it
+    assert "RESULT" not in said
+
+
+def test_without_the_launcher_the_rank_left_waiting_raises_distributed_error(piped, tmp_path):
+    """Started by hand: rank 1 dies after loading; rank 0's generation stops after
+    pipeline_timeout_s with a DistributedError naming what happened, and its process ends."""
+    import time
+
+    job = {"model": str(piped[0]), "prompt": [5, 6], "max_tokens": 4, "die": 1,
+           "configs": {"exact": {"prerouter": "off", "pipeline_timeout_s": 3}}}
+    hosts = _hostfile(tmp_path)
+    procs = [_rank(r, hosts, job) for r in (0, 1)]
+    t0 = time.monotonic()
+    _, err = procs[0].communicate(timeout=90)
+    procs[1].communicate(timeout=30)
+    assert procs[1].returncode == 3
+    assert procs[0].returncode != 0 and time.monotonic() - t0 < 60
+    assert "DistributedError" in err and "no token for 3 s" in err
+
+
+def test_layer_ranges_are_checked_and_balanced_by_bytes():
+    from edge0.exec.pipeline import balanced, parse_layers
+
+    assert parse_layers("0-3,4-7", 8, 2) == ((0, 4), (4, 8))
+    assert parse_layers("0-0, 1-7", 8, 2) == ((0, 1), (1, 8))
+    for text, why in (("0-3", "names 1 ranges for 2 ranks"), ("0-2,4-7", "layer 3 expected next"),
+                      ("0-3,4-6", "ends at layer 6"), ("a-b,4-7", "FIRST-LAST"), ("4-7,0-3", "layer 0 expected")):
+        with pytest.raises(ConfigError, match=why):
+            parse_layers(text, 8, 2)
+    assert balanced([1, 1, 1, 1], 2) == ((0, 2), (2, 4))
+    assert balanced([10, 1, 1, 1], 2) == ((0, 1), (1, 4))
+    assert balanced([1, 1, 1, 1, 1, 1], 3) == ((0, 2), (2, 4), (4, 6))
+    with pytest.raises(ConfigError, match="3 pipeline ranks for 2 decoder layers"):
+        balanced([1, 1], 3)
+
+
+def test_pipeline_layers_alone_is_refused(piped):
+    from edge0 import Engine, EngineConfig
+
+    with pytest.raises(ConfigError, match="pipeline_layers applies under mlx.launch"):
+        Engine(piped[0], EngineConfig(prerouter="off", pipeline_layers="0-1,2-3"))
+
+
+def test_serve_under_several_ranks_is_refused_with_what_to_run_instead(piped, monkeypatch, capsys):
+    from edge0.backend import dist
+
+    monkeypatch.setattr(dist, "group", lambda: _Group(2, 0))
+    assert main(["serve", "--model", str(piped[0])]) == 2
+    err = capsys.readouterr().err
+    assert "edge0 serve runs in one process: under mlx.launch (2 ranks) it is not built yet" in err
+    assert "edge0 generate or an Engine program under mlx.launch" in err

@@ -1,12 +1,13 @@
 """The array-library facade.
 
 Core logic (spec, checkpoint index, routing, engine) reaches the array library only
-through these four modules, so another backend can implement the same surface:
+through these five modules, so another backend can implement the same surface:
 
 - ``core``:  arrays, dtypes, evaluation, memory counters, the ops routing needs;
 - ``nn``:    model classes, building and loading the resident part of a model;
 - ``io``:    device buffers that reader threads can fill in place;
-- ``quant``: the quantized gather matmul and dequantization.
+- ``quant``: the quantized gather matmul and dequantization;
+- ``dist``:  the distributed group, transfers between ranks, the stand-ins of a pipeline rank.
 
 Only the MLX implementation exists today; it is chosen by name so a second one (for
 example a NumPy reference) plugs in without touching callers.
@@ -35,5 +36,6 @@ core = _default.core
 nn = _default.nn
 io = _default.io
 quant = _default.quant
+dist = _default.dist
 
-__all__ = ["BACKENDS", "NAME", "core", "io", "load", "nn", "quant"]
+__all__ = ["BACKENDS", "NAME", "core", "dist", "io", "load", "nn", "quant"]

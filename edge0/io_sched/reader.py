@@ -17,7 +17,7 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from edge0.io_sched import direct as dio
 from edge0.model.checkpoint import CheckpointIndex, TensorLocation
@@ -30,9 +30,16 @@ class ReadStats:
     reads: int = 0
     seconds: float = 0.0  # wall time the caller spent waiting on reads
     in_place_reads: int = 0  # direct reads that landed in the rows' memory (no bounce copy)
+    layer_bytes: dict = field(default_factory=dict)  # MoE layer -> bytes read of its experts
 
     def snapshot(self) -> "ReadStats":
-        return ReadStats(self.bytes, self.reads, self.seconds, self.in_place_reads)
+        return ReadStats(self.bytes, self.reads, self.seconds, self.in_place_reads, dict(self.layer_bytes))
+
+    def count(self, layer: int, nbytes: int, reads: int, seconds: float) -> None:
+        self.bytes += nbytes
+        self.reads += reads
+        self.seconds += seconds
+        self.layer_bytes[layer] = self.layer_bytes.get(layer, 0) + nbytes
 
 
 class ExpertReader:
@@ -194,9 +201,7 @@ class ExpertReader:
 
         total = sum(self._pool.map(one, jobs)) if self._pool is not None else sum(map(one, jobs))
         with self._lock:
-            self.stats.bytes += total
-            self.stats.reads += len(jobs)
-            self.stats.seconds += time.perf_counter() - t0
+            self.stats.count(layer, total, len(jobs), time.perf_counter() - t0)
         return total
 
     def read_experts(self, layer: int, experts, rows, buffers, parallel: bool = True) -> int:
@@ -217,9 +222,7 @@ class ExpertReader:
         else:
             total = sum(self._pool.map(lambda job: self._read_one(*job), jobs))
         with self._lock:
-            self.stats.bytes += total
-            self.stats.reads += len(jobs)
-            self.stats.seconds += time.perf_counter() - t0
+            self.stats.count(layer, total, len(jobs), time.perf_counter() - t0)
         return total
 
 

@@ -82,6 +82,15 @@ class PrerouterHeads(bnn.Module):
     def sees_token(self) -> bool:
         return bool(self.token_dim)
 
+    def subset(self, owners: list[int]) -> "PrerouterHeads":
+        """The heads of ``owners`` only (the same modules), in this file's owner order."""
+        keep = [o for o in self.owners if o in set(owners)]
+        sub = PrerouterHeads(keep, self.hidden, self.experts, self.k, 1, [self.consumer[o] for o in keep],
+                             self.token_dim)
+        sub.width = self.width
+        sub.heads = {f"layer{o}": self.head(o) for o in keep}
+        return sub
+
     def consumers(self) -> list[int]:
         return [self.consumer[o] for o in self.owners]
 

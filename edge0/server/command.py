@@ -99,6 +99,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from edge0.server.app import create_app
     from edge0.server.connections import server_config
 
+    from edge0.backend import dist
+    from edge0.errors import ConfigError
+
+    group = dist.group()
+    if group is not None:
+        raise ConfigError(f"edge0 serve runs in one process: under mlx.launch ({group.size()} ranks) it is not built "
+                          "yet (rank 0 would have to hand each request to the other ranks); run edge0 generate or "
+                          "an Engine program under mlx.launch (docs/DISTRIBUTED.md)")
     settings = build_settings(args)
     app = create_app(settings)
     config = server_config(app, settings, host=args.host, port=args.port, log_level="warning",

@@ -240,7 +240,7 @@ def train_heads(model_dir: str | Path, *, data: str | None = None, tokens: int =
     from edge0.loader import load_streaming_model
 
     model_dir = Path(model_dir)
-    streaming = load_streaming_model(model_dir, EngineConfig(prerouter="off", adapter="off",
+    streaming = load_streaming_model(model_dir, EngineConfig(prerouter="off", adapter="off", pipeline="off",
                                                              experts_per_token=experts_per_token))
     try:
         spec = streaming.spec

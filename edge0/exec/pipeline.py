@@ -1,0 +1,306 @@
+"""Pipeline-parallel streaming: each rank of an ``mx.distributed`` group holds a contiguous
+range of decoder layers and streams only their experts.
+
+Every rank runs the same program (``mlx.launch``): the same prompts, the same sampling, the
+same generation loop. What a rank holds: the resident weights of its layers (the embedding
+on the first rank, the final norm and head on the last), its layers' expert ranges in its
+own reader, scheduler and slots, and the prerouter heads whose consumer layer it holds.
+
+What crosses, per forward pass, from rank r to rank r+1: the hidden state after r's last
+layer and, when a head's owner layer is on r and its consumer on r+1, that owner's router
+input and routed experts (the head's inputs cross with the activations; the head runs on
+the consumer's rank, in its one flush at the start of the next step, so the consumer's
+reads start before the activations arrive). At the start of each decode step, when a rank
+after the first has heads that see the token, the first rank sends that token's embedding
+row on (it alone holds the embedding). At the end of a pass the last rank's logits for the
+last position are summed over the group with the others' zeros: every rank samples the same
+token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from edge0.backend import core as B
+from edge0.backend import dist as D
+from edge0.backend import nn as bnn
+from edge0.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Layout:
+    """``ranges[r]`` = (first, last + 1): rank r's decoder layers."""
+
+    ranges: tuple[tuple[int, int], ...]
+    rank: int
+
+    @property
+    def size(self) -> int:
+        return len(self.ranges)
+
+    def holds(self, layer: int, rank: int | None = None) -> bool:
+        lo, hi = self.ranges[self.rank if rank is None else rank]
+        return lo <= layer < hi
+
+    def rank_of(self, layer: int) -> int:
+        return next(r for r, (lo, hi) in enumerate(self.ranges) if lo <= layer < hi)
+
+    def describe(self) -> str:
+        return f"pipeline {self.size} ranks (layers " + " | ".join(f"{lo}-{hi - 1}" for lo, hi in self.ranges) + ")"
+
+
+def parse_layers(text: str, num_layers: int, size: int) -> tuple[tuple[int, int], ...]:
+    """``"0-3,4-7"`` -> ((0, 4), (4, 8)): one contiguous range per rank, together every layer."""
+    ranges = []
+    for part in text.split(","):
+        lo, sep, hi = part.strip().partition("-")
+        try:
+            first, last = int(lo), int(hi if sep else lo)
+        except ValueError:
+            raise ConfigError(f"pipeline_layers {text!r}: each range is FIRST-LAST, e.g. 0-3,4-7") from None
+        ranges.append((first, last + 1))
+    if len(ranges) != size:
+        raise ConfigError(f"pipeline_layers {text!r} names {len(ranges)} ranges for {size} ranks")
+    expected = 0
+    for first, end in ranges:
+        if first != expected or end <= first:
+            raise ConfigError(f"pipeline_layers {text!r}: the ranges must be contiguous, in order, from layer 0 "
+                              f"(layer {expected} expected next)")
+        expected = end
+    if expected != num_layers:
+        raise ConfigError(f"pipeline_layers {text!r} ends at layer {expected - 1}; the model has {num_layers} "
+                          f"decoder layers (0-{num_layers - 1})")
+    return tuple(ranges)
+
+
+def balanced(layer_bytes: list[int], size: int) -> tuple[tuple[int, int], ...]:
+    """Contiguous ranges, one per rank, each cut where the bytes so far come closest to an
+    equal share (every rank at least one layer)."""
+    n = len(layer_bytes)
+    if size > n:
+        raise ConfigError(f"{size} pipeline ranks for {n} decoder layers: at most one rank per layer")
+    total, cuts, start = sum(layer_bytes), [], 0
+    for r in range(1, size):
+        goal = total * r / size
+        best = None
+        for i in range(start + 1, n - (size - r) + 1):
+            so_far = sum(layer_bytes[:i])
+            if best is None or abs(so_far - goal) < abs(best[1] - goal):
+                best = (i, so_far)
+        cuts.append(best[0])
+        start = best[0]
+    bounds = [0, *cuts, n]
+    return tuple((bounds[i], bounds[i + 1]) for i in range(size))
+
+
+def layer_bytes(index, spec) -> list[int]:
+    """The checkpoint's bytes of each decoder layer (resident and experts)."""
+    out = [0] * spec.num_layers
+    for key, (_, entry) in index.entries.items():
+        if key.startswith(spec.layer_prefix):
+            head = key[len(spec.layer_prefix):].split(".", 1)[0]
+            if head.isdigit() and int(head) < spec.num_layers:
+                out[int(head)] += entry.nbytes
+    return out
+
+
+def resolve_layout(pipeline_layers: str | None, index, spec, group) -> Layout | None:
+    """The layout of this process's group (None: one process)."""
+    if group is None:
+        if pipeline_layers:
+            raise ConfigError("pipeline_layers applies under mlx.launch with more than one rank "
+                              "(this process runs alone)")
+        return None
+    size = group.size()
+    ranges = (parse_layers(pipeline_layers, spec.num_layers, size) if pipeline_layers
+              else balanced(layer_bytes(index, spec), size))
+    return Layout(ranges, group.rank())
+
+
+class Pipeline:
+    """This rank's part of a pipeline over ``model`` (mlx-lm's, Edge0's stages in place)."""
+
+    def __init__(self, layout: Layout, group, model, spec, heads=None):
+        self.layout, self.group, self.spec = layout, group, spec
+        self.rank, self.size = layout.rank, layout.size
+        inner_path = spec.layer_prefix[:-len(".layers.")] if spec.layer_prefix.endswith(".layers.") else None
+        self.inner = bnn.module_at(model, inner_path) if inner_path else None
+        needed = {"embed_tokens": self.inner, "norm": self.inner, "lm_head": model}
+        missing = [n for n, owner in needed.items() if owner is None or n not in owner]
+        if missing or hasattr(model, "make_cache"):
+            why = f"no {', '.join(missing)}" if missing else "layers that keep other caches than a KV cache"
+            raise ConfigError(f"{spec.model_type}: pipeline parallelism needs the decoder layers, embed_tokens, norm "
+                              f"and an untied lm_head where mlx-lm's Llama-style models keep them, and a KV cache per "
+                              f"layer ({why})")
+        self.inner_path, self.model = inner_path, model
+        self.heads = heads
+        self.crossing = self._crossing(heads)  # owner layer on this rank whose head's consumer is on the next
+        self.incoming = self._incoming(heads)  # owner layer on the previous rank whose head runs here
+        self.relay = heads is not None and heads.sees_token and any(
+            self._rank_heads(heads, r) for r in range(1, self.size))
+        self._captured: dict[str, object] = {}
+        self._sent = None
+        self.token_rows = None
+
+    # -- which heads run where --------------------------------------------------------------
+    def _rank_heads(self, heads, rank: int) -> list[int]:
+        return [o for o in heads.owners if self.layout.holds(heads.consumer[o], rank)]
+
+    def local_owners(self, heads) -> list[int]:
+        """The owners of the heads this rank runs: those whose consumer layer it holds."""
+        owners = self._rank_heads(heads, self.rank)
+        for o in owners:
+            r = self.layout.rank_of(o)
+            if r not in (self.rank, self.rank - 1):
+                raise ConfigError(f"the head owned by layer {o} predicts layer {heads.consumer[o]}, two ranks on: "
+                                  "choose pipeline_layers that keep each head within neighbouring ranks")
+        return owners
+
+    def _crossing(self, heads) -> int | None:
+        if heads is None or self.rank == self.size - 1:
+            return None
+        out = [o for o in heads.owners if self.layout.holds(o) and self.layout.holds(heads.consumer[o], self.rank + 1)]
+        return out[0] if out else None
+
+    def _incoming(self, heads) -> int | None:
+        if heads is None or self.rank == 0:
+            return None
+        out = [o for o in heads.owners if self.layout.holds(o, self.rank - 1) and self.layout.holds(heads.consumer[o])]
+        return out[0] if out else None
+
+    # -- what this rank holds ----------------------------------------------------------------
+    def remote_key(self, key: str) -> bool:
+        """Whether checkpoint tensor ``key`` belongs to another rank's part of the model."""
+        prefix = self.spec.layer_prefix
+        if key.startswith(prefix):
+            head = key[len(prefix):].split(".", 1)[0]
+            return head.isdigit() and not self.layout.holds(int(head))
+        ip = self.inner_path + "."
+        if key.startswith(ip + "embed_tokens."):
+            return self.rank != 0
+        if key.startswith(ip + "norm.") or key.startswith("lm_head."):
+            return self.rank != self.size - 1
+        return False
+
+    def remote_module(self, path: str) -> bool:
+        return self.remote_key(path + ".")
+
+    def strip(self, dtype) -> None:
+        """Replace what this rank does not hold (before the resident weights load)."""
+        vocab, embed_dim = self.model.lm_head.weight.shape
+        layers = self.inner.layers
+        lo, hi = self.layout.ranges[self.rank]
+        for i in range(len(layers)):
+            if not self.layout.holds(i):
+                layers[i] = D.LayerStub(sent=(lambda: self._sent) if i >= hi else None)
+        if self.rank != 0:
+            self.inner.embed_tokens = D.EmbedStub(embed_dim, dtype)
+        if self.rank != self.size - 1:
+            self.inner.norm = D.Identity()
+            self.model.lm_head = D.HeadStub(vocab, dtype, self.group, lambda: self._sent)
+
+    def wire(self, streaming, prerouter) -> None:
+        """After loading: the boundary layers send and receive, the last rank's head shares
+        its logits, the crossing owner's inputs are captured, the relayed token rows are the
+        local heads' embedding."""
+        lo, hi = self.layout.ranges[self.rank]
+        layers = self.inner.layers
+        if self.rank > 0:
+            D.wrap_call(layers[lo], before=lambda x: self._receive(x, streaming, prerouter))
+        if self.rank < self.size - 1:
+            D.wrap_call(layers[hi - 1], after=self._send)
+        else:
+            D.head_that_shares(self.model.lm_head, self.group)
+        self._seeds = _shared_random(self.group)
+        if self.crossing is not None:
+            o = self.crossing
+            streaming.routers()[o].watch = lambda layer, x, tap: self._captured.__setitem__("x", x)
+            streaming.switches()[o].observer = lambda layer, inds: self._captured.__setitem__("inds", inds)
+
+    def _send(self, out):
+        parts = [out.astype(B.float32).reshape(-1)]
+        if self.crossing is not None:
+            parts += [self._captured["x"].astype(B.float32).reshape(-1),
+                      self._captured["inds"].astype(B.float32).reshape(-1)]
+        self._sent = D.send(B.concat(parts), self.rank + 1, self.group)
+        return out
+
+    def _receive(self, x, streaming, prerouter):
+        rows = x.shape[0] * x.shape[1]
+        n = x.size
+        extra = rows * (self.spec.block_input + self.spec.k) if self.incoming is not None else 0
+        buf = D.recv_like(B.zeros((n + extra,), dtype=B.float32), self.rank - 1, self.group)
+        h = buf[:n].reshape(x.shape).astype(x.dtype)
+        if self.incoming is not None and prerouter is not None:
+            width = rows * self.spec.block_input
+            px = buf[n:n + width].reshape(rows, self.spec.block_input)
+            inds = buf[n + width:].reshape(rows, self.spec.k).astype(B.int32)
+            prerouter.observe(self.incoming, px, inds, streaming.phase.decode)
+        return h
+
+    # -- per decode step -------------------------------------------------------------------
+    def begin_step(self, inputs, embed_dim: int, embed=None) -> None:
+        """The first rank sends the step's token embedding rows on; the others receive (and
+        pass them on while a later rank needs them)."""
+        if not self.relay:
+            return
+        if self.rank == 0:
+            rows = embed(inputs).astype(B.float32)
+            B.eval(D.send(rows, 1, self.group))
+            self.token_rows = rows
+            return
+        rows = D.recv_like(B.zeros((*inputs.shape, embed_dim), dtype=B.float32), self.rank - 1, self.group)
+        later = any(self._rank_heads(self.heads, r) for r in range(self.rank + 1, self.size))
+        if later and self.rank < self.size - 1:
+            B.eval(D.send(rows, self.rank + 1, self.group))
+        B.eval(rows)
+        self.token_rows = rows
+
+    def relayed_embedding(self, dim: int):
+        """ids -> the rows the first rank sent for this step (zeros of width ``dim`` before any)."""
+        def embed(ids):
+            rows = self.token_rows
+            if rows is None or tuple(rows.shape[:-1]) != tuple(ids.shape):
+                return B.zeros((*ids.shape, dim), dtype=B.float32)
+            return rows
+        return embed
+
+    def next_seed(self) -> int:
+        """A generation's seed when it names none: random, and the same on every rank."""
+        return self._seeds.getrandbits(63)
+
+    def gather(self, values: list[float]) -> list[list[float]]:
+        """Each rank's ``values`` (the same length on every rank), rank by rank."""
+        flat = B.zeros((self.size * len(values),), dtype=B.float32)
+        mine = B.array([float(v) for v in values], dtype=B.float32)
+        start = self.rank * len(values)
+        flat = B.concat([flat[:start], mine, flat[start + len(values):]])
+        total = B.to_host(D.all_sum(flat, self.group)).tolist()
+        return [total[r * len(values):(r + 1) * len(values)] for r in range(self.size)]
+
+
+def _shared_random(group):
+    """A random generator seeded alike on every rank (the first rank's draw)."""
+    import os
+    import random
+
+    mine = [int.from_bytes(os.urandom(3), "little") for _ in range(3)] if group.rank() == 0 else [0, 0, 0]
+    words = B.to_host(D.all_sum(B.array(mine, dtype=B.int32), group)).tolist()
+    return random.Random(sum(int(w) << (24 * i) for i, w in enumerate(words)))
+
+
+def pipeline_part(config, model, spec, index, heads):
+    """(this rank's Pipeline or None, the config with its layer paths on this rank's layers,
+    the heads this rank runs) under ``mlx.launch``; (None, config, heads) alone."""
+    from dataclasses import replace
+
+    group = D.group() if config.pipeline == "auto" else None
+    layout = resolve_layout(config.pipeline_layers, index, spec, group)
+    if layout is None:
+        return None, config, heads
+    pipe = Pipeline(layout, group, model, spec, heads)
+    config = replace(config, layer_paths=tuple(e for e in config.layer_paths if layout.holds(e[0])))
+    if heads is not None:
+        owners = pipe.local_owners(heads)
+        heads = heads.subset(owners) if owners else None
+    return pipe, config, heads

@@ -1,0 +1,47 @@
+"""Run under ``mlx.launch`` (or alone, for the reference): greedy generations of one model
+in several configurations, one JSON line per rank on standard output.
+
+argv[1]: a JSON object {"model": DIR, "prompt": [ids], "max_tokens": N,
+"configs": {name: EngineConfig keywords}, "die": rank that exits after loading (optional)}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def main() -> None:
+    from mlx.utils import tree_flatten
+
+    from edge0 import Engine, EngineConfig
+    from edge0.backend import core as B
+    from edge0.backend import dist
+
+    job = json.loads(sys.argv[1])
+    g = dist.group()
+    rank = g.rank() if g is not None else 0
+    out = {"rank": rank, "size": g.size() if g is not None else 1, "results": {}}
+    for name, kw in job["configs"].items():
+        if g is None:  # the one-process reference of a named layout
+            kw = {k: v for k, v in kw.items() if k != "pipeline_layers"}
+        B.reset_peak_memory()
+        with Engine(job["model"], EngineConfig(**kw)) as engine:
+            params = dict(tree_flatten(engine.model.parameters()))
+            if job.get("die") == rank:
+                os._exit(3)
+            events = list(engine.stream(job["prompt"], max_tokens=job["max_tokens"], temp=0.0))
+            out["results"][name] = {
+                "tokens": [e.token for e in events],
+                "line": events[-1].stats.line(),
+                "layers_read": sorted(engine.reader.stats.layer_bytes),
+                "param_keys": sorted(params),
+                "param_bytes": sum(v.nbytes for v in params.values()),
+                "peak_memory": B.peak_memory(),
+            }
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()
