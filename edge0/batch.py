@@ -24,6 +24,7 @@ model whose caches are not plain KV caches (state-space and linear-attention lay
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -69,6 +70,14 @@ class Row:
         self.events = None  # its RowEvents, from the first token on
         self.error: BaseException | None = None
         self.alone = False  # runs alone: nothing joins while it runs
+
+
+    def spec(self) -> dict:
+        """What another rank needs to run this generation as this one runs (a served pipeline)."""
+        params = dataclasses.asdict(self.params)
+        if params.get("logit_bias"):
+            params["logit_bias"] = [[int(k), v] for k, v in params["logit_bias"].items()]
+        return {"ids": list(self.ids), "params": params, "adapter": self.adapter}
 
 
 class RowEvents:
@@ -227,6 +236,9 @@ class Batcher:
         host, job = self.host, row.job
         job.start()
         host._line.started()
+        pipe = getattr(host.streaming, "pipeline", None)
+        if pipe is not None and pipe.leading:  # a served pipeline: the other ranks run it too
+            pipe.announce(row.spec())
         if job.cancelled:
             return
         try:
@@ -252,9 +264,18 @@ class Batcher:
             row.error = e
 
     def _drop_cancelled(self) -> None:
-        for row in [r for r in self.joining if r.job.cancelled or r.error is not None]:
+        pipe = getattr(self.host.streaming, "pipeline", None)
+        if pipe is None:
+            ends = lambda r: r.job.cancelled or r.error is not None
+        else:  # a pipeline's ranks drop a row together: when rank 0's was cancelled as they agreed
+            agreed = {id(r): pipe.agree(r.job.cancelled) for r in self.joining + self.rows}
+            for row in self.joining + self.rows:
+                if agreed[id(row)] and not row.job.cancelled:
+                    row.job.cancel()
+            ends = lambda r: agreed[id(r)] or r.error is not None  # (a cancel after the exchange waits for the next)
+        for row in [r for r in self.joining if ends(r)]:
             self._end_row(row)
-        gone = [r for r in self.rows if r.job.cancelled or r.error is not None]
+        gone = [r for r in self.rows if ends(r)]
         if gone:
             self._leave(gone)
 
@@ -365,6 +386,7 @@ class Batcher:
         self.steps += 1
         self.decode_bytes += host.reader.stats.bytes - bytes0
         done = []
+        piped = getattr(host.streaming, "pipeline", None)
         for row, token, lp in zip(rows, sampled, logprobs):
             if row.error is not None:
                 done.append(row)
@@ -374,11 +396,13 @@ class Batcher:
             self.tokens += 1
             event = row.events.event(token, lp)
             row.next = token
-            if not row.job.offer(event) or event.finish_reason is not None:
-                if event.finish_reason is not None:
-                    host._last_stats = event.stats
-                elif row.job.error is not None:
-                    host.log.warning("generation.consumer_stalled", error=str(row.job.error))
+            offered = row.job.offer(event)
+            if not offered and row.job.error is not None:
+                host.log.warning("generation.consumer_stalled", error=str(row.job.error))
+            if event.finish_reason is not None:
+                host._last_stats = event.stats
+                done.append(row)
+            elif not offered and piped is None:  # (a pipeline's ranks drop it together, at the next boundary)
                 done.append(row)
         return done
 

@@ -29,7 +29,7 @@ from edge0.backend import core as B
 from edge0.backend import nn as bnn
 from edge0.config import EngineConfig
 from edge0.constrain import ConstraintCache
-from edge0.errors import DistributedError, ConfigError, EngineClosedError, ExpertReadError
+from edge0.errors import DistributedError, ConfigError, Edge0Error, EngineClosedError, ExpertReadError
 from edge0.exec.oracle import OracleRouting, RoutingRecorder
 from edge0.loader import StepModel, Streaming, load_streaming_model
 from edge0.prompt_cache import PromptCache
@@ -107,6 +107,9 @@ class Engine:
         """Stop every generation, release the slots, threads and file descriptors."""
         if not self._closed:
             self._closed = True
+            pipe = self.streaming.pipeline
+            if pipe is not None and pipe.leading and not getattr(self, "_lost", False) and self._worker.alive:
+                self._worker.call(pipe.announce, None)  # the ranks that follow stop following
             if getattr(self, "_lost", False):  # the compute thread waits on a rank that is gone: leave it
                 self._finalizer.detach()
                 for job in list(self._jobs):
@@ -273,6 +276,34 @@ class Engine:
         finally:
             job.remove_waker(wake)
             job.cancel()
+
+    # -- a served pipeline ----------------------------------------------------------------
+    def lead(self) -> None:
+        """Rank 0 of a pipeline that serves requests only it receives (``edge0 serve``): from
+        now on each generation it starts is handed to the other ranks, which ``follow``."""
+        if self.streaming.pipeline is None or self.streaming.pipeline.rank != 0:
+            raise ConfigError("Engine.lead() is for rank 0 of a pipeline (under mlx.launch)")
+        self.streaming.pipeline.leading = True
+
+    def follow(self) -> int:
+        """The other ranks of a served pipeline: run every generation rank 0 hands over,
+        token for token with it, until rank 0's engine closes. Returns how many ran."""
+        pipe = self.streaming.pipeline
+        if pipe is None or pipe.rank == 0:
+            raise ConfigError("Engine.follow() is for the ranks after the first of a pipeline (under mlx.launch)")
+        done = 0
+        while (spec := self._worker.call(pipe.receive)) is not None:
+            params = dict(spec["params"])
+            if params.get("logit_bias"):
+                params["logit_bias"] = {int(k): v for k, v in params["logit_bias"]}
+            params["stop_token_ids"], params["stop"] = tuple(params["stop_token_ids"]), tuple(params["stop"])
+            try:
+                for _ in self.stream(spec["ids"], adapter=spec["adapter"], **params):
+                    pass
+            except Edge0Error as e:  # rank 0 meets the same error and answers its client with it
+                self.log.warning("pipeline.follow_failed", error=f"{type(e).__name__}: {e}")
+            done += 1
+        return done
 
     def _pipeline_wait(self) -> float | None:
         """Under a pipeline, how long a generation waits for a token (None: alone, no bound)."""

@@ -260,8 +260,9 @@ def test_each_rank_reads_and_holds_only_its_layers(pipeline_runs):
         assert not any(k.startswith(("model.layers.0.", "model.layers.1.", "model.embed_tokens.")) for k in keys1)
         assert any(k.startswith("model.embed_tokens.") for k in keys0) and any(k.startswith("lm_head.") for k in keys1)
         assert keys0 | keys1 == set(one["param_keys"]) and not keys0 & keys1
-        for r in (0, 1):  # resident weights: a share of one process's
+        for r in (0, 1):  # resident weights a share of one process's; MLX's peak memory below one process's
             assert two[r]["results"][name]["param_bytes"] < 0.75 * one["param_bytes"]
+            assert two[r]["results"][name]["peak_memory"] < one["peak_memory"], (name, r)
     line = two[0]["results"]["staged replace"]["line"]
     assert "expert reads MiB/token: rank 0 " in line and ", rank 1 " in line
 
@@ -345,11 +346,66 @@ def test_pipeline_layers_alone_is_refused(piped):
         Engine(piped[0], EngineConfig(prerouter="off", pipeline_layers="0-1,2-3"))
 
 
-def test_serve_under_several_ranks_is_refused_with_what_to_run_instead(piped, monkeypatch, capsys):
-    from edge0.backend import dist
+def test_serve_under_two_ranks_answers_the_openai_client_and_a_client_that_leaves_frees_both(piped):
+    """Rank 0 answers HTTP and hands each generation to rank 1, which computes its layers of
+    every token; a client that leaves mid-stream ends the generation on both ranks (the next
+    request is answered), and the text is one process's."""
+    import os
+    import signal
+    import time
 
-    monkeypatch.setattr(dist, "group", lambda: _Group(2, 0))
-    assert main(["serve", "--model", str(piped[0])]) == 2
-    err = capsys.readouterr().err
-    assert "edge0 serve runs in one process: under mlx.launch (2 ranks) it is not built yet" in err
-    assert "edge0 generate or an Engine program under mlx.launch" in err
+    import httpx
+    import openai
+
+    from edge0 import Engine, EngineConfig
+
+    model = piped[0]
+    with Engine(model, EngineConfig()) as engine:  # one process: the text to expect
+        want = "".join(e.text for e in engine.stream("def f(x):", max_tokens=12, temp=0.0))
+    port = free_port_pair()
+    cmd = [str(BIN / "mlx.launch"), "-n", "2", "--backend", "ring", "--starting-port", str(free_port_pair()),
+           str(BIN / "edge0"), "serve", "--model", str(model), "--port", str(port)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+    def stuck(*_):  # the server keeps a stream alive with heartbeats, so no client timeout fires
+        raise TimeoutError("the two-rank server stopped answering")
+
+    previous = signal.signal(signal.SIGALRM, stuck)
+    signal.alarm(240)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).json().get("status") == "ok":
+                    break
+            except (httpx.HTTPError, ValueError):
+                pass
+            time.sleep(0.5)
+        else:
+            raise AssertionError("the two-rank server did not become ready")
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=30)
+        r = client.completions.create(model="m", prompt="def f(x):", max_tokens=12, temperature=0)
+        assert r.choices[0].text == want
+        streamed = client.completions.create(model="m", prompt="def f(x):", max_tokens=12, temperature=0, stream=True)
+        assert "".join(c.choices[0].text for c in streamed) == want
+        for leave_after in (2, 4):  # leave mid-stream
+            s = client.completions.create(model="m", prompt="import os", max_tokens=200, temperature=0, stream=True)
+            for i, _ in enumerate(s):
+                if i == leave_after:
+                    break
+            s.close()
+        t0 = time.monotonic()
+        r = client.completions.create(model="m", prompt="def f(x):", max_tokens=12, temperature=0)
+        assert r.choices[0].text == want and time.monotonic() - t0 < 30  # both ranks were free
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            out = proc.communicate(timeout=20)[0]
+        except subprocess.TimeoutExpired:  # ranks stuck on each other do not drain: end them (the launcher
+            subprocess.run(["pkill", "-9", "-f", f"serve --model {model} --port {port}"])  # starts them apart)
+            os.killpg(proc.pid, signal.SIGKILL)
+            out = proc.communicate(timeout=20)[0]
+        subprocess.run(["pkill", "-9", "-f", f"serve --model {model} --port {port}"])  # none is left behind
+    assert "rank 1 of 2: following rank 0's generations" in out

@@ -19,7 +19,10 @@ token.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+
+import numpy as np
 
 from edge0.backend import core as B
 from edge0.backend import dist as D
@@ -264,6 +267,35 @@ class Pipeline:
                 return B.zeros((*ids.shape, dim), dtype=B.float32)
             return rows
         return embed
+
+    # -- a served pipeline: rank 0 leads, the others follow ----------------------------------
+    leading = False  # rank 0 of a served pipeline: it hands each generation to the other ranks
+
+    def announce(self, spec: dict | None) -> None:
+        """Rank 0: hand the generation ``spec`` (None: stop following) to the other ranks."""
+        data = json.dumps(spec).encode() if spec is not None else b""
+        self._exchange(data)
+
+    def receive(self) -> dict | None:
+        """The other ranks: wait for rank 0's next generation (None: stop following)."""
+        data = self._exchange(b"")
+        return json.loads(data.decode()) if data else None
+
+    def _exchange(self, data: bytes) -> bytes:
+        mine = data if self.rank == 0 else b""
+        n = int(B.to_host(D.all_sum(B.array([len(mine)], dtype=B.int32), self.group))[0])
+        if n == 0:
+            return b""
+        buf = np.zeros(n, dtype=np.int32)
+        if self.rank == 0:
+            buf[:] = np.frombuffer(mine, dtype=np.uint8)
+        total = B.to_host(D.all_sum(B.array(buf), self.group))
+        return bytes(np.asarray(total, dtype=np.uint8))
+
+    def agree(self, flag: bool) -> bool:
+        """Rank 0's ``flag``, on every rank (the batch loop's: whether its row was cancelled)."""
+        mine = 1 if flag and self.rank == 0 else 0
+        return int(B.to_host(D.all_sum(B.array([mine], dtype=B.int32), self.group))[0]) > 0
 
     def next_seed(self) -> int:
         """A generation's seed when it names none: random, and the same on every rank."""

@@ -96,6 +96,8 @@ class ServerState:
         t0 = time.perf_counter()
         try:
             self.engine = await anyio.to_thread.run_sync(Engine, self.settings.model_dir, self.settings.config)
+            if getattr(getattr(self.engine, "streaming", None), "pipeline", None) is not None:  # rank 0 of mlx.launch
+                self.engine.lead()
         except Exception as e:  # noqa: BLE001 - reported by /health and the log, then the server stops
             self.load_error = f"{type(e).__name__}: {e}"
             self.log.error("server.load_failed", error=self.load_error)

@@ -100,14 +100,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from edge0.server.connections import server_config
 
     from edge0.backend import dist
-    from edge0.errors import ConfigError
 
-    group = dist.group()
-    if group is not None:
-        raise ConfigError(f"edge0 serve runs in one process: under mlx.launch ({group.size()} ranks) it is not built "
-                          "yet (rank 0 would have to hand each request to the other ranks); run edge0 generate or "
-                          "an Engine program under mlx.launch (docs/DISTRIBUTED.md)")
     settings = build_settings(args)
+    group = dist.group() if settings.config.pipeline == "auto" else None
+    if group is not None and group.rank() > 0:
+        return _follow(settings, group)
     app = create_app(settings)
     config = server_config(app, settings, host=args.host, port=args.port, log_level="warning",
                            timeout_graceful_shutdown=args.grace, access_log=False)
@@ -128,6 +125,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if failed:
         print(f"edge0: error: the model failed to load: {state.load_error}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _follow(settings, group) -> int:
+    """A rank after the first of a served pipeline: no HTTP; it runs every generation rank
+    0 hands over until rank 0's engine closes."""
+    from edge0.engine import Engine
+
+    print(f"[edge0] rank {group.rank()} of {group.size()}: following rank 0's generations", file=sys.stderr)
+    with Engine(settings.model_dir, settings.config) as engine:
+        engine.follow()
     return 0
 
 
