@@ -128,8 +128,8 @@ class RowEvents:
         if self.pipeline is not None:  # every rank ends the generation at this token: one exchange
             stats.pipeline = self.pipeline.layout.describe()
             per_rank = self.pipeline.gather([stats.prefill_expert_bytes, stats.decode_expert_bytes])
-            stats.rank_expert_bytes = [int(round(d)) for _, d in per_rank]
-            stats.prefill_expert_bytes = int(round(sum(p for p, _ in per_rank)))
+            stats.rank_expert_bytes = [d for _, d in per_rank]
+            stats.prefill_expert_bytes = sum(p for p, _ in per_rank)
             stats.decode_expert_bytes = sum(stats.rank_expert_bytes)
         return TokenEvent(token, text, finish, stats, **lp)
 

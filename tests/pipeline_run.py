@@ -35,6 +35,8 @@ def main() -> None:
             out["results"][name] = {
                 "tokens": [e.token for e in events],
                 "line": events[-1].stats.line(),
+                "rank_bytes": events[-1].stats.rank_expert_bytes,
+                "decode_bytes": events[-1].stats.decode_expert_bytes,
                 "layers_read": sorted(engine.reader.stats.layer_bytes),
                 "param_keys": sorted(params),
                 "param_bytes": sum(v.nbytes for v in params.values()),

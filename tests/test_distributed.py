@@ -265,6 +265,10 @@ def test_each_rank_reads_and_holds_only_its_layers(pipeline_runs):
             assert two[r]["results"][name]["peak_memory"] < one["peak_memory"], (name, r)
     line = two[0]["results"]["staged replace"]["line"]
     assert "expert reads MiB/token: rank 0 " in line and ", rank 1 " in line
+    r0, r1 = two[0]["results"]["staged replace"], two[1]["results"]["staged replace"]
+    assert r0["rank_bytes"] == r1["rank_bytes"] and all(b > 0 for b in r0["rank_bytes"])  # the same exchange
+    assert sum(r0["rank_bytes"]) == r0["decode_bytes"] == r1["decode_bytes"]
+    assert r0["decode_bytes"] == alone["results"]["staged replace"]["decode_bytes"]  # the same reads, shared out
 
 
 def _hostfile(tmp_path: Path) -> Path:

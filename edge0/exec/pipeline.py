@@ -301,14 +301,15 @@ class Pipeline:
         """A generation's seed when it names none: random, and the same on every rank."""
         return self._seeds.getrandbits(63)
 
-    def gather(self, values: list[float]) -> list[list[float]]:
-        """Each rank's ``values`` (the same length on every rank), rank by rank."""
-        flat = B.zeros((self.size * len(values),), dtype=B.float32)
-        mine = B.array([float(v) for v in values], dtype=B.float32)
-        start = self.rank * len(values)
-        flat = B.concat([flat[:start], mine, flat[start + len(values):]])
-        total = B.to_host(D.all_sum(flat, self.group)).tolist()
-        return [total[r * len(values):(r + 1) * len(values)] for r in range(self.size)]
+    def gather(self, values: list[int]) -> list[list[int]]:
+        """Each rank's ``values`` (non-negative integers, the same count on every rank), rank
+        by rank, exactly (each sent as two int32 words of 20 bits and the rest)."""
+        n = len(values)
+        words = np.zeros((self.size, n, 2), dtype=np.int32)
+        for i, v in enumerate(values):
+            words[self.rank, i] = (int(v) >> 20, int(v) & 0xFFFFF)
+        total = np.asarray(B.to_host(D.all_sum(B.array(words), self.group))).astype(np.int64)
+        return [[int(hi << 20 | lo) for hi, lo in total[r]] for r in range(self.size)]
 
 
 def _shared_random(group):
