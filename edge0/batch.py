@@ -73,11 +73,21 @@ class Row:
 
 
     def spec(self) -> dict:
-        """What another rank needs to run this generation as this one runs (a served pipeline)."""
+        """What another rank needs to run this generation as this one runs (a served
+        pipeline), as JSON; ``sampling_of`` turns its ``params`` back into keywords."""
         params = dataclasses.asdict(self.params)
         if params.get("logit_bias"):
             params["logit_bias"] = [[int(k), v] for k, v in params["logit_bias"].items()]
         return {"ids": list(self.ids), "params": params, "adapter": self.adapter}
+
+
+def sampling_of(spec: dict) -> dict:
+    """The sampling keywords of a ``Row.spec``."""
+    params = dict(spec["params"])
+    if params.get("logit_bias"):
+        params["logit_bias"] = {int(k): v for k, v in params["logit_bias"]}
+    params["stop_token_ids"], params["stop"] = tuple(params["stop_token_ids"]), tuple(params["stop"])
+    return params
 
 
 class RowEvents:
@@ -236,7 +246,7 @@ class Batcher:
         host, job = self.host, row.job
         job.start()
         host._line.started()
-        pipe = getattr(host.streaming, "pipeline", None)
+        pipe = host.streaming.pipeline
         if pipe is not None and pipe.leading:  # a served pipeline: the other ranks run it too
             pipe.announce(row.spec())
         if job.cancelled:
@@ -257,14 +267,14 @@ class Batcher:
             stats.compute_dtype = host.streaming.compute_dtype
             stats.reads = "direct" if host.reader.direct else "buffered"
             row.events = RowEvents(row, host.tokenizer, stats, host.reader, host.streaming.stager,
-                                   getattr(host.streaming, "pipeline", None))
+                                   host.streaming.pipeline)
             if row.record is not None:
                 host.streaming.set_recorder(row.record)
         except BaseException as e:
             row.error = e
 
     def _drop_cancelled(self) -> None:
-        pipe = getattr(self.host.streaming, "pipeline", None)
+        pipe = self.host.streaming.pipeline
         if pipe is None:
             ends = lambda r: r.job.cancelled or r.error is not None
         else:  # a pipeline's ranks drop a row together: when rank 0's was cancelled as they agreed
@@ -386,7 +396,7 @@ class Batcher:
         self.steps += 1
         self.decode_bytes += host.reader.stats.bytes - bytes0
         done = []
-        piped = getattr(host.streaming, "pipeline", None)
+        piped = host.streaming.pipeline
         for row, token, lp in zip(rows, sampled, logprobs):
             if row.error is not None:
                 done.append(row)

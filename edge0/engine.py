@@ -24,7 +24,7 @@ from typing import AsyncIterator, Iterator, Sequence
 import anyio
 
 from edge0.admission import Admission, EngineMetrics, Line
-from edge0.batch import Batcher, Row, TokenEvent, batchable  # noqa: F401 - TokenEvent: part of this module's API
+from edge0.batch import Batcher, Row, TokenEvent, batchable, sampling_of  # noqa: F401 - TokenEvent: part of this module's API
 from edge0.backend import core as B
 from edge0.backend import nn as bnn
 from edge0.config import EngineConfig
@@ -68,6 +68,7 @@ class Engine:
         self.log = get_logger("edge0")
         self._worker = acquire_thread()
         self._closed = False
+        self._lost = False  # a pipeline's rank stopped answering: the compute thread may never return
         try:
             self.streaming, self.tokenizer = self._worker.call(_open, self.model_dir, self.config, oracle, self.log)
         except BaseException:
@@ -108,9 +109,9 @@ class Engine:
         if not self._closed:
             self._closed = True
             pipe = self.streaming.pipeline
-            if pipe is not None and pipe.leading and not getattr(self, "_lost", False) and self._worker.alive:
+            if pipe is not None and pipe.leading and not self._lost and self._worker.alive:
                 self._worker.call(pipe.announce, None)  # the ranks that follow stop following
-            if getattr(self, "_lost", False):  # the compute thread waits on a rank that is gone: leave it
+            if self._lost:  # the compute thread waits on a rank that is gone: leave it
                 self._finalizer.detach()
                 for job in list(self._jobs):
                     job.cancel()
@@ -293,12 +294,8 @@ class Engine:
             raise ConfigError("Engine.follow() is for the ranks after the first of a pipeline (under mlx.launch)")
         done = 0
         while (spec := self._worker.call(pipe.receive)) is not None:
-            params = dict(spec["params"])
-            if params.get("logit_bias"):
-                params["logit_bias"] = {int(k): v for k, v in params["logit_bias"]}
-            params["stop_token_ids"], params["stop"] = tuple(params["stop_token_ids"]), tuple(params["stop"])
             try:
-                for _ in self.stream(spec["ids"], adapter=spec["adapter"], **params):
+                for _ in self.stream(spec["ids"], adapter=spec["adapter"], **sampling_of(spec)):
                     pass
             except Edge0Error as e:  # rank 0 meets the same error and answers its client with it
                 self.log.warning("pipeline.follow_failed", error=f"{type(e).__name__}: {e}")

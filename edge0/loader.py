@@ -39,6 +39,9 @@ from edge0.exec.taps import RouterTap, StepPhase, StreamingSwitch
 class Streaming:
     """A loaded streaming model and the machinery behind its MoE layers."""
 
+    pipeline = None  # this rank's part of a pipeline (edge0.exec.pipeline), or None: one process
+    layers = None  # the MoE layers held here (None: every one)
+
     def __init__(self, model, spec, index, reader, exact, hot, whole, stager, recorder, prerouter=None,
                  heads_path=None, adapters=None):
         self.model, self.spec, self.index, self.reader = model, spec, index, reader
@@ -49,7 +52,7 @@ class Streaming:
     def describe_artifacts(self) -> tuple[str | None, str | None]:
         """(heads, adapter) as the stats line names them: what changes the output."""
         heads = None
-        pipe = getattr(self, "pipeline", None)
+        pipe = self.pipeline
         if self.prerouter is not None or (pipe is not None and pipe.heads is not None):
             h = pipe.heads if pipe is not None and pipe.heads is not None else self.prerouter.heads  # all ranks' heads
             mode, extra = getattr(self, "routing", None) or ("replace", 0)
@@ -77,8 +80,7 @@ class Streaming:
 
     def held_layers(self) -> list[int]:
         """The MoE layers this process holds: every one, or a pipeline rank's."""
-        layers = getattr(self, "layers", None)
-        return list(self.spec.moe_layers if layers is None else layers)
+        return list(self.spec.moe_layers if self.layers is None else self.layers)
 
     def route(self, layer: int, logits, width: int | None = None):
         """The routing layer ``layer``'s own block code makes of router ``logits`` [N, E]:
@@ -112,9 +114,8 @@ class Streaming:
             decode = inputs.shape[-1] == 1
         if self.recorder is not None:
             self.recorder.begin_step(decode)
-        pipe = getattr(self, "pipeline", None)
-        if pipe is not None and decode:
-            pipe.begin_step(inputs, pipe.heads.token_dim if pipe.relay else 0, self.embed)
+        if self.pipeline is not None and decode:
+            self.pipeline.begin_step(inputs, self.embed)
         if self.stager is not None and decode:
             self.stager.begin_step(inputs)
 

@@ -242,7 +242,7 @@ class Pipeline:
         return h
 
     # -- per decode step -------------------------------------------------------------------
-    def begin_step(self, inputs, embed_dim: int, embed=None) -> None:
+    def begin_step(self, inputs, embed) -> None:
         """The first rank sends the step's token embedding rows on; the others receive (and
         pass them on while a later rank needs them)."""
         if not self.relay:
@@ -252,7 +252,8 @@ class Pipeline:
             B.eval(D.send(rows, 1, self.group))
             self.token_rows = rows
             return
-        rows = D.recv_like(B.zeros((*inputs.shape, embed_dim), dtype=B.float32), self.rank - 1, self.group)
+        rows = D.recv_like(B.zeros((*inputs.shape, self.heads.token_dim), dtype=B.float32), self.rank - 1,
+                           self.group)
         later = any(self._rank_heads(self.heads, r) for r in range(self.rank + 1, self.size))
         if later and self.rank < self.size - 1:
             B.eval(D.send(rows, self.rank + 1, self.group))
