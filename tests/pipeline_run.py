@@ -2,7 +2,7 @@
 in several configurations, one JSON line per rank on standard output.
 
 argv[1]: a JSON object {"model": DIR, "prompt": [ids], "max_tokens": N,
-"configs": {name: EngineConfig keywords}, "die": rank that exits after loading (optional)}.
+"configs": {name: EngineConfig keywords, "temp" the sampling temperature (default 0)}, "die": rank that exits after loading (optional)}.
 """
 
 from __future__ import annotations
@@ -26,12 +26,14 @@ def main() -> None:
     for name, kw in job["configs"].items():
         if g is None:  # the one-process reference of a named layout
             kw = {k: v for k, v in kw.items() if k != "pipeline_layers"}
+        kw = dict(kw)
+        temp = kw.pop("temp", 0.0)  # sampled with no seed: the ranks must agree on one
         B.reset_peak_memory()
         with Engine(job["model"], EngineConfig(**kw)) as engine:
             params = dict(tree_flatten(engine.model.parameters()))
             if job.get("die") == rank:
                 os._exit(3)
-            events = list(engine.stream(job["prompt"], max_tokens=job["max_tokens"], temp=0.0))
+            events = list(engine.stream(job["prompt"], max_tokens=job["max_tokens"], temp=temp))
             out["results"][name] = {
                 "tokens": [e.token for e in events],
                 "line": events[-1].stats.line(),

@@ -248,6 +248,13 @@ def test_the_configurations_differ(pipeline_runs):
     assert len(set(texts)) == 3
 
 
+def test_a_sampled_generation_without_a_seed_samples_alike_on_every_rank(piped):
+    job = {"model": str(piped[0]), "prompt": [5, 6, 7], "max_tokens": 16,
+           "configs": {"sampled": {"prerouter": "on", "temp": 1.0}}}
+    two = _results(ok(_run(job, 2)).stdout)
+    assert two[0]["results"]["sampled"]["tokens"] == two[1]["results"]["sampled"]["tokens"]
+
+
 def test_each_rank_reads_and_holds_only_its_layers(pipeline_runs):
     alone, two = pipeline_runs
     for name in [n for n in alone["results"] if "layers 0 |" not in n]:
