@@ -24,136 +24,15 @@ model whose caches are not plain KV caches (state-space and linear-attention lay
 
 from __future__ import annotations
 
-import dataclasses
-import os
 import threading
-import time
 from collections import deque
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-
-import numpy as np
 
 from edge0.backend import core as B
 from edge0.backend import nn as bnn
-from edge0.errors import ExpertReadError
-from edge0.sampling import SamplingParams, StopMatcher
-from edge0.stats import GenerationStats, peak_rss_bytes
-
-
-@dataclass
-class TokenEvent:
-    """One generated token. ``stats`` is filled on the last event (finish_reason set)."""
-
-    token: int
-    text: str
-    finish_reason: str | None = None  # "stop" (EOS or a stop token) or "length"
-    stats: GenerationStats | None = field(default=None, repr=False)
-    logprob: float | None = None  # with SamplingParams.logprobs
-    top_logprobs: list[tuple[int, float]] | None = None  # with SamplingParams.top_logprobs > 0
-
-
-class Row:
-    """One generation: its prompt, sampling, cache, what it generated and its consumer."""
-
-    def __init__(self, job, ids: list[int], params: SamplingParams, record, adapter, max_tokens: int):
-        self.job, self.ids, self.params, self.record, self.adapter = job, ids, params, record, adapter
-        self.max_tokens = max_tokens
-        self.generated: list[int] = []
-        self.cache = None  # its own cache (mlx-lm's list, one per layer) until it joins the batch
-        self.pos = 0  # tokens its cache holds
-        self.cached = 0  # prompt tokens that came from the prompt cache
-        self.next = None  # the token its next forward pass takes
-        self.pstate = None  # the prerouter's observations of this sequence (before it joins)
-        self.seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
-        self.sampler = self.processors = None
-        self.events = None  # its RowEvents, from the first token on
-        self.error: BaseException | None = None
-        self.alone = False  # runs alone: nothing joins while it runs
-
-
-    def spec(self) -> dict:
-        """What another rank needs to run this generation as this one runs (a served
-        pipeline), as JSON; ``sampling_of`` turns its ``params`` back into keywords."""
-        params = dataclasses.asdict(self.params)
-        if params.get("logit_bias"):
-            params["logit_bias"] = [[int(k), v] for k, v in params["logit_bias"].items()]
-        return {"ids": list(self.ids), "params": params, "adapter": self.adapter}
-
-
-def sampling_of(spec: dict) -> dict:
-    """The sampling keywords of a ``Row.spec``."""
-    params = dict(spec["params"])
-    if params.get("logit_bias"):
-        params["logit_bias"] = {int(k): v for k, v in params["logit_bias"]}
-    params["stop_token_ids"], params["stop"] = tuple(params["stop_token_ids"]), tuple(params["stop"])
-    return params
-
-
-class RowEvents:
-    """Turns a row's sampled tokens into its ``TokenEvent``s: the streaming detokenizer,
-    EOS and stop ids, stop strings, the length bound, logprobs, and its stats."""
-
-    def __init__(self, row: Row, tokenizer, stats: GenerationStats, reads, stage=None, pipeline=None):
-        self.row, self.stats, self.reads, self.stage, self.pipeline = row, stats, reads, stage, pipeline
-        self.detok = tokenizer.detokenizer
-        self.detok.reset()
-        self.eos = set(tokenizer.eos_token_ids) | set(row.params.stop_token_ids)
-        self.stops = StopMatcher(row.params.stop)
-        self.t0 = time.perf_counter()
-        self.bytes0, self.wait0 = reads.stats.bytes, reads.stats.seconds
-        self.stage0 = stage.stats() if stage is not None else None
-        self.t_first = self.bytes_first = None
-
-    def event(self, token: int, logprobs) -> TokenEvent:
-        row, stats, reads = self.row, self.stats, self.reads.stats
-        n = len(row.generated)
-        row.generated.append(token)
-        now = time.perf_counter()
-        if n == 0:
-            self.t_first, self.bytes_first = now, reads.bytes
-            stats.prefill_seconds = now - self.t0
-            stats.prefill_expert_bytes = self.bytes_first - self.bytes0
-        stats.generated_tokens = n + 1
-        stats.decode_seconds = now - self.t_first
-        stats.decode_expert_bytes = reads.bytes - self.bytes_first
-        finish = "stop" if token in self.eos else "length" if n + 1 == row.max_tokens else None
-        lp = _logprobs(token, logprobs, row.params)
-        if finish != "stop":  # an end-of-generation token's text is not part of the answer
-            self.detok.add_token(token)
-        if finish is not None:
-            self.detok.finalize()
-        text, stopped = self.stops.feed(self.detok.last_segment)
-        if stopped:
-            finish = "stop"
-        elif finish is not None:
-            text += self.stops.flush()
-        if finish is None:
-            return TokenEvent(token, text, **lp)
-        stats.read_wait_seconds = reads.seconds - self.wait0
-        if self.stage is not None:
-            stats.add_stage(self.stage0, self.stage.stats())
-        stats.peak_active_memory = B.peak_memory()
-        stats.peak_rss = peak_rss_bytes()
-        if self.pipeline is not None:  # every rank ends the generation at this token: one exchange
-            stats.pipeline = self.pipeline.layout.describe()
-            per_rank = self.pipeline.gather([stats.prefill_expert_bytes, stats.decode_expert_bytes])
-            stats.rank_expert_bytes = [d for _, d in per_rank]
-            stats.prefill_expert_bytes = sum(p for p, _ in per_rank)
-            stats.decode_expert_bytes = sum(stats.rank_expert_bytes)
-        return TokenEvent(token, text, finish, stats, **lp)
-
-
-def _logprobs(token: int, logprobs, params: SamplingParams) -> dict:
-    if not params.logprobs and not params.top_logprobs:
-        return {}
-    row = B.to_host(logprobs.astype(B.float32)).reshape(-1)
-    out = {"logprob": float(row[token])}
-    if params.top_logprobs:
-        top = np.argpartition(-row, params.top_logprobs - 1)[: params.top_logprobs]
-        top = top[np.argsort(-row[top], kind="stable")]
-        out["top_logprobs"] = [(int(i), float(row[i])) for i in top]
-    return out
+from edge0.errors import DistributedError, ExpertReadError
+from edge0.row import Row, RowEvents, TokenEvent  # noqa: F401 - TokenEvent: what the rows hand out
+from edge0.stats import GenerationStats
 
 
 def batchable(cache: list) -> bool:
@@ -170,6 +49,7 @@ class Batcher:
         self.host = host
         self.max_batch = max_batch
         self._lock = threading.Lock()
+        self._submitted = threading.Condition(self._lock)  # a row was submitted (a pipeline's followers wait on it)
         self._waiting: deque[Row] = deque()
         self._running = False
         self.joining: list[Row] = []  # admitted, prefilling
@@ -183,6 +63,7 @@ class Batcher:
     def submit(self, row: Row) -> None:
         with self._lock:
             self._waiting.append(row)
+            self._submitted.notify_all()
             if self._running:
                 return
             self._running = True
@@ -195,25 +76,86 @@ class Batcher:
 
     # -- the compute thread -----------------------------------------------------------------
     def run(self) -> None:
+        pipe = self.host.streaming.pipeline
         while True:
             with self._lock:
                 if not self._waiting and not self.joining and not self.rows:
                     self._running = False
                     return
-                admitted = self._admit()
+                admitted = self._admit() if pipe is None or pipe.rank == 0 else []
             try:
-                for row in admitted:
-                    self._start(row)
-                self._drop_cancelled()
-                budget = self.host.config.prefill_step_size  # prompt tokens between two decode steps
-                for row in list(self.joining):
-                    if budget <= 0:
-                        break
-                    budget -= self._prefill_chunk(row)
-                if self.rows:
-                    self._decode_step()
+                cancelled = self._agree(pipe, admitted) if pipe is not None else None
+                self._iteration(admitted, cancelled)
             except BaseException as e:  # a fault of the loop itself: its rows fail, the engine goes on
                 self._fail_all(e)
+
+    def follow(self) -> int:
+        """A rank after the first of a served pipeline: run every iteration of rank 0's batch
+        loop, its generations made from the specs it hands over, until rank 0's engine closes.
+        Returns how many generations ran."""
+        pipe, done = self.host.streaming.pipeline, 0
+        while True:
+            schedule = pipe.schedule()
+            if schedule.stop:
+                return done
+            try:
+                cancelled = self._cancelled(schedule, self.joining + self.rows)
+                admitted = [self.host._follower_row(spec) for spec in schedule.specs or ()]
+                if len(admitted) != schedule.admitted:
+                    raise DistributedError("rank 0 admitted generations without handing them over "
+                                           "(Engine.lead() was not called on rank 0)")
+                done += len(admitted)
+                self.joining.extend(admitted)
+                self._iteration(admitted, cancelled)
+            except BaseException as e:  # noqa: BLE001 - as run()
+                self._fail_all(e)
+
+    def _agree(self, pipe, admitted: list[Row]) -> dict[int, bool]:
+        """Rank 0 tells the other ranks what this iteration admits and which of the rows
+        already in the batch it cancelled; the others admit the same generations (the next
+        ones submitted to them, waiting for them where they are not submitted yet).
+        Returns whether each earlier row was cancelled on rank 0 (by ``id``)."""
+        prior = [r for r in self.joining if r not in admitted] + self.rows
+        if pipe.rank == 0:
+            specs = [r.spec() for r in admitted] if pipe.leading and admitted else None
+            return self._cancelled(pipe.schedule([r.job.cancelled for r in prior], len(admitted), specs), prior)
+        schedule = pipe.schedule()
+        cancelled = self._cancelled(schedule, prior)
+        with self._submitted:
+            if not self._submitted.wait_for(lambda: len(self._waiting) >= schedule.admitted,
+                                            self.host.config.pipeline_timeout_s):
+                raise DistributedError(f"rank 0 started {schedule.admitted} generations this rank was not asked "
+                                       f"for within {self.host.config.pipeline_timeout_s} s: every rank must ask "
+                                       "for the same generations in the same order")
+            admitted[:] = [self._waiting.popleft() for _ in range(schedule.admitted)]
+            self.joining.extend(admitted)
+        return cancelled
+
+    def _cancelled(self, schedule, prior: list[Row]) -> dict[int, bool]:
+        """The schedule's cancel flags by row of ``prior`` (the rows before this iteration's
+        admissions); a row rank 0 cancelled is cancelled here too."""
+        if len(schedule.cancelled) != len(prior):
+            raise DistributedError(f"rank 0's batch holds {len(schedule.cancelled)} generations, this rank's "
+                                   f"{len(prior)}: every rank must ask for the same generations in the same order")
+        for row, flag in zip(prior, schedule.cancelled):
+            if flag and not row.job.cancelled:
+                row.job.cancel()
+        return {id(r): flag for r, flag in zip(prior, schedule.cancelled)}
+
+    def _iteration(self, admitted: list[Row], cancelled: dict[int, bool] | None) -> None:
+        """Start the admitted rows, drop the cancelled ones (under a pipeline: those rank 0
+        cancelled, ``cancelled``), prefill up to ``prefill_step_size`` prompt tokens of the
+        joining rows, then one decode step of the batch."""
+        for row in admitted:
+            self._start(row, piped=cancelled is not None)
+        self._drop_cancelled(cancelled)
+        budget = self.host.config.prefill_step_size  # prompt tokens between two decode steps
+        for row in list(self.joining):
+            if budget <= 0:
+                break
+            budget -= self._prefill_chunk(row)
+        if self.rows:
+            self._decode_step()
 
     def _fail_all(self, error: BaseException) -> None:
         self.host.log.error("batch.failed", error=f"{type(error).__name__}: {error}")
@@ -242,14 +184,11 @@ class Batcher:
         self.joining.extend(out)
         return out
 
-    def _start(self, row: Row) -> None:
+    def _start(self, row: Row, piped: bool = False) -> None:
         host, job = self.host, row.job
         job.start()
         host._line.started()
-        pipe = host.streaming.pipeline
-        if pipe is not None and pipe.leading:  # a served pipeline: the other ranks run it too
-            pipe.announce(row.spec())
-        if job.cancelled:
+        if job.cancelled and not piped:  # (a pipeline's rows start alike on every rank: dropped together next)
             return
         try:
             host.streaming.check_files(host.log)
@@ -273,16 +212,11 @@ class Batcher:
         except BaseException as e:
             row.error = e
 
-    def _drop_cancelled(self) -> None:
-        pipe = self.host.streaming.pipeline
-        if pipe is None:
+    def _drop_cancelled(self, cancelled: dict[int, bool] | None) -> None:
+        if cancelled is None:
             ends = lambda r: r.job.cancelled or r.error is not None
-        else:  # a pipeline's ranks drop a row together: when rank 0's was cancelled as they agreed
-            agreed = {id(r): pipe.agree(r.job.cancelled) for r in self.joining + self.rows}
-            for row in self.joining + self.rows:
-                if agreed[id(row)] and not row.job.cancelled:
-                    row.job.cancel()
-            ends = lambda r: agreed[id(r)] or r.error is not None  # (a cancel after the exchange waits for the next)
+        else:  # a pipeline's ranks drop a row together, when rank 0's was cancelled as they agreed
+            ends = lambda r: cancelled.get(id(r), False) or r.error is not None  # (a later cancel: next iteration)
         for row in [r for r in self.joining if ends(r)]:
             self._end_row(row)
         gone = [r for r in self.rows if ends(r)]
@@ -333,7 +267,7 @@ class Batcher:
         self.joining.remove(row)
         row.next = row.ids[-1]
         pre = self.host.streaming.prerouter
-        if pre is not None and not row.alone and not pre.seen(row.pstate):
+        if not row.alone and self._unseen(row):
             # the heads have seen nothing of this sequence (a prompt of one token, or all but
             # one cached): its first step runs alone on its own cache, as it would alone
             if not self._solo_step(row):
@@ -350,6 +284,16 @@ class Batcher:
         row.cache, row.pstate = None, None
         with self._lock:
             self.rows.append(row)
+
+    def _unseen(self, row: Row) -> bool:
+        """Whether the prerouter heads have observed nothing of ``row``'s sequence. Under a
+        pipeline every rank must decide alike, also one that runs no head: there, whether
+        the model has heads and none of the row's prompt was forwarded (what the heads
+        observe)."""
+        pipe, pre = self.host.streaming.pipeline, self.host.streaming.prerouter
+        if pipe is not None:
+            return pipe.heads is not None and row.pos == row.cached
+        return pre is not None and not pre.seen(row.pstate)
 
     def _solo_step(self, row: Row) -> bool:
         """``row``'s next token from a forward pass of its own; False when it ended there."""
@@ -459,7 +403,10 @@ class Batcher:
         covered = (row.ids + row.generated)[: row.pos]
         cache = self.cache if row.alone else bnn.extract_batch_row(self.cache, i)
         if cache is not None and len(covered) == row.pos:
-            host.prompt_cache.put(row.adapter, covered, cache)
+            size, pipe = bnn.cache_nbytes(cache), host.streaming.pipeline
+            if pipe is not None:  # counted as the whole pipeline's bytes: every rank keeps and evicts alike
+                size = sum(v for (v,) in pipe.gather([size]))
+            host.prompt_cache.put(row.adapter, covered, cache, size)
 
     def _end_row(self, row: Row) -> None:
         if row in self.joining:

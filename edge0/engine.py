@@ -24,12 +24,13 @@ from typing import AsyncIterator, Iterator, Sequence
 import anyio
 
 from edge0.admission import Admission, EngineMetrics, Line
-from edge0.batch import Batcher, Row, TokenEvent, batchable, sampling_of  # noqa: F401 - TokenEvent: part of this module's API
+from edge0.batch import Batcher, batchable
+from edge0.row import Row, TokenEvent, sampling_of  # noqa: F401 - TokenEvent: part of this module's API
 from edge0.backend import core as B
 from edge0.backend import nn as bnn
 from edge0.config import EngineConfig
 from edge0.constrain import ConstraintCache
-from edge0.errors import DistributedError, ConfigError, Edge0Error, EngineClosedError, ExpertReadError
+from edge0.errors import DistributedError, ConfigError, EngineClosedError, ExpertReadError
 from edge0.exec.oracle import OracleRouting, RoutingRecorder
 from edge0.loader import StepModel, Streaming, load_streaming_model
 from edge0.prompt_cache import PromptCache
@@ -39,7 +40,7 @@ from edge0.logs import configure as configure_logs
 from edge0.logs import get_logger
 from edge0.sampling import SamplingParams
 from edge0.stats import GenerationStats
-from edge0.worker import END, TIMEOUT, AsyncWaker, ComputeThread, Job
+from edge0.worker import END, TIMEOUT, AsyncWaker, ComputeThread, DiscardingJob, Job
 from edge0.worker import acquire as acquire_thread
 from edge0.worker import release as release_thread
 
@@ -77,8 +78,8 @@ class Engine:
         self.model, self.spec, self.index = self.streaming.model, self.streaming.spec, self.streaming.index
         self.reader = self.streaming.reader
         self._step_model = StepModel(self.streaming)
-        # a pipeline's ranks run the same generations in the same order: one at a time
-        self._batcher = Batcher(self, 1 if self.streaming.pipeline is not None else self.config.max_batch)
+        # under a pipeline rank 0's batch loop decides what each iteration admits; the other ranks follow it
+        self._batcher = Batcher(self, self.config.max_batch)
         # a model whose caches are not all plain KV caches (state-space, linear attention)
         # runs its generations one at a time
         self._batchable = self._worker.call(lambda: batchable(bnn.make_cache(self._step_model)))
@@ -110,7 +111,7 @@ class Engine:
             self._closed = True
             pipe = self.streaming.pipeline
             if pipe is not None and pipe.leading and not self._lost and self._worker.alive:
-                self._worker.call(pipe.announce, None)  # the ranks that follow stop following
+                self._worker.call(lambda: pipe.schedule(stop=True))  # the ranks that follow stop following
             if self._lost:  # the compute thread waits on a rank that is gone: leave it
                 self._finalizer.detach()
                 for job in list(self._jobs):
@@ -200,6 +201,11 @@ class Engine:
         job = Job()
         job.admission = admission
         job.stall_timeout = consumer_timeout
+        self._batcher.submit(self._row(job, ids, params, record, adapter))
+        return job
+
+    def _row(self, job: Job, ids: list[int], params: SamplingParams, record, adapter) -> Row:
+        """A generation for the batch loop, counted in line."""
         ctx = self.context_length
         max_tokens = min(params.max_tokens, ctx - len(ids)) if ctx is not None else params.max_tokens
         row = Row(job, ids, params, record, adapter, max_tokens)
@@ -208,9 +214,14 @@ class Engine:
         row.alone = (record is not None or params.max_kv_size is not None or not self._batchable
                      or (stager is not None and stager.oracle is not None))
         self._jobs.add(job)
-        self._line.submitted(admission)
-        self._batcher.submit(row)
-        return job
+        self._line.submitted(job.admission)
+        return row
+
+    def _follower_row(self, spec: dict) -> Row:
+        """A rank that follows a served pipeline: the generation rank 0 handed over (its
+        events go nowhere: rank 0 answers the client)."""
+        ids, params = self.validate(spec["ids"], **sampling_of(spec))
+        return self._row(DiscardingJob(), ids, params, None, spec["adapter"])
 
     def stream(self, prompt: str | Sequence[int], *, adapter=DEFAULT_ADAPTER, admission: Admission | None = None,
                **sampling) -> Iterator[TokenEvent]:
@@ -287,20 +298,12 @@ class Engine:
         self.streaming.pipeline.leading = True
 
     def follow(self) -> int:
-        """The other ranks of a served pipeline: run every generation rank 0 hands over,
-        token for token with it, until rank 0's engine closes. Returns how many ran."""
+        """The other ranks of a served pipeline: run every generation rank 0 hands over, in
+        the batches rank 0 runs them in, until rank 0's engine closes. Returns how many ran."""
         pipe = self.streaming.pipeline
         if pipe is None or pipe.rank == 0:
             raise ConfigError("Engine.follow() is for the ranks after the first of a pipeline (under mlx.launch)")
-        done = 0
-        while (spec := self._worker.call(pipe.receive)) is not None:
-            try:
-                for _ in self.stream(spec["ids"], adapter=spec["adapter"], **sampling_of(spec)):
-                    pass
-            except Edge0Error as e:  # rank 0 meets the same error and answers its client with it
-                self.log.warning("pipeline.follow_failed", error=f"{type(e).__name__}: {e}")
-            done += 1
-        return done
+        return self._worker.call(self._batcher.follow)
 
     def _pipeline_wait(self) -> float | None:
         """Under a pipeline, how long a generation waits for a token (None: alone, no bound)."""

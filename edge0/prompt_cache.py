@@ -65,10 +65,11 @@ class PromptCache:
         self.hits += 1
         return cache, best_len
 
-    def put(self, adapter: str | None, tokens: list[int], cache: list) -> None:
+    def put(self, adapter: str | None, tokens: list[int], cache: list, size: int | None = None) -> None:
         """Store ``cache``, which holds exactly ``tokens``; evict the least recently used
-        entries beyond the byte bound (a cache larger than the bound is not kept)."""
-        size = bnn.cache_nbytes(cache)
+        entries beyond the byte bound (a cache larger than the bound is not kept). ``size``:
+        the bytes to count it as (default: what it holds)."""
+        size = bnn.cache_nbytes(cache) if size is None else size
         if size > self.max_bytes or not tokens:
             return
         self._entries[self._next] = (adapter, tuple(tokens), cache, size)

@@ -231,6 +231,14 @@ class Job:
             return self._cond.wait_for(lambda: self.finished, timeout)
 
 
+class DiscardingJob(Job):
+    """A generation whose events nobody takes (a pipeline rank that follows rank 0, which
+    answers the client): each is dropped as it comes."""
+
+    def offer(self, item) -> bool:
+        return not self.cancelled
+
+
 class AsyncWaker:
     """An async consumer's wait for its job to change (``job.add_waker(waker)``): the
     compute thread schedules the event's ``set`` on the consumer's event loop (asyncio or

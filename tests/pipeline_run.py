@@ -2,7 +2,9 @@
 in several configurations, one JSON line per rank on standard output.
 
 argv[1]: a JSON object {"model": DIR, "prompt": [ids], "max_tokens": N,
-"configs": {name: EngineConfig keywords, "temp" the sampling temperature (default 0)}, "die": rank that exits after loading (optional)}.
+"configs": {name: EngineConfig keywords, "temp" the sampling temperature (default 0)}, "die": rank that exits after loading (optional),
+"together": [[ids], ...] (optional: generations asked for at once, as async tasks started in
+this order, so that they decode in one batch; their tokens in "together")}.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ def main() -> None:
             if job.get("die") == rank:
                 os._exit(3)
             events = list(engine.stream(job["prompt"], max_tokens=job["max_tokens"], temp=temp))
+            together = _together(engine, job.get("together", []), job["max_tokens"], temp)
             out["results"][name] = {
                 "tokens": [e.token for e in events],
                 "line": events[-1].stats.line(),
@@ -43,8 +46,31 @@ def main() -> None:
                 "param_keys": sorted(params),
                 "param_bytes": sum(v.nbytes for v in params.values()),
                 "peak_memory": B.peak_memory(),
+                "together": together,
+                "steps": [engine.metrics().decode_steps, engine.metrics().decode_tokens],
             }
     print("RESULT " + json.dumps(out), flush=True)
+
+
+def _together(engine, prompts: list, max_tokens: int, temp: float) -> list:
+    """Each prompt's tokens, generated at once (async tasks started in the prompts' order)."""
+    import anyio
+
+    out = [None] * len(prompts)
+
+    async def one(i: int) -> None:
+        out[i] = [e.token async for e in engine.generate(prompts[i], max_tokens=max_tokens, temp=temp)
+                  if e is not None]
+
+    async def run() -> None:
+        async with anyio.create_task_group() as tg:
+            for i in range(len(prompts)):
+                tg.start_soon(one, i)
+                await anyio.sleep(0)  # each task asks for its generation before the next starts
+
+    if prompts:
+        anyio.run(run)
+    return out
 
 
 if __name__ == "__main__":

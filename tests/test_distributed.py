@@ -217,10 +217,14 @@ def _run(job: dict, ranks: int | None, **kw) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=kw.get("timeout", 240))
 
 
+TOGETHER = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16], [20]]  # generations asked for at once
+
+
 @pytest.fixture(scope="module")
 def pipeline_runs(piped):
     model, adapter = piped
-    job = {"model": str(model), "prompt": [5, 6, 7, 8, 9, 10, 11], "max_tokens": 16, "configs": _configs(adapter)}
+    job = {"model": str(model), "prompt": [5, 6, 7, 8, 9, 10, 11], "max_tokens": 16, "configs": _configs(adapter),
+           "together": TOGETHER}
     alone = _results(ok(_run(job, None)).stdout)[0]
     two = _results(ok(_run(job, 2)).stdout)
     return alone, two
@@ -239,6 +243,24 @@ def test_greedy_text_under_two_ranks_equals_one_process(pipeline_runs, name):
     assert two[1]["results"][name]["tokens"] == want
     layers = "0-0 | 1-3" if "layers 0 |" in name else "0-1 | 2-3"  # bytes balanced by default, or as named
     assert f"pipeline 2 ranks (layers {layers})" in two[0]["results"][name]["line"]
+
+
+@pytest.mark.parametrize("name", list(_configs(Path("a"))))
+def test_generations_asked_for_together_decode_in_one_batch_under_two_ranks(pipeline_runs, name):
+    """Four generations at once (async tasks, the same order on every rank): rank 0's batch
+    loop admits them, the other rank admits the same ones at the same iteration, and each
+    gets one process's tokens, in fewer steps than tokens."""
+    alone, two = pipeline_runs
+    want = alone["results"][name]["together"]
+    assert len(want) == len(TOGETHER) and all(len(t) == 16 for t in want)
+    assert len({tuple(t) for t in want}) == len(TOGETHER)
+    for r in (0, 1):
+        assert two[r]["results"][name]["together"] == want, (name, r)
+    # the same iterations on both ranks (rank 0's schedule); when the four join depends on
+    # when each is asked for, but far fewer steps than one at a time (16 + 4 x 16)
+    steps, tokens = two[0]["results"][name]["steps"]
+    assert two[1]["results"][name]["steps"] == [steps, tokens] and tokens == alone["results"][name]["steps"][1]
+    assert steps <= 16 + 2 * 16 + len(TOGETHER), (steps, tokens)
 
 
 def test_the_configurations_differ(pipeline_runs):
@@ -365,14 +387,24 @@ def test_serve_under_two_ranks_answers_the_openai_client_and_a_client_that_leave
     import signal
     import time
 
+    from concurrent.futures import ThreadPoolExecutor
+
     import httpx
     import openai
 
     from edge0 import Engine, EngineConfig
+    from edge0.server.command import DEFAULT_PROMPT_CACHE_MB
 
     model = piped[0]
-    with Engine(model, EngineConfig()) as engine:  # one process: the text to expect
+    prompts = ["class A:", "x = [", "for i in range(", "return", "while True:", "print("]
+    with Engine(model, EngineConfig()) as engine:  # one process: the texts to expect
         want = "".join(e.text for e in engine.stream("def f(x):", max_tokens=12, temp=0.0))
+        alone = {p: "".join(e.text for e in engine.stream(p, max_tokens=24, temp=0.0)) for p in prompts}
+    follow_up = "def f(x):" + want + "\n"  # a next turn: it extends the first generation
+    with Engine(model, EngineConfig(prompt_cache_mb=DEFAULT_PROMPT_CACHE_MB)) as engine:  # as served
+        engine.generate_text("def f(x):", max_tokens=12, temp=0.0)
+        want_turn = engine.generate_text(follow_up, max_tokens=8, temp=0.0)[0]
+        assert engine.prompt_cache.hits == 1
     port = free_port_pair()
     cmd = [str(BIN / "mlx.launch"), "-n", "2", "--backend", "ring", "--starting-port", str(free_port_pair()),
            str(BIN / "edge0"), "serve", "--model", str(model), "--port", str(port)]
@@ -408,6 +440,24 @@ def test_serve_under_two_ranks_answers_the_openai_client_and_a_client_that_leave
         t0 = time.monotonic()
         r = client.completions.create(model="m", prompt="def f(x):", max_tokens=12, temperature=0)
         assert r.choices[0].text == want and time.monotonic() - t0 < 30  # both ranks were free
+
+        def counters() -> dict:
+            text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+            return {k: float(v) for k, v in (line.split() for line in text.splitlines()
+                                             if line.startswith(("edge0_decode_steps_total", "edge0_decode_tokens_total")))}
+
+        before = counters()
+        with ThreadPoolExecutor(len(prompts)) as pool:  # clients at once: their generations decode in one batch
+            texts = list(pool.map(lambda p: client.completions.create(model="m", prompt=p, max_tokens=24,
+                                                                      temperature=0).choices[0].text, prompts))
+        assert texts == [alone[p] for p in prompts]
+        after = counters()
+        steps = after["edge0_decode_steps_total"] - before["edge0_decode_steps_total"]
+        tokens = after["edge0_decode_tokens_total"] - before["edge0_decode_tokens_total"]
+        assert tokens >= len(prompts) * 12 and steps < tokens / 2, (steps, tokens)  # many rows a step
+        # the next turn: its prefix comes from the prompt cache, on both ranks alike
+        turn = client.completions.create(model="m", prompt=follow_up, max_tokens=8, temperature=0)
+        assert turn.usage.prompt_tokens_details.cached_tokens > 0 and turn.choices[0].text == want_turn
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)

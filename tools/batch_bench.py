@@ -14,6 +14,10 @@ tok/s (every row's tokens over the wall time) and its ratio to B = 1, time to fi
 per generated token, the staged slots' peak bytes and the staged layer-steps run exact because
 a union did not fit (``Engine.metrics()``). Prints a markdown table; ``--json`` writes the
 raw runs too.
+
+Under ``mlx.launch`` (``mlx.launch -n 2 --backend ring .venv/bin/python tools/batch_bench.py
+...``) every rank runs the same generations in the same order, as a pipeline needs; the
+engine splits the layers over the ranks, and rank 0 alone prints and writes.
 """
 
 from __future__ import annotations
@@ -91,6 +95,13 @@ def main(argv: list[str] | None = None) -> int:
         if arm not in ARMS:
             p.error(f"unknown arm {arm!r}; arms: {', '.join(ARMS)}")
     results: dict = {}
+    from edge0.backend import dist
+
+    group = dist.group()
+    if group is not None and group.rank() != 0:  # a pipeline's other ranks: the same work, nothing printed
+        global print
+        print = lambda *a, **k: None  # noqa: E731
+        args.json = None
     for arm in arms:
         heads = {"prerouter_file": args.heads} if args.heads and arm != "exact" else {}
         config = EngineConfig(**ARMS[arm], **heads, max_batch=max(sizes))
@@ -100,11 +111,13 @@ def main(argv: list[str] | None = None) -> int:
                 runs = [asyncio.run(run_batch(engine, b, args.tokens)) for _ in range(args.repeats)]
                 results[f"{arm}/{b}"] = runs
                 med = sorted(runs, key=lambda r: r["tok_s"])[len(runs) // 2]
-                print(f"[batch_bench] {arm} B={b}: {med['tok_s']:.2f} tok/s", file=sys.stderr, flush=True)
-    print(f"model: {Path(args.model).name}, {args.tokens} greedy tokens per row, median of {args.repeats}\n")
-    print("| arm | rows | aggregate tok/s | vs 1 row | TTFT median s | TTFT max s | decode steps | "
+                if group is None or group.rank() == 0:
+                    print(f"[batch_bench] {arm} B={b}: {med['tok_s']:.2f} tok/s", file=sys.stderr, flush=True)
+    ranks = f", pipeline of {group.size()} ranks" if group is not None else ""
+    print(f"model: {Path(args.model).name}, {args.tokens} greedy tokens per row, median of {args.repeats}{ranks}\n")
+    print("| arm | rows | aggregate tok/s | vs 1 row | TTFT median s | TTFT max s | decode steps | ms / step | "
           "expert bytes / token | peak slot MiB | layer-steps over slots |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for arm in arms:
         base = None
         for b in sizes:
@@ -112,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
             med = sorted(runs, key=lambda r: r["tok_s"])[len(runs) // 2]
             base = base or med["tok_s"]
             print(f"| {arm} | {b} | {med['tok_s']:.2f} | {med['tok_s'] / base:.2f}x | {med['ttft_median_s']:.3f} | "
-                  f"{med['ttft_max_s']:.3f} | {med['steps']} | {med['bytes_per_token']:,.0f} | "
+                  f"{med['ttft_max_s']:.3f} | {med['steps']} | {1000 * med['wall_s'] / med['steps']:.1f} | "
+                  f"{med['bytes_per_token']:,.0f} | "
                   f"{med['peak_slot_bytes'] / 2**20:.1f} | {med['over_slot_layers']} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"model": Path(args.model).name, "tokens": args.tokens, "runs": results},

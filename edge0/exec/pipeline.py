@@ -31,6 +31,16 @@ from edge0.errors import ConfigError
 
 
 @dataclass(frozen=True)
+class Schedule:
+    """One iteration of a pipeline's batch loop, decided by rank 0 (``Pipeline.schedule``)."""
+
+    stop: bool  # rank 0's engine closed: the ranks that follow stop
+    admitted: int  # generations that join this iteration, in submission order
+    cancelled: list[bool]  # per row already in the batch (joining, then decoding): cancelled on rank 0
+    specs: list[dict] | None  # the admitted generations (Row.spec), when rank 0 leads a served pipeline
+
+
+@dataclass(frozen=True)
 class Layout:
     """``ranges[r]`` = (first, last + 1): rank r's decoder layers."""
 
@@ -269,34 +279,29 @@ class Pipeline:
             return rows
         return embed
 
-    # -- a served pipeline: rank 0 leads, the others follow ----------------------------------
-    leading = False  # rank 0 of a served pipeline: it hands each generation to the other ranks
+    # -- the batch loop's schedule: rank 0 decides, the others follow ---------------------------
+    leading = False  # rank 0 of a served pipeline: the generations it admits start on the other ranks too
 
-    def announce(self, spec: dict | None) -> None:
-        """Rank 0: hand the generation ``spec`` (None: stop following) to the other ranks."""
-        data = json.dumps(spec).encode() if spec is not None else b""
-        self._exchange(data)
-
-    def receive(self) -> dict | None:
-        """The other ranks: wait for rank 0's next generation (None: stop following)."""
-        data = self._exchange(b"")
-        return json.loads(data.decode()) if data else None
-
-    def _exchange(self, data: bytes) -> bytes:
-        mine = data if self.rank == 0 else b""
-        n = int(B.to_host(D.all_sum(B.array([len(mine)], dtype=B.int32), self.group))[0])
-        if n == 0:
-            return b""
-        buf = np.zeros(n, dtype=np.int32)
-        if self.rank == 0:
-            buf[:] = np.frombuffer(mine, dtype=np.uint8)
-        total = B.to_host(D.all_sum(B.array(buf), self.group))
-        return bytes(np.asarray(total, dtype=np.uint8))
-
-    def agree(self, flag: bool) -> bool:
-        """Rank 0's ``flag``, on every rank (the batch loop's: whether its row was cancelled)."""
-        mine = 1 if flag and self.rank == 0 else 0
-        return int(B.to_host(D.all_sum(B.array([mine], dtype=B.int32), self.group))[0]) > 0
+    def schedule(self, cancelled: list[bool] = (), admitted: int = 0, specs: list[dict] | None = None,
+                 stop: bool = False) -> "Schedule":
+        """One iteration of the batch loop, as rank 0 runs it, on every rank: how many
+        generations it admits (with their ``specs`` when it leads a served pipeline), which of
+        the rows already in the batch were cancelled there (in the batch's order), or ``stop``
+        (a leading rank 0 closed: stop following). The other ranks pass nothing; what they
+        pass is ignored. One ``all_sum`` of four words, one more when there are flags or specs."""
+        lead = self.rank == 0
+        payload = json.dumps(specs).encode() if lead and specs else b""
+        head = [int(stop), admitted, len(cancelled), len(payload)] if lead else [0, 0, 0, 0]
+        stop_, n, flags, size = (int(v) for v in B.to_host(D.all_sum(B.array(head, dtype=B.int32), self.group)))
+        if flags + size == 0:
+            return Schedule(bool(stop_), n, [], None)
+        buf = np.zeros(flags + size, dtype=np.int32)
+        if lead:
+            buf[:flags] = [int(bool(c)) for c in cancelled]
+            buf[flags:] = np.frombuffer(payload, dtype=np.uint8)
+        total = np.asarray(B.to_host(D.all_sum(B.array(buf), self.group)))
+        given = json.loads(bytes(total[flags:].astype(np.uint8)).decode()) if size else None
+        return Schedule(bool(stop_), n, [bool(v) for v in total[:flags]], given)
 
     def next_seed(self) -> int:
         """A generation's seed when it names none: random, and the same on every rank."""

@@ -1,0 +1,131 @@
+"""One generation in the batch loop: its ``Row`` (prompt, sampling, cache, what it
+generated), the ``TokenEvent``s it hands its consumer, and ``RowEvents``, which turns its
+sampled tokens into those events (detokenizer, stops, logprobs, stats)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from edge0.backend import core as B
+from edge0.sampling import SamplingParams, StopMatcher
+from edge0.stats import GenerationStats, peak_rss_bytes
+
+
+@dataclass
+class TokenEvent:
+    """One generated token. ``stats`` is filled on the last event (finish_reason set)."""
+
+    token: int
+    text: str
+    finish_reason: str | None = None  # "stop" (EOS or a stop token) or "length"
+    stats: GenerationStats | None = field(default=None, repr=False)
+    logprob: float | None = None  # with SamplingParams.logprobs
+    top_logprobs: list[tuple[int, float]] | None = None  # with SamplingParams.top_logprobs > 0
+
+
+class Row:
+    """One generation: its prompt, sampling, cache, what it generated and its consumer."""
+
+    def __init__(self, job, ids: list[int], params: SamplingParams, record, adapter, max_tokens: int):
+        self.job, self.ids, self.params, self.record, self.adapter = job, ids, params, record, adapter
+        self.max_tokens = max_tokens
+        self.generated: list[int] = []
+        self.cache = None  # its own cache (mlx-lm's list, one per layer) until it joins the batch
+        self.pos = 0  # tokens its cache holds
+        self.cached = 0  # prompt tokens that came from the prompt cache
+        self.next = None  # the token its next forward pass takes
+        self.pstate = None  # the prerouter's observations of this sequence (before it joins)
+        self.seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+        self.sampler = self.processors = None
+        self.events = None  # its RowEvents, from the first token on
+        self.error: BaseException | None = None
+        self.alone = False  # runs alone: nothing joins while it runs
+
+
+    def spec(self) -> dict:
+        """What another rank needs to run this generation as this one runs (a served
+        pipeline), as JSON; ``sampling_of`` turns its ``params`` back into keywords."""
+        params = dataclasses.asdict(self.params)
+        if params.get("logit_bias"):
+            params["logit_bias"] = [[int(k), v] for k, v in params["logit_bias"].items()]
+        return {"ids": list(self.ids), "params": params, "adapter": self.adapter}
+
+
+def sampling_of(spec: dict) -> dict:
+    """The sampling keywords of a ``Row.spec``."""
+    params = dict(spec["params"])
+    if params.get("logit_bias"):
+        params["logit_bias"] = {int(k): v for k, v in params["logit_bias"]}
+    params["stop_token_ids"], params["stop"] = tuple(params["stop_token_ids"]), tuple(params["stop"])
+    return params
+
+
+class RowEvents:
+    """Turns a row's sampled tokens into its ``TokenEvent``s: the streaming detokenizer,
+    EOS and stop ids, stop strings, the length bound, logprobs, and its stats."""
+
+    def __init__(self, row: Row, tokenizer, stats: GenerationStats, reads, stage=None, pipeline=None):
+        self.row, self.stats, self.reads, self.stage, self.pipeline = row, stats, reads, stage, pipeline
+        self.detok = tokenizer.detokenizer
+        self.detok.reset()
+        self.eos = set(tokenizer.eos_token_ids) | set(row.params.stop_token_ids)
+        self.stops = StopMatcher(row.params.stop)
+        self.t0 = time.perf_counter()
+        self.bytes0, self.wait0 = reads.stats.bytes, reads.stats.seconds
+        self.stage0 = stage.stats() if stage is not None else None
+        self.t_first = self.bytes_first = None
+
+    def event(self, token: int, logprobs) -> TokenEvent:
+        row, stats, reads = self.row, self.stats, self.reads.stats
+        n = len(row.generated)
+        row.generated.append(token)
+        now = time.perf_counter()
+        if n == 0:
+            self.t_first, self.bytes_first = now, reads.bytes
+            stats.prefill_seconds = now - self.t0
+            stats.prefill_expert_bytes = self.bytes_first - self.bytes0
+        stats.generated_tokens = n + 1
+        stats.decode_seconds = now - self.t_first
+        stats.decode_expert_bytes = reads.bytes - self.bytes_first
+        finish = "stop" if token in self.eos else "length" if n + 1 == row.max_tokens else None
+        lp = _logprobs(token, logprobs, row.params)
+        if finish != "stop":  # an end-of-generation token's text is not part of the answer
+            self.detok.add_token(token)
+        if finish is not None:
+            self.detok.finalize()
+        text, stopped = self.stops.feed(self.detok.last_segment)
+        if stopped:
+            finish = "stop"
+        elif finish is not None:
+            text += self.stops.flush()
+        if finish is None:
+            return TokenEvent(token, text, **lp)
+        stats.read_wait_seconds = reads.seconds - self.wait0
+        if self.stage is not None:
+            stats.add_stage(self.stage0, self.stage.stats())
+        stats.peak_active_memory = B.peak_memory()
+        stats.peak_rss = peak_rss_bytes()
+        if self.pipeline is not None:  # every rank ends the generation at this token: one exchange
+            stats.pipeline = self.pipeline.layout.describe()
+            per_rank = self.pipeline.gather([stats.prefill_expert_bytes, stats.decode_expert_bytes])
+            stats.rank_expert_bytes = [d for _, d in per_rank]
+            stats.prefill_expert_bytes = sum(p for p, _ in per_rank)
+            stats.decode_expert_bytes = sum(stats.rank_expert_bytes)
+        return TokenEvent(token, text, finish, stats, **lp)
+
+
+def _logprobs(token: int, logprobs, params: SamplingParams) -> dict:
+    if not params.logprobs and not params.top_logprobs:
+        return {}
+    row = B.to_host(logprobs.astype(B.float32)).reshape(-1)
+    out = {"logprob": float(row[token])}
+    if params.top_logprobs:
+        top = np.argpartition(-row, params.top_logprobs - 1)[: params.top_logprobs]
+        top = top[np.argsort(-row[top], kind="stable")]
+        out["top_logprobs"] = [(int(i), float(row[i])) for i in top]
+    return out
