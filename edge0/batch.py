@@ -121,12 +121,19 @@ class Batcher:
             return self._cancelled(pipe.schedule([r.job.cancelled for r in prior], len(admitted), specs), prior)
         schedule = pipe.schedule()
         cancelled = self._cancelled(schedule, prior)
+        bound = self.host.config.pipeline_timeout_s / 2  # within the generations' own bound, so that this says why
         with self._submitted:
-            if not self._submitted.wait_for(lambda: len(self._waiting) >= schedule.admitted,
-                                            self.host.config.pipeline_timeout_s):
-                raise DistributedError(f"rank 0 started {schedule.admitted} generations this rank was not asked "
-                                       f"for within {self.host.config.pipeline_timeout_s} s: every rank must ask "
-                                       "for the same generations in the same order")
+            if not self._submitted.wait_for(lambda: len(self._waiting) >= schedule.admitted, bound):
+                error = DistributedError(
+                    f"rank 0 started {schedule.admitted} generations this rank was not asked "
+                    f"for within {bound:g} s: every rank must ask for the same generations "
+                    "in the same order")
+                for row in self._waiting:  # what this rank was asked for no longer matches rank 0's: it fails
+                    self.host._jobs.discard(row.job)
+                    self.host._line.ended(row.job.admission, started=False)
+                    row.job.finish(error)
+                self._waiting.clear()
+                raise error
             admitted[:] = [self._waiting.popleft() for _ in range(schedule.admitted)]
             self.joining.extend(admitted)
         return cancelled

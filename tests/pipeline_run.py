@@ -4,7 +4,8 @@ in several configurations, one JSON line per rank on standard output.
 argv[1]: a JSON object {"model": DIR, "prompt": [ids], "max_tokens": N,
 "configs": {name: EngineConfig keywords, "temp" the sampling temperature (default 0)}, "die": rank that exits after loading (optional),
 "together": [[ids], ...] (optional: generations asked for at once, as async tasks started in
-this order, so that they decode in one batch; their tokens in "together")}.
+this order, so that they decode in one batch; their tokens in "together"), "fewer_on": a rank
+that asks for the last of them not (optional; its error is printed and the process exits 4)}.
 """
 
 from __future__ import annotations
@@ -36,7 +37,14 @@ def main() -> None:
             if job.get("die") == rank:
                 os._exit(3)
             events = list(engine.stream(job["prompt"], max_tokens=job["max_tokens"], temp=temp))
-            together = _together(engine, job.get("together", []), job["max_tokens"], temp)
+            prompts = job.get("together", [])
+            if job.get("fewer_on") == rank:
+                prompts = prompts[:-1]
+            try:
+                together = _together(engine, prompts, job["max_tokens"], temp)
+            except BaseException as e:  # noqa: BLE001 - said, then out (a stuck link must not hold the exit)
+                print(f"ERROR {e!r}", file=sys.stderr, flush=True)
+                os._exit(4)
             out["results"][name] = {
                 "tokens": [e.token for e in events],
                 "line": events[-1].stats.line(),

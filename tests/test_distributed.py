@@ -339,13 +339,29 @@ def test_a_rank_that_dies_ends_the_launch_within_bounded_time(piped):
     assert "RESULT" not in said
 
 
+def test_a_rank_asked_for_fewer_generations_than_rank_0_says_so_within_the_timeout(piped):
+    """Every rank must ask for the same generations: rank 1 is asked for one fewer of four
+    asked for at once. It waits half of pipeline_timeout_s for the one rank 0 started, then fails
+    with a DistributedError that says why, and the launch ends."""
+    import time
+
+    job = {"model": str(piped[0]), "prompt": [5, 6], "max_tokens": 4, "together": TOGETHER, "fewer_on": 1,
+           "configs": {"exact": {"prerouter": "off", "pipeline_timeout_s": 6}}}
+    t0 = time.monotonic()
+    proc = _run(job, 2, timeout=120)
+    assert time.monotonic() - t0 < 90
+    said = proc.stdout + proc.stderr
+    assert "this rank was not asked for within 3 s: every rank must ask for the same generations" in said, said[-3000:]
+    assert "rank 1 exited with code 4" in said and "RESULT" not in said
+
+
 def test_without_the_launcher_the_rank_left_waiting_raises_distributed_error(piped, tmp_path):
     """Started by hand: rank 1 dies after loading; rank 0's generation stops after
     pipeline_timeout_s with a DistributedError naming what happened, and its process ends."""
     import time
 
     job = {"model": str(piped[0]), "prompt": [5, 6], "max_tokens": 4, "die": 1,
-           "configs": {"exact": {"prerouter": "off", "pipeline_timeout_s": 3}}}
+           "configs": {"exact": {"prerouter": "off", "pipeline_timeout_s": 6}}}
     hosts = _hostfile(tmp_path)
     procs = [_rank(r, hosts, job) for r in (0, 1)]
     t0 = time.monotonic()

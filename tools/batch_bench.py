@@ -17,7 +17,9 @@ raw runs too.
 
 Under ``mlx.launch`` (``mlx.launch -n 2 --backend ring .venv/bin/python tools/batch_bench.py
 ...``) every rank runs the same generations in the same order, as a pipeline needs; the
-engine splits the layers over the ranks, and rank 0 alone prints and writes.
+engine splits the layers over the ranks, and rank 0 alone prints and writes (its expert
+bytes and slots are its own layers'). "ms / step" is the run's wall time over its decode
+steps (the rows' prefill included).
 """
 
 from __future__ import annotations
