@@ -31,7 +31,7 @@ from contextlib import contextmanager
 from edge0.backend import core as B
 from edge0.backend import nn as bnn
 from edge0.errors import DistributedError, ExpertReadError
-from edge0.row import Row, RowEvents, TokenEvent  # noqa: F401 - TokenEvent: what the rows hand out
+from edge0.row import Row, RowEvents
 from edge0.stats import GenerationStats
 
 
@@ -203,7 +203,7 @@ class Batcher:
                 host._begin_batch()
             cache, cached = None, 0
             if self._cached(row):
-                cache, cached = host.prompt_cache.take(row.adapter, row.ids)
+                cache, cached = host.prompt_cache.take(row.adapter, row.ids, 3 if self._has_heads() else 1)
             row.cache = cache if cache is not None else bnn.make_cache(host._step_model, row.params.max_kv_size)
             row.pos = row.cached = cached
             row.sampler, row.processors = bnn.row_sampling(row.params, host._constraint_processors(row.params))
@@ -292,6 +292,11 @@ class Batcher:
         with self._lock:
             self.rows.append(row)
 
+    def _has_heads(self) -> bool:
+        """Whether prerouter heads run (on any rank of a pipeline)."""
+        pipe = self.host.streaming.pipeline
+        return (pipe.heads if pipe is not None else self.host.streaming.prerouter) is not None
+
     def _unseen(self, row: Row) -> bool:
         """Whether the prerouter heads have observed nothing of ``row``'s sequence. Under a
         pipeline every rank must decide alike, also one that runs no head: there, whether
@@ -299,7 +304,7 @@ class Batcher:
         observe)."""
         pipe, pre = self.host.streaming.pipeline, self.host.streaming.prerouter
         if pipe is not None:
-            return pipe.heads is not None and row.pos == row.cached
+            return self._has_heads() and row.pos == row.cached
         return pre is not None and not pre.seen(row.pstate)
 
     def _solo_step(self, row: Row) -> bool:

@@ -13,7 +13,9 @@ and the entry stays, for the conversation it holds (another user's request betwe
 turns does not take it away); where its layers are not plain KV caches, the entry is
 trimmed back to the common prefix when they allow trimming (state-space and
 linear-attention states do not). At least the prompt's last token is always computed,
-since its logits start the generation.
+since its logits start the generation; with prerouter heads, its last three, so that the
+heads observe the two tokens before the last as they would after a whole prefill (their
+first prediction, and so the text, is then the same with the cache as without).
 """
 
 from __future__ import annotations
@@ -37,15 +39,17 @@ class PromptCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def take(self, adapter: str | None, ids: list[int]) -> tuple[list | None, int]:
+    def take(self, adapter: str | None, ids: list[int], compute: int = 1) -> tuple[list | None, int]:
         """(cache, tokens it already holds) for a prompt, removed from the store; (None, 0)
-        when nothing reusable is stored."""
+        when nothing reusable is stored. At least the prompt's last ``compute`` tokens are
+        left to compute (prerouter heads must observe the two tokens before the last, as a
+        whole prompt's prefill lets them)."""
         best, best_len = None, 0
         for key, (name, tokens, cache, _) in self._entries.items():
             if name != adapter:
                 continue
             common = _common_prefix(tokens, ids)
-            usable = min(common, len(ids) - 1)
+            usable = min(common, len(ids) - compute)
             if usable > best_len and (usable == len(tokens) or bnn.cache_trimmable(cache)):
                 best, best_len = key, usable
         if best is None:

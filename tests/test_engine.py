@@ -229,6 +229,38 @@ def test_prompt_cache_reuses_a_prefix_and_changes_nothing(tiny_model_factory, fa
         assert cached.prompt_cache.nbytes <= 16 * 2**20
 
 
+@pytest.mark.parametrize("routing", ["replace", "select"])
+def test_prompt_cache_with_prerouter_heads_changes_nothing(tiny_model_factory, tmp_path, routing):
+    """With heads, a prompt whose prefix is cached leaves its last three tokens to compute:
+    the heads observe the two before the last as after a whole prefill, so the first
+    step's prediction, and the text, are the ones without the cache. The same prompt again
+    (a prefix of the cached generation) and a next turn."""
+    import mlx.core as mx
+
+    from edge0.train.heads import make_warm_heads
+    from tests.ckpt_tools import copy_model
+
+    d = copy_model(tiny_model_factory("qwen3_moe"), tmp_path / "m")
+    make_warm_heads(d, d / "prerouter.safetensors", width=32)
+    heads, meta = mx.load(str(d / "prerouter.safetensors"), return_metadata=True)
+    mx.random.seed(1)  # a token path that changes the prediction (warm-start heads have none)
+    heads = {k: (mx.random.normal(v.shape) * 0.5).astype(v.dtype) if k.endswith("token.weight") else v
+             for k, v in heads.items()}
+    mx.save_safetensors(str(d / "prerouter.safetensors"), heads, metadata=meta)
+    config = {"routing": routing, "stage_extra": 2 if routing == "select" else 0}
+    with Engine(d, EngineConfig(prompt_cache_mb=16, **config)) as cached, Engine(d, EngineConfig(**config)) as plain:
+        assert cached.streaming.prerouter is not None
+        ids = cached.encode("def f(x):")
+        first = [e.token for e in cached.stream(ids, max_tokens=6)]
+        again = list(cached.stream(ids, max_tokens=24))
+        assert [e.token for e in again] == [e.token for e in plain.stream(ids, max_tokens=24)]
+        assert again[-1].stats.cached_tokens == len(ids) - 3
+        follow = ids + first + cached.encode("\n    return 1")
+        turn = list(cached.stream(follow, max_tokens=24))
+        assert [e.token for e in turn] == [e.token for e in plain.stream(follow, max_tokens=24)]
+        assert turn[-1].stats.cached_tokens == len(follow) - 3
+
+
 def test_top_k_at_or_above_the_vocabulary_keeps_every_token(engine):
     vocab = engine.vocab_size
     for top_k in (vocab, vocab + 5):
