@@ -263,6 +263,58 @@ def test_generations_asked_for_together_decode_in_one_batch_under_two_ranks(pipe
     assert steps <= 16 + 2 * 16 + len(TOGETHER), (steps, tokens)
 
 
+HYBRID = {"qwen3_5_moe": "linear attention beside full attention, a vision-language wrapper around the text model",
+          "jamba": "Mamba layers, a final norm named final_layernorm",
+          "gpt_oss": "sliding-window layers (rotating KV caches)",
+          "granitemoe": "an 8-bit head quantized apart from the rest"}
+
+
+@pytest.mark.parametrize("family", sorted(HYBRID))
+def test_models_with_other_caches_and_layouts_run_under_two_ranks(tiny_model_factory, tmp_path, family):
+    """Each rank's stand-ins for the other's layers keep the caches the model makes for them
+    (state-space, linear-attention, rotating) and the attributes its code reads of them; the
+    head and final norm are found where the model keeps them. Greedy text equals one
+    process's, exact and staged on heads' predictions, and generations asked for together
+    run one after the other (these caches cannot share a batch) with the same tokens."""
+    from edge0.train.heads import make_warm_heads
+    from tests.ckpt_tools import copy_model
+
+    d = copy_model(tiny_model_factory(family), tmp_path / "m")
+    make_warm_heads(d, d / "prerouter.safetensors", width=32)
+    job = {"model": str(d), "prompt": [5, 6, 7, 8, 9], "max_tokens": 10, "together": TOGETHER[:3],
+           "configs": {"exact": {"prerouter": "off"}, "staged": {"prerouter": "on", "routing": "replace"}}}
+    alone = _results(ok(_run(job, None)).stdout)[0]
+    two = _results(ok(_run(job, 2)).stdout)
+    for name in job["configs"]:
+        want = alone["results"][name]
+        assert len(want["tokens"]) == 10 and len(want["together"]) == 3
+        for r in (0, 1):
+            assert two[r]["results"][name]["tokens"] == want["tokens"], (family, name, r)
+            assert two[r]["results"][name]["together"] == want["together"], (family, name, r)
+        assert "pipeline 2 ranks" in two[0]["results"][name]["line"]
+    for r in (0, 1):  # the heads ran (each rank the heads of its own layers), and none without them
+        assert "heads prerouter.safetensors" in two[r]["results"]["staged"]["line"]
+        assert "heads none" in two[r]["results"]["exact"]["line"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", __import__("edge0.model.families", fromlist=["x"]).SUPPORTED_MODEL_TYPES)
+def test_every_model_type_under_two_ranks(tiny_model_factory, model_type):
+    """The README's pipeline column: where it says yes, two ranks' greedy text equals one
+    process's on the exact path; elsewhere a pipeline is refused at once, saying so."""
+    from edge0.model.families import PIPELINE_MODEL_TYPES
+
+    job = {"model": str(tiny_model_factory(model_type)), "prompt": [5, 6, 7, 8], "max_tokens": 8,
+           "configs": {"exact": {"prerouter": "off"}}}
+    if model_type not in PIPELINE_MODEL_TYPES:
+        proc = _run(job, 2, timeout=120)
+        assert "pipeline parallelism is not available for this model type" in proc.stdout + proc.stderr
+        return
+    alone = _results(ok(_run(job, None)).stdout)[0]["results"]["exact"]["tokens"]
+    two = _results(ok(_run(job, 2)).stdout)
+    assert len(alone) == 8 and two[0]["results"]["exact"]["tokens"] == two[1]["results"]["exact"]["tokens"] == alone
+
+
 def test_the_configurations_differ(pipeline_runs):
     """The equalities above compare different texts: the heads route, the adapter changes it."""
     alone, _ = pipeline_runs
@@ -361,7 +413,7 @@ def test_without_the_launcher_the_rank_left_waiting_raises_distributed_error(pip
     import time
 
     job = {"model": str(piped[0]), "prompt": [5, 6], "max_tokens": 4, "die": 1,
-           "configs": {"exact": {"prerouter": "off", "pipeline_timeout_s": 6}}}
+           "configs": {"exact": {"prerouter": "off", "pipeline_timeout_s": 3}}}
     hosts = _hostfile(tmp_path)
     procs = [_rank(r, hosts, job) for r in (0, 1)]
     t0 = time.monotonic()

@@ -28,6 +28,10 @@ from edge0.backend import core as B
 from edge0.backend import dist as D
 from edge0.backend import nn as bnn
 from edge0.errors import ConfigError
+from edge0.model.families import PIPELINE_MODEL_TYPES
+
+
+FINAL_NORMS = ("norm", "final_layernorm", "norm_f", "ln_f", "final_norm")  # the final norm's names in mlx-lm
 
 
 @dataclass(frozen=True)
@@ -134,18 +138,31 @@ class Pipeline:
     """This rank's part of a pipeline over ``model`` (mlx-lm's, Edge0's stages in place)."""
 
     def __init__(self, layout: Layout, group, model, spec, heads=None):
+        if spec.model_type not in PIPELINE_MODEL_TYPES:
+            raise ConfigError(f"{spec.model_type}: pipeline parallelism is not available for this model type (its "
+                              "two-rank text is not checked against one process's; the model types it is available "
+                              "for are listed in the README's table of architectures)")
         self.layout, self.group, self.spec = layout, group, spec
         self.rank, self.size = layout.rank, layout.size
         inner_path = spec.layer_prefix[:-len(".layers.")] if spec.layer_prefix.endswith(".layers.") else None
         self.inner = bnn.module_at(model, inner_path) if inner_path else None
-        needed = {"embed_tokens": self.inner, "norm": self.inner, "lm_head": model}
-        missing = [n for n, owner in needed.items() if owner is None or n not in owner]
-        if missing or hasattr(model, "make_cache"):
-            why = f"no {', '.join(missing)}" if missing else "layers that keep other caches than a KV cache"
-            raise ConfigError(f"{spec.model_type}: pipeline parallelism needs the decoder layers, embed_tokens, norm "
-                              f"and an untied lm_head where mlx-lm's Llama-style models keep them, and a KV cache per "
-                              f"layer ({why})")
+        outer = inner_path.rpartition(".")[0] if inner_path else ""
+        # the final norm and the head under the names mlx-lm's model files give them
+        self.norm_name = next((n for n in FINAL_NORMS if self.inner is not None and n in self.inner), None)
+        self.head_path = f"{outer}.lm_head" if outer else "lm_head"
+        missing = [what for what, there in (("decoder layers", self.inner is not None),
+                                            ("embed_tokens", self.inner is not None and "embed_tokens" in self.inner),
+                                            ("a final norm", self.norm_name is not None),
+                                            ("an untied lm_head", bnn.module_at(model, self.head_path) is not None))
+                   if not there]
+        if missing:
+            raise ConfigError(f"{spec.model_type}: pipeline parallelism needs the decoder layers, embed_tokens, a final "
+                              f"norm and an untied lm_head where mlx-lm's model files keep them (no "
+                              f"{', '.join(missing)})")
         self.inner_path, self.model = inner_path, model
+        # the model's own caches (hybrid models: state-space or rotating caches beside KV caches), learnt
+        # before another rank's layers are replaced by stubs its make_cache cannot read
+        self._caches = model.make_cache() if hasattr(model, "make_cache") else None
         self.heads = heads
         self.crossing = self._crossing(heads)  # owner layer on this rank whose head's consumer is on the next
         self.incoming = self._incoming(heads)  # owner layer on the previous rank whose head runs here
@@ -191,7 +208,7 @@ class Pipeline:
         ip = self.inner_path + "."
         if key.startswith(ip + "embed_tokens."):
             return self.rank != 0
-        if key.startswith(ip + "norm.") or key.startswith("lm_head."):
+        if key.startswith(ip + self.norm_name + ".") or key.startswith(self.head_path + "."):
             return self.rank != self.size - 1
         return False
 
@@ -200,17 +217,19 @@ class Pipeline:
 
     def strip(self, dtype) -> None:
         """Replace what this rank does not hold (before the resident weights load)."""
-        vocab, embed_dim = self.model.lm_head.weight.shape
+        vocab, embed_dim = bnn.module_at(self.model, self.head_path).weight.shape
         layers = self.inner.layers
         lo, hi = self.layout.ranges[self.rank]
         for i in range(len(layers)):
             if not self.layout.holds(i):
-                layers[i] = D.LayerStub(sent=(lambda: self._sent) if i >= hi else None)
+                layers[i] = D.LayerStub(sent=(lambda: self._sent) if i >= hi else None, like=layers[i])
+        if self._caches is not None:  # make_cache reads the layers: it hands out fresh copies of what it made
+            self.model.make_cache = D.cache_maker(self._caches)
         if self.rank != 0:
             self.inner.embed_tokens = D.EmbedStub(embed_dim, dtype)
         if self.rank != self.size - 1:
-            self.inner.norm = D.Identity()
-            self.model.lm_head = D.HeadStub(vocab, dtype, self.group, lambda: self._sent)
+            setattr(self.inner, self.norm_name, D.Identity())
+            bnn.set_module_at(self.model, self.head_path, D.HeadStub(vocab, dtype, self.group, lambda: self._sent))
 
     def wire(self, streaming, prerouter) -> None:
         """After loading: the boundary layers send and receive, the last rank's head shares
@@ -223,7 +242,7 @@ class Pipeline:
         if self.rank < self.size - 1:
             D.wrap_call(layers[hi - 1], after=self._send)
         else:
-            D.head_that_shares(self.model.lm_head, self.group)
+            D.head_that_shares(bnn.module_at(self.model, self.head_path), self.group)
         self._seeds = _shared_random(self.group)
         if self.crossing is not None:
             o = self.crossing

@@ -96,22 +96,44 @@ class LayerStub(nn.Module):
     """Another rank's decoder layer: passes the hidden state through unchanged and
     appends a one-wide key and value per token to its cache. ``sent()``: what this rank
     sent on in this pass (layers after the rank's own): its cache depends on it, so that
-    evaluating the caches (a prompt chunk's prefill) sends it."""
+    evaluating the caches (a prompt chunk's prefill) sends it. ``like``: the layer it stands
+    for, whose plain attributes it copies (hybrid models' code reads them: ``is_linear``)."""
 
-    def __init__(self, sent=None):
+    def __init__(self, sent=None, like: nn.Module | None = None):
         super().__init__()
         self._sent_of = sent
+        if like is not None:  # what the model's own code reads of its layers (is_linear, is_attn, a layer type)
+            for name, value in vars(like).items():
+                if not name.startswith("_") and isinstance(value, (bool, int, float, str, type(None))):
+                    setattr(self, name, value)
 
     def __call__(self, x, *args, cache=None, **kwargs):
         if cache is None and len(args) >= 2:
             cache = args[1]
-        if cache is not None and hasattr(cache, "update_and_fetch"):
-            b, t = x.shape[0], x.shape[1]
+        if cache is None:
+            return x
+        b, t = x.shape[0], x.shape[1]
+        sent = self._sent_of() if self._sent_of is not None else None
+        if hasattr(cache, "update_and_fetch"):  # a KV cache (plain or rotating): offsets advance as the model's
             blank = mx.zeros((b, 1, t, 1), dtype=x.dtype)
-            if self._sent_of is not None and self._sent_of() is not None:
-                blank = mx.depends(blank, self._sent_of())
+            if sent is not None:
+                blank = mx.depends(blank, sent)
             cache.update_and_fetch(blank, blank)
+        elif hasattr(cache, "cache") and isinstance(cache.cache, list) and cache.cache:  # a state cache
+            state = mx.zeros((b, 1), dtype=x.dtype)  # (its masks follow its padding, not its state)
+            cache.cache[0] = mx.depends(state, sent) if sent is not None else state
         return x
+
+
+def cache_maker(templates: list):
+    """A ``make_cache`` handing out fresh, empty copies of ``templates`` (a model's own
+    caches, made before any of its layers was replaced)."""
+    import copy
+
+    def make_cache():
+        return [copy.deepcopy(c) for c in templates]
+
+    return make_cache
 
 
 class EmbedStub(nn.Module):

@@ -216,9 +216,11 @@ def load_resident(model: nn.Module, model_dir: Path, config: dict, files: list[s
     quantization = config.get("quantization") or (config.get("text_config") or {}).get("quantization") or {}
 
     def class_predicate(path, module):
+        if not hasattr(module, "to_quantized"):  # (a pipeline rank's stand-in for another rank's module)
+            return False
         if path in quantization:
             return quantization[path]
-        if not hasattr(module, "to_quantized") or f"{path}.scales" not in weights:
+        if f"{path}.scales" not in weights:
             return False
         return infer_quant_config(path, module, weights)
 
