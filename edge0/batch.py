@@ -84,7 +84,7 @@ class Batcher:
                     return
                 admitted = self._admit() if pipe is None or pipe.rank == 0 else []
             try:
-                cancelled = self._agree(pipe, admitted) if pipe is not None else None
+                admitted, cancelled = self._agree(pipe, admitted) if pipe is not None else (admitted, None)
                 self._iteration(admitted, cancelled)
             except BaseException as e:  # a fault of the loop itself: its rows fail, the engine goes on
                 self._fail_all(e)
@@ -110,15 +110,17 @@ class Batcher:
             except BaseException as e:  # noqa: BLE001 - as run()
                 self._fail_all(e)
 
-    def _agree(self, pipe, admitted: list[Row]) -> dict[int, bool]:
-        """Rank 0 tells the other ranks what this iteration admits and which of the rows
-        already in the batch it cancelled; the others admit the same generations (the next
-        ones submitted to them, waiting for them where they are not submitted yet).
-        Returns whether each earlier row was cancelled on rank 0 (by ``id``)."""
+    def _agree(self, pipe, admitted: list[Row]) -> tuple[list[Row], dict[int, bool]]:
+        """Rank 0 tells the other ranks what this iteration admits (``admitted``, its own) and
+        which of the rows already in the batch it cancelled; the others admit the same
+        generations (the next ones submitted to them, waiting for them where they are not
+        submitted yet). Returns (this rank's admitted rows, whether each earlier row was
+        cancelled on rank 0, by ``id``)."""
         prior = [r for r in self.joining if r not in admitted] + self.rows
         if pipe.rank == 0:
             specs = [r.spec() for r in admitted] if pipe.leading and admitted else None
-            return self._cancelled(pipe.schedule([r.job.cancelled for r in prior], len(admitted), specs), prior)
+            schedule = pipe.schedule([r.job.cancelled for r in prior], len(admitted), specs)
+            return admitted, self._cancelled(schedule, prior)
         schedule = pipe.schedule()
         cancelled = self._cancelled(schedule, prior)
         bound = self.host.config.pipeline_timeout_s / 2  # within the generations' own bound, so that this says why
@@ -134,9 +136,9 @@ class Batcher:
                     row.job.finish(error)
                 self._waiting.clear()
                 raise error
-            admitted[:] = [self._waiting.popleft() for _ in range(schedule.admitted)]
+            admitted = [self._waiting.popleft() for _ in range(schedule.admitted)]
             self.joining.extend(admitted)
-        return cancelled
+        return admitted, cancelled
 
     def _cancelled(self, schedule, prior: list[Row]) -> dict[int, bool]:
         """The schedule's cancel flags by row of ``prior`` (the rows before this iteration's
@@ -164,7 +166,19 @@ class Batcher:
         if self.rows:
             self._decode_step()
 
+    def _typed(self, error: BaseException) -> BaseException:
+        """Under a pipeline, MLX's RuntimeError of a transfer (a rank gone, the link broken)
+        as a ``DistributedError`` naming this rank's pipeline."""
+        pipe = self.host.streaming.pipeline
+        if pipe is None or not isinstance(error, RuntimeError):
+            return error
+        typed = DistributedError(f"rank {pipe.rank} of the {pipe.layout.describe()}: {error} (another rank stopped "
+                                 "or the link between them broke)")
+        typed.__cause__ = error
+        return typed
+
     def _fail_all(self, error: BaseException) -> None:
+        error = self._typed(error)
         self.host.log.error("batch.failed", error=f"{type(error).__name__}: {error}")
         for row in self.rows + self.joining:
             row.error = row.error or error
@@ -344,6 +358,7 @@ class Batcher:
             live = [t.reshape(-1) for t in sampled if t is not None]
             values = iter(B.to_host(B.concat(live)).tolist() if live else [])  # one read for the step
         except BaseException as e:  # the step itself: every row of it fails
+            e = self._typed(e)
             for row in rows:
                 row.error = row.error or e
             if isinstance(e, ExpertReadError):

@@ -408,8 +408,9 @@ def test_a_rank_asked_for_fewer_generations_than_rank_0_says_so_within_the_timeo
 
 
 def test_without_the_launcher_the_rank_left_waiting_raises_distributed_error(piped, tmp_path):
-    """Started by hand: rank 1 dies after loading; rank 0's generation stops after
-    pipeline_timeout_s with a DistributedError naming what happened, and its process ends."""
+    """Started by hand: rank 1 dies after loading; rank 0's generation stops (when MLX finds
+    the link closed, or after pipeline_timeout_s) with a DistributedError naming what
+    happened, and its process ends."""
     import time
 
     job = {"model": str(piped[0]), "prompt": [5, 6], "max_tokens": 4, "die": 1,
@@ -421,7 +422,9 @@ def test_without_the_launcher_the_rank_left_waiting_raises_distributed_error(pip
     procs[1].communicate(timeout=30)
     assert procs[1].returncode == 3
     assert procs[0].returncode != 0 and time.monotonic() - t0 < 60
-    assert "DistributedError" in err and "no token for 3 s" in err
+    # whichever rank 0 meets first: the link found closed, or no token within the bound
+    assert "DistributedError: rank 0 of the pipeline 2 ranks" in err, err[-3000:]
+    assert "no token for 3 s" in err or "another rank stopped or the link between them broke" in err
 
 
 def test_layer_ranges_are_checked_and_balanced_by_bytes():
