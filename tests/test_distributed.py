@@ -269,7 +269,8 @@ HYBRID = {"qwen3_5_moe": "linear attention beside full attention, a vision-langu
           "granitemoe": "an 8-bit head quantized apart from the rest"}
 
 
-@pytest.mark.parametrize("family", sorted(HYBRID))
+@pytest.mark.parametrize("family", [f if f in ("qwen3_5_moe", "jamba") else pytest.param(f, marks=pytest.mark.slow)
+                                    for f in sorted(HYBRID)])  # (the slow ones: the suite's time on two cores)
 def test_models_with_other_caches_and_layouts_run_under_two_ranks(tiny_model_factory, tmp_path, family):
     """Each rank's stand-ins for the other's layers keep the caches the model makes for them
     (state-space, linear-attention, rotating) and the attributes its code reads of them; the
