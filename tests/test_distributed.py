@@ -200,7 +200,8 @@ def _configs(adapter: Path) -> dict:
             "staged replace": {"prerouter": "on", "routing": "replace"},
             "staged select + adapter": {"prerouter": "on", "routing": "select", "stage_extra": 2,
                                         "adapter": str(adapter)},
-            "staged replace, layers 0 | 1-3": {"prerouter": "on", "routing": "replace", "pipeline_layers": "0-0,1-3"}}
+            "staged replace, layers 0 | 1-3": {"prerouter": "on", "routing": "replace", "pipeline_layers": "0-0,1-3",
+                                               "prompt_cache_mb": 16}}
 
 
 def _results(stdout: str) -> dict[int, dict]:
@@ -314,6 +315,16 @@ def test_every_model_type_under_two_ranks(tiny_model_factory, model_type):
     alone = _results(ok(_run(job, None)).stdout)[0]["results"]["exact"]["tokens"]
     two = _results(ok(_run(job, 2)).stdout)
     assert len(alone) == 8 and two[0]["results"]["exact"]["tokens"] == two[1]["results"]["exact"]["tokens"] == alone
+
+
+def test_the_ranks_prompt_caches_count_alike(pipeline_runs):
+    """Under layout 0 | 1-3 the ranks hold different layers, so their caches hold different
+    bytes; each entry counts as the pipeline's bytes, so both keep the same entries by the
+    same count (and the together generations' prefixes came from it alike: tokens above)."""
+    _, two = pipeline_runs
+    name = "staged replace, layers 0 | 1-3"
+    entries, nbytes = two[0]["results"][name]["prompt_cache"]
+    assert entries > 0 and two[1]["results"][name]["prompt_cache"] == [entries, nbytes]
 
 
 def test_the_configurations_differ(pipeline_runs):
