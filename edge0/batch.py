@@ -28,6 +28,7 @@ import threading
 from collections import deque
 from contextlib import contextmanager
 
+from edge0 import micro as micro_batches
 from edge0.backend import core as B
 from edge0.backend import nn as bnn
 from edge0.errors import DistributedError, ExpertReadError
@@ -58,6 +59,7 @@ class Batcher:
         self.steps = 0  # decode forward passes
         self.tokens = 0  # tokens they generated, every row
         self.decode_bytes = 0  # expert bytes read during them
+        self.micro_turns = 0  # micro-batch turns (a half's decode pass each) under a two-rank pipeline
 
     # -- any thread -----------------------------------------------------------------------
     def submit(self, row: Row) -> None:
@@ -84,8 +86,8 @@ class Batcher:
                     return
                 admitted = self._admit() if pipe is None or pipe.rank == 0 else []
             try:
-                admitted, cancelled = self._agree(pipe, admitted) if pipe is not None else (admitted, None)
-                self._iteration(admitted, cancelled)
+                admitted, cancelled, micro = self._agree(pipe, admitted) if pipe is not None else (admitted, None, False)
+                self._iteration(admitted, cancelled, micro)
             except BaseException as e:  # a fault of the loop itself: its rows fail, the engine goes on
                 self._fail_all(e)
 
@@ -106,21 +108,25 @@ class Batcher:
                                            "(Engine.lead() was not called on rank 0)")
                 done += len(admitted)
                 self.joining.extend(admitted)
-                self._iteration(admitted, cancelled)
+                self._iteration(admitted, cancelled, schedule.micro)
             except BaseException as e:  # noqa: BLE001 - as run()
                 self._fail_all(e)
 
-    def _agree(self, pipe, admitted: list[Row]) -> tuple[list[Row], dict[int, bool]]:
+    def _agree(self, pipe, admitted: list[Row]) -> tuple[list[Row], dict[int, bool], bool]:
         """Rank 0 tells the other ranks what this iteration admits (``admitted``, its own) and
         which of the rows already in the batch it cancelled; the others admit the same
         generations (the next ones submitted to them, waiting for them where they are not
-        submitted yet). Returns (this rank's admitted rows, whether each earlier row was
-        cancelled on rank 0, by ``id``)."""
+        submitted yet) and whether the batch decodes in micro-batches. Returns (this rank's
+        admitted rows, whether each earlier row was cancelled on rank 0, by ``id``, micro)."""
         prior = [r for r in self.joining if r not in admitted] + self.rows
         if pipe.rank == 0:
             specs = [r.spec() for r in admitted] if pipe.leading and admitted else None
-            schedule = pipe.schedule([r.job.cancelled for r in prior], len(admitted), specs)
-            return admitted, self._cancelled(schedule, prior)
+            flags = [r.job.cancelled for r in prior]
+            with self._lock:
+                micro = (self.host.config.pipeline_micro_batches == 2 and not admitted and not self.joining
+                         and not self._waiting and not any(flags) and self._micro_ready())
+            schedule = pipe.schedule(flags, len(admitted), specs, micro=micro)
+            return admitted, self._cancelled(schedule, prior), micro
         schedule = pipe.schedule()
         cancelled = self._cancelled(schedule, prior)
         bound = self.host.config.pipeline_timeout_s / 2  # within the generations' own bound, so that this says why
@@ -138,7 +144,7 @@ class Batcher:
                 raise error
             admitted = [self._waiting.popleft() for _ in range(schedule.admitted)]
             self.joining.extend(admitted)
-        return admitted, cancelled
+        return admitted, cancelled, schedule.micro
 
     def _cancelled(self, schedule, prior: list[Row]) -> dict[int, bool]:
         """The schedule's cancel flags by row of ``prior`` (the rows before this iteration's
@@ -151,10 +157,11 @@ class Batcher:
                 row.job.cancel()
         return {id(r): flag for r, flag in zip(prior, schedule.cancelled)}
 
-    def _iteration(self, admitted: list[Row], cancelled: dict[int, bool] | None) -> None:
+    def _iteration(self, admitted: list[Row], cancelled: dict[int, bool] | None, micro: bool = False) -> None:
         """Start the admitted rows, drop the cancelled ones (under a pipeline: those rank 0
         cancelled, ``cancelled``), prefill up to ``prefill_step_size`` prompt tokens of the
-        joining rows, then one decode step of the batch."""
+        joining rows, then one decode step of the batch (``micro``: decode steps in two
+        micro-batches until rank 0 stops them)."""
         for row in admitted:
             self._start(row, piped=cancelled is not None)
         self._drop_cancelled(cancelled)
@@ -163,7 +170,12 @@ class Batcher:
             if budget <= 0:
                 break
             budget -= self._prefill_chunk(row)
-        if self.rows:
+        if self.rows and micro:
+            if not self._micro_ready():
+                raise DistributedError(f"rank 0 decodes {len(self.rows)} generations in micro-batches, which this "
+                                       "rank cannot: every rank must ask for the same generations in the same order")
+            self._micro_phase()
+        elif self.rows:
             self._decode_step()
 
     def _typed(self, error: BaseException) -> BaseException:
@@ -338,14 +350,36 @@ class Batcher:
     def _step(self, rows: list[Row], cache) -> list[Row]:
         """One forward pass of ``rows`` (one token each) on ``cache``, each row's token
         sampled and handed to its consumer; the rows that ended (finished, left, failed)."""
-        host = self.host
-        bank = host.streaming.adapters
-        bytes0 = host.reader.stats.bytes
+        bytes0 = self.host.reader.stats.bytes
         try:
-            if bank is not None:
-                bank.activate_rows([r.adapter for r in rows])
-            inputs = B.array([[r.next] for r in rows], dtype=B.int32)
-            logits = host._step_model(inputs, cache=cache, decode=True)[:, -1, :]
+            logits = self._forward(rows, cache)[:, -1, :]
+        except BaseException as e:  # the step itself: every row of it fails
+            return self._failed(rows, e)
+        done = self._tokens(rows, logits)
+        self.decode_bytes += self.host.reader.stats.bytes - bytes0
+        return done
+
+    def _forward(self, rows: list[Row], cache):
+        """The decode pass of ``rows`` (lazy): each row's adapter, its last token."""
+        bank = self.host.streaming.adapters
+        if bank is not None:
+            bank.activate_rows([r.adapter for r in rows])
+        inputs = B.array([[r.next] for r in rows], dtype=B.int32)
+        return self.host._step_model(inputs, cache=cache, decode=True)
+
+    def _failed(self, rows: list[Row], e: BaseException) -> list[Row]:
+        e = self._typed(e)
+        for row in rows:
+            row.error = row.error or e
+        if isinstance(e, ExpertReadError):
+            self.host._after_read_error(e)
+        return rows
+
+    def _tokens(self, rows: list[Row], logits) -> list[Row]:
+        """Each row's token sampled from its row of ``logits`` [rows, vocab] and handed to its
+        consumer; the rows that ended (finished, left, failed)."""
+        host = self.host
+        try:
             sampled, logprobs = [], []
             for i, row in enumerate(rows):
                 try:
@@ -358,14 +392,8 @@ class Batcher:
             live = [t.reshape(-1) for t in sampled if t is not None]
             values = iter(B.to_host(B.concat(live)).tolist() if live else [])  # one read for the step
         except BaseException as e:  # the step itself: every row of it fails
-            e = self._typed(e)
-            for row in rows:
-                row.error = row.error or e
-            if isinstance(e, ExpertReadError):
-                host._after_read_error(e)
-            return rows
+            return self._failed(rows, e)
         self.steps += 1
-        self.decode_bytes += host.reader.stats.bytes - bytes0
         done = []
         piped = host.streaming.pipeline
         for row, token, lp in zip(rows, sampled, logprobs):
@@ -386,6 +414,13 @@ class Batcher:
             elif not offered and piped is None:  # (a pipeline's ranks drop it together, at the next boundary)
                 done.append(row)
         return done
+
+    # -- micro-batches (a two-rank pipeline: edge0.micro) -----------------------------------------
+    def _micro_ready(self) -> bool:
+        return micro_batches.ready(self)
+
+    def _micro_phase(self) -> None:
+        micro_batches.run_phase(self)
 
     def _sample(self, row: Row, logits):
         if row.processors:

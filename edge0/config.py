@@ -132,6 +132,11 @@ class EngineConfig:
     # with DistributedError (a rank that stopped, or a link that broke, without the launcher
     # ending this rank).
     pipeline_timeout_s: int = 300
+    # Under a two-rank pipeline with batched decode: 2 splits a batch of two or more
+    # generations into two halves that take turns, so that each rank computes one half
+    # while the other rank computes the other (docs/DISTRIBUTED.md, "Micro-batches");
+    # 1 = the whole batch in each step.
+    pipeline_micro_batches: int = 1
     # Structured logs (reads, waits, stalls, steps): "console" (human) or "json" (one
     # object per line), on standard error.
     log_format: str = "console"
@@ -171,6 +176,8 @@ class EngineConfig:
         if self.prerouter_dtype not in ("auto", "float16", "float32"):
             raise ConfigError(f"prerouter_dtype must be auto, float16 or float32, got {self.prerouter_dtype!r}")
         _positive("pipeline_timeout_s", self.pipeline_timeout_s)
+        if self.pipeline_micro_batches not in (1, 2) or isinstance(self.pipeline_micro_batches, bool):
+            raise ConfigError(f"pipeline_micro_batches must be 1 (off) or 2, got {self.pipeline_micro_batches!r}")
         if self.pipeline not in ("auto", "off"):
             raise ConfigError(f"pipeline must be auto or off, got {self.pipeline!r}")
         if self.prerouter_flush not in ("auto", "mlx", "numpy"):

@@ -56,6 +56,7 @@ def main() -> None:
                 "peak_memory": B.peak_memory(),
                 "together": together,
                 "steps": [engine.metrics().decode_steps, engine.metrics().decode_tokens],
+                "micro_turns": engine.metrics().micro_turns,
                 "prompt_cache": [len(engine.prompt_cache), engine.prompt_cache.nbytes] if engine.prompt_cache else None,
             }
     print("RESULT " + json.dumps(out), flush=True)

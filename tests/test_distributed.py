@@ -264,6 +264,42 @@ def test_generations_asked_for_together_decode_in_one_batch_under_two_ranks(pipe
     assert steps <= 16 + 2 * 16 + len(TOGETHER), (steps, tokens)
 
 
+@pytest.fixture(scope="module")
+def micro_runs(piped):
+    """The configurations above with ``pipeline_micro_batches=2``, over two ranks."""
+    model, adapter = piped
+    configs = {name: {**kw, "pipeline_micro_batches": 2} for name, kw in _configs(adapter).items()}
+    job = {"model": str(model), "prompt": [5, 6, 7, 8, 9, 10, 11], "max_tokens": 16, "configs": configs,
+           "together": TOGETHER}
+    return _results(ok(_run(job, 2)).stdout)
+
+
+@pytest.mark.parametrize("name", list(_configs(Path("a"))))
+def test_micro_batches_give_one_process_tokens(pipeline_runs, micro_runs, name):
+    """In micro-batches the batch's two halves take turns (rank 0 computes one half's step
+    while rank 1 computes the other's), each half with its own cache and prerouter state,
+    merged back whenever a generation ends: every generation's tokens are one process's, on
+    every path (heads crossing the ranks, an adapter, a prompt cache). The halves ran: turns
+    were counted (none without micro-batches)."""
+    alone, two = pipeline_runs
+    want = alone["results"][name]
+    for r in (0, 1):
+        got = micro_runs[r]["results"][name]
+        assert got["tokens"] == want["tokens"], (name, r)
+        assert got["together"] == want["together"], (name, r)
+        assert got["micro_turns"] > 0, (name, r)
+        assert two[r]["results"][name]["micro_turns"] == 0
+    assert micro_runs[1]["results"][name]["micro_turns"] == micro_runs[0]["results"][name]["micro_turns"]
+    assert micro_runs[0]["results"][name]["steps"][1] == want["steps"][1]  # every token, once
+
+
+def test_micro_batches_need_two_ranks(piped):
+    job = {"model": str(piped[0]), "prompt": [5, 6], "max_tokens": 2,
+           "configs": {"exact": {"prerouter": "off", "pipeline_micro_batches": 2}}}
+    proc = _run(job, 3)  # (the launcher's own exit status does not always say a rank failed)
+    assert "pipeline_micro_batches 2 applies to a pipeline of two ranks (this one has 3)" in proc.stdout + proc.stderr
+
+
 HYBRID = {"qwen3_5_moe": "linear attention beside full attention, a vision-language wrapper around the text model",
           "jamba": "Mamba layers, a final norm named final_layernorm",
           "gpt_oss": "sliding-window layers (rotating KV caches)",
@@ -462,10 +498,13 @@ def test_pipeline_layers_alone_is_refused(piped):
         Engine(piped[0], EngineConfig(prerouter="off", pipeline_layers="0-1,2-3"))
 
 
-def test_serve_under_two_ranks_answers_the_openai_client_and_a_client_that_leaves_frees_both(piped):
+@pytest.mark.parametrize("micro", [1, 2])
+def test_serve_under_two_ranks_answers_the_openai_client_and_a_client_that_leaves_frees_both(piped, micro):
     """Rank 0 answers HTTP and hands each generation to rank 1, which computes its layers of
     every token; a client that leaves mid-stream ends the generation on both ranks (the next
-    request is answered), and the text is one process's."""
+    request is answered), and the text is one process's. With micro-batches (2) too: there
+    the clients at once decode in halves that take turns, and a client leaves while two
+    stream (its half's turns stop, both ranks drop it, the other goes on)."""
     import os
     import signal
     import time
@@ -490,7 +529,7 @@ def test_serve_under_two_ranks_answers_the_openai_client_and_a_client_that_leave
         assert engine.prompt_cache.hits == 1
     port = free_port_pair()
     cmd = [str(BIN / "mlx.launch"), "-n", "2", "--backend", "ring", "--starting-port", str(free_port_pair()),
-           str(BIN / "edge0"), "serve", "--model", str(model), "--port", str(port)]
+           str(BIN / "edge0"), "serve", "--model", str(model), "--port", str(port), "--pipeline-micro-batches", str(micro)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
     def stuck(*_):  # the server keeps a stream alive with heartbeats, so no client timeout fires
@@ -514,12 +553,27 @@ def test_serve_under_two_ranks_answers_the_openai_client_and_a_client_that_leave
         assert r.choices[0].text == want
         streamed = client.completions.create(model="m", prompt="def f(x):", max_tokens=12, temperature=0, stream=True)
         assert "".join(c.choices[0].text for c in streamed) == want
-        for leave_after in (2, 4):  # leave mid-stream
-            s = client.completions.create(model="m", prompt="import os", max_tokens=200, temperature=0, stream=True)
+        def gauges() -> dict:
+            text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+            return {k: float(v) for k, v in (line.split() for line in text.splitlines()
+                                             if line.startswith(("edge0_batch_size", "edge0_in_flight_requests")))}
+
+        for leave_after in (2, 4):  # leave mid-stream, another stream running beside (two rows: micro-batches)
+            s = client.completions.create(model="m", prompt="import os", max_tokens=2000, temperature=0, stream=True)
+            beside = client.completions.create(model="m", prompt="x = 1", max_tokens=2000, temperature=0, stream=True)
+            beside_chunks = iter(beside)
+            next(beside_chunks)
             for i, _ in enumerate(s):
                 if i == leave_after:
                     break
             s.close()
+            for _ in range(3):  # the other stream goes on
+                next(beside_chunks)
+            beside.close()
+            deadline = time.monotonic() + 20  # both ended long before their 2000 tokens, no request arriving
+            while gauges() != {"edge0_batch_size": 0.0, "edge0_in_flight_requests": 0.0}:
+                assert time.monotonic() < deadline, gauges()
+                time.sleep(0.2)
         t0 = time.monotonic()
         r = client.completions.create(model="m", prompt="def f(x):", max_tokens=12, temperature=0)
         assert r.choices[0].text == want and time.monotonic() - t0 < 30  # both ranks were free
@@ -527,7 +581,8 @@ def test_serve_under_two_ranks_answers_the_openai_client_and_a_client_that_leave
         def counters() -> dict:
             text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
             return {k: float(v) for k, v in (line.split() for line in text.splitlines()
-                                             if line.startswith(("edge0_decode_steps_total", "edge0_decode_tokens_total")))}
+                                             if line.startswith(("edge0_decode_steps_total", "edge0_decode_tokens_total",
+                                                                 "edge0_decode_micro_turns_total")))}
 
         before = counters()
         with ThreadPoolExecutor(len(prompts)) as pool:  # clients at once: their generations decode in one batch
@@ -538,6 +593,8 @@ def test_serve_under_two_ranks_answers_the_openai_client_and_a_client_that_leave
         steps = after["edge0_decode_steps_total"] - before["edge0_decode_steps_total"]
         tokens = after["edge0_decode_tokens_total"] - before["edge0_decode_tokens_total"]
         assert tokens >= len(prompts) * 12 and steps < tokens / 2, (steps, tokens)  # many rows a step
+        turns = after["edge0_decode_micro_turns_total"] - before["edge0_decode_micro_turns_total"]
+        assert (turns > steps / 2) if micro == 2 else (turns == 0), (turns, steps)  # the halves took turns, or none
         # the next turn: its prefix comes from the prompt cache, on both ranks alike
         turn = client.completions.create(model="m", prompt=follow_up, max_tokens=8, temperature=0)
         assert turn.usage.prompt_tokens_details.cached_tokens > 0 and turn.choices[0].text == want_turn

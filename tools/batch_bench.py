@@ -3,17 +3,18 @@
     python tools/batch_bench.py [--model DIR] [--arms exact,staged] [--batch 1,4,16]
                                 [--tokens 32] [--repeats 3] [--heads FILE] [--json FILE]
 
-For each arm (an engine configuration: ``exact`` = every layer on the exact path without
-heads, ``staged`` = the model directory's heads and routing, ``staged-replace`` = its heads
-with routing replace) one engine is opened (``max_batch`` = the largest batch) and warmed up
-with one generation; then, for each batch size B, ``--repeats`` times: B greedy generations
-of ``--tokens`` tokens, started together through the async API (each its own prompt), timed
-from the first submission to the last token. Reported per (arm, B): the median aggregate
-tok/s (every row's tokens over the wall time) and its ratio to B = 1, time to first token
-(median over the rows of the median run), decode forward passes, and the expert bytes read
-per generated token, the staged slots' peak bytes and the staged layer-steps run exact because
-a union did not fit (``Engine.metrics()``). Prints a markdown table; ``--json`` writes the
-raw runs too.
+For each arm (an engine configuration: ``exact`` = every layer on the exact path without heads,
+``staged`` = the model directory's heads and routing, ``staged-replace`` = its heads with
+routing replace; ``exact-micro`` and ``staged-micro``: the same under a two-rank pipeline with
+``pipeline_micro_batches=2``, whose decode steps count each half's pass) one engine is opened
+(``max_batch`` = the largest batch) and warmed up with one generation; then, for each batch
+size B, ``--repeats`` times: B greedy generations of ``--tokens`` tokens, started together
+through the async API (each its own prompt), timed from the first submission to the last token.
+Reported per (arm, B): the median aggregate tok/s (every row's tokens over the wall time) and
+its ratio to B = 1, time to first token (median over the rows of the median run), decode
+forward passes, and the expert bytes read per generated token, the staged slots' peak bytes and
+the staged layer-steps run exact because a union did not fit (``Engine.metrics()``). Prints a
+markdown table; ``--json`` writes the raw runs too.
 
 Under ``mlx.launch`` (``mlx.launch -n 2 --backend ring .venv/bin/python tools/batch_bench.py
 ...``) every rank runs the same generations in the same order, as a pipeline needs; the
@@ -46,6 +47,9 @@ ARMS = {
     "staged-replace": dict(routing="replace"),
     "staged-fixed": dict(slot_budget_mb=0),  # the slots never grow: a union over them runs exact
     "staged-replace-fixed": dict(routing="replace", slot_budget_mb=0),
+    # under a two-rank pipeline: the batch in two micro-batches that take turns (one process: as exact/staged)
+    "exact-micro": dict(prerouter="off", pipeline_micro_batches=2),
+    "staged-micro": dict(pipeline_micro_batches=2),
 }
 
 

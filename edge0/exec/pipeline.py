@@ -42,6 +42,7 @@ class Schedule:
     admitted: int  # generations that join this iteration, in submission order
     cancelled: list[bool]  # per row already in the batch (joining, then decoding): cancelled on rank 0
     specs: list[dict] | None  # the admitted generations (Row.spec), when rank 0 leads a served pipeline
+    micro: bool = False  # the batch decodes in two micro-batches until rank 0 says stop (Pipeline.control)
 
 
 @dataclass(frozen=True)
@@ -171,6 +172,8 @@ class Pipeline:
         self._captured: dict[str, object] = {}
         self._sent = None
         self.token_rows = None
+        self.deferred = False  # the logits are summed by ``share``, not inside the forward pass (micro-batches)
+        self._held: dict[str, object] = {}  # what ``prereceive`` received ahead of the pass that reads it
 
     # -- which heads run where --------------------------------------------------------------
     def _rank_heads(self, heads, rank: int) -> list[int]:
@@ -223,13 +226,15 @@ class Pipeline:
         for i in range(len(layers)):
             if not self.layout.holds(i):
                 layers[i] = D.LayerStub(sent=(lambda: self._sent) if i >= hi else None, like=layers[i])
+        self._dim = embed_dim
         if self._caches is not None:  # make_cache reads the layers: it hands out fresh copies of what it made
             self.model.make_cache = D.cache_maker(self._caches)
         if self.rank != 0:
             self.inner.embed_tokens = D.EmbedStub(embed_dim, dtype)
         if self.rank != self.size - 1:
             setattr(self.inner, self.norm_name, D.Identity())
-            bnn.set_module_at(self.model, self.head_path, D.HeadStub(vocab, dtype, self.group, lambda: self._sent))
+            bnn.set_module_at(self.model, self.head_path, D.HeadStub(vocab, dtype, self.group, lambda: self._sent,
+                                                                      shares=lambda: not self.deferred))
 
     def wire(self, streaming, prerouter) -> None:
         """After loading: the boundary layers send and receive, the last rank's head shares
@@ -242,7 +247,7 @@ class Pipeline:
         if self.rank < self.size - 1:
             D.wrap_call(layers[hi - 1], after=self._send)
         else:
-            D.head_that_shares(bnn.module_at(self.model, self.head_path), self.group)
+            D.head_that_shares(bnn.module_at(self.model, self.head_path), self.group, shares=lambda: not self.deferred)
         self._seeds = _shared_random(self.group)
         if self.crossing is not None:
             o = self.crossing
@@ -261,7 +266,11 @@ class Pipeline:
         rows = x.shape[0] * x.shape[1]
         n = x.size
         extra = rows * (self.spec.block_input + self.spec.k) if self.incoming is not None else 0
-        buf = D.recv_like(B.zeros((n + extra,), dtype=B.float32), self.rank - 1, self.group)
+        buf = self._held.pop("hidden", None)
+        if buf is None:
+            buf = D.recv_like(B.zeros((n + extra,), dtype=B.float32), self.rank - 1, self.group)
+        elif buf.size != n + extra:
+            raise RuntimeError(f"received {buf.size} values ahead of a pass that reads {n + extra}")
         h = buf[:n].reshape(x.shape).astype(x.dtype)
         if self.incoming is not None and prerouter is not None:
             width = rows * self.spec.block_input
@@ -281,6 +290,10 @@ class Pipeline:
             B.eval(D.send(rows, 1, self.group))
             self.token_rows = rows
             return
+        rows = self._held.pop("token_rows", None)
+        if rows is not None:  # received ahead (micro-batches)
+            self.token_rows = rows
+            return
         rows = D.recv_like(B.zeros((*inputs.shape, self.heads.token_dim), dtype=B.float32), self.rank - 1,
                            self.group)
         later = any(self._rank_heads(self.heads, r) for r in range(self.rank + 1, self.size))
@@ -298,29 +311,61 @@ class Pipeline:
             return rows
         return embed
 
+    # -- micro-batches (two ranks): the order of transfers both ranks keep -------------------------
+    def control(self, go: bool = False) -> bool:
+        """Rank 0 tells rank 1 whether the next micro-batch turn runs (``go``); rank 1 learns
+        it. A send, not a collective: rank 0 goes on computing while rank 1 still computes
+        the turn before."""
+        if self.rank == 0:
+            B.eval(D.send(B.array([int(go)], dtype=B.int32), 1, self.group))
+            return go
+        return bool(B.to_host(D.recv_like(B.zeros((1,), dtype=B.int32), 0, self.group))[0])
+
+    def prereceive(self, rows: int) -> None:
+        """Rank 1: receive the coming decode pass's transfers now (the token rows the heads
+        see, then the hidden state and a crossing head's inputs), before the sum of the turn
+        before, in the order rank 0 sent them; the pass reads them from here."""
+        if self.rank == 0:
+            return
+        if self.relay:
+            held = D.recv_like(B.zeros((rows, 1, self.heads.token_dim), dtype=B.float32), 0, self.group)
+            B.eval(held)
+            self._held["token_rows"] = held
+        extra = rows * (self.spec.block_input + self.spec.k) if self.incoming is not None else 0
+        held = D.recv_like(B.zeros((rows * self._dim + extra,), dtype=B.float32), 0, self.group)
+        B.eval(held)
+        self._held["hidden"] = held
+
+    def share(self, logits):
+        """A deferred pass's last-position logits summed over the group (every rank's the
+        same after)."""
+        return D.all_sum(logits, self.group)
+
     # -- the batch loop's schedule: rank 0 decides, the others follow ---------------------------
     leading = False  # rank 0 of a served pipeline: the generations it admits start on the other ranks too
 
     def schedule(self, cancelled: list[bool] = (), admitted: int = 0, specs: list[dict] | None = None,
-                 stop: bool = False) -> "Schedule":
+                 stop: bool = False, micro: bool = False) -> "Schedule":
         """One iteration of the batch loop, as rank 0 runs it, on every rank: how many
         generations it admits (with their ``specs`` when it leads a served pipeline), which of
         the rows already in the batch were cancelled there (in the batch's order), or ``stop``
         (a leading rank 0 closed: stop following). The other ranks pass nothing; what they
-        pass is ignored. One ``all_sum`` of four words, one more when there are flags or specs."""
+        pass is ignored. ``micro``: this iteration's decode runs in micro-batches. One ``all_sum``
+        of five words, one more when there are flags or specs."""
         lead = self.rank == 0
         payload = json.dumps(specs).encode() if lead and specs else b""
-        head = [int(stop), admitted, len(cancelled), len(payload)] if lead else [0, 0, 0, 0]
-        stop_, n, flags, size = (int(v) for v in B.to_host(D.all_sum(B.array(head, dtype=B.int32), self.group)))
+        head = [int(stop), admitted, len(cancelled), len(payload), int(micro)] if lead else [0, 0, 0, 0, 0]
+        stop_, n, flags, size, micro_ = (int(v) for v in B.to_host(D.all_sum(B.array(head, dtype=B.int32),
+                                                                               self.group)))
         if flags + size == 0:
-            return Schedule(bool(stop_), n, [], None)
+            return Schedule(bool(stop_), n, [], None, bool(micro_))
         buf = np.zeros(flags + size, dtype=np.int32)
         if lead:
             buf[:flags] = [int(bool(c)) for c in cancelled]
             buf[flags:] = np.frombuffer(payload, dtype=np.uint8)
         total = np.asarray(B.to_host(D.all_sum(B.array(buf), self.group)))
         given = json.loads(bytes(total[flags:].astype(np.uint8)).decode()) if size else None
-        return Schedule(bool(stop_), n, [bool(v) for v in total[:flags]], given)
+        return Schedule(bool(stop_), n, [bool(v) for v in total[:flags]], given, bool(micro_))
 
     def next_seed(self) -> int:
         """A generation's seed when it names none: random, and the same on every rank."""
@@ -356,6 +401,9 @@ def pipeline_part(config, model, spec, index, heads):
     layout = resolve_layout(config.pipeline_layers, index, spec, group)
     if layout is None:
         return None, config, heads
+    if config.pipeline_micro_batches == 2 and layout.size != 2:
+        raise ConfigError(f"pipeline_micro_batches 2 applies to a pipeline of two ranks (this one has {layout.size}); "
+                          "use pipeline_micro_batches 1")
     pipe = Pipeline(layout, group, model, spec, heads)
     config = replace(config, layer_paths=tuple(e for e in config.layer_paths if layout.holds(e[0])))
     if heads is not None:

@@ -34,7 +34,7 @@ class Metrics:
     def render(self, *, in_flight: int, queued: int, expert_bytes: int, cache_bytes: int, cache_hits: int,
                loaded: bool, resources: dict | None = None, process: dict | None = None, batch_size: int = 0,
                decode_steps: int = 0, decode_tokens: int = 0, bytes_per_token: float = 0.0,
-               slot_bytes: int = 0, over_slot_layers: int = 0) -> str:
+               slot_bytes: int = 0, over_slot_layers: int = 0, micro_turns: int = 0) -> str:
         lines: list[str] = []
 
         def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]):
@@ -70,6 +70,8 @@ class Metrics:
                [("", decode_steps)])
         metric("decode_tokens_total", "counter", "Tokens the decode steps generated, every generation.",
                [("", decode_tokens)])
+        metric("decode_micro_turns_total", "counter", "Of the decode passes, those of one half of a batch "
+               "(micro-batches under a two-rank pipeline).", [("", micro_turns)])
         metric("expert_bytes_per_token", "gauge", "Expert bytes read per generated token at decode, since start.",
                [("", round(bytes_per_token, 1))])
         metric("slot_bytes", "gauge", "Bytes the staged layers' expert slots hold now (they grow while a batch's "

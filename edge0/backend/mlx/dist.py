@@ -152,26 +152,27 @@ class HeadStub(nn.Module):
     depend on what this rank sent on (so evaluating them sends it), summed over the group
     with the last rank's."""
 
-    def __init__(self, vocab: int, dtype, group, sent):
+    def __init__(self, vocab: int, dtype, group, sent, shares=lambda: True):
         super().__init__()
-        self._vocab, self._dtype, self._group, self._sent = vocab, dtype, group, sent
+        self._vocab, self._dtype, self._group, self._sent, self._shares = vocab, dtype, group, sent, shares
 
     def __call__(self, h):
         zeros = mx.zeros((h.shape[0], 1, self._vocab), dtype=self._dtype)
         sent = self._sent()
         if sent is not None:
             zeros = mx.depends(zeros, sent)
-        return mx.distributed.all_sum(zeros, group=self._group)
+        return mx.distributed.all_sum(zeros, group=self._group) if self._shares() else zeros
 
 
-def head_that_shares(head: nn.Module, group) -> None:
+def head_that_shares(head: nn.Module, group, shares=lambda: True) -> None:
     """Make the last rank's ``head`` return its last position's logits summed over the
-    group (the other ranks add zeros)."""
+    group (the other ranks add zeros); while ``shares()`` is false, not summed (the caller
+    sums them later)."""
     base = type(head)
 
     def __call__(self, h):
         out = base.__call__(self, h[:, -1:, :])
-        return mx.distributed.all_sum(out, group=group)
+        return mx.distributed.all_sum(out, group=group) if shares() else out
 
     head.__class__ = type(f"Shared{base.__name__}", (base,), {"__call__": __call__})
 
