@@ -149,7 +149,7 @@ class ExpertReader:
         start, _ = loc.expert_range(expert)
         done, want = 0, loc.row_bytes * count
         mv = memoryview(view).cast("B")
-        failures = 0
+        failures = in_place_reads = 0
         while done < want:
             direct = self._direct.get(loc.file)
             in_place = direct is not None and loc.file not in self._bounce_only
@@ -158,8 +158,7 @@ class ExpertReader:
                     bounce = self._bounce.get()
                     n = dio.read_in_place(self.pread, direct, bounce, mv[done:], start + done) if in_place else None
                     if n is not None:
-                        with self._lock:
-                            self.stats.in_place_reads += 1
+                        in_place_reads += 1
                     else:
                         in_place = False
                         n = dio.read_direct(self.pread, direct, bounce, mv[done:], start + done)
@@ -185,6 +184,9 @@ class ExpertReader:
                     f"short read: got {done} of {want} bytes at offset {start} (file truncated?)",
                     file=loc.file, tensor=loc.key, layer=layer, expert=expert + done // loc.row_bytes)
             done += n
+        if in_place_reads:
+            with self._lock:
+                self.stats.in_place_reads += in_place_reads
         return want
 
     def read_layer(self, layer: int, buffers) -> int:
@@ -219,8 +221,11 @@ class ExpertReader:
         t0 = time.perf_counter()
         if self._pool is None or not parallel or len(jobs) < 4:
             total = sum(self._read_one(*job) for job in jobs)
-        else:
-            total = sum(self._pool.map(lambda job: self._read_one(*job), jobs))
+        else:  # one task per reader thread (a task per read costs more CPU than many reads), biggest first
+            jobs.sort(key=lambda job: -job[0].row_bytes * job[4])
+            threads = self._pool._max_workers
+            total = sum(self._pool.map(lambda part: sum(self._read_one(*job) for job in part),
+                                       [jobs[i::threads] for i in range(threads)]))
         with self._lock:
             self.stats.count(layer, total, len(jobs), time.perf_counter() - t0)
         return total
