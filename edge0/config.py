@@ -81,10 +81,11 @@ class EngineConfig:
     # measured 86 ms vs 15 ms.
     prerouter_dtype: str = "auto"
     # Where the heads' one flush per decode step runs: "mlx" (on MLX's device, in
-    # prerouter_dtype), "numpy" (float32 NumPy products: alone, a flush of 39 heads at 35B
-    # shapes measured 16 ms against MLX's 40 ms on the CPU backend, 48 against 975 ms for 16
-    # rows; but NumPy's BLAS threads then compete with MLX's compute threads: run it with
-    # OPENBLAS_NUM_THREADS=1), or "auto" = mlx.
+    # prerouter_dtype), "numpy" (float32 NumPy products, NumPy's BLAS held to one thread
+    # during the flush: a flush of 39 heads at 35B shapes measured 16 ms against MLX's 40 ms
+    # on the CPU backend, 48 against 975 ms for 16 rows), or "auto" = numpy on the CPU
+    # backend (where NumPy's OpenBLAS thread count can be set and prerouter_dtype is
+    # float32), else mlx.
     prerouter_flush: str = "auto"
     # How a staged layer routes on the heads' prediction: "replace" (the prediction IS the
     # routing: k experts staged), "select" (the top k + stage_extra predicted experts are

@@ -32,6 +32,7 @@ from edge0.io_sched.reader import ExpertReader
 from edge0.model.files import check_entry
 from edge0.model.open import open_model
 from edge0.prerouter.files import HEADS_FILENAME, load_heads, serving_of
+from edge0.prerouter.host import blas_threads_controllable
 from edge0.prerouter.runtime import Prerouter
 from edge0.exec.taps import RouterTap, StepPhase, StreamingSwitch
 
@@ -211,7 +212,9 @@ def _make_prerouter(config: EngineConfig, heads, width: int | None) -> Prerouter
     dtype = config.prerouter_dtype
     if dtype == "auto":
         dtype = "float32" if B.is_cpu() else "float16"
-    flush = "mlx" if config.prerouter_flush == "auto" else config.prerouter_flush
+    flush = config.prerouter_flush
+    if flush == "auto":  # NumPy's float32 products on the CPU backend, held to one BLAS thread; else MLX
+        flush = "numpy" if B.is_cpu() and dtype == "float32" and blas_threads_controllable() else "mlx"
     if flush == "numpy" and dtype != "float32":
         raise ConfigError(f"prerouter_flush numpy computes in float32; prerouter_dtype {dtype} needs "
                           "prerouter_flush mlx (or auto)")

@@ -346,7 +346,7 @@ def test_quality_rows_without_a_teacher_serve_their_settings(heads, tmp_path, ca
 @pytest.mark.parametrize("family,token", [("qwen3_moe", True), ("deepseek_v3", True), ("qwen3_moe", False)],
                          ids=["token-heads-qwen3_moe", "token-heads-deepseek_v3", "base-heads-qwen3_moe"])
 def test_the_numpy_flush_plans_what_the_mlx_flush_plans(heads, family, token):
-    """prerouter_flush numpy against mlx (the default), replace and select:
+    """prerouter_flush numpy (the CPU backend's default) against mlx, replace and select:
     the heads' logits equal within float32 rounding, hence the same staged sets, the same
     routing and the same greedy text."""
     d = heads(family, token=token)
@@ -372,3 +372,23 @@ def test_a_numpy_flush_in_float16_is_refused(heads):
         Engine(heads("qwen3_moe"), EngineConfig(prerouter_flush="numpy", prerouter_dtype="float16"))
     with Engine(heads("qwen3_moe"), EngineConfig(prerouter_dtype="float16")) as engine:  # auto: then mlx
         assert engine.streaming.prerouter.host is None
+
+
+def test_on_the_cpu_backend_the_default_flush_is_numpys_on_one_blas_thread(heads):
+    """prerouter_flush auto: on the CPU backend the heads flush in float32 NumPy, and every
+    flush holds NumPy's BLAS to the calling thread (its threads would compete with MLX's
+    compute threads and the readers for the cores), the count before put back after."""
+    from edge0.prerouter import host
+
+    if not host.blas_threads_controllable():
+        pytest.skip("NumPy's OpenBLAS thread count cannot be set here")
+    get, set_ = host._blas_threads()
+    set_(2)
+    with Engine(heads("qwen3_moe"), EngineConfig()) as engine:
+        pr = engine.streaming.prerouter
+        assert pr.host is not None  # auto = numpy here
+        counts, inner = [], pr.host._logits
+        pr.host._logits = lambda *a: (counts.append(get()), inner(*a))[1]
+        engine.generate_text(PROMPT, max_tokens=6, temp=0.0)
+    assert len(counts) >= 4 and set(counts) == {1}, counts
+    assert get() == 2

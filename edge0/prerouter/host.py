@@ -5,9 +5,10 @@ than its inputs (39 heads at the 35B tier's shapes: about 300 MB of float32 per 
 it is bound by how fast the weights stream through the cores. MLX's CPU wheel runs such
 products on a reference BLAS; NumPy's OpenBLAS streams them at several times its rate
 (``tools/prerouter_flush_cost.py``: 39 heads, 40 ms in MLX against 16 ms here). Inside the
-engine NumPy's BLAS threads compete with MLX's for the cores, so this flush is an opt-in
-(``EngineConfig.prerouter_flush`` "numpy", with ``OPENBLAS_NUM_THREADS=1``); the default
-flushes in MLX (docs/PREROUTER.md).
+engine NumPy's BLAS threads would compete with MLX's compute threads and the readers for
+the cores, so every flush holds NumPy's OpenBLAS to the calling thread (``one_blas_thread``).
+``EngineConfig.prerouter_flush`` "auto" flushes here on the CPU backend where that thread
+count can be set, in MLX elsewhere (docs/PREROUTER.md).
 
 The layout serves one flush: per head, the two products of the hidden state (the residual
 path and fc1's hidden part) are one matrix, and the multi-hot inputs are row gathers of
@@ -16,9 +17,70 @@ fc1 (a multi-hot vector times a matrix is the sum of the rows it selects).
 
 from __future__ import annotations
 
+import ctypes
+import sys
+from contextlib import contextmanager
+
 import numpy as np
 
 from edge0.backend import core as B
+
+_SETTERS = ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads", "openblas_set_num_threads64_",
+            "openblas_set_num_threads")
+_blas: list = []  # [(get, set) or None], found once
+
+
+def _blas_threads():
+    """(get, set) of the thread count of the OpenBLAS NumPy computes with, or None where it
+    cannot be found (not Linux, another BLAS)."""
+    if _blas:
+        return _blas[0]
+    found = None
+    if sys.platform.startswith("linux"):
+        np.ones((2, 2)) @ np.ones((2, 2))  # (NumPy's BLAS is loaded with NumPy; this makes sure)
+        try:
+            paths = {line.split()[-1] for line in open("/proc/self/maps") if "openblas" in line.lower()}
+        except OSError:
+            paths = set()
+        for path in sorted(paths):
+            try:
+                lib = ctypes.CDLL(path)
+            except OSError:
+                continue
+            for name in _SETTERS:
+                getter = getattr(lib, name.replace("set_num", "get_num"), None)
+                setter = getattr(lib, name, None)
+                if getter is not None and setter is not None:
+                    getter.restype, setter.argtypes = ctypes.c_int, [ctypes.c_int]
+                    found = (getter, setter)
+                    break
+            if found:
+                break
+    _blas.append(found)
+    return found
+
+
+def blas_threads_controllable() -> bool:
+    """Whether the flush can hold NumPy's BLAS to one thread (``one_blas_thread``)."""
+    return _blas_threads() is not None
+
+
+@contextmanager
+def one_blas_thread():
+    """Inside, NumPy's BLAS computes on one thread (the calling one), so that a flush does
+    not wake BLAS threads that compete with MLX's compute threads and the reader threads
+    for the cores; the count before is put back after. A no-op where it cannot be set."""
+    blas = _blas_threads()
+    if blas is None:
+        yield
+        return
+    get, set_ = blas
+    before = get()
+    set_(1)
+    try:
+        yield
+    finally:
+        set_(before)
 
 
 def _host(w) -> np.ndarray:
@@ -50,6 +112,10 @@ class HostHeads:
         """As ``PrerouterHeads.predict_all``, on float32 NumPy arrays: h [H, R, D], inds_*
         [H, R, k] (distinct experts per row; inds_prev rows of -1: no previous token),
         tok [R, token_dim] -> logits [H, R, E]."""
+        with one_blas_thread():
+            return self._logits(h, inds_t, inds_prev, tok)
+
+    def _logits(self, h, inds_t, inds_prev, tok):
         e = self.experts
         a = h @ self.hidden_w  # [H, R, E + width]: the residual path, then fc1's hidden part
         if self.token_w is not None:
