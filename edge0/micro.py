@@ -76,6 +76,7 @@ def run_phase(batch) -> None:
         raise typed from e
     finally:
         pipe.deferred = False
+        pipe.drop_held()  # (after a failure: nothing received ahead may reach a later pass)
     batch.micro_turns += turn
     bnn.extend_batch_cache(caches[0], caches[1])
     batch.cache = caches[0]

@@ -336,6 +336,10 @@ class Pipeline:
         B.eval(held)
         self._held["hidden"] = held
 
+    def drop_held(self) -> None:
+        """Forget what ``prereceive`` received that no pass read."""
+        self._held.clear()
+
     def share(self, logits):
         """A deferred pass's last-position logits summed over the group (every rank's the
         same after)."""
