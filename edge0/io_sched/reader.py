@@ -73,6 +73,7 @@ class ExpertReader:
             self.close()
             raise
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="edge0-read") if threads > 1 else None
+        self._threads = threads
         self.stats = ReadStats()
 
     def close(self) -> None:
@@ -223,9 +224,8 @@ class ExpertReader:
             total = sum(self._read_one(*job) for job in jobs)
         else:  # one task per reader thread (a task per read costs more CPU than many reads), biggest first
             jobs.sort(key=lambda job: -job[0].row_bytes * job[4])
-            threads = self._pool._max_workers
-            total = sum(self._pool.map(lambda part: sum(self._read_one(*job) for job in part),
-                                       [jobs[i::threads] for i in range(threads)]))
+            parts = [jobs[i::self._threads] for i in range(self._threads)]
+            total = sum(self._pool.map(lambda part: sum(self._read_one(*job) for job in part), parts))
         with self._lock:
             self.stats.count(layer, total, len(jobs), time.perf_counter() - t0)
         return total
