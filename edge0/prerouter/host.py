@@ -18,6 +18,7 @@ fc1 (a multi-hot vector times a matrix is the sum of the rows it selects).
 from __future__ import annotations
 
 import ctypes
+import functools
 import sys
 from contextlib import contextmanager
 
@@ -27,14 +28,12 @@ from edge0.backend import core as B
 
 _SETTERS = ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads", "openblas_set_num_threads64_",
             "openblas_set_num_threads")
-_blas: list = []  # [(get, set) or None], found once
 
 
+@functools.cache
 def _blas_threads():
     """(get, set) of the thread count of the OpenBLAS NumPy computes with, or None where it
-    cannot be found (not Linux, another BLAS)."""
-    if _blas:
-        return _blas[0]
+    cannot be found (not Linux, another BLAS); looked up once."""
     found = None
     if sys.platform.startswith("linux"):
         np.ones((2, 2)) @ np.ones((2, 2))  # (NumPy's BLAS is loaded with NumPy; this makes sure)
@@ -56,7 +55,6 @@ def _blas_threads():
                     break
             if found:
                 break
-    _blas.append(found)
     return found
 
 
