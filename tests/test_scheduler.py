@@ -61,9 +61,9 @@ async def test_reads_follow_priority_order():
         s.submit(plan(0, [(1, [3]), (2, [4])]))  # an earlier step outranks a later one
         for step, layer in [(0, 1), (0, 2), (1, 2), (1, 0), (1, 1)]:
             await s.ready(step, layer)
-    # (2, 8) was already in the single reader when step 0 arrived; everything queued after
-    # it goes by (step, layer position in the plan, expert).
-    assert [(l, e) for l, e, _ in store.log] == [(2, 8), (1, 3), (2, 4), (2, 9), (0, 1), (0, 2), (1, 5)]
+    # layer 2's reads (8, 9) were already in the single reader, as one share, when step 0
+    # arrived; everything queued after them goes by (step, layer position in the plan, expert).
+    assert [(l, e) for l, e, _ in store.log] == [(2, 8), (2, 9), (1, 3), (2, 4), (0, 1), (0, 2), (1, 5)]
 
 
 async def test_n_reads_through_p_readers_take_about_n_l_over_p():
@@ -165,8 +165,10 @@ async def test_cancel_mid_read_leaks_no_slot_task_or_thread():
         assert (await s.ready(1, 0)).misses == 1
     # reader threads are anyio's bounded worker pool: at most `readers` were ever added
     assert threading.active_count() <= threads_before + 2
-    # the two in-flight reads finished (then were discarded); the two queued ones never ran
-    assert sorted(e for _, e, _ in store.log) == [1, 1, 2]
+    # layer 0's three reads went to the two readers as shares (1, 2) and (3): the two reads
+    # in flight finished (then were discarded); expert 2 (queued behind 1 in its share) and
+    # layer 1's read never ran
+    assert sorted(e for _, e, _ in store.log) == [1, 1, 3]
 
 
 async def test_cancelling_the_waiter_then_cancel_step_cleans_up():

@@ -7,7 +7,8 @@ async ``PrefetchScheduler``, which reads the misses into free slots while the st
 and the plan's routes to the staged layers' routers. A staged layer then:
 
 1. starts computing everything below it (``async_eval`` of its input: not a host sync),
-2. waits until its slots are READY (the only wait; logged as ``stage.wait``),
+2. waits until its slots are READY (the only wait; logged as ``stage.wait``): on a
+   condition the scheduler's loop signals, with no round trip through the loop,
 3. maps its routing indices to slots with ``take`` through a table built on the host from
    the plan (the indices never leave the device), and runs the same gather matmul as exact.
 
@@ -294,7 +295,7 @@ class Stager:
             return self.fallback(layer, x, inds)  # yet), or a batch's union over the layer's slots
         B.async_eval(x)  # let the layers below run while this layer's reads finish
         t0 = time.perf_counter()
-        slot_map = self.portal.call(self.scheduler.ready, self.step, layer)
+        slot_map = self.scheduler.wait_ready(self.step, layer, self._loop.post)
         waited = time.perf_counter() - t0
         self._step_stall += waited
         if self.log is not None:

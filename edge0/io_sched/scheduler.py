@@ -7,9 +7,17 @@ Contract (the tests drive it with a fake store, no MLX, no model):
   a time: a job entering that window claims its slots (``SlotTable.claim``): resident
   experts are hits, misses become ``ReadRequest``s.
 - A bounded pool of reader threads (``anyio.to_thread`` behind a ``CapacityLimiter`` of
-  ``readers``) performs the reads, highest priority first.
+  ``readers``) performs the reads, highest priority first. A reader thread takes a share
+  of one layer's reads at a time (the layer's queued reads split over the free readers),
+  so the loop wakes once per share rather than once per expert; a share skips the reads
+  of a step cancelled while it runs.
 - ``await ready(step, layer)`` returns the layer's ``SlotMap`` once every planned expert
   sits in a READY slot, or raises the typed read error. Consuming a job slides the window.
+  ``wait_ready(step, layer, post)`` is the same for a thread other than the loop's (the
+  compute thread): it waits on a condition the loop signals when the job is done, and
+  hands the consumption back to the loop through ``post`` without waiting for it. No
+  round trip through the loop per layer: on a machine whose cores are busy computing,
+  every wake-up of another thread the compute thread waits for can cost a time slice.
 - ``release(step)`` unpins the step's slots once its computation has been evaluated.
 - ``await cancel(step)`` drops the step's queued reads, waits for its in-flight ones, leaves
   their slots EMPTY and unpins everything the step held. Nothing half-written is READY.
@@ -23,6 +31,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -70,7 +79,12 @@ class PrefetchScheduler:
         self._drained: dict[int, anyio.Event] = {}
         self._cancelled: set[int] = set()
         self._limiter = anyio.CapacityLimiter(readers)
+        self._busy = 0  # reader threads holding a share of reads
         self._tg = None
+        # the board other threads wait on: (step, layer) -> None while its job is pending,
+        # the job once it is done; written by the loop under the condition's lock
+        self._board: dict[tuple[int, int], _Job | None] = {}
+        self._board_cond = threading.Condition()
 
     # -- lifecycle ----------------------------------------------------------------------
     async def __aenter__(self) -> "PrefetchScheduler":
@@ -95,6 +109,8 @@ class PrefetchScheduler:
                 raise SchedulerError(f"step {plan.step} layer {lp.layer}: {len(experts)} experts do not fit in "
                                      f"{self.tables[lp.layer].num_slots} slots")
             self._jobs.append(_Job(plan.step, lp.layer, order, experts, unclaimed=list(experts)))
+            with self._board_cond:
+                self._board[(plan.step, lp.layer)] = None
         self._jobs.sort(key=lambda j: (j.step, j.order))
         self._emit("io.plan", step=plan.step, layers=len(plan.layers),
                    experts=sum(len(lp.experts) for lp in plan.layers))
@@ -110,11 +126,39 @@ class PrefetchScheduler:
             pinned = {l: t.pinned() for l, t in self.tables.items()}
             raise SchedulerError(f"step {step}, layer {layer}: its slots were not ready after {READY_TIMEOUT_S:g} s "
                                  f"(slots pinned per layer: {pinned})")
-        self._jobs.remove(job)
-        self._pump()
+        self._consume(job)
         if job.error is not None:
             raise job.error
         return SlotMap(step, layer, dict(job.slots), job.hits, job.misses)
+
+    def wait_ready(self, step: int, layer: int, post) -> SlotMap:
+        """``ready`` for a thread other than the loop's: blocks until the job is done, then
+        has the loop consume it through ``post(fn, *args)`` (a thread-safe call-soon that
+        does not wait). Raises what ``ready`` raises."""
+        key = (step, layer)
+        with self._board_cond:
+            if key not in self._board:
+                raise SchedulerError(f"no pending plan for step {step}, layer {layer}")
+            self._board_cond.wait_for(lambda: self._board.get(key, False) is not None, READY_TIMEOUT_S)
+            if key not in self._board:
+                raise SchedulerError(f"step {step} was cancelled")
+            job = self._board[key]
+            if job is None:  # never in a sound state: say so rather than hang the engine
+                raise SchedulerError(f"step {step}, layer {layer}: its slots were not ready after "
+                                     f"{READY_TIMEOUT_S:g} s")
+            del self._board[key]
+        post(self._consume, job)
+        if job.error is not None:
+            raise job.error
+        return SlotMap(step, layer, dict(job.slots), job.hits, job.misses)
+
+    def _consume(self, job: _Job) -> None:
+        if job in self._jobs:
+            self._jobs.remove(job)
+        with self._board_cond:
+            if self._board.get((job.step, job.layer)) is job:
+                del self._board[(job.step, job.layer)]
+        self._pump()
 
     def release(self, step: int) -> None:
         for table in self.tables.values():
@@ -128,6 +172,10 @@ class PrefetchScheduler:
             self._jobs.remove(job)
             job.error = job.error or SchedulerError(f"step {step} was cancelled")
             job.done.set()
+        with self._board_cond:
+            for key in [k for k in self._board if k[0] == step]:
+                del self._board[key]
+            self._board_cond.notify_all()
         self.stats.cancelled += len(dropped)
         if self._in_flight.get(step):
             event = self._drained.setdefault(step, anyio.Event())
@@ -168,13 +216,14 @@ class PrefetchScheduler:
         for job in window:
             if job.unclaimed:
                 self._claim(job)
-        while self._heap and sum(self._in_flight.values()) < self.readers and self._tg is not None:
-            _, _, req = heapq.heappop(self._heap)
-            if req.step in self._cancelled:
-                self.tables[req.layer].complete(req.slot, False)
+        while self._heap and self._busy < self.readers and self._tg is not None:
+            share = self._next_share()
+            if not share:
                 continue
-            self._in_flight[req.step] = self._in_flight.get(req.step, 0) + 1
-            self._tg.start_soon(self._read, req)
+            for req in share:
+                self._in_flight[req.step] = self._in_flight.get(req.step, 0) + 1
+            self._busy += 1
+            self._tg.start_soon(self._read, share)
         for job in window:
             self._check(job)
 
@@ -201,41 +250,78 @@ class PrefetchScheduler:
                 self.stats.hits += 1
         job.unclaimed = still
 
+    def _done(self, job: _Job) -> None:
+        job.done.set()
+        with self._board_cond:
+            if (job.step, job.layer) in self._board:
+                self._board[(job.step, job.layer)] = job
+                self._board_cond.notify_all()
+
     def _check(self, job: _Job) -> None:
         if job.done.is_set() or job.unclaimed:
             return
         table = self.tables[job.layer]
         states = [table.state[s] if table.expert_of[s] == e else None for e, s in job.slots.items()]
         if all(s == READY for s in states):
-            job.done.set()
+            self._done(job)
         elif any(s not in (READY, LOADING) for s in states):
             job.error = job.error or ExpertReadError("a slot this layer depends on failed to load",
                                                      layer=job.layer)
-            job.done.set()
+            self._done(job)
 
-    async def _read(self, req: ReadRequest) -> None:
-        ok, error, t0 = False, None, time.perf_counter()
-        try:
-            for attempt in range(self.retries + 1):
+    def _next_share(self) -> list[ReadRequest]:
+        """The next reads for one reader thread: the top of the queue and the rest of its
+        layer's queued reads, split evenly over the free readers (a cancelled step's reads
+        are dropped here)."""
+        _, _, top = heapq.heappop(self._heap)
+        if top.step in self._cancelled:
+            self.tables[top.layer].complete(top.slot, False)
+            return []
+        same = sum(1 for _, _, r in self._heap if (r.step, r.layer) == (top.step, top.layer))
+        size = -(-(same + 1) // (self.readers - self._busy))
+        share = [top]
+        while len(share) < size and self._heap and (self._heap[0][2].step, self._heap[0][2].layer) == (top.step, top.layer):
+            share.append(heapq.heappop(self._heap)[2])
+        return share
+
+    def _read_share(self, share: list[ReadRequest]) -> list[tuple]:
+        """In a reader thread: each read of ``share`` with its retries, in order; a read of a
+        step cancelled meanwhile is skipped. Per read: (bytes or None, the errors met, seconds)."""
+        out = []
+        for req in share:
+            nbytes, errors, t0 = None, [], time.perf_counter()
+            for _ in range(self.retries + 1):
+                if req.step in self._cancelled:
+                    break
                 try:
-                    nbytes = await anyio.to_thread.run_sync(self.store.read, req.layer, req.expert, req.slot,
-                                                            limiter=self._limiter)
-                    ok = True
+                    nbytes = self.store.read(req.layer, req.expert, req.slot)
+                    break
+                except OSError as e:  # ExpertReadError is an OSError too
+                    errors.append(e if isinstance(e, ExpertReadError) else ExpertReadError(
+                        str(e), layer=req.layer, expert=req.expert))
+            out.append((nbytes, errors, time.perf_counter() - t0))
+        return out
+
+    async def _read(self, share: list[ReadRequest]) -> None:
+        results = []
+        try:
+            results = await anyio.to_thread.run_sync(self._read_share, share, limiter=self._limiter)
+        finally:
+            self._busy -= 1
+            for i, req in enumerate(share):
+                nbytes, errors, seconds = results[i] if i < len(results) else (None, [], 0.0)
+                self.stats.read_seconds += seconds
+                for attempt, e in enumerate(errors[: self.retries]):
+                    if nbytes is not None or attempt < len(errors) - 1:
+                        self.stats.retries += 1
+                        self._emit("io.retry", layer=req.layer, expert=req.expert, attempt=attempt + 1, error=str(e))
+                if nbytes is not None:
                     self.stats.reads += 1
                     self.stats.bytes += nbytes
                     self._emit("io.read", step=req.step, layer=req.layer, expert=req.expert, slot=req.slot,
-                               bytes=nbytes, ms=round(1e3 * (time.perf_counter() - t0), 3))
-                    break
-                except OSError as e:  # ExpertReadError is an OSError too
-                    error = e if isinstance(e, ExpertReadError) else ExpertReadError(
-                        str(e), layer=req.layer, expert=req.expert)
-                    if attempt < self.retries:
-                        self.stats.retries += 1
-                        self._emit("io.retry", layer=req.layer, expert=req.expert, attempt=attempt + 1,
-                                   error=str(e))
-        finally:
-            self.stats.read_seconds += time.perf_counter() - t0
-            self._finish(req, ok and req.step not in self._cancelled, error)
+                               bytes=nbytes, ms=round(1e3 * seconds, 3))
+                self._finish(req, nbytes is not None and req.step not in self._cancelled,
+                             errors[-1] if errors else None)
 
     def _finish(self, req: ReadRequest, ok: bool, error: BaseException | None) -> None:
         table = self.tables[req.layer]
@@ -254,6 +340,6 @@ class PrefetchScheduler:
             for job in self._jobs:
                 if job.layer == req.layer and job.slots.get(req.expert) == req.slot and not job.done.is_set():
                     job.error = error
-                    job.done.set()
+                    self._done(job)
         if self._tg is not None:
             self._pump()
