@@ -202,21 +202,53 @@ def test_a_direct_read_lands_in_place_when_the_buffer_has_the_files_phase(tmp_pa
         os.close(fd)
 
 
-def test_engine_reads_land_in_place_where_the_checkpoint_allows(tiny_model_factory, tmp_path):
-    """The 35B-shaped bench layout (rows a whole number of pages, offsets multiples of 8):
-    every expert read of a generation is in place; tokens as buffered."""
-    d = tiny_model_factory("qwen3_moe")
+def _with_header_padded(model_dir, tmp_path):
+    """A copy of ``model_dir`` whose safetensors header is padded with spaces (as the format
+    allows) so the data section, and every tensor, starts at a multiple of 8 bytes."""
+    import shutil
+
+    out = tmp_path / "padded"
+    shutil.copytree(model_dir, out)
+    for path in out.glob("model*.safetensors"):
+        raw = path.read_bytes()
+        n = int.from_bytes(raw[:8], "little")
+        header = raw[8:8 + n].rstrip(b" ")
+        header += b" " * (-(8 + len(header)) % 8)
+        path.write_bytes(len(header).to_bytes(8, "little") + header + raw[8 + n:])
+    return out
+
+
+@pytest.mark.parametrize("prefill_path", ["exact", "whole_layer"])
+def test_every_layer_reads_in_place_through_buffers_the_layers_share(tiny_model_factory, monkeypatch, tmp_path,
+                                                                     prefill_path):
+    """The exact path's bundle and the whole-layer buffers serve every layer of a layout,
+    and each layer's tensors sit at another offset, modulo a page, in the file: the buffers
+    are laid out again for each layer, so no read of a tensor whose rows allow it (whole
+    pages, an 8-byte offset) goes through the bounce buffer, in any layer; tokens as
+    buffered. Red when a shared buffer keeps the first layer's layout."""
+    from edge0.exec.rows import row_phase
+
+    d = _with_header_padded(tiny_model_factory("qwen3_moe", hidden=256), tmp_path)  # weight rows: two pages
     _direct_or_skip(d)
-    with Engine(d, EngineConfig(direct_io="off")) as e:
+    with Engine(d, EngineConfig(direct_io="off", prefill_path=prefill_path)) as e:
         expected = [ev.token for ev in e.stream(PROMPT, max_tokens=N)]
-        placeable = [t for le in e.streaming.index.layers.values() for t in le.tensors
-                     if t.row_bytes % dio.ALIGN == 0 and t.offset % 8 == 0]
-    with Engine(d, EngineConfig(direct_io="on")) as e:
+        index = e.streaming.index
+        assert len(index.files) == 1  # offsets alone name a tensor
+        placeable = [(t.offset, t.offset + t.row_bytes * index.spec.num_experts, t.key)
+                     for le in index.layers.values() for t in le.tensors if row_phase(t) is not None]
+    assert len({start % dio.ALIGN for start, _, _ in placeable}) > 1  # the layers' phases differ
+    bounced = []
+    real = dio.read_direct
+
+    def spy(pread, fd, bounce, dest, offset):
+        bounced.extend(key for lo, hi, key in placeable if lo <= offset < hi)
+        return real(pread, fd, bounce, dest, offset)
+
+    monkeypatch.setattr(dio, "read_direct", spy)
+    with Engine(d, EngineConfig(direct_io="on", prefill_path=prefill_path)) as e:
         assert [ev.token for ev in e.stream(PROMPT, max_tokens=N)] == expected
-        stats = e.reader.stats
-        if not placeable:
-            pytest.skip("no tensor of this tiny checkpoint has page-sized rows at an 8-byte offset")
-        assert stats.in_place_reads > 0
+        assert e.reader.direct and e.reader.stats.in_place_reads > 0
+    assert bounced == []
 
 
 def test_the_stats_line_says_how_experts_were_read(setups):

@@ -42,7 +42,7 @@ class ExactExecutor:
         key = layer.layout
         if key not in self._bundles:
             self._bundles[key] = ExpertRows(layer, self.capacity)
-        return self._bundles[key]
+        return self._bundles[key].use(layer)  # one bundle for the layers of a layout, in place for each
 
     @property
     def resident_bytes(self) -> int:

@@ -34,16 +34,39 @@ class ExpertRows:
         self.capacity = capacity
         self.layout = layer.layout
         self.buffers = [bio.RowBuffer(capacity, t.row_bytes, row_phase(t)) for t in layer.tensors]
-        self.views = {name: buf.typed(t.dtype, t.row_shape)
-                      for name, buf, t in zip(layer.names, self.buffers, layer.tensors)}
-        self._kernels: dict[int, object] = {}
+        self._names, self._tensors = layer.names, layer.tensors
+        self._phases = None
+        self._views: dict[tuple, dict] = {}  # the buffers' phases -> typed views of them laid out so
+        self._kernels: dict[tuple, object] = {}
         self.pending = None  # last lazy output that reads these buffers
+        self._lay_out()
+
+    def _lay_out(self) -> None:
+        self._phases = tuple(b.phase for b in self.buffers)
+        views = self._views.get(self._phases)
+        if views is None:
+            views = self._views[self._phases] = {name: buf.typed(t.dtype, t.row_shape)
+                                                 for name, buf, t in zip(self._names, self.buffers, self._tensors)}
+        self.views = views
+
+    def use(self, layer: LayerExperts) -> "ExpertRows":
+        """These rows laid out for ``layer`` (of the same layout): each buffer moved to the
+        phase of ``layer``'s tensor, so that direct reads of another layer than the one they
+        were made for (a bundle or whole-layer buffer shared by layers) land in place too.
+        What the rows held is not kept: call before reading ``layer``'s experts into them,
+        with no pending graph reading them (``settle``)."""
+        moved = [buf.set_phase(row_phase(t)) for buf, t in zip(self.buffers, layer.tensors)]
+        if any(moved) and tuple(b.phase for b in self.buffers) != self._phases:
+            self._lay_out()
+        return self
 
     def kernel(self, template):
-        """``template`` (a layer's switch module) computing over these rows (cached)."""
-        k = self._kernels.get(id(template))
+        """``template`` (a layer's switch module) computing over these rows as they are laid
+        out now (cached per layout)."""
+        key = (id(template), self._phases)
+        k = self._kernels.get(key)
         if k is None:
-            k = self._kernels[id(template)] = bind(template, self.views)
+            k = self._kernels[key] = bind(template, self.views)
         return k
 
     @property

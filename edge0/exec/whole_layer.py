@@ -57,7 +57,7 @@ class WholeLayerExecutor:
         return self.buffers
 
     def _load(self, layer: int, buf: int) -> Future:
-        rows = self._buffers()[buf]
+        rows = self._buffers()[buf].use(self.index.layers[layer])  # the layer's phases: reads land in place
 
         def run():
             t0 = time.perf_counter()

@@ -29,25 +29,50 @@ class RowBuffer:
     def __init__(self, rows: int, row_bytes: int, phase: int | None = None):
         """``phase``: where, modulo ``PAGE``, row 0 starts in memory (every row too when
         ``row_bytes`` is a multiple of ``PAGE``): given the file offset of the rows' bytes,
-        a direct read lands in place, every page of the file on a page of the buffer."""
+        a direct read lands in place, every page of the file on a page of the buffer.
+        ``set_phase`` moves the rows to another phase within the same memory (a buffer
+        shared by layers whose tensors sit at other offsets)."""
         self.rows = rows
         self.row_bytes = row_bytes
-        n = rows * row_bytes
         self.device = None
+        self.phase = None
+        self._flat = None
         if phase is not None:  # one page more, and the rows start where their address has the file's phase
-            flat = mx.zeros((n + PAGE,), dtype=mx.uint8)
-            mx.eval(flat)
-            start = (phase - np.array(flat, copy=False).ctypes.data) % PAGE
-            self.device = flat[start:start + n].reshape(rows, row_bytes)
-            mx.eval(self.device)
-            if np.array(self.device, copy=False).ctypes.data % PAGE != phase:
-                self.device = None  # the slice did not share the buffer: plain rows (reads bounce)
+            self._flat = mx.zeros((rows * row_bytes + PAGE,), dtype=mx.uint8)
+            mx.eval(self._flat)
+            self._base = np.array(self._flat, copy=False).ctypes.data
+            self._placed: dict[int, tuple] = {}  # phase -> (device rows, host view) laid out there
+            if not self.set_phase(phase):
+                self._flat = None  # the slice did not share the buffer: plain rows (reads bounce)
         if self.device is None:
             self.device = mx.zeros((rows, row_bytes), dtype=mx.uint8)
             mx.eval(self.device)
-        self.host = np.array(self.device, copy=False)
+            self.host = np.array(self.device, copy=False)
         if not self.host.flags.writeable or self.host.ctypes.data == 0:
             raise RuntimeError("the MLX backend did not expose a writable host view")
+
+    def set_phase(self, phase: int | None) -> bool:
+        """Lay the rows out from an address with ``phase`` modulo ``PAGE``, in this buffer's
+        own memory (what the rows held is not kept). False, and nothing changed, when the
+        buffer was not made with a phase or ``phase`` is None. Each phase's views are made
+        once: moving back to a phase seen before calls no MLX function."""
+        if self._flat is None or phase is None:
+            return False
+        if phase == self.phase:
+            return True
+        placed = self._placed.get(phase)
+        if placed is None:
+            n = self.rows * self.row_bytes
+            start = (phase - self._base) % PAGE
+            device = self._flat[start:start + n].reshape(self.rows, self.row_bytes)
+            mx.eval(device)
+            host = np.array(device, copy=False)
+            if host.ctypes.data % PAGE != phase:
+                return False
+            placed = self._placed[phase] = (device, host)
+        self.device, self.host = placed
+        self.phase = phase
+        return True
 
     @property
     def nbytes(self) -> int:
