@@ -55,9 +55,9 @@ class ExpertRows:
         were made for (a bundle or whole-layer buffer shared by layers) land in place too.
         What the rows held is not kept: call before reading ``layer``'s experts into them,
         with no pending graph reading them (``settle``)."""
-        moved = [buf.set_phase(row_phase(t)) for buf, t in zip(self.buffers, layer.tensors)]
-        if any(moved) and tuple(b.phase for b in self.buffers) != self._phases:
-            self._lay_out()
+        for buf, t in zip(self.buffers, layer.tensors):
+            buf.set_phase(row_phase(t))
+        self._lay_out()
         return self
 
     def kernel(self, template):

@@ -311,10 +311,10 @@ class PrefetchScheduler:
             for i, req in enumerate(share):
                 nbytes, errors, seconds = results[i] if i < len(results) else (None, [], 0.0)
                 self.stats.read_seconds += seconds
-                for attempt, e in enumerate(errors[: self.retries]):
-                    if nbytes is not None or attempt < len(errors) - 1:
-                        self.stats.retries += 1
-                        self._emit("io.retry", layer=req.layer, expert=req.expert, attempt=attempt + 1, error=str(e))
+                retried = len(errors) if nbytes is not None else max(len(errors) - 1, 0)  # errors another try followed
+                for attempt, e in enumerate(errors[:retried]):
+                    self.stats.retries += 1
+                    self._emit("io.retry", layer=req.layer, expert=req.expert, attempt=attempt + 1, error=str(e))
                 if nbytes is not None:
                     self.stats.reads += 1
                     self.stats.bytes += nbytes
