@@ -237,6 +237,7 @@ class Batcher:
             stats.heads, _ = host.streaming.describe_artifacts()
             stats.adapter = host._describe_adapter(row.adapter)
             stats.compute_dtype = host.streaming.compute_dtype
+            stats.kernels = host.streaming.kernels_label
             stats.reads = "direct" if host.reader.direct else "buffered"
             row.events = RowEvents(row, host.tokenizer, stats, host.reader, host.streaming.stager,
                                    host.streaming.pipeline)

@@ -114,6 +114,12 @@ class EngineConfig:
     # back in order (each row is computed as before, so outputs are bit-identical). 0 = all
     # cores on the CPU backend, 1 on GPU backends.
     compute_threads: int = 0
+    # Which kernels compute the quantized matmuls (routed experts, attention, shared experts,
+    # lm_head, quantized routers): "edge0" (Edge0's own CPU kernels, edge0/backend/mlx/kernels: output
+    # rows split over compute_threads threads; float32 activations), "mlx" (MLX's, bit for
+    # bit mlx-lm's numbers), or "auto" = edge0 on MLX's CPU device with compute_dtype float32
+    # when the kernels are built, else mlx.
+    kernels: str = "auto"
     # Hot path: resident experts per layer (LRU).
     hot_experts: int = 16
     # Refuse to open when slots + bundle + hot sets + whole-layer buffers exceed this (MiB).
@@ -213,6 +219,8 @@ class EngineConfig:
                 self.slot_budget_mb, int) or self.slot_budget_mb < 0):
             raise ConfigError(f"slot_budget_mb must be None (4 x the slots at open), 0 (never grow) or a positive "
                               f"number of MiB, got {self.slot_budget_mb!r}")
+        if self.kernels not in ("auto", "edge0", "mlx"):
+            raise ConfigError(f"kernels must be auto, edge0 or mlx, got {self.kernels!r}")
         if self.direct_io not in ("auto", "on", "off"):
             raise ConfigError(f"direct_io must be 'auto', 'on' or 'off', got {self.direct_io!r}")
         if self.log_format not in LOG_FORMATS:

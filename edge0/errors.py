@@ -19,7 +19,9 @@ Edge0Error
  +-- EngineBusyError          ``Engine.admit``: too many requests already wait
  +-- StalledConsumerError     a generation's consumer took nothing for its stall timeout
  +-- ConstraintError          a constrained generation's grammar refused a sampled token, or
-                              its processor was fed another generation's tokens
+ |                            its processor was fed another generation's tokens
+ +-- KernelError              Edge0's kernels were handed inputs they cannot compute (shape,
+                              dtype, bits, group size)
 
 Each error carries the offending file / tensor / parameter as attributes and names them
 in its message, so a test (or a user) can see what was wrong without a traceback.
@@ -131,6 +133,10 @@ class ConstraintError(Edge0Error):
     """Constrained decoding (``response_format``) went wrong while generating: the grammar
     refused a token that was sampled under its own mask, left no token to allow, or a
     processor was fed tokens that are not its generation's (e.g. reused across two)."""
+
+
+class KernelError(Edge0Error, ValueError):
+    """Edge0's kernels were handed inputs they cannot compute; the message names what."""
 
 
 class DistributedError(Edge0Error):

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from edge0.adapters import AdapterBank, load_adapters
 from edge0.backend import core as B
+from edge0.backend import kernels as bk
 from edge0.backend import nn as bnn
 from edge0.config import PATHS, PHASES, EngineConfig
 from edge0.errors import ConfigError
@@ -183,6 +184,20 @@ def resolve_compute_dtype(name: str, config: dict) -> str:
     return stored if stored in ("bfloat16", "float16", "float32") else "bfloat16"
 
 
+def _kernels(config: EngineConfig, compute_dtype: str, templates: list) -> tuple[str, Split]:
+    """The kernels the engine computes with (``edge0`` or ``mlx``) and the expert stacks'
+    split over streams. Edge0's kernels split each call's output rows over their own
+    threads, so a stack is one call; MLX's run one call per stream, one stream per thread.
+    Edge0's are put in the templates before any executor binds one."""
+    kernels = bk.resolve(config.kernels, cpu=B.is_cpu(), compute_dtype=compute_dtype)
+    threads = resolve_threads(config.compute_threads)
+    if kernels == "mlx":
+        return kernels, Split(threads)  # streams of this (the compute) thread
+    bk.set_threads(threads)
+    bk.use_edge0(*templates)
+    return kernels, Split(1)
+
+
 def _paths(config: EngineConfig, layers: list[int], heads) -> dict[tuple[int, str], str]:
     """(layer, phase) -> executor path; the heads' consumer layers decode staged."""
     for layer, _, _ in config.layer_paths:
@@ -249,9 +264,11 @@ def load_streaming_model(model_dir: str | Path, config: EngineConfig, *, oracle:
     reader = ExpertReader(index, config.reader_threads, log=log, direct=wants_direct(config.direct_io, index.files))
     phase = StepPhase()  # the step hook says whether each forward pass decodes or prefills
     stager = None
+    compute_dtype = resolve_compute_dtype(config.compute_dtype, raw)
+    kernels, split = _kernels(config, compute_dtype, [templates[layer] for layer in layers])
     try:
         exact = ExactExecutor(index, reader, config.bundle_capacity, templates, log=log)
-        exact.split = Split(resolve_threads(config.compute_threads))  # streams of this (the compute) thread
+        exact.split = split
         recorder = RoutingRecorder() if record else None
         exact.recorder = recorder
         hot = HotExecutor(index, reader, config.hot_experts, exact, log=log) if on["hot"] else None
@@ -272,13 +289,15 @@ def load_streaming_model(model_dir: str | Path, config: EngineConfig, *, oracle:
             executors = {ph: paths[path_of[layer, ph]] for ph in PHASES}
             bnn.set_module_at(model, spec.switch_path(layer), StreamingSwitch(layer, template, executors, width_out,
                                                                                  phase))
-        compute_dtype = resolve_compute_dtype(config.compute_dtype, raw)
         skip = spec.is_expert_key
         if pipe is not None:
             pipe.strip(B.dtype(compute_dtype))
             skip = lambda key: spec.is_expert_key(key) or pipe.remote_key(key)
         model = bnn.load_resident(model, model_dir, raw, index.files, skip, B.dtype(compute_dtype))
-        bnn.split_projections(model, exact.split.threads)  # attention and other large projections: both cores too
+        if kernels == "edge0":
+            bk.use_edge0(model)  # attention, shared experts, lm_head, quantized routers
+        else:
+            bnn.split_projections(model, exact.split.threads)  # attention and other large projections: both cores too
         for layer, m in spec.layers.items():
             if m.router_path and layer in layers:
                 original = bnn.module_at(model, m.router_path)
@@ -294,6 +313,8 @@ def load_streaming_model(model_dir: str | Path, config: EngineConfig, *, oracle:
     streaming = Streaming(model, spec, index, reader, exact, hot, whole, stager, recorder, prerouter, heads_path,
                           adapters)
     streaming.compute_dtype = compute_dtype
+    streaming.kernels = kernels
+    streaming.kernels_label = bk.describe() if kernels == "edge0" else "mlx"
     streaming.phase, streaming.pipeline, streaming.layers = phase, pipe, layers
     streaming.routing = (routing, extra) if prerouter is not None or (pipe is not None and pipe.heads) else None
     return _wired(streaming, prerouter, stager, heads, routing, extra)

@@ -39,6 +39,7 @@ class GenerationStats:
     peak_active_memory: int = 0  # bytes, MLX buffers
     peak_rss: int = 0  # bytes, whole process
     compute_dtype: str = ""  # the activation dtype the engine resolved
+    kernels: str = ""  # which kernels computed the quantized matmuls: "mlx" or "edge0 (avx2, 2 threads)"
     heads: str | None = None  # the prerouter heads in use (they change the output), or None
     adapter: str | None = None  # the adapter applied, or None
     reads: str = "buffered"  # how experts were read: "direct" (O_DIRECT) or "buffered" (page cache)
@@ -87,7 +88,8 @@ class GenerationStats:
                 f"stall {self.stall_ms_per_step:.1f} ms/step"
                 + (f" | guard recall@k {sum(self.guard_recall.values()) / len(self.guard_recall):.3f}"
                    if self.guard_recall else "")
-                + f" | compute {self.compute_dtype} | heads {self.heads or 'none'} | adapter {self.adapter or 'none'}"
+                + f" | compute {self.compute_dtype}" + (f" | kernels {self.kernels}" if self.kernels else "")
+                + f" | heads {self.heads or 'none'} | adapter {self.adapter or 'none'}"
                 + f" | reads {self.reads}" + self._pipeline_part())
 
     def _pipeline_part(self) -> str:

@@ -134,7 +134,7 @@ def test_edge0_adapter_loads_in_mlx_lm_with_equal_logits(qwen, adapter):
 
     with Engine(qwen) as e:
         ids = e.encode(PROMPT)
-    ours = first_logits(qwen, EngineConfig(adapter=str(adapter)), ids)
+    ours = first_logits(qwen, EngineConfig(adapter=str(adapter), kernels="mlx"), ids)  # mlx-lm's kernels
     model, _ = load(str(qwen), adapter_path=str(adapter))
     bnn.cast_model(model, mx.float32)
     theirs = model(mx.array([ids]))
@@ -163,12 +163,12 @@ def test_adapter_trained_by_mlx_lm_lora_loads_in_edge0(qwen, tmp_path):
     with Engine(qwen, EngineConfig(adapter=str(out))) as e:
         ids = e.encode(PROMPT)
         assert e.adapters == ["adapters"]
-    ours = first_logits(qwen, EngineConfig(adapter=str(out)), ids)
+    ours = first_logits(qwen, EngineConfig(adapter=str(out), kernels="mlx"), ids)  # mlx-lm's kernels
     model, _ = load(str(qwen), adapter_path=str(out))
     bnn.cast_model(model, mx.float32)
     theirs = model(mx.array([ids]))
     assert mx.array_equal(ours, theirs).item()
-    base = first_logits(qwen, EngineConfig(adapter="off"), ids)
+    base = first_logits(qwen, EngineConfig(adapter="off", kernels="mlx"), ids)
     assert not mx.array_equal(ours, base).item()
 
 

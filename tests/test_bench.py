@@ -39,7 +39,7 @@ def test_bench_checkpoint_loads_and_streams_like_resident(bench_model):
 
     model, tokenizer = load(str(bench_model))  # mlx-lm itself accepts it
     bnn.cast_model(model, mx.float32)
-    s = load_streaming_model(bench_model, EngineConfig(bundle_capacity=4))
+    s = load_streaming_model(bench_model, EngineConfig(bundle_capacity=4, kernels="mlx"))  # mlx-lm's kernels
     try:
         assert s.index.layers[0].expert_bytes == SMALL.bytes_per_expert
         tokens = mx.array([tokenizer.encode("def f(x):\n    return x * 2\n")])

@@ -56,16 +56,17 @@ def test_student_path_is_the_served_path(model_with_heads, tmp_path):
     prompt, continuation = [5, 17, 33, 2, 99, 41], [7, 250, 13, 77, 101, 3, 64, 9]
     tokens = mx.array([prompt + continuation])
     ours = student.logits(tokens, np.array([len(prompt)]))[0, len(prompt) - 1:-1].astype(mx.float32)
-    served = served_logits(model_with_heads, EngineConfig(adapter=str(tmp_path / "a"), prerouter_flush="mlx"),
+    adapter = str(tmp_path / "a")  # served on MLX's kernels: the student differentiates through mlx-lm's modules
+    served = served_logits(model_with_heads, EngineConfig(adapter=adapter, prerouter_flush="mlx", kernels="mlx"),
                            prompt, continuation)
-    own = served_logits(model_with_heads, EngineConfig(adapter=str(tmp_path / "a"), prerouter="off"), prompt,
+    own = served_logits(model_with_heads, EngineConfig(adapter=adapter, prerouter="off", kernels="mlx"), prompt,
                         continuation)
     # bit for bit with the heads flushed in MLX, as training computes them: same routing, same
     # kernel, same delta (this also holds the staged path to evaluating a step's slots before
     # reusing them when the next input is teacher-forced)
     assert mx.array_equal(ours, served).item(), mx.abs(ours - served).max().item()
     # the flush in NumPy (prerouter_flush numpy) sums in another order: float rounding apart
-    on_host = served_logits(model_with_heads, EngineConfig(adapter=str(tmp_path / "a"), prerouter_flush="numpy"),
+    on_host = served_logits(model_with_heads, EngineConfig(adapter=adapter, prerouter_flush="numpy", kernels="mlx"),
                             prompt, continuation)
     assert mx.abs(ours - on_host).max().item() < 1e-5 * mx.abs(ours).max().item()
     # and the routing replacement matters here: own-gate routing gives other logits

@@ -49,7 +49,7 @@ def heads(tiny_model_factory, tmp_path_factory):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_select_stages_every_routed_expert(heads, family):
     d = heads(family)
-    with Engine(d, EngineConfig(routing="select", stage_extra=2)) as engine:
+    with Engine(d, EngineConfig(routing="select", stage_extra=2, kernels="mlx")) as engine:  # the reference: mlx-lm's
         k = engine.streaming.spec.k
         plans, used, _ = record_staging(engine, PROMPT, 24)
     steps = [st for st in used if st in plans]
@@ -72,7 +72,7 @@ def test_select_routes_by_the_layers_own_router_among_the_staged(heads, family):
     d = heads(family)
     cfg = load_config(d)
     seen = []
-    with Engine(d, EngineConfig(routing="select", stage_extra=2)) as engine:
+    with Engine(d, EngineConfig(routing="select", stage_extra=2, kernels="mlx")) as engine:
         s = engine.streaming
         stager, blocks = s.stager, s.blocks()
         for l in stager.layers:
@@ -275,7 +275,8 @@ def test_student_path_is_the_served_path_with_token_heads(heads, family, routing
     student.save(tmp_path / "a", {"base_identity": checkpoint_identity(d)})
     prompt, continuation = [5, 17, 33, 2, 99, 41], [7, 250, 13, 77, 101, 3, 64, 9, 11, 200]
     ours = student.logits(mx.array([prompt + continuation]), np.array([len(prompt)]))[0, len(prompt) - 1:-1]
-    config = EngineConfig(adapter=str(tmp_path / "a"), routing=routing, stage_extra=extra, prerouter_flush=flush)
+    config = EngineConfig(adapter=str(tmp_path / "a"), routing=routing, stage_extra=extra, prerouter_flush=flush,
+                          kernels="mlx")  # the student path runs mlx-lm's kernels
     served = served_logits(d, config, prompt, continuation)
     diff = mx.abs(ours.astype(mx.float32) - served).max().item()
     exact = family == "qwen3_moe" and flush == "mlx"

@@ -7,7 +7,8 @@ through these five modules, so another backend can implement the same surface:
 - ``nn``:    model classes, building and loading the resident part of a model;
 - ``io``:    device buffers that reader threads can fill in place;
 - ``quant``: the quantized gather matmul and dequantization;
-- ``dist``:  the distributed group, transfers between ranks, the stand-ins of a pipeline rank.
+- ``dist``:  the distributed group, transfers between ranks, the stand-ins of a pipeline rank;
+- ``kernels``: which kernels compute the quantized matmuls (MLX's or Edge0's own).
 
 Only the MLX implementation exists today; it is chosen by name so a second one (for
 example a NumPy reference) plugs in without touching callers.
@@ -37,5 +38,6 @@ nn = _default.nn
 io = _default.io
 quant = _default.quant
 dist = _default.dist
+kernels = _default.kernels
 
-__all__ = ["BACKENDS", "NAME", "core", "dist", "io", "load", "nn", "quant"]
+__all__ = ["BACKENDS", "NAME", "core", "dist", "io", "kernels", "load", "nn", "quant"]

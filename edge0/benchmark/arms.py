@@ -69,6 +69,7 @@ def _engine_config(settings: dict, **paths):
     keys = ("bundle_capacity", "reader_threads", "slots_per_layer", "prefetch_depth", "hot_experts")
     paths.setdefault("prerouter", "off")  # only the prerouter arm uses heads, even if the model has them
     paths.setdefault("adapter", "off")  # likewise adapters: an arm names its own (--arm-option ARM:adapter=DIR)
+    paths.setdefault("kernels", settings.get("kernels", "auto"))  # bench --kernels; an arm may name its own
     paths.update(settings.get("arm_options", {}).get(settings.get("arm", ""), {}))
     return EngineConfig(compute_dtype=settings["compute_dtype"], **{k: settings[k] for k in keys if k in settings},
                         **paths)
@@ -85,6 +86,7 @@ def _streaming(model_dir: str, settings: dict, oracle=None, **paths) -> Loaded:
     info = {k: getattr(cfg, k) for k in ("bundle_capacity", "slots_per_layer", "prefetch_depth", "hot_experts",
                                          "reader_threads")}
     info["experts_per_token"] = s.spec.k
+    info["kernels"] = s.kernels_label  # which kernels computed the quantized matmuls
     info["direct_reads"] = s.reader.direct  # direct_io's outcome (auto: on under a cap below the checkpoint)
     bank = s.adapters
     info["adapter_bytes"] = bank.nbytes if bank is not None and bank.active is not None else 0

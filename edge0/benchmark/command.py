@@ -41,6 +41,9 @@ def add_parser(sub) -> None:
     b.add_argument("--decode-tokens", type=int, default=16)
     b.add_argument("--compute-dtype", choices=[d for d in COMPUTE_DTYPES if d != "auto"], default="float32",
                    help="activation dtype of every arm (default float32)")
+    b.add_argument("--kernels", choices=["auto", "edge0", "mlx"], default="auto",
+                   help="kernels of every arm that runs Edge0 (default auto: Edge0's own on the CPU; "
+                        "--arm-option ARM:kernels=mlx for one arm); the resident arm is mlx-lm's, on MLX's")
     b.add_argument("--cache-budget-mb", type=int, default=None, help="expert cache of arms that have one")
     b.add_argument("--heads", default=None, help="prerouter heads for the staged+prerouter arm (default: "
                                                  "warm-start heads written for the run)")
@@ -109,7 +112,7 @@ def run(args) -> int:
 
 def _extra(args) -> dict:
     """Settings every arm's process gets besides the engine's: files named by the command line."""
-    extra = {}
+    extra = {"kernels": args.kernels}
     if args.heads:
         extra["prerouter_file"] = str(Path(args.heads).resolve())
     if args.gguf:

@@ -22,7 +22,8 @@ def markdown(doc: dict) -> str:
     lines = [
         f"Model `{Path(doc['model']).name}` ({doc['checkpoint_bytes'] / 1e9:.2f} GB), page cache **{s['cache']}**, "
         f"{s['rounds']} rounds, {s['prompt_tokens']} prompt + {s['decode_tokens']} decode tokens, "
-        f"compute {s['compute_dtype']}{capped}. Median [min–max] over rounds.",
+        f"compute {s['compute_dtype']}, Edge0's arms on kernels {s.get('kernels', 'auto')}{capped}. "
+        "Median [min–max] over rounds.",
         "",
         "| arm | decode tok/s | prefill tok/s | peak MLX active (MiB) | peak RSS (MiB) | expert MiB/token "
         "| read wait ms/step | load s | decode vs resident | active mem vs resident |"

@@ -31,7 +31,7 @@ def init_adapter(model_dir: str | Path, out: str | Path, *, rank: int = 8, scale
     from edge0.loader import load_streaming_model
 
     model_dir = Path(model_dir)
-    s = load_streaming_model(model_dir, EngineConfig(adapter="off", prerouter="off"))
+    s = load_streaming_model(model_dir, EngineConfig(adapter="off", prerouter="off", kernels="mlx"))  # training
     try:
         mx.random.seed(seed)
         tensors = {}

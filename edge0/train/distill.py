@@ -77,7 +77,7 @@ def student_rows(model_dir: Path, adapter_dir: Path, cfg: DistillConfig, work: P
         return rows, meta
     train_stream, _, corpus_desc = D.token_streams(model_dir)
     prompt_rows = D.prompts(train_stream, cfg.rows, cfg.prompt_len, seed=cfg.seed + 1000)
-    config = EngineConfig(adapter=str(adapter_dir), prerouter="on", pipeline="off",  # data parallel: whole model
+    config = EngineConfig(adapter=str(adapter_dir), prerouter="on", pipeline="off", kernels="mlx",  # as trained
                           prerouter_file=str(heads_file) if heads_file else None,
                           experts_per_token=cfg.experts_per_token)
     t0 = time.perf_counter()

@@ -241,7 +241,8 @@ def train_heads(model_dir: str | Path, *, data: str | None = None, tokens: int =
 
     model_dir = Path(model_dir)
     streaming = load_streaming_model(model_dir, EngineConfig(prerouter="off", adapter="off", pipeline="off",
-                                                             experts_per_token=experts_per_token))
+                                                             experts_per_token=experts_per_token,
+                                                             kernels="mlx"))  # training: MLX's kernels
     try:
         spec = streaming.spec
         if spec.prerouter_problem:
@@ -342,7 +343,7 @@ def make_warm_heads(model_dir: str | Path, out: str | Path, width: int = 512, to
     prediction is the same; the flush costs what a trained head's does)."""
     from edge0.loader import load_streaming_model
 
-    streaming = load_streaming_model(Path(model_dir), EngineConfig(prerouter="off", adapter="off"))
+    streaming = load_streaming_model(Path(model_dir), EngineConfig(prerouter="off", adapter="off", kernels="mlx"))
     try:
         spec, routers = streaming.spec, streaming.routers()
         if spec.prerouter_problem:

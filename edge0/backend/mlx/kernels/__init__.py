@@ -1,0 +1,21 @@
+"""Edge0's CPU kernels: an MLX extension (``_ext``, built from ``csrc/`` when the project is
+installed) for MLX's affine quantized layout, 4 and 8 bits, groups of 32, 64 or 128, scales
+and biases in float32, bfloat16 or float16 read as stored.
+
+One primitive serves the routed-expert matmul with indices (what ``mx.gather_qmm(...,
+transpose=True)`` computes for SwitchGLU / SwitchMLP) and the dense quantized matmul
+(attention, shared experts, lm_head, quantized routers). AVX2+FMA loops on x86-64 (chosen
+when the CPU has them), portable loops elsewhere; output rows are split over a thread pool,
+never the reduction, so results do not depend on the thread count. Activations are float32.
+
+``_loader`` loads the extension (``available()``, and why not); ``ops`` holds the MLX-facing
+ops, the modules that use them and the engine setting's resolution.
+"""
+
+from edge0.backend.mlx.kernels._loader import available, ext, get_threads, isa, set_threads, unavailable_reason
+from edge0.backend.mlx.kernels.ops import (BITS, CHOICES, GROUP_SIZES, Edge0QuantizedLinear, Edge0SwitchLinear,
+                                           describe, gather_qmm, quantized_matmul, resolve, supported, use_edge0)
+
+__all__ = ["BITS", "CHOICES", "GROUP_SIZES", "Edge0QuantizedLinear", "Edge0SwitchLinear", "available", "describe",
+           "ext", "gather_qmm", "get_threads", "isa", "quantized_matmul", "resolve", "set_threads", "supported",
+           "unavailable_reason", "use_edge0"]

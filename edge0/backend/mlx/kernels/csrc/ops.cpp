@@ -1,0 +1,226 @@
+// The MLX side of Edge0's kernels: one Primitive (CPU only) and its Python binding.
+//
+// edge0_qmm(x [Bx, M, K] float32, w [E, N, K*bits/32] uint32, scales, biases [E, N, K/gs],
+//           indices [B] int32/uint32 or None, bits, group_size, x_repeat) -> [B, M, N] float32
+// Batch entry b multiplies x[b / x_repeat] by expert indices[b]'s weight, transposed, as
+// mx.gather_qmm(..., transpose=True) does; with indices None, E is 1 and B == Bx (the dense
+// quantized_matmul). Shapes are checked when the op is built (ValueError); an index outside
+// [0, E) is found when the op runs and raised at evaluation (nothing is written past the
+// output). No vjp: training keeps MLX's kernels.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstring>
+#include <optional>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "mlx/allocator.h"
+#include "mlx/array.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+#include "mlx/utils.h"
+#include "mlx/version.h"
+#include "qmm.h"
+
+namespace mx = mlx::core;
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace {
+
+// An input as the kernel reads it: its own memory when row-contiguous, else a packed copy
+// made when the op runs (the strides are known when eval_cpu is called, the data later).
+struct Input {
+  const char* data = nullptr;
+  bool contiguous = true;
+  std::vector<int64_t> shape, strides;
+  size_t itemsize = 0;
+  std::vector<char> packed;
+
+  explicit Input(const mx::array& a)
+      : data(static_cast<const char*>(a.data<void>())),
+        contiguous(a.flags().row_contiguous),
+        itemsize(a.itemsize()) {
+    if (!contiguous) {
+      shape.assign(a.shape().begin(), a.shape().end());
+      strides.assign(a.strides().begin(), a.strides().end());
+    }
+  }
+
+  const void* ptr() {
+    if (contiguous) return data;
+    int64_t n = 1;
+    for (auto d : shape) n *= d;
+    packed.resize(size_t(n) * itemsize);
+    std::vector<int64_t> pos(shape.size(), 0);
+    for (int64_t i = 0; i < n; ++i) {
+      int64_t off = 0;
+      for (size_t d = 0; d < shape.size(); ++d) off += pos[d] * strides[d];
+      std::memcpy(packed.data() + i * itemsize, data + off * int64_t(itemsize), itemsize);
+      for (int d = int(shape.size()) - 1; d >= 0; --d) {
+        if (++pos[d] < shape[d]) break;
+        pos[d] = 0;
+      }
+    }
+    return packed.data();
+  }
+};
+
+class Edge0Qmm : public mx::UnaryPrimitive {
+ public:
+  Edge0Qmm(mx::Stream s, int bits, int group_size, int64_t x_repeat, bool dense)
+      : mx::UnaryPrimitive(s), bits_(bits), gs_(group_size), x_repeat_(x_repeat), dense_(dense) {}
+
+  void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (auto& a : in) enc.set_input_array(a);
+    enc.set_output_array(out);
+    const auto& x = in[0];
+    const auto& w = in[1];
+    const auto& s = in[2];
+    edge0::QmmArgs a;
+    a.scale_type = s.dtype() == mx::float32    ? edge0::ScaleType::F32
+                   : s.dtype() == mx::bfloat16 ? edge0::ScaleType::BF16
+                                               : edge0::ScaleType::F16;
+    a.out = out.data<float>();
+    a.B = out.shape(0);
+    a.M = out.shape(1);
+    a.N = out.shape(2);
+    a.K = x.shape(2);
+    a.E = dense_ ? 1 : w.shape(0);
+    a.x_repeat = x_repeat_;
+    a.bits = bits_;
+    a.group_size = gs_;
+    a.indices_signed = !dense_ && in[4].dtype() == mx::int32;
+    std::vector<Input> inputs;
+    inputs.reserve(in.size());
+    for (auto& t : in) inputs.emplace_back(t);
+    enc.dispatch([a, inputs = std::move(inputs), dense = dense_]() mutable {
+      a.x = static_cast<const float*>(inputs[0].ptr());
+      a.w = static_cast<const uint32_t*>(inputs[1].ptr());
+      a.scales = inputs[2].ptr();
+      a.biases = inputs[3].ptr();
+      a.indices = dense ? nullptr : inputs[4].ptr();
+      const int64_t bad = edge0::qmm(a);
+      if (bad >= 0) {
+        const int64_t v = a.indices_signed ? int64_t(static_cast<const int32_t*>(a.indices)[bad])
+                                           : int64_t(static_cast<const uint32_t*>(a.indices)[bad]);
+        std::ostringstream msg;
+        msg << "edge0 kernels: expert index " << v << " at position " << bad
+            << " is outside [0, " << a.E << ")";
+        throw std::out_of_range(msg.str());
+      }
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("edge0 kernels run on the CPU device only");
+  }
+
+  const char* name() const override { return "Edge0QuantizedMatmul"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const Edge0Qmm&>(other);
+    return bits_ == o.bits_ && gs_ == o.gs_ && x_repeat_ == o.x_repeat_ && dense_ == o.dense_;
+  }
+
+ private:
+  int bits_, gs_;
+  int64_t x_repeat_;
+  bool dense_;
+};
+
+[[noreturn]] void bad(const std::string& what) { throw std::invalid_argument("edge0 kernels: " + what); }
+
+std::string shape_str(const mx::array& a) {
+  std::ostringstream s;
+  s << "(";
+  for (int i = 0; i < a.ndim(); ++i) s << (i ? ", " : "") << a.shape(i);
+  s << (a.ndim() == 1 ? ",)" : ")");
+  return s.str();
+}
+
+mx::array qmm_op(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
+                 std::optional<mx::array> indices, int bits, int group_size, int64_t x_repeat) {
+  auto stream = mx::to_stream({});
+  if (stream.device.type != mx::Device::DeviceType::cpu) bad("the default device is not the CPU");
+  if (bits != 4 && bits != 8) bad("bits must be 4 or 8, got " + std::to_string(bits));
+  if (group_size != 32 && group_size != 64 && group_size != 128)
+    bad("group_size must be 32, 64 or 128, got " + std::to_string(group_size));
+  if (x.dtype() != mx::float32) bad("x must be float32");
+  if (x.ndim() != 3) bad("x must be [batch, rows, K], got shape " + shape_str(x));
+  const bool dense = !indices.has_value();
+  const int wd = dense ? 2 : 3;
+  if (w.dtype() != mx::uint32 || w.ndim() != wd)
+    bad("the weight must be uint32 of " + std::to_string(wd) + " dimensions, got shape " + shape_str(w));
+  if (scales.dtype() != biases.dtype() ||
+      (scales.dtype() != mx::float32 && scales.dtype() != mx::bfloat16 && scales.dtype() != mx::float16))
+    bad("scales and biases must share one dtype of float32, bfloat16, float16");
+  const int64_t K = x.shape(2);
+  if (K % group_size != 0)
+    bad("K = " + std::to_string(K) + " is not a multiple of group_size " + std::to_string(group_size));
+  const int64_t words = w.shape(-1);
+  if (words * 32 / bits != K)
+    bad("the weight's last axis holds " + std::to_string(words * 32 / bits) + " values of " +
+        std::to_string(bits) + " bits, x has K = " + std::to_string(K));
+  const int64_t N = w.shape(-2), E = dense ? 1 : w.shape(0);
+  mx::Shape gshape = dense ? mx::Shape{int(N), int(K / group_size)} : mx::Shape{int(E), int(N), int(K / group_size)};
+  if (scales.shape() != gshape || biases.shape() != gshape)
+    bad("scales " + shape_str(scales) + " and biases " + shape_str(biases) + " must both be " +
+        (dense ? "[N, K / group_size]" : "[E, N, K / group_size]") + " for the weight " + shape_str(w));
+  if (x_repeat < 1) bad("x_repeat must be >= 1");
+  int64_t B = x.shape(0) * x_repeat;
+  std::vector<mx::array> inputs = {x, w, scales, biases};
+  if (!dense) {
+    const auto& idx = *indices;
+    if (idx.ndim() != 1 || (idx.dtype() != mx::int32 && idx.dtype() != mx::uint32))
+      bad("indices must be a 1-D int32 or uint32 array, got shape " + shape_str(idx));
+    if (idx.shape(0) != B)
+      bad("indices hold " + std::to_string(idx.shape(0)) + " entries, x's batch " +
+          std::to_string(x.shape(0)) + " x x_repeat " + std::to_string(x_repeat) + " = " + std::to_string(B));
+    inputs.push_back(idx);
+  } else if (x_repeat != 1) {
+    bad("x_repeat must be 1 without indices");
+  }
+  return mx::array(mx::Shape{int(B), int(x.shape(1)), int(N)}, mx::float32,
+                   std::make_shared<Edge0Qmm>(stream, bits, group_size, x_repeat, dense), std::move(inputs));
+}
+
+}  // namespace
+
+NB_MODULE(_ext, m) {
+  m.doc() = "Edge0's CPU kernels for MLX's affine quantized layout (edge0.kernels wraps them).";
+  m.def("qmm", &qmm_op, "x"_a, "w"_a, "scales"_a, "biases"_a, "indices"_a.none(), "bits"_a, "group_size"_a,
+        "x_repeat"_a = 1);
+  m.def(
+      "stream_bytes",
+      [](const std::vector<mx::array>& arrays, const std::vector<int64_t>& starts, const std::vector<int64_t>& sizes,
+         const std::vector<int>& which) {
+        // byte range i: `sizes[i]` bytes at byte `starts[i]` of arrays[which[i]] (evaluated)
+        std::vector<const char*> ptrs;
+        for (size_t i = 0; i < starts.size(); ++i) {
+          auto& a = arrays.at(which.at(i));
+          if (starts[i] < 0 || sizes.at(i) < 0 || size_t(starts[i] + sizes[i]) > a.nbytes())
+            throw std::out_of_range("edge0 kernels: a byte range runs past its array");
+          ptrs.push_back(static_cast<const char*>(a.data<void>()) + starts[i]);
+        }
+        nb::gil_scoped_release release;
+        return edge0::stream_bytes(ptrs.data(), sizes.data(), int64_t(ptrs.size()));
+      },
+      "arrays"_a, "starts"_a, "sizes"_a, "which"_a);
+  m.def("set_threads", &edge0::set_threads, "n"_a);
+  m.def("get_threads", &edge0::get_threads);
+  m.def("isa", []() { return std::string(edge0::isa()); });
+  m.def("force_portable", &edge0::force_portable, "on"_a);
+  m.def("mlx_version", []() {
+    return std::to_string(MLX_VERSION_MAJOR) + "." + std::to_string(MLX_VERSION_MINOR) + "." +
+           std::to_string(MLX_VERSION_PATCH);
+  });
+}

@@ -1,0 +1,47 @@
+// Edge0's CPU kernels for MLX's affine quantized layout (no MLX types here).
+//
+// Layout (as mlx-lm checkpoints carry it, transpose=True): a weight is uint32 words
+// [E, N, K * bits / 32], element k of row n in word k * bits / 32, bits (k % (32 / bits))
+// * bits from the low end; scales and biases [E, N, K / group_size] in float32, bfloat16
+// or float16. Dequantized w[e, n, k] = scale[e, n, g] * q + bias[e, n, g], g = k / group_size.
+#pragma once
+
+#include <cstdint>
+
+namespace edge0 {
+
+enum class ScaleType : int { F32 = 0, BF16 = 1, F16 = 2 };
+
+struct QmmArgs {
+  const float* x = nullptr;        // [Bx, M, K], row-contiguous
+  const uint32_t* w = nullptr;     // [E, N, K * bits / 32]
+  const void* scales = nullptr;    // [E, N, K / group_size]
+  const void* biases = nullptr;    // [E, N, K / group_size]
+  ScaleType scale_type = ScaleType::F32;
+  const void* indices = nullptr;   // [B] expert of each batch entry; nullptr: dense (E == 1)
+  bool indices_signed = false;     // int32 (true) or uint32 (false)
+  float* out = nullptr;            // [B, M, N]
+  int64_t B = 0, M = 0, N = 0, K = 0, E = 1;
+  int64_t x_repeat = 1;            // batch entry b reads x[b / x_repeat]
+  int bits = 4, group_size = 64;
+};
+
+// out[b, m, n] = sum_k x[b / x_repeat, m, k] * w[idx[b], n, k]. Output rows are split over
+// the pool's threads (never the reduction), so the result does not depend on the thread
+// count. Returns -1, or the position b of the first index outside [0, E) (nothing computed).
+int64_t qmm(const QmmArgs& a);
+
+// Reads n byte ranges (ptrs[i], sizes[i]) with the pool's threads, as qmm reads its weights
+// (each thread a share of every range), and returns a checksum so nothing is optimised
+// away: the memory limit a kernel over the same bytes is measured against.
+uint64_t stream_bytes(const char* const* ptrs, const int64_t* sizes, int64_t n);
+
+// The number of threads qmm splits output rows over (1 = the calling thread only).
+void set_threads(int n);
+int get_threads();
+// Which inner loops run: "avx2" or "portable".
+const char* isa();
+// Force the portable loops (testing) or let the CPU decide.
+void force_portable(bool on);
+
+}  // namespace edge0

@@ -1,0 +1,156 @@
+"""Which kernels compute the quantized matmuls: MLX's own, or Edge0's (this package's extension).
+
+``gather_qmm`` / ``quantized_matmul`` take what ``mx.gather_qmm`` / ``mx.quantized_matmul``
+take with ``transpose=True`` and ``mode="affine"``, and return the same shapes and dtype.
+``use_edge0(model, templates)`` turns every supported quantized module of the resident model
+and every expert stack template into its Edge0 twin (the same parameters, another
+``__call__``), so every executor path, which runs the template's own code on its rows,
+computes with Edge0's kernels: the four paths still share one kernel.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+
+from edge0.backend.mlx.kernels import _loader as K
+from edge0.errors import ConfigError, KernelError
+
+BITS = (4, 8)
+GROUP_SIZES = (32, 64, 128)
+CHOICES = ("auto", "edge0", "mlx")
+
+
+def _call(x, w, scales, biases, indices, bits, group_size, x_repeat=1):
+    try:
+        return K.ext().qmm(x, w, scales, biases, indices, bits, group_size, x_repeat)
+    except ValueError as e:
+        raise KernelError(str(e)) from None
+
+
+def _check(bits, group_size, biases):
+    if bits not in BITS:
+        raise KernelError(f"edge0 kernels: bits must be one of {BITS}, got {bits}")
+    if group_size not in GROUP_SIZES:
+        raise KernelError(f"edge0 kernels: group_size must be one of {GROUP_SIZES}, got {group_size}")
+    if biases is None:
+        raise KernelError("edge0 kernels: the affine layout needs biases")
+
+
+def gather_qmm(x, w, scales, biases, indices, *, bits: int = 4, group_size: int = 64):
+    """``mx.gather_qmm(x, w, scales, biases, rhs_indices=indices, transpose=True)`` on
+    Edge0's kernels: x [..., M, K], indices broadcast against x's batch dims."""
+    _check(bits, group_size, biases)
+    if x.ndim < 2:
+        raise KernelError(f"edge0 kernels: x must have at least 2 dimensions, got shape {tuple(x.shape)}")
+    dtype = x.dtype
+    if dtype != mx.float32:
+        x = x.astype(mx.float32)
+    if indices.dtype not in (mx.int32, mx.uint32):
+        indices = indices.astype(mx.uint32)
+    m, k = x.shape[-2:]
+    xb, ib = tuple(x.shape[:-2]), tuple(indices.shape)
+    try:
+        batch = tuple(mx.broadcast_shapes(xb, ib)) if xb or ib else ()
+    except ValueError:
+        raise KernelError(f"edge0 kernels: x's batch shape {xb} does not broadcast with the indices' {ib}") from None
+    xa = (1,) * (len(batch) - len(xb)) + xb
+    ia = (1,) * (len(batch) - len(ib)) + ib
+    # x's batch dims: the leading ones the batch's, the trailing ones 1 (x repeated across them)
+    j = len(batch)
+    while j > 0 and xa[j - 1] == 1 and batch[j - 1] != 1:
+        j -= 1
+    if ia == batch and xa[:j] == batch[:j] and all(d == 1 for d in xa[j:]):
+        repeat = math.prod(batch[j:])
+        flat_x = x.reshape(math.prod(batch[:j]), m, k)
+        flat_i = indices.reshape(-1)
+    else:  # a general broadcast: materialise both
+        repeat = 1
+        flat_x = mx.broadcast_to(x, (*batch, m, k)).reshape(-1, m, k)
+        flat_i = mx.broadcast_to(indices, batch).reshape(-1)
+    y = _call(flat_x, w, scales, biases, flat_i, bits, group_size, repeat)
+    y = y.reshape(*batch, m, w.shape[-2])
+    return y if dtype == mx.float32 else y.astype(dtype)
+
+
+def quantized_matmul(x, w, scales, biases, *, bits: int = 4, group_size: int = 64):
+    """``mx.quantized_matmul(x, w, scales, biases, transpose=True)`` on Edge0's kernels."""
+    _check(bits, group_size, biases)
+    if x.ndim < 1:
+        raise KernelError("edge0 kernels: x must have at least 1 dimension")
+    dtype = x.dtype
+    lead, k = tuple(x.shape[:-1]), x.shape[-1]
+    flat = x.reshape(1, -1, k) if x.dtype == mx.float32 else x.astype(mx.float32).reshape(1, -1, k)
+    y = _call(flat, w, scales, biases, None, bits, group_size).reshape(*lead, w.shape[0])
+    return y if dtype == mx.float32 else y.astype(dtype)
+
+
+class Edge0SwitchLinear(QuantizedSwitchLinear):
+    """A ``QuantizedSwitchLinear`` computing with Edge0's kernels (same parameters)."""
+
+    def __call__(self, x, indices, sorted_indices=False):
+        y = gather_qmm(x, self["weight"], self["scales"], self["biases"], indices,
+                       bits=self.bits, group_size=self.group_size)
+        if "bias" in self:
+            y = y + mx.expand_dims(self["bias"][indices], -2)
+        return y
+
+
+class Edge0QuantizedLinear(nn.QuantizedLinear):
+    """An ``nn.QuantizedLinear`` computing with Edge0's kernels (same parameters)."""
+
+    def __call__(self, x):
+        y = quantized_matmul(x, self["weight"], self["scales"], self["biases"],
+                             bits=self.bits, group_size=self.group_size)
+        if "bias" in self:
+            y = y + self["bias"]
+        return y
+
+
+def supported(module) -> bool:
+    """Whether Edge0's kernels compute ``module``'s layout."""
+    return (getattr(module, "mode", "affine") == "affine" and module.bits in BITS
+            and module.group_size in GROUP_SIZES and module.get("biases") is not None
+            and getattr(module, "global_scale", None) is None)
+
+
+TWINS = {QuantizedSwitchLinear: Edge0SwitchLinear, nn.QuantizedLinear: Edge0QuantizedLinear}
+
+
+def use_edge0(*trees) -> int:
+    """Turn every supported quantized module under ``trees`` into its Edge0 twin; returns
+    how many. A module of a layout the kernels do not compute keeps MLX's kernel."""
+    n = 0
+    for tree in trees:
+        for _, m in tree.named_modules():
+            twin = TWINS.get(type(m))
+            if twin is not None and supported(m):
+                m.__class__ = twin
+                n += 1
+    return n
+
+
+def describe() -> str:
+    """What the stats line names: ``edge0 (avx2, 2 threads)``."""
+    return f"edge0 ({K.isa()}, {K.get_threads()} threads)" if K.available() else "edge0 (unavailable)"
+
+
+def resolve(choice: str, *, cpu: bool, compute_dtype: str) -> str:
+    """``kernels`` setting -> ``edge0`` or ``mlx``. ``auto``: Edge0's on MLX's CPU device when
+    the engine computes in float32 (the kernels' activations; a bfloat16 compute dtype asks
+    for mlx-lm's own numbers), MLX's elsewhere."""
+    if choice not in CHOICES:
+        raise ConfigError(f"kernels must be one of {', '.join(CHOICES)}, got {choice!r}")
+    if choice == "mlx":
+        return "mlx"
+    if choice == "edge0":
+        if not K.available():
+            raise ConfigError(f"kernels='edge0': {K.unavailable_reason()}")
+        if not cpu:
+            raise ConfigError("kernels='edge0': Edge0's kernels run on MLX's CPU device; this process's "
+                              "default device is not the CPU (use kernels='mlx' or 'auto')")
+        return "edge0"
+    return "edge0" if cpu and compute_dtype == "float32" and K.available() else "mlx"

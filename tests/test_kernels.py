@@ -1,0 +1,222 @@
+"""Edge0's CPU kernels (edge0/backend/mlx/kernels, ``kernels=edge0``) through their public ops and the engine.
+
+- every op within 1e-5 relative L2 of a float64 reference built from the dequantized
+  weights, for 4 and 8 bits, groups of 32/64/128, scales in float32/bfloat16/float16, 1 to
+  16 rows, gathered and dense, on the AVX2 loops and the portable ones;
+- the result does not depend on the thread count (output rows are split, not the sum);
+- hostile inputs get a KernelError naming what was wrong, or a correct answer (empty rows,
+  non-contiguous inputs), never a crash; an index out of range is an error at evaluation;
+- the engine: ``kernels=edge0`` gives ``kernels=mlx``'s greedy text on the demo for the
+  README's prompts, the stats line names the kernels, and the setting is validated.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from edge0 import Engine, EngineConfig
+from edge0.backend.mlx import kernels as K
+from edge0.errors import ConfigError, KernelError
+
+pytestmark = pytest.mark.skipif(not K.available(), reason=f"kernels not built: {K.unavailable_reason()}")
+
+DEMO = "edge0/data/demo_model"
+README_PROMPTS = ["def fibonacci(n):", "class Stack:\n    def __init__(self):", "import os\n\ndef read_lines(path):"]
+
+
+def quantized(shape, bits, group_size, scale_dtype, seed=0):
+    w = mx.random.normal(shape, key=mx.random.key(seed)) * 0.05
+    wq, s, b = mx.quantize(w, group_size=group_size, bits=bits)
+    return wq, s.astype(scale_dtype), b.astype(scale_dtype)
+
+
+def dequantized64(wq, s, b, bits, group_size):
+    return np.array(mx.dequantize(wq, s.astype(mx.float32), b.astype(mx.float32), group_size=group_size,
+                                  bits=bits)).astype(np.float64)
+
+
+def rel_l2(a, ref):
+    return float(np.linalg.norm(np.asarray(a, dtype=np.float64) - ref) / np.linalg.norm(ref))
+
+
+@pytest.fixture(params=["avx2", "portable"])
+def isa(request):
+    if request.param == "avx2" and K.isa() != "avx2":
+        pytest.skip("this CPU has no AVX2+FMA")
+    K.ext().force_portable(request.param == "portable")
+    assert K.isa() == request.param
+    yield request.param
+    K.ext().force_portable(False)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("scale_dtype", [mx.float32, mx.bfloat16, mx.float16])
+def test_gather_qmm_matches_a_float64_reference(isa, bits, group_size, scale_dtype):
+    E, N, D, k = 16, 96, 256, 4
+    wq, s, b = quantized((E, N, D), bits, group_size, scale_dtype)
+    ref_w = dequantized64(wq, s, b, bits, group_size)
+    rng = np.random.default_rng(bits * group_size)
+    for rows in (1, 4, 16):
+        x = mx.array(rng.standard_normal((rows, 1, 1, D)).astype(np.float32))  # SwitchGLU's gate/up call
+        idx = mx.array(rng.integers(0, E, size=(rows, k)).astype(np.int32))
+        y = K.gather_qmm(x, wq, s, b, idx, bits=bits, group_size=group_size)
+        assert y.shape == (rows, k, 1, N) and y.dtype == mx.float32
+        xn, ii = np.array(x, dtype=np.float64), np.array(idx)
+        ref = np.stack([np.stack([xn[r, 0] @ ref_w[ii[r, j]].T for j in range(k)]) for r in range(rows)])
+        assert rel_l2(y, ref) < 1e-5, (rows, rel_l2(y, ref))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("scale_dtype", [mx.float32, mx.bfloat16])
+def test_quantized_matmul_matches_a_float64_reference(isa, bits, scale_dtype):
+    N, D = 200, 384
+    wq, s, b = quantized((N, D), bits, 64, scale_dtype, seed=3)
+    ref_w = dequantized64(wq, s, b, bits, 64)
+    for lead in ((1,), (2, 5), (16,)):
+        x = mx.random.normal((*lead, D), key=mx.random.key(len(lead)))
+        y = K.quantized_matmul(x, wq, s, b, bits=bits, group_size=64)
+        assert y.shape == (*lead, N)
+        assert rel_l2(y, np.array(x, dtype=np.float64) @ ref_w.T) < 1e-5
+
+
+def test_the_sorted_and_the_down_projection_calls_match_mlx():
+    """SwitchGLU's other two call shapes: rows sorted by expert ([T*k, 1, D] against [T*k])
+    and the down projection ([T, k, 1, I] against [T, k])."""
+    E, N, D = 8, 64, 128
+    wq, s, b = quantized((E, N, D), 4, 64, mx.float32)
+    rng = np.random.default_rng(1)
+    idx = mx.array(np.sort(rng.integers(0, E, size=40)).astype(np.uint32))
+    x = mx.random.normal((40, 1, D))
+    theirs = mx.gather_qmm(x, wq, s, b, rhs_indices=idx, transpose=True, group_size=64, bits=4)
+    assert rel_l2(K.gather_qmm(x, wq, s, b, idx), np.array(theirs, dtype=np.float64)) < 1e-5
+    idx2 = mx.array(rng.integers(0, E, size=(5, 4)).astype(np.int32))
+    x2 = mx.random.normal((5, 4, 1, D))
+    theirs = mx.gather_qmm(x2, wq, s, b, rhs_indices=idx2, transpose=True, group_size=64, bits=4)
+    assert rel_l2(K.gather_qmm(x2, wq, s, b, idx2), np.array(theirs, dtype=np.float64)) < 1e-5
+
+
+def test_results_do_not_depend_on_the_thread_count():
+    wq, s, b = quantized((32, 512, 1024), 4, 64, mx.bfloat16)
+    x = mx.random.normal((16, 1, 1, 1024))
+    idx = mx.array(np.random.default_rng(2).integers(0, 32, size=(16, 8)).astype(np.uint32))
+    before = K.get_threads()
+    try:
+        outs = []
+        for n in (1, 2, 3, 7):
+            K.set_threads(n)
+            outs.append(K.gather_qmm(x, wq, s, b, idx))
+            mx.eval(outs[-1])
+    finally:
+        K.set_threads(before)
+    assert all(mx.array_equal(o, outs[0]).item() for o in outs[1:])
+
+
+def test_non_contiguous_inputs_give_the_contiguous_result():
+    wq, s, b = quantized((8, 64, 256), 4, 64, mx.float32)
+    base = mx.random.normal((6, 256))
+    x = mx.random.normal((256, 6)).T  # transposed: not row-contiguous
+    idx = mx.array(np.arange(12, dtype=np.uint32) % 8).reshape(6, 2)
+    want = K.gather_qmm(mx.array(np.array(x))[:, None, None, :], wq, s, b, idx)
+    assert mx.array_equal(K.gather_qmm(x[:, None, None, :], wq, s, b, idx), want).item()
+    wide = mx.stack([wq, wq], axis=2).reshape(8, 128, -1)[:, ::2]  # a strided view of the weight
+    assert mx.array_equal(K.gather_qmm(base[:, None, None, :], wide, s, b, idx),
+                          K.gather_qmm(base[:, None, None, :], wq, s, b, idx)).item()
+
+
+def test_zero_rows_give_an_empty_result():
+    wq, s, b = quantized((4, 32, 64), 4, 64, mx.float32)
+    y = K.gather_qmm(mx.zeros((0, 1, 1, 64)), wq, s, b, mx.zeros((0, 2), dtype=mx.uint32))
+    assert y.shape == (0, 2, 1, 32)
+    assert K.quantized_matmul(mx.zeros((0, 64)), wq[0], s[0], b[0]).shape == (0, 32)
+
+
+@pytest.mark.parametrize("case, message", [
+    ("odd_groups", "not a multiple of group_size"),
+    ("bits", "bits must be one of"),
+    ("group_size", "group_size must be one of"),
+    ("scales_shape", "scales (4, 16, 2) and biases (4, 16, 2) must both be"),
+    ("x_dims", "x must be [batch, rows, K]"),
+    ("k_mismatch", "x has K = 128"),
+    ("no_biases", "needs biases"),
+    ("broadcast", "does not broadcast"),
+])
+def test_hostile_inputs_get_a_kernel_error(case, message):
+    wq, s, b = quantized((4, 32, 128), 4, 64, mx.float32)
+    x = mx.random.normal((3, 1, 1, 128))
+    idx = mx.zeros((3, 2), dtype=mx.uint32)
+    call = {
+        "odd_groups": lambda: K.gather_qmm(mx.zeros((3, 1, 1, 96)), wq[..., :12], s, b, idx, group_size=64),
+        "bits": lambda: K.gather_qmm(x, wq, s, b, idx, bits=3),
+        "group_size": lambda: K.gather_qmm(x, wq, s, b, idx, group_size=48),
+        "scales_shape": lambda: K.gather_qmm(x, wq, s[:, :16], b[:, :16], idx),
+        "x_dims": lambda: K.ext().qmm(mx.zeros((3, 128)), wq, s, b, mx.zeros((3,), dtype=mx.uint32), 4, 64, 1),
+        "k_mismatch": lambda: K.gather_qmm(x, wq[..., :8], s, b, idx),
+        "no_biases": lambda: K.gather_qmm(x, wq, s, None, idx),
+        "broadcast": lambda: K.gather_qmm(x, wq, s, b, mx.zeros((5, 2), dtype=mx.uint32)),
+    }[case]
+    with pytest.raises((KernelError, ValueError), match=message.replace("(", r"\(").replace(")", r"\)")
+                       .replace("[", r"\[").replace("]", r"\]")) as info:
+        call()
+    if case != "x_dims":  # the raw extension raises ValueError; the ops raise the typed error
+        assert isinstance(info.value, KernelError)
+
+
+def test_an_index_out_of_range_is_an_error_at_evaluation_not_a_crash():
+    wq, s, b = quantized((4, 32, 64), 4, 64, mx.float32)
+    idx = mx.array(np.array([[0, 1], [2, 9]], dtype=np.uint32))
+    y = K.gather_qmm(mx.random.normal((2, 1, 1, 64)), wq, s, b, idx)
+    with pytest.raises(RuntimeError, match=r"expert index 9 at position 3 is outside \[0, 4\)"):
+        mx.eval(y)
+    neg = K.gather_qmm(mx.random.normal((1, 1, 1, 64)), wq, s, b, mx.array([[-1, 0]], dtype=mx.int32))
+    with pytest.raises(RuntimeError, match=r"expert index -1 at position 0"):
+        mx.eval(neg)
+    # the process and the kernels go on
+    ok = K.gather_qmm(mx.random.normal((1, 1, 1, 64)), wq, s, b, mx.array([[3, 0]], dtype=mx.uint32))
+    mx.eval(ok)
+
+
+def test_the_kernels_setting_is_validated():
+    with pytest.raises(ConfigError, match="kernels must be auto, edge0 or mlx, got 'fast'"):
+        EngineConfig(kernels="fast")
+    assert K.resolve("auto", cpu=True, compute_dtype="float32") == "edge0"
+    assert K.resolve("auto", cpu=True, compute_dtype="bfloat16") == "mlx"
+    assert K.resolve("auto", cpu=False, compute_dtype="float32") == "mlx"
+    with pytest.raises(ConfigError, match="run on MLX's CPU device"):
+        K.resolve("edge0", cpu=False, compute_dtype="float32")
+
+
+def test_kernels_edge0_is_a_config_error_where_the_extension_is_missing(monkeypatch):
+    from edge0.backend.mlx.kernels import _loader
+
+    monkeypatch.setattr(_loader, "_ext", None)
+    monkeypatch.setattr(_loader, "_reason", "the extension is not built (test)")
+    with pytest.raises(ConfigError, match=r"kernels='edge0': the extension is not built \(test\)"):
+        Engine(DEMO, EngineConfig(kernels="edge0"))
+    assert K.resolve("auto", cpu=True, compute_dtype="float32") == "mlx"
+
+
+def test_demo_greedy_text_equals_mlx_kernels_for_64_tokens():
+    texts = {}
+    for kernels in ("edge0", "mlx"):
+        with Engine(DEMO, EngineConfig(kernels=kernels)) as e:
+            assert e.streaming.kernels == kernels
+            texts[kernels] = [[ev.token for ev in e.stream(p, max_tokens=64)] for p in README_PROMPTS]
+    assert texts["edge0"] == texts["mlx"]
+
+
+def test_edge0_kernels_compute_every_quantized_module_and_the_stats_line_names_them():
+    with Engine(DEMO, EngineConfig(kernels="edge0")) as e:
+        names = {type(m).__name__ for _, m in e.streaming.model.named_modules()}
+        assert "QuantizedLinear" not in names and "Edge0QuantizedLinear" in names
+        assert all(type(c).__name__ == "Edge0SwitchLinear"
+                   for t in e.streaming.switches().values() for _, c in t.template.named_modules()
+                   if "SwitchLinear" in type(c).__name__)
+        events = list(e.stream("def f(x):", max_tokens=4))
+    assert f"kernels edge0 ({K.isa()}, {K.get_threads()} threads)" in events[-1].stats.line()
+    with Engine(DEMO, EngineConfig(kernels="mlx")) as e:
+        assert "Edge0QuantizedLinear" not in {type(m).__name__ for _, m in e.streaming.model.named_modules()}
+        events = list(e.stream("def f(x):", max_tokens=4))
+    assert "| kernels mlx |" in events[-1].stats.line()
