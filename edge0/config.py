@@ -108,11 +108,13 @@ class EngineConfig:
     # More adapter directories kept resident beside the default one, each selectable per
     # generation by its directory name (the base is never reloaded to switch).
     extra_adapters: tuple[str, ...] = ()
-    # Threads (cores) the compute is split over: every expert stack call is cut into that
-    # many groups of expert slots, and every large quantized projection (attention, shared
-    # experts, head) into that many groups of output rows, each group on its own stream, put
-    # back in order (each row is computed as before, so outputs are bit-identical). 0 = all
-    # cores on the CPU backend, 1 on GPU backends.
+    # Threads (cores) the compute is split over. On Edge0's kernels each quantized matmul
+    # splits its output rows over that many threads of the kernels' pool; on MLX's, every
+    # expert stack call is cut into that many groups of expert slots, and every large
+    # quantized projection (attention, shared experts, head) into that many groups of output
+    # rows, each group on its own stream, put back in order. Either way each output is
+    # computed as with one thread, so outputs are bit-identical. 0 = every core this process
+    # may run on (its CPU affinity) on the CPU backend, 1 on GPU backends.
     compute_threads: int = 0
     # Which kernels compute the quantized matmuls (routed experts, attention, shared experts,
     # lm_head, quantized routers): "edge0" (Edge0's own CPU kernels, edge0/backend/mlx/kernels: output

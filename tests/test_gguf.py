@@ -128,10 +128,10 @@ def test_the_bench_command_passes_the_gguf_file_and_threads(tmp_path):
 
     from edge0.benchmark.command import _extra
 
-    args = argparse.Namespace(heads=None, gguf=str(tmp_path / "m.gguf"), llama_threads=2)
-    assert _extra(args) == {"gguf_file": str((tmp_path / "m.gguf").resolve()), "llama_threads": 2}
+    args = argparse.Namespace(heads=None, gguf=str(tmp_path / "m.gguf"), llama_threads=2, kernels="auto")
+    assert _extra(args) == {"gguf_file": str((tmp_path / "m.gguf").resolve()), "llama_threads": 2, "kernels": "auto"}
     with pytest.raises(ConfigError, match="--llama-threads must be at least 1, got 0"):
-        _extra(argparse.Namespace(heads=None, gguf=None, llama_threads=0))
+        _extra(argparse.Namespace(heads=None, gguf=None, llama_threads=0, kernels="mlx"))
 
 
 def test_the_default_gguf_copy_is_named_by_the_checkpoint(bench_gguf, tmp_path, monkeypatch):

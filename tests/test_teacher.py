@@ -246,3 +246,38 @@ def test_a_run_stopped_by_its_budget_keeps_its_state_and_resumes_bit_identical(t
     assert done["steps"] == 6 and not (out / te.RESUME_DIR).exists()
     digest = lambda d: hashlib.sha256((d / "teacher" / "model.safetensors").read_bytes()).hexdigest()
     assert digest(out) == digest(tmp_path / "straight")
+
+
+def test_a_bfloat16_copy_of_the_teacher_is_read_as_the_teacher(run, tmp_path, capsys):
+    """tools/teacher_copy.py keeps the teacher in bfloat16 with both files' sha256; the
+    evaluation and the training loaders read it in float32, within bf16 rounding of the
+    original's perplexity."""
+    import importlib.util
+    from pathlib import Path
+
+    import mlx.core as mx
+
+    from edge0.backend import nn as bnn
+    from edge0.train.quality import teacher_logprobs
+
+    out, _ = run
+    tool = Path(__file__).resolve().parents[1] / "tools" / "teacher_copy.py"
+    spec = importlib.util.spec_from_file_location("teacher_copy", tool)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    original = mod.sha256(out / "teacher" / "model.safetensors")
+    assert mod.main([str(out / "teacher"), str(tmp_path / "bf16"), "--expect-sha256", original]) == 0
+    prov = json.loads((tmp_path / "bf16" / "provenance.json").read_text())
+    assert prov["float32_original"] == {"model.safetensors_sha256": original, "expected_sha256": original,
+                                        "matches_the_demo_teacher": True}
+    assert prov["weights_sha256"]["model.safetensors"] == mod.sha256(tmp_path / "bf16" / "model.safetensors")
+    stored = mx.load(str(tmp_path / "bf16" / "model.safetensors"))
+    assert all(v.dtype == mx.bfloat16 for v in stored.values() if mx.issubdtype(v.dtype, mx.floating))
+    teacher = bnn.load_teacher(tmp_path / "bf16")
+    assert all(v.dtype == mx.float32 for _, v in bnn.parameters_flat(teacher).items()
+               if mx.issubdtype(v.dtype, mx.floating))
+    tokens = [int(t) for t in np.load(out / te.HELDOUT_FILE)[:256]]
+    ours, theirs = teacher_logprobs(tmp_path / "bf16", tokens, 64), teacher_logprobs(out / "teacher", tokens, 64)
+    nll = lambda lp: -float(np.mean(lp["logp"][np.arange(len(lp["targets"])), lp["targets"]]))  # noqa: E731
+    assert abs(nll(ours) - nll(theirs)) < 0.02 * nll(theirs)
+    assert mod.main([str(tmp_path / "nope"), str(tmp_path / "x")]) == 2

@@ -17,10 +17,16 @@ from edge0.backend import core as B
 
 
 def resolve_threads(n: int) -> int:
-    """``compute_threads`` 0 (auto): every core on the CPU backend, 1 elsewhere."""
+    """``compute_threads`` 0 (auto): every core this process may run on (its CPU affinity:
+    ``taskset``, a cpuset) on the CPU backend, 1 elsewhere."""
     if n:
         return n
-    return max(1, os.cpu_count() or 1) if B.is_cpu() else 1
+    if not B.is_cpu():
+        return 1
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # no affinity on this platform (macOS)
+        return max(1, os.cpu_count() or 1)
 
 
 class Split:

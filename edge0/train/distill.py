@@ -110,7 +110,7 @@ def teacher_topk(teacher_dir: Path, rows: np.ndarray, k: int, batch: int = 16,
     from edge0.backend import nn as bnn
 
     dp = dp or DataParallel(None)
-    teacher = bnn.load_full_model(teacher_dir)
+    teacher = bnn.load_teacher(teacher_dir)
     bnn.cast_model(teacher, mx.float32)
     starts = range(0, len(rows), batch)
     parts = {}

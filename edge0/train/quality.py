@@ -58,8 +58,7 @@ def served_logprobs(model_dir: str | Path, tokens: list[int], config: EngineConf
 
 def teacher_logprobs(teacher_dir: str | Path, tokens: list[int], window: int = 256) -> dict:
     """The same positions as ``served_logprobs``, from the resident float32 teacher."""
-    model = bnn.load_full_model(Path(teacher_dir))
-    bnn.cast_model(model, B.float32)
+    model = bnn.load_teacher(Path(teacher_dir))
     rows, targets = [], []
     for chunk in _windows(tokens, window):
         logits = model(B.array([chunk[:-1]]))[0].astype(B.float32)

@@ -55,7 +55,7 @@ def teacher_rows(teacher_dir: Path, model_dir: Path, cfg: SFTConfig, work: Path,
         return rows, meta
     train_stream, _, corpus_desc = D.token_streams(model_dir)
     prompt_rows = D.prompts(train_stream, cfg.rows, cfg.prompt_len, seed=cfg.seed)
-    teacher = bnn.load_full_model(teacher_dir)
+    teacher = bnn.load_teacher(teacher_dir)
     bnn.cast_model(teacher, mx.float32)
     t0 = time.perf_counter()
     rows = D.sample(teacher, prompt_rows, cfg.new_tokens, temp=cfg.temp, seed=cfg.seed, dp=dp,

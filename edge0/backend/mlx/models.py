@@ -265,3 +265,12 @@ def load_full_model(model_dir: Path, experts_per_token: int | None = None) -> nn
         override = ({"text_config": {**text, "num_experts_per_tok": experts_per_token}} if isinstance(text, dict)
                     else {"num_experts_per_tok": experts_per_token})
     return load_model(Path(model_dir), model_config=override)[0]
+
+
+def load_teacher(model_dir: Path) -> nn.Module:
+    """A teacher (a float checkpoint) for training and evaluation, computing in float32
+    whatever dtype its file stores: a bfloat16 copy of a float32 teacher (what the repository
+    keeps, ``tools/teacher_copy.py``) is read as the original is, its weights rounded once."""
+    model = load_full_model(model_dir)
+    cast_model(model, mx.float32)
+    return model

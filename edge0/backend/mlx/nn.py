@@ -34,6 +34,7 @@ from edge0.backend.mlx.models import (
     arg_annotations,
     build_model,
     load_full_model,
+    load_teacher,
     load_resident,
     model_classes,
     rotary_dims,
@@ -77,7 +78,7 @@ def split_projections(model: Module, threads: int, min_weights: int | None = Non
 __all__ = [
     "Linear", "Module", "SPLIT_MIN_WEIGHTS", "SplitQuantizedLinear", "adamw", "arg_annotations", "build_model",
     "cache_nbytes", "cache_trimmable", "cast_model", "children", "dequantize_model", "generate_step",
-    "hidden_width", "intercept", "is_linear", "is_switch", "linear_dims", "linear_modules", "load_full_model",
+    "hidden_width", "intercept", "is_linear", "is_switch", "linear_dims", "linear_modules", "load_full_model", "load_teacher",
     "load_parameters_flat", "load_resident", "load_tokenizer", "log_sigmoid", "make_cache", "model_classes",
     "module_at", "parameters_flat", "quantize_switch", "router_weight", "set_module_at", "silu",
     "rotary_dims", "split_projections", "switch_experts", "switch_layout", "switch_output_width", "token_embedding",
