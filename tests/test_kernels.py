@@ -82,6 +82,18 @@ def test_quantized_matmul_matches_a_float64_reference(isa, bits, scale_dtype):
         assert rel_l2(y, np.array(x, dtype=np.float64) @ ref_w.T) < 1e-5
 
 
+@pytest.mark.parametrize("bits, k", [(4, 96), (4, 32), (8, 96)])
+def test_widths_that_are_not_whole_blocks_match_the_reference(isa, bits, k):
+    """K not a multiple of the AVX2 loops' block (64 values at 4 bits, 32 at 8): the
+    portable loops compute it, as accurately."""
+    wq, s, b = quantized((6, 40, k), bits, 32, mx.bfloat16, seed=5)
+    x = mx.random.normal((3, 1, 1, k), key=mx.random.key(7))
+    idx = mx.array([[0, 5], [2, 2], [4, 1]], dtype=mx.uint32)
+    ref_w, xn, ii = dequantized64(wq, s, b, bits, 32), np.array(x, dtype=np.float64), np.array(idx)
+    ref = np.stack([np.stack([xn[r, 0] @ ref_w[ii[r, j]].T for j in range(2)]) for r in range(3)])
+    assert rel_l2(K.gather_qmm(x, wq, s, b, idx, bits=bits, group_size=32), ref) < 1e-5
+
+
 def test_the_sorted_and_the_down_projection_calls_match_mlx():
     """SwitchGLU's other two call shapes: rows sorted by expert ([T*k, 1, D] against [T*k])
     and the down projection ([T, k, 1, I] against [T, k])."""

@@ -114,53 +114,61 @@ __attribute__((target("avx2,fma"))) inline float hsum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, sh));
 }
 
-// the 8 quantized values k, k+1, ..., k+7 of a row (k a multiple of 8) as floats
 template <int BITS>
-__attribute__((target("avx2,fma"))) inline __m256 decode8(const uint32_t* wrow, int64_t k) {
-  if constexpr (BITS == 4) {
-    const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
-    __m256i v = _mm256_srlv_epi32(_mm256_set1_epi32(int(wrow[k >> 3])), shifts);
-    return _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0xf)));
-  } else {
-    auto bytes = reinterpret_cast<const uint8_t*>(wrow) + k;
-    __m128i b8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes));
-    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b8));
-  }
+constexpr int kBlock = 8 * (32 / BITS);  // elements per block: 64 (4-bit), 32 (8-bit)
+
+template <int BITS>
+void permute_x(const float* x, int64_t K, float* out) {
+  constexpr int per = 32 / BITS;
+  for (int64_t k0 = 0; k0 < K; k0 += kBlock<BITS>)
+    for (int s = 0; s < per; ++s)
+      for (int i = 0; i < 8; ++i) out[k0 + s * 8 + i] = x[k0 + i * per + s];
 }
 
-// RB rows of x against one weight row; U independent accumulators per row keep the FMA
-// units busy when RB is small (one accumulator chain would wait on the FMA latency).
+// the scale of each lane's elements in block b (k0 = b * block): one group, or two groups
+// of 32 side by side (4-bit, groups of 32: lanes 0-3 hold the first 32 elements)
+template <int BITS>
+__attribute__((target("avx2,fma"))) inline __m256 block_scale(const float* sc, int64_t k0, int gs) {
+  if (BITS == 4 && gs == 32) {
+    const __m128 a = _mm_set1_ps(sc[k0 / 32]), b = _mm_set1_ps(sc[k0 / 32 + 1]);
+    return _mm256_insertf128_ps(_mm256_castps128_ps256(a), b, 1);
+  }
+  return _mm256_set1_ps(sc[k0 / gs]);
+}
+
+// RB rows of permuted x against one weight row; U independent accumulators per row keep
+// the FMA units busy when RB is small (one accumulator chain would wait on its latency).
 template <int BITS, int RB>
 __attribute__((target("avx2,fma"))) void dot_avx2(const uint32_t* wrow, const float* sc, int64_t K,
                                                   int gs, const float* const* xr, float* res) {
+  constexpr int per = 32 / BITS;
   constexpr int U = RB >= 4 ? 1 : 4 / RB;
+  const __m256i mask = _mm256_set1_epi32((1 << BITS) - 1);
   __m256 tot[RB];
 #pragma GCC unroll 4
   for (int r = 0; r < RB; ++r) tot[r] = _mm256_setzero_ps();
-  const int chunks = gs / 8;  // 4, 8 or 16: a multiple of U
-  for (int64_t k0 = 0, g = 0; k0 < K; k0 += gs, ++g) {
+  for (int64_t k0 = 0; k0 < K; k0 += kBlock<BITS>) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wrow + k0 / per));
     __m256 acc[RB][U];
 #pragma GCC unroll 4
     for (int r = 0; r < RB; ++r)
 #pragma GCC unroll 4
       for (int u = 0; u < U; ++u) acc[r][u] = _mm256_setzero_ps();
-    for (int c = 0; c < chunks; c += U) {
+#pragma GCC unroll 8
+    for (int s = 0; s < per; ++s) {
+      const __m256i q = _mm256_and_si256(_mm256_srli_epi32(v, s * BITS), mask);
+      const __m256 wf = _mm256_cvtepi32_ps(q);
 #pragma GCC unroll 4
-      for (int u = 0; u < U; ++u) {
-        const int64_t k = k0 + int64_t(c + u) * 8;
-        const __m256 wf = decode8<BITS>(wrow, k);
-#pragma GCC unroll 4
-        for (int r = 0; r < RB; ++r)
-          acc[r][u] = _mm256_fmadd_ps(wf, _mm256_loadu_ps(xr[r] + k), acc[r][u]);
-      }
+      for (int r = 0; r < RB; ++r)
+        acc[r][s % U] = _mm256_fmadd_ps(wf, _mm256_loadu_ps(xr[r] + k0 + s * 8), acc[r][s % U]);
     }
-    const __m256 s = _mm256_set1_ps(sc[g]);
+    const __m256 scale = block_scale<BITS>(sc, k0, gs);
 #pragma GCC unroll 4
     for (int r = 0; r < RB; ++r) {
       __m256 a = acc[r][0];
 #pragma GCC unroll 4
       for (int u = 1; u < U; ++u) a = _mm256_add_ps(a, acc[r][u]);
-      tot[r] = _mm256_fmadd_ps(a, s, tot[r]);
+      tot[r] = _mm256_fmadd_ps(a, scale, tot[r]);
     }
   }
 #pragma GCC unroll 4
@@ -342,7 +350,19 @@ void run_qmm(const QmmArgs& a) {
       xsum[r * G + g] = s;
     }
   }
-  const bool avx2 = use_avx2();
+  // the AVX2 loops read x block-transposed (permute_x), whole blocks of 8 words
+  const bool avx2 = use_avx2() && a.K % kBlock<BITS> == 0;
+  std::vector<float> xp;
+  if (avx2) {
+    const int64_t X = (a.B / a.x_repeat) * a.M;  // distinct rows of x
+    xp.resize(X * a.K);
+    for (int64_t i = 0; i < X; ++i) permute_x<BITS>(a.x + i * a.K, a.K, xp.data() + i * a.K);
+  }
+  const float* xbase = avx2 ? xp.data() : a.x;
+  auto xdot = [&](int64_t r) {  // the x a row's dot products read
+    const int64_t b = r / a.M, m = r % a.M;
+    return xbase + ((b / a.x_repeat) * a.M + m) * a.K;
+  };
   auto part = [&](int p, int parts) {
     const int64_t n0 = a.N * p / parts, n1 = a.N * (p + 1) / parts;
     std::vector<float> sc(G), bi(G);
@@ -357,7 +377,7 @@ void run_qmm(const QmmArgs& a) {
           const int rb = int(std::min<int64_t>(4, s1 - s));
           const float* xr[4];
           float res[4];
-          for (int i = 0; i < rb; ++i) xr[i] = xrow(rows[s + i]);
+          for (int i = 0; i < rb; ++i) xr[i] = xdot(rows[s + i]);
           dot_rows<BITS>(avx2, wrow, sc.data(), a.K, a.group_size, xr, rb, res);
           for (int i = 0; i < rb; ++i) {
             const float* xs = xsum.data() + rows[s + i] * G;
