@@ -135,7 +135,10 @@ def use_edge0(*trees) -> int:
 
 def describe() -> str:
     """What the stats line names: ``edge0 (avx2, 2 threads)``."""
-    return f"edge0 ({K.isa()}, {K.get_threads()} threads)" if K.available() else "edge0 (unavailable)"
+    if not K.available():
+        return "edge0 (unavailable)"
+    n = K.get_threads()
+    return f"edge0 ({K.isa()}, {n} thread{'s' if n != 1 else ''})"
 
 
 def resolve(choice: str, *, cpu: bool, compute_dtype: str) -> str:
