@@ -363,6 +363,14 @@ void run_qmm(const QmmArgs& a) {
     const int64_t b = r / a.M, m = r % a.M;
     return xbase + ((b / a.x_repeat) * a.M + m) * a.K;
   };
+  // each row's x, its sums and its output, found once (not per output row n)
+  std::vector<const float*> xs_of(R), xd_of(R);
+  std::vector<float*> out_of(R);
+  for (int64_t i = 0; i < R; ++i) {
+    xd_of[i] = xdot(rows[i]);
+    xs_of[i] = xsum.data() + rows[i] * G;
+    out_of[i] = a.out + rows[i] * a.N;
+  }
   auto part = [&](int p, int parts) {
     const int64_t n0 = a.N * p / parts, n1 = a.N * (p + 1) / parts;
     std::vector<float> sc(G), bi(G);
@@ -375,15 +383,13 @@ void run_qmm(const QmmArgs& a) {
         load_params(a.biases, a.scale_type, row * G, G, bi.data());
         for (int64_t s = s0; s < s1; s += 4) {
           const int rb = int(std::min<int64_t>(4, s1 - s));
-          const float* xr[4];
           float res[4];
-          for (int i = 0; i < rb; ++i) xr[i] = xdot(rows[s + i]);
-          dot_rows<BITS>(avx2, wrow, sc.data(), a.K, a.group_size, xr, rb, res);
+          dot_rows<BITS>(avx2, wrow, sc.data(), a.K, a.group_size, xd_of.data() + s, rb, res);
           for (int i = 0; i < rb; ++i) {
-            const float* xs = xsum.data() + rows[s + i] * G;
+            const float* xs = xs_of[s + i];
             float bias = 0.0f;
             for (int64_t g = 0; g < G; ++g) bias += bi[g] * xs[g];
-            a.out[rows[s + i] * a.N + n] = res[i] + bias;
+            out_of[s + i][n] = res[i] + bias;
           }
         }
       }
