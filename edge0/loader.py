@@ -265,8 +265,8 @@ def load_streaming_model(model_dir: str | Path, config: EngineConfig, *, oracle:
     phase = StepPhase()  # the step hook says whether each forward pass decodes or prefills
     stager = None
     compute_dtype = resolve_compute_dtype(config.compute_dtype, raw)
-    kernels, split = _kernels(config, compute_dtype, [templates[layer] for layer in layers])
     try:
+        kernels, split = _kernels(config, compute_dtype, [templates[layer] for layer in layers])
         exact = ExactExecutor(index, reader, config.bundle_capacity, templates, log=log)
         exact.split = split
         recorder = RoutingRecorder() if record else None
