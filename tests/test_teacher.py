@@ -281,3 +281,33 @@ def test_a_bfloat16_copy_of_the_teacher_is_read_as_the_teacher(run, tmp_path, ca
     nll = lambda lp: -float(np.mean(lp["logp"][np.arange(len(lp["targets"])), lp["targets"]]))  # noqa: E731
     assert abs(nll(ours) - nll(theirs)) < 0.02 * nll(theirs)
     assert mod.main([str(tmp_path / "nope"), str(tmp_path / "x")]) == 2
+
+
+def test_the_kept_teacher_is_the_demos():
+    """teachers/demo-v2 is the bfloat16 copy of the float32 teacher the demo was quantized
+    from: its recorded original is the demo's teacher, its own bytes are what it records, and
+    it loads as a float32 teacher whose greedy choice matches the int4 demo's on most tokens."""
+    import hashlib
+    from pathlib import Path
+
+    import mlx.core as mx
+
+    from edge0.backend import nn as bnn
+
+    root = Path(__file__).resolve().parents[1]
+    kept, demo = root / "teachers" / "demo-v2", root / "edge0" / "data" / "demo_model"
+    prov = json.loads((kept / "provenance.json").read_text())
+    want = json.loads((demo / "provenance.json").read_text())["teacher_weights_sha256"]["model.safetensors"]
+    assert prov["float32_original"]["model.safetensors_sha256"] == want
+    digest = hashlib.sha256((kept / "model.safetensors").read_bytes()).hexdigest()
+    assert prov["weights_sha256"]["model.safetensors"] == digest
+    assert prov["dtype"].startswith("bfloat16") and prov["trained_dtype"] == "float32"
+    teacher = bnn.load_teacher(kept)
+    student = bnn.load_teacher(demo)
+    from tokenizers import Tokenizer
+
+    text = "import os\nimport sys\n\n\ndef read_config(path):\n    with open(path) as f:\n        return f.read()\n"
+    ids = mx.array([Tokenizer.from_file(str(kept / "tokenizer.json")).encode(text).ids])
+    a = mx.argmax(teacher(ids), axis=-1)
+    b = mx.argmax(student(ids), axis=-1)
+    assert ids.shape[1] > 16 and float(mx.mean(a == b)) > 0.85

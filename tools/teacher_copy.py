@@ -65,6 +65,8 @@ def main(argv=None) -> int:
     prov_file = src / "provenance.json"
     prov = json.loads(prov_file.read_text(encoding="utf-8")) if prov_file.is_file() else {}
     prov["kind"] = "the float32 teacher, every float tensor cast to bfloat16 (a copy kept in the repository)"
+    prov["trained_dtype"] = prov.get("dtype", "float32")
+    prov["dtype"] = "bfloat16 (edge0 loads a teacher in float32 whatever its file stores)"
     prov["float32_original"] = {"model.safetensors_sha256": original, "expected_sha256": expect,
                                 "matches_the_demo_teacher": original == expect}
     prov["weights_sha256"] = {"model.safetensors": sha256(out / "model.safetensors")}
