@@ -126,6 +126,42 @@ def test_results_do_not_depend_on_the_thread_count():
     assert all(mx.array_equal(o, outs[0]).item() for o in outs[1:])
 
 
+_SPIN_SCRIPT = """
+import sys, numpy as np, mlx.core as mx
+from edge0.backend.mlx import kernels as K
+rng = np.random.default_rng(3)
+w = mx.random.randint(0, 2**32, (16, 256, 64), dtype=mx.uint32, key=mx.random.key(0))
+s = mx.random.uniform(0.01, 0.02, (16, 256, 8), key=mx.random.key(1)).astype(mx.bfloat16)
+b = mx.random.uniform(-0.1, 0.1, (16, 256, 8), key=mx.random.key(2)).astype(mx.bfloat16)
+x = mx.random.normal((1, 1, 1, 512), key=mx.random.key(3))
+outs = []
+for threads in (1, 3):
+    K.set_threads(threads)
+    res = []
+    for i in range(60):  # back-to-back calls: workers wake from spinning, or from sleep
+        idx = mx.array(rng.integers(0, 16, size=(1, 4)).astype(np.uint32))
+        res.append(np.array(K.gather_qmm(x, w, s, b, idx)))
+    outs.append(np.stack(res))
+    rng = np.random.default_rng(3)
+np.save(sys.argv[1], np.stack(outs))
+"""
+
+
+@pytest.mark.parametrize("spin_us", ["0", "100000"])
+def test_workers_that_sleep_or_spin_between_calls_give_the_same_results(tmp_path, spin_us):
+    """EDGE0_KERNEL_SPIN_US bounds how long a worker spins before it sleeps; with 0 every
+    call wakes sleeping workers, with a long spin none sleeps: both give the one-thread result."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "r.npy"
+    env = dict(os.environ, EDGE0_KERNEL_SPIN_US=spin_us)
+    subprocess.run([sys.executable, "-c", _SPIN_SCRIPT, str(out)], env=env, check=True, timeout=120)
+    one, three = np.load(out)
+    assert np.array_equal(one, three) and np.isfinite(one).all() and np.abs(one).max() > 0
+
+
 def test_non_contiguous_inputs_give_the_contiguous_result():
     wq, s, b = quantized((8, 64, 256), 4, 64, mx.float32)
     base = mx.random.normal((6, 256))

@@ -12,7 +12,10 @@
 #include "qmm.h"
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <condition_variable>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <mutex>
@@ -208,8 +211,12 @@ void dot_rows(bool avx2, const uint32_t* wrow, const float* sc, int64_t K, int g
 
 // ---------------------------------------------------------------- thread pool
 // One parallel call at a time; a second caller (another MLX stream's thread) runs its parts
-// itself, in order. Workers sleep on a condition variable between calls (no spinning: the
-// machine is shared with the reader threads and the other stream).
+// itself, in order. After a call a worker spins for a bounded time (100 us;
+// EDGE0_KERNEL_SPIN_US sets it, 0 never spins)
+// watching for the next one, then sleeps on a condition variable: a forward pass makes its
+// calls a few microseconds apart, and waking a sleeping thread costs tens to hundreds of
+// microseconds on a virtual machine, as much as a one-row call's whole share. The spin is
+// bounded so that between steps the workers sleep and leave the cores to the reader threads.
 class Pool {
  public:
   void run(int parts, const std::function<void(int, int)>& fn) {
@@ -227,17 +234,36 @@ class Pool {
       std::lock_guard<std::mutex> lk(m_);
       job_ = &fn;
       parts_ = parts;
-      remaining_ = parts - 1;
-      ++generation_;
+      remaining_.store(parts - 1, std::memory_order_relaxed);
+      generation_.fetch_add(1, std::memory_order_release);
     }
     cv_.notify_all();
     fn(0, parts);
-    std::unique_lock<std::mutex> lk(m_);
-    done_.wait(lk, [&] { return remaining_ == 0; });
+    if (!spin_until([&] { return remaining_.load(std::memory_order_acquire) == 0; })) {
+      std::unique_lock<std::mutex> lk(m_);
+      done_.wait(lk, [&] { return remaining_.load(std::memory_order_acquire) == 0; });
+    }
+    std::lock_guard<std::mutex> lk(m_);
     job_ = nullptr;
   }
 
  private:
+  template <typename Pred>
+  static bool spin_until(Pred ready) {
+    static const std::chrono::microseconds spin = [] {
+      const char* v = std::getenv("EDGE0_KERNEL_SPIN_US");
+      return std::chrono::microseconds(v != nullptr ? std::max(0L, std::atol(v)) : 100L);
+    }();
+    const auto until = std::chrono::steady_clock::now() + spin;
+    for (int i = 0;; ++i) {
+      if (ready()) return true;
+#ifdef EDGE0_X86
+      _mm_pause();
+#endif
+      if ((i & 63) == 63 && std::chrono::steady_clock::now() > until) return false;
+    }
+  }
+
   void ensure_workers(int n) {
     const pid_t pid = getpid();
     if (pid != pid_) {  // a forked child has none of its parent's threads
@@ -246,30 +272,32 @@ class Pool {
     }
     while (workers_ < n) {
       int id = workers_++;
-      uint64_t gen;
-      {
-        std::lock_guard<std::mutex> lk(m_);
-        gen = generation_;
-      }
+      const uint64_t gen = generation_.load(std::memory_order_acquire);
       std::thread([this, id, gen] { loop(id, gen); }).detach();
     }
   }
 
   void loop(int id, uint64_t seen) {
     for (;;) {
+      auto fresh = [&] { return generation_.load(std::memory_order_acquire) != seen; };
+      if (!spin_until(fresh)) {
+        std::unique_lock<std::mutex> lk(m_);
+        cv_.wait(lk, fresh);
+      }
       const std::function<void(int, int)>* job;
       int parts;
       {
-        std::unique_lock<std::mutex> lk(m_);
-        cv_.wait(lk, [&] { return generation_ != seen; });
-        seen = generation_;
+        std::lock_guard<std::mutex> lk(m_);
+        seen = generation_.load(std::memory_order_acquire);
         job = job_;
         parts = parts_;
       }
       if (job != nullptr && id + 1 < parts) {
         (*job)(id + 1, parts);
-        std::lock_guard<std::mutex> lk(m_);
-        if (--remaining_ == 0) done_.notify_one();
+        if (remaining_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+          std::lock_guard<std::mutex> lk(m_);
+          done_.notify_one();
+        }
       }
     }
   }
@@ -277,8 +305,9 @@ class Pool {
   std::mutex call_, m_;
   std::condition_variable cv_, done_;
   const std::function<void(int, int)>* job_ = nullptr;
-  int parts_ = 0, remaining_ = 0, workers_ = 0;
-  uint64_t generation_ = 0;
+  int parts_ = 0, workers_ = 0;
+  std::atomic<int> remaining_{0};
+  std::atomic<uint64_t> generation_{0};
   pid_t pid_ = 0;
 };
 
