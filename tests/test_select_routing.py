@@ -393,3 +393,36 @@ def test_on_the_cpu_backend_the_default_flush_is_numpys_on_one_blas_thread(heads
         engine.generate_text(PROMPT, max_tokens=6, temp=0.0)
     assert len(counts) >= 4 and set(counts) == {1}, counts
     assert get() == 2
+
+
+@pytest.mark.parametrize("asked, want", [(None, {"routing": "select", "stage_extra": 2}),
+                                         (["--routing", "replace"], {"routing": "replace", "stage_extra": 0})])
+def test_sft_trains_on_the_routing_asked_for_and_records_it(heads, tmp_path, asked, want):
+    """`edge0 train sft --routing`: the student trains on that routing (default: the heads
+    file's record), and the adapter's provenance says which."""
+    from edge0.cli import main
+
+    d = heads("qwen3_moe", True, {"routing": "select", "stage_extra": 2})
+    out = tmp_path / "a"
+    argv = ["train", "sft", "--model", str(d), "--teacher", str(d), "--work", str(tmp_path / "w"), "--rows", "4",
+            "--steps", "2", "--batch", "2", "--rank", "2", "--out", str(out), "--no-progress"] + (asked or [])
+    assert main(argv) == 0
+    _, meta = mx.load(str(out / "adapters.safetensors"), return_metadata=True)
+    assert json.loads(meta["routing"]) == want
+    # phase 3 likewise: its student generates and trains on the routing asked for
+    out3 = tmp_path / "a3"
+    assert main(["train", "distill", "--model", str(d), "--teacher", str(d), "--work", str(tmp_path / "w"),
+                 "--rows", "2", "--steps", "1", "--batch", "1", "--adapter", str(out), "--out", str(out3),
+                 "--no-progress"] + (asked or [])) == 0
+    _, meta = mx.load(str(out3 / "adapters.safetensors"), return_metadata=True)
+    assert json.loads(meta["routing"]) == want
+
+
+def test_sft_refuses_stage_extra_with_replace(heads, tmp_path, capsys):
+    from edge0.cli import main
+
+    d = heads("qwen3_moe", True, {"routing": "select", "stage_extra": 2})
+    assert main(["train", "sft", "--model", str(d), "--teacher", str(d), "--work", str(tmp_path / "w"),
+                 "--routing", "replace", "--stage-extra", "2", "--no-progress"]) == 2
+    assert "--stage-extra applies to --routing select" in capsys.readouterr().err
+    assert not (tmp_path / "w").exists()  # refused before any work

@@ -64,6 +64,11 @@ def _lora_flags(p, defaults, *, teacher: bool = True) -> None:
         if hasattr(defaults, name):
             value = getattr(defaults, name)
             p.add_argument("--" + name, type=type(value), default=value, help=f"(default {value})")
+    if hasattr(defaults, "routing"):
+        p.add_argument("--routing", choices=("auto", "replace", "select"), default="auto",
+                       help="the routing the student trains on, as served (default auto: what the heads file records)")
+        p.add_argument("--stage-extra", type=int, default=None,
+                       help="with --routing select: experts staged beyond k (default: the heads file's record)")
 
 
 def add_lora_parsers(trs) -> None:
@@ -116,6 +121,12 @@ def _configured(cfg, args):
             setattr(cfg, name, getattr(args, name))
     cfg.time_budget_s = args.time_budget
     cfg.experts_per_token = args.experts_per_token
+    if hasattr(cfg, "routing") and getattr(args, "routing", None) is not None:
+        if args.routing == "replace" and args.stage_extra:
+            from edge0.errors import ConfigError
+
+            raise ConfigError("--stage-extra applies to --routing select")
+        cfg.routing, cfg.stage_extra = args.routing, args.stage_extra
     return cfg
 
 

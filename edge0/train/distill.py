@@ -46,6 +46,8 @@ class DistillConfig:
     checkpoint_every: int = 25
     time_budget_s: float | None = None
     experts_per_token: int | None = None
+    routing: str = "auto"  # the student's routing, in training and in its own continuations
+    stage_extra: int | None = None
 
 
 def reverse_kl_topk(student_logits, top_idx, teacher_logp, mask):
@@ -70,7 +72,7 @@ def student_rows(model_dir: Path, adapter_dir: Path, cfg: DistillConfig, work: P
 
     dp = dp or DataParallel(None)
     key = D.cache_key(artifact_identity(adapter_dir / "adapters.safetensors"), cfg.rows, cfg.prompt_len,
-                      cfg.new_tokens, cfg.temp, cfg.seed, cfg.experts_per_token)
+                      cfg.new_tokens, cfg.temp, cfg.seed, cfg.experts_per_token, cfg.routing, cfg.stage_extra)
     path = work / f"distill_rows-{key}.npy"
     if not dp.any(not path.exists()):
         rows, _, meta = D.load_rows(path)
@@ -79,7 +81,8 @@ def student_rows(model_dir: Path, adapter_dir: Path, cfg: DistillConfig, work: P
     prompt_rows = D.prompts(train_stream, cfg.rows, cfg.prompt_len, seed=cfg.seed + 1000)
     config = EngineConfig(adapter=str(adapter_dir), prerouter="on", pipeline="off", kernels="mlx",  # as trained
                           prerouter_file=str(heads_file) if heads_file else None,
-                          experts_per_token=cfg.experts_per_token)
+                          experts_per_token=cfg.experts_per_token, routing=cfg.routing,
+                          stage_extra=cfg.stage_extra)
     t0 = time.perf_counter()
     parts = {}
     with Engine(model_dir, config) as engine:
@@ -138,7 +141,7 @@ def run_distill(model_dir: str | Path, teacher_dir: str | Path, sft_adapter: str
     mask = D.continuation_mask(rows, cfg.prompt_len)
     top_idx, top_lp = teacher_topk(teacher_dir, rows, cfg.top_k, dp=dp)
     student = StudentModel(model_dir, heads_file=heads_file, seed=cfg.seed, experts_per_token=cfg.experts_per_token,
-                           **_lora_shape(sft_adapter))
+                           routing=cfg.routing, stage_extra=cfg.stage_extra, **_lora_shape(sft_adapter))
     student.load_lora(sft_adapter)
     P = np.full(cfg.batch, cfg.prompt_len)
 

@@ -271,6 +271,7 @@ def _save_adapter(student, out: Path, cfg, result: LoopResult, before: float, af
         "base_identity": checkpoint_identity(model_dir),
         "heads_identity": artifact_identity(student.heads_path) if student.heads_path else "",
         "heads_k": student.spec.k, "phase": phase,
+        "routing": ({"routing": student.routing[0], "stage_extra": student.routing[1]} if student.routing else None),
         "recipe": {**asdict(cfg), "steps_done": result.steps_done, "loss_before": before, "loss_after": after,
                    "seconds": round(result.seconds, 1)},
         "data": data_meta, "teacher_identity": checkpoint_identity(teacher_dir), **(provenance or {}),

@@ -38,6 +38,8 @@ class SFTConfig:
     checkpoint_every: int = 50
     time_budget_s: float | None = None
     experts_per_token: int | None = None
+    routing: str = "auto"  # the student's routing: auto = what the heads file records
+    stage_extra: int | None = None  # select routing: experts staged beyond k (None: the heads' record)
 
 
 def teacher_rows(teacher_dir: Path, model_dir: Path, cfg: SFTConfig, work: Path, say=print,
@@ -80,7 +82,7 @@ def run_sft(model_dir: str | Path, teacher_dir: str | Path, out: str | Path, cfg
     rows, data_meta = teacher_rows(teacher_dir, model_dir, cfg, work, say, dp)
     mask = D.continuation_mask(rows, cfg.prompt_len)
     student = StudentModel(model_dir, heads_file=heads_file, rank=cfg.rank, scale=cfg.scale, seed=cfg.seed,
-                           experts_per_token=cfg.experts_per_token)
+                           experts_per_token=cfg.experts_per_token, routing=cfg.routing, stage_extra=cfg.stage_extra)
     P = np.full(cfg.batch, cfg.prompt_len)
 
     def loss(model, tokens, m):
