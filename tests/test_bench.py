@@ -217,3 +217,25 @@ def test_variants_are_compared_with_their_base_arm_round_by_round(bench_model, t
     table = markdown(doc)
     assert f"exact@lora vs exact: decode {lora['decode_tps_ratio']['median']:.3f}" in table
     assert f"adapter {adapter_bytes / 2**20:.3f} MiB" in table and "2 experts per token (base arm 4)" in table
+
+
+def test_resident_at_edge0_is_mlx_lms_model_on_edge0s_kernels(bench_model):
+    """``resident@X`` with ``kernels=edge0`` runs mlx-lm's own model with every supported
+    quantized module computed by Edge0's kernels (the step without Edge0's executors), and
+    gives the resident model's logits to within float rounding."""
+    import mlx.core as mx
+    import numpy as np
+
+    from edge0.backend.mlx.kernels.ops import Edge0QuantizedLinear, Edge0SwitchLinear
+    from edge0.benchmark.arms import ARMS
+
+    plain = ARMS["resident"](str(bench_model), {"compute_dtype": "float32", "arm": "resident"})
+    ours = ARMS["resident"](str(bench_model), {"compute_dtype": "float32", "arm": "resident@e",
+                                                "arm_options": {"resident@e": {"kernels": "edge0"}}})
+    assert plain.info["kernels"] == "mlx" and ours.info["kernels"].startswith("edge0 (")
+    kinds = {type(m) for _, m in ours.model.named_modules()}
+    assert Edge0SwitchLinear in kinds and Edge0QuantizedLinear in kinds
+    assert not {Edge0SwitchLinear, Edge0QuantizedLinear} & {type(m) for _, m in plain.model.named_modules()}
+    ids = mx.array([[3, 14, 15, 92, 65, 35]])
+    a, b = np.array(plain.model(ids)), np.array(ours.model(ids))
+    assert np.linalg.norm(a - b) / np.linalg.norm(a) < 1e-4

@@ -51,10 +51,20 @@ def resident(model_dir: str, settings: dict) -> Loaded:
     from edge0.backend import core as B
     from edge0.backend import nn as bnn
 
+    from edge0.backend import kernels as bk
+    from edge0.exec.split import resolve_threads
+
     model = bnn.load_full_model(model_dir)
     bnn.cast_model(model, B.dtype(settings["compute_dtype"]))
     B.eval(model.parameters())
-    return Loaded(model, info={"cast": f"every float to {settings['compute_dtype']}, expert scales and biases included"})
+    info = {"cast": f"every float to {settings['compute_dtype']}, expert scales and biases included",
+            "kernels": "mlx"}
+    options = settings.get("arm_options", {}).get(settings.get("arm", ""), {})
+    if options.get("kernels", "mlx") == "edge0":  # resident@edge0: mlx-lm's model on Edge0's kernels
+        bk.set_threads(resolve_threads(options.get("compute_threads", 0)))
+        bk.use_edge0(model)
+        info["kernels"] = bk.describe()
+    return Loaded(model, info=info)
 
 
 def base_arm(name: str) -> str:
