@@ -273,3 +273,25 @@ def test_edge0_kernels_compute_every_quantized_module_and_the_stats_line_names_t
         assert "Edge0QuantizedLinear" not in {type(m).__name__ for _, m in e.streaming.model.named_modules()}
         events = list(e.stream("def f(x):", max_tokens=4))
     assert "| kernels mlx |" in events[-1].stats.line()
+
+
+def test_the_c_plus_plus_harness_builds_and_times_the_kernel(tmp_path):
+    """tools/qmm_bench.cpp (the kernels timed without MLX, docs/KERNELS.md) builds with the
+    line its header gives and prints its percentiles; a bad flag exits 2."""
+    import re
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    if shutil.which("g++") is None:
+        pytest.skip("no g++")
+    root = Path(__file__).resolve().parents[1]
+    csrc = root / "edge0" / "backend" / "mlx" / "kernels" / "csrc"
+    exe = tmp_path / "qmm_bench"
+    subprocess.run(["g++", "-O2", "-std=c++17", "-I", str(csrc), str(root / "tools" / "qmm_bench.cpp"),
+                    str(csrc / "qmm.cpp"), "-o", str(exe), "-lpthread"], check=True, timeout=300)
+    out = subprocess.run([str(exe), "--n", "64", "--k", "128", "--experts", "4", "--threads", "2", "--calls", "10"],
+                         capture_output=True, text=True, check=True, timeout=60).stdout
+    p10, p50, p90 = map(float, re.search(r"p10 ([\d.]+) p50 ([\d.]+) p90 ([\d.]+) ms", out).groups())
+    assert 0 < p10 <= p50 <= p90
+    assert subprocess.run([str(exe), "--bogus", "1"], capture_output=True, timeout=60).returncode == 2
