@@ -193,3 +193,21 @@ def test_quality_command_serves_each_adapter_row(model_with_heads, tmp_path, cap
     assert by["my row"]["nll"] != by["int4 + prerouter"]["nll"]
     assert "| my row |" in capsys.readouterr().out
     assert main(["train", "quality", "--model", str(d), "--teacher", str(d), "--heads", str(tmp_path / "none")]) == 2
+
+
+def test_cached_rows_without_their_metadata_are_written_again_and_bad_ones_named(tmp_path):
+    """Rows copied without their .json are not taken as a cache; metadata that cannot be read
+    is a CheckpointError naming the file, not a traceback."""
+    from edge0.errors import CheckpointError
+    from edge0.train import data as D
+
+    path = tmp_path / "rows.npy"
+    D.save_rows(path, np.arange(12, dtype=np.int32).reshape(3, 4), 2, {"x": 1})
+    assert D.rows_cached(path)
+    rows, prompt_len, meta = D.load_rows(path)
+    assert rows.shape == (3, 4) and prompt_len == 2 and meta["x"] == 1
+    (tmp_path / "rows.npy.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="rows.npy"):
+        D.load_rows(path)
+    (tmp_path / "rows.npy.json").unlink()
+    assert not D.rows_cached(path)

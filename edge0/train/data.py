@@ -148,6 +148,21 @@ def save_rows(path: Path, rows: np.ndarray, prompt_len: int, meta: dict) -> None
     path.with_name(path.name + ".tmp").replace(path)
 
 
+def rows_cached(path: Path) -> bool:
+    """Whether ``save_rows`` left both the rows and their metadata at ``path`` (rows copied
+    without their ``.json`` are not a cache: they are written again)."""
+    return Path(path).exists() and Path(str(path) + ".json").exists()
+
+
 def load_rows(path: Path) -> tuple[np.ndarray, int, dict]:
-    meta = json.loads(Path(str(path) + ".json").read_text())
-    return np.load(path), int(meta["prompt_len"]), meta
+    from edge0.errors import CheckpointError
+
+    meta_path = Path(str(path) + ".json")
+    try:
+        meta = json.loads(meta_path.read_text())
+        prompt_len = int(meta["prompt_len"])
+        rows = np.load(path)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"cached training rows cannot be read ({type(e).__name__}: {e}); delete "
+                              f"{Path(path).name} and its .json to write them again", file=path) from None
+    return rows, prompt_len, meta

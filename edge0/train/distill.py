@@ -74,7 +74,7 @@ def student_rows(model_dir: Path, adapter_dir: Path, cfg: DistillConfig, work: P
     key = D.cache_key(artifact_identity(adapter_dir / "adapters.safetensors"), cfg.rows, cfg.prompt_len,
                       cfg.new_tokens, cfg.temp, cfg.seed, cfg.experts_per_token, cfg.routing, cfg.stage_extra)
     path = work / f"distill_rows-{key}.npy"
-    if not dp.any(not path.exists()):
+    if not dp.any(not D.rows_cached(path)):
         rows, _, meta = D.load_rows(path)
         return rows, meta
     train_stream, _, corpus_desc = D.token_streams(model_dir)

@@ -52,7 +52,7 @@ def teacher_rows(teacher_dir: Path, model_dir: Path, cfg: SFTConfig, work: Path,
     identity = checkpoint_identity(teacher_dir)
     key = D.cache_key(identity, cfg.rows, cfg.prompt_len, cfg.new_tokens, cfg.temp, cfg.seed)
     path = work / f"sft_rows-{key}.npy"
-    if not dp.any(not path.exists()):
+    if not dp.any(not D.rows_cached(path)):
         rows, _, meta = D.load_rows(path)
         return rows, meta
     train_stream, _, corpus_desc = D.token_streams(model_dir)
