@@ -72,6 +72,19 @@ def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
+def fds_under(path) -> list[str]:
+    """The files under `path` this process holds open."""
+    root, held = str(os.path.realpath(path)), []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed while listing
+            continue
+        if target.startswith(root + os.sep):
+            held.append(target)
+    return held
+
+
 def baseline(engine) -> dict:
     return {"resources": engine.resources(), "threads": edge0_threads(), "fds": open_fds()}
 

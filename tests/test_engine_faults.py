@@ -16,7 +16,7 @@ import pytest
 
 from edge0 import CheckpointError, ConfigError, Engine, EngineConfig
 from edge0.errors import RoutingMismatchError
-from tests.test_async_misuse import CONFIGS, PROMPT, N, edge0_threads, open_fds, setups  # noqa: F401
+from tests.test_async_misuse import CONFIGS, PROMPT, N, edge0_threads, fds_under, open_fds, setups  # noqa: F401
 
 
 def test_unclosed_engines_do_not_keep_python_from_exiting(setups):
@@ -51,17 +51,22 @@ def test_unclosed_engines_do_not_keep_python_from_exiting(setups):
 
 
 def test_garbage_collected_engine_releases_threads_and_files(setups):
+    """Counted by what the engine itself holds: its threads and the checkpoint's files (a
+    descriptor count alone also moves when earlier tests' garbage is collected)."""
     d, cfg, _, _ = setups["staged+heads"]
+    gc.collect()
     threads, fds = edge0_threads(), open_fds()
+    assert fds_under(d) == []
     engine = Engine(d, cfg)
     list(engine.stream(PROMPT, max_tokens=3))
-    assert edge0_threads() > threads and open_fds() > fds
+    assert edge0_threads() > threads and fds_under(d)
     del engine
     gc.collect()
     deadline = time.time() + 10
-    while (edge0_threads(), open_fds()) != (threads, fds) and time.time() < deadline:
+    while (edge0_threads() != threads or fds_under(d) or open_fds() > fds) and time.time() < deadline:
         time.sleep(0.05)
-    assert (edge0_threads(), open_fds()) == (threads, fds)
+    assert (edge0_threads(), fds_under(d)) == (threads, [])
+    assert open_fds() <= fds  # nothing else it opened (event loop, pipes) is left either
 
 
 def test_failed_opens_leak_no_file_descriptors(setups, tmp_path):
@@ -69,10 +74,12 @@ def test_failed_opens_leak_no_file_descriptors(setups, tmp_path):
 
     d = copy_model(setups["exact"][0], tmp_path / "m")
     (d / "tokenizer.json").write_text("{ not json")
+    gc.collect()  # earlier tests' garbage closed now, not during the count
     before, threads = open_fds(), edge0_threads()
     for _ in range(30):
         with pytest.raises(Exception):
             Engine(d)
+    assert fds_under(d) == []
     assert open_fds() == before and edge0_threads() == threads
 
 

@@ -243,6 +243,9 @@ def test_kernels_edge0_is_a_config_error_where_the_extension_is_missing(monkeypa
     monkeypatch.setattr(_loader, "_reason", "the extension is not built (test)")
     from tests.test_async_misuse import edge0_threads, open_fds
 
+    import gc
+
+    gc.collect()  # earlier tests' garbage closed now, not during the count
     fds, threads = open_fds(), edge0_threads()
     with pytest.raises(ConfigError, match=r"kernels='edge0': the extension is not built \(test\)"):
         Engine(DEMO, EngineConfig(kernels="edge0"))
