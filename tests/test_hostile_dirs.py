@@ -327,7 +327,7 @@ def test_adapter_files_of_the_wrong_kind(worker, adapter_base, tmp_path, name, k
     _check(worker, d, error, match)
 
 
-@pytest.mark.parametrize("length", [2**63, 2**64 - 1, 100 * 2**20 + 1])
+@pytest.mark.parametrize("length", [2**63, 2**64 - 1, 100 * 2**20 + 1, 100_000_000])
 def test_adapter_header_length_past_anything(worker, adapter_base, tmp_path, length):
     d = _adapter_copy(adapter_base, tmp_path)
     p = d / "adapter" / "adapters.safetensors"
@@ -384,3 +384,84 @@ def test_a_per_layer_list_where_the_model_reads_one_is_served_as_the_single_valu
     _set_config(d, moe_topk=[2**40] * cfg["num_hidden_layers"])
     with pytest.raises(ConfigError, match=r"moe_topk\[0\]"):
         Engine(d)
+
+
+def _rename_tensor(d: Path, name: str, new: str) -> None:
+    """Rename one tensor in the header, keeping the header's length."""
+    f = next(p for p in sorted(d.glob("*.safetensors")) if name.encode() in p.read_bytes()[:2**20])
+    raw = f.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    assert len(new) == len(name)
+    blob = raw[8:8 + n].replace(f'"{name}"'.encode(), f'"{new}"'.encode(), 1)
+    assert blob != raw[8:8 + n]
+    f.write_bytes(raw[:8] + blob + raw[8 + n:])
+
+
+@pytest.mark.parametrize("family,suffix", [
+    ("qwen3_moe", "mlp.switch_mlp.gate_proj.weight"),
+    ("qwen3_moe", "mlp.switch_mlp.down_proj.weight"),
+    ("qwen3_moe", "self_attn.q_proj.weight"),
+    ("deepseek_v3", "mlp.switch_mlp.up_proj.weight"),
+])
+def test_quantized_tensor_whose_weight_is_gone(worker, tiny_model_factory, tmp_path, family, suffix):
+    """A switch expert's .weight renamed away while its .scales stay (it once raised KeyError
+    in the quantizer): a LayoutError naming the file and the missing key."""
+    d = _copy(tiny_model_factory, family, tmp_path)
+    header = json.loads((d / "model.safetensors").read_bytes()[8:8 + struct.unpack(
+        "<Q", (d / "model.safetensors").read_bytes()[:8])[0]])
+    name = next(k for k in header if k.endswith(suffix))
+    _rename_tensor(d, name, name[:-len("weight")] + "weighz")
+    _check(worker, d, "LayoutError", f"tensor '{name}'")
+
+
+def _pad_header(p: Path, length: int) -> None:
+    """The same safetensors file with its (valid) header padded with spaces to ``length``."""
+    raw = p.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    blob = raw[8:8 + n] + b" " * (length - n)
+    p.unlink()
+    with open(p, "wb") as f:
+        f.write(struct.pack("<Q", length))
+        f.write(blob)
+        f.write(raw[8 + n:])
+
+
+def test_adapter_with_a_header_mlx_would_refuse(worker, adapter_base, tmp_path):
+    """A 100,000,000-byte header is valid JSON but past MLX's loader (an untyped RuntimeError
+    there): Edge0's own reader refuses it first, naming the file."""
+    d = _adapter_copy(adapter_base, tmp_path)
+    _pad_header(d / "adapter" / "adapters.safetensors", 100_000_000)
+    _check(worker, d, "HeaderError", "adapters.safetensors")
+
+
+def test_heads_with_a_header_mlx_would_refuse(worker, tiny_model_factory, tmp_path):
+    from edge0.prerouter.files import checkpoint_identity, save_heads
+    from edge0.prerouter.heads import PrerouterHeads
+
+    d = _copy(tiny_model_factory, "qwen3_moe", tmp_path)
+    heads = PrerouterHeads([0, 1, 2], hidden=128, experts=16, k=4, width=16)
+    save_heads(heads, d / "prerouter.safetensors", base_identity=checkpoint_identity(d), recipe={},
+               training_data="test")
+    assert worker.run(d, time_limit=60)[0] == "opened"
+    _pad_header(d / "prerouter.safetensors", 100_000_000)
+    _check(worker, d, "HeaderError", "prerouter.safetensors")
+
+
+@pytest.mark.parametrize("dtype", ["I16", "BF16", "U16"])
+def test_heads_tensor_relabelled_to_another_type_of_the_same_width(worker, tiny_model_factory, tmp_path, dtype):
+    """Once accepted, serving other numbers: every heads tensor is float16 as written."""
+    from edge0.prerouter.files import checkpoint_identity, save_heads
+    from edge0.prerouter.heads import PrerouterHeads
+
+    d = _copy(tiny_model_factory, "qwen3_moe", tmp_path)
+    p = d / "prerouter.safetensors"
+    save_heads(PrerouterHeads([0, 1, 2], hidden=128, experts=16, k=4, width=16), p,
+               base_identity=checkpoint_identity(d), recipe={}, training_data="test")
+    raw = p.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    name = sorted(k for k in header if k != "__metadata__")[-1]
+    header[name]["dtype"] = dtype
+    blob = json.dumps(header).encode()
+    p.write_bytes(struct.pack("<Q", len(blob)) + blob + raw[8 + n:])
+    _check(worker, d, "CheckpointError", f"tensor '{name}': dtype {dtype}: heads files store every tensor as F16")

@@ -126,6 +126,21 @@ def check_half_dtypes(headers: list[SafetensorsHeader]) -> None:
                       f"half-precision tensors in one type", file=h.path, tensor=name)
 
 
+def check_quantized_groups(headers: list[SafetensorsHeader]) -> None:
+    """Every quantized tensor is whole: ``X.scales`` (or ``X.biases``) without ``X.weight``
+    beside it (a renamed or deleted key, a flipped header byte) is refused naming the file
+    and the missing key, before any module is built from the headers."""
+    names = {name for h in headers for name in h.tensors}
+    for h in headers:
+        for name in h.tensors:
+            for part in (".scales", ".biases"):
+                if name.endswith(part):
+                    weight = name[: -len(part)] + ".weight"
+                    if weight not in names:
+                        raise LayoutError(f"{name} is in the checkpoint but {weight} is in no weight file: a quantized "
+                                          "tensor needs its weight, scales and biases", file=h.path, tensor=weight)
+
+
 def max_dimension(headers: list[SafetensorsHeader]) -> int:
     return max((d for h in headers for e in h.tensors.values() for d in e.shape), default=1)
 

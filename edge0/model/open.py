@@ -15,7 +15,8 @@ from pathlib import Path
 from edge0.backend import nn as bnn
 from edge0.errors import ConfigError
 from edge0.model.arch import check_streamable, derive_spec
-from edge0.model.checkpoint import CheckpointIndex, check_half_dtypes, max_dimension, read_headers, refuse_unsafe
+from edge0.model.checkpoint import (CheckpointIndex, check_half_dtypes, check_quantized_groups, max_dimension,
+                                   read_headers, refuse_unsafe)
 from edge0.model.config_check import (check_fractions, check_nested, check_quantization, check_required, check_rotary,
                                       check_values, layer_bound)
 from edge0.model.spec import MoESpec, load_config, with_experts_per_token
@@ -40,6 +41,7 @@ def validated(model_dir: Path, experts_per_token: int | None = None) -> tuple[di
     check_required(raw)
     check_fractions(raw)
     check_half_dtypes(headers)
+    check_quantized_groups(headers)
     return raw, headers
 
 

@@ -42,7 +42,9 @@ DTYPE_SIZES: dict[str, int] = {
     "I32": 4, "U32": 4, "F32": 4,
     "F64": 8, "I64": 8, "U64": 8,
 }
-MAX_HEADER_BYTES = 100 * 1024 * 1024
+# MLX's loader refuses a header of 100,000,000 bytes or more with an untyped RuntimeError; every
+# file MLX may load later (resident weights, heads, adapters) is refused here first instead.
+MAX_HEADER_BYTES = 100_000_000 - 1
 _MAX_NBYTES = 2**63 - 1  # offsets become signed 64-bit file positions downstream
 _MAX_INT_DIGITS = 24  # longer than any u64; stops quadratic int() on hostile literals
 _FIELDS = ("dtype", "shape", "data_offsets")

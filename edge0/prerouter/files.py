@@ -26,6 +26,7 @@ from edge0.model.safetensors_header import read_header
 
 HEADS_FILENAME = "prerouter.safetensors"
 FORMAT = "edge0-prerouter/1"
+STORED_DTYPE = "F16"  # what save_heads writes
 
 
 def checkpoint_identity(model_dir: str | Path) -> str:
@@ -50,7 +51,7 @@ def save_heads(heads: PrerouterHeads, path: str | Path, *, base_identity: str, r
     from edge0 import __version__
 
     path = Path(path)
-    arrays = {k: v.astype(B.float16) for k, v in bnn.parameters_flat(heads).items()}
+    arrays = {k: v.astype(B.float16) for k, v in bnn.parameters_flat(heads).items()}  # STORED_DTYPE
     meta = {
         "format": FORMAT, "base_identity": base_identity, "owners": json.dumps(heads.owners),
         "consumers": json.dumps(heads.consumers()),
@@ -111,6 +112,10 @@ def load_heads(path: str | Path, model_dir: str | Path, *, dtype: str = "float16
         _check_against_model(owners, consumers, shape, spec, path)
     heads = PrerouterHeads(owners, shape["hidden"], shape["experts"], shape["k"], shape["width"], consumers,
                            token_dim=shape["token_dim"])
+    for name, entry in header.tensors.items():
+        if entry.dtype != STORED_DTYPE:  # a relabelled tensor would load as other numbers
+            raise CheckpointError(f"dtype {entry.dtype}: heads files store every tensor as {STORED_DTYPE}",
+                                  file=path, tensor=name)
     arrays, _ = B.load_safetensors(str(path))
     want = bnn.parameters_flat(heads)
     if set(arrays) != set(want):
