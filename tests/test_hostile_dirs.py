@@ -465,3 +465,50 @@ def test_heads_tensor_relabelled_to_another_type_of_the_same_width(worker, tiny_
     blob = json.dumps(header).encode()
     p.write_bytes(struct.pack("<Q", len(blob)) + blob + raw[8 + n:])
     _check(worker, d, "CheckpointError", f"tensor '{name}': dtype {dtype}: heads files store every tensor as F16")
+
+
+def test_more_weight_files_than_edge0_opens(worker, tiny_model_factory, tmp_path):
+    """An index of 10,000 shards once ran 69 s into an OSError (too many open files)."""
+    from edge0.model.checkpoint import MAX_WEIGHT_FILES
+    from tests.ckpt_tools import write_tensors
+
+    d = _copy(tiny_model_factory, "qwen3_moe", tmp_path)
+    for i in range(MAX_WEIGHT_FILES):
+        write_tensors(d / f"model-extra-{i:05d}.safetensors", [])
+    _check(worker, d, "LayoutError", f"{MAX_WEIGHT_FILES + 1} weight files (model*.safetensors): more than the "
+                                     f"{MAX_WEIGHT_FILES}")
+
+
+_NOFILE_SCRIPT = """
+import os, resource, sys
+from edge0 import Engine, EngineConfig
+from edge0.errors import CheckpointError
+d, soft_extra, hard_extra = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+open_now = len(os.listdir("/proc/self/fd"))
+resource.setrlimit(resource.RLIMIT_NOFILE, (open_now + soft_extra, open_now + hard_extra))
+try:
+    with Engine(d, EngineConfig(direct_io="off")) as e:
+        print("opened", e.generate_text("def f(x):", max_tokens=2)[0] is not None)
+except CheckpointError as exc:
+    print("refused", exc)
+"""
+
+
+@pytest.mark.parametrize("soft_extra,hard_extra,expect", [
+    (20, 200, "opened"),      # the soft limit is raised toward the hard one
+    (20, 60, "refused"),      # 40 shards + the margin do not fit under the hard limit
+    (1000, 1000, "opened"),
+])
+def test_shards_against_the_open_file_limit(tiny_model_factory, tmp_path, soft_extra, hard_extra, expect):
+    import subprocess
+    import sys
+
+    from tests.ckpt_tools import copy_model
+
+    d = copy_model(tiny_model_factory("qwen3_moe"), tmp_path / "m", shards=40)
+    out = subprocess.run([sys.executable, "-c", _NOFILE_SCRIPT, str(d), str(soft_extra), str(hard_extra)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith(expect), out.stdout + out.stderr[-2000:]
+    if expect == "refused":
+        assert "weight files need 40 open files" in out.stdout and "raise `ulimit -n`" in out.stdout

@@ -62,6 +62,8 @@ class ExpertReader:
         self._bounce = dio.Bounce()
         self._pool = None
         self._lock = threading.Lock()
+        ensure_descriptors(len(index.files) * (2 if direct else 1), what=f"the checkpoint's {len(index.files)} "
+                           "weight files" + (" (two descriptors each with direct reads)" if direct else ""))
         try:
             for path in index.files:
                 fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
@@ -229,6 +231,37 @@ class ExpertReader:
         with self._lock:
             self.stats.count(layer, total, len(jobs), time.perf_counter() - t0)
         return total
+
+
+DESCRIPTOR_MARGIN = 64  # left for sockets, logs, the tokenizer, other engines' files
+
+
+def ensure_descriptors(needed: int, *, what: str) -> None:
+    """Room for ``needed`` more open files, raising the soft RLIMIT_NOFILE toward the hard
+    one where that is short; a CheckpointError saying how many there is room for where even
+    the hard limit is (before one file is opened, not an OSError half-way)."""
+    try:
+        import resource
+    except ImportError:  # not POSIX: nothing to ask
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    fd_dir = "/proc/self/fd" if os.path.isdir("/proc/self/fd") else "/dev/fd"
+    try:
+        open_now = len(os.listdir(fd_dir))
+    except OSError:
+        return
+    want = open_now + needed + DESCRIPTOR_MARGIN
+    if soft != resource.RLIM_INFINITY and want > soft:
+        raised = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+            soft = raised
+        except (ValueError, OSError):
+            pass
+    if soft != resource.RLIM_INFINITY and want > soft:
+        raise CheckpointError(f"{what} need {needed} open files; this process may open {soft} (RLIMIT_NOFILE "
+                              f"{soft}, hard limit {hard}) and has {open_now} open: raise `ulimit -n`, or write "
+                              "the checkpoint in fewer, larger shards")
 
 
 def _runs(experts: list[int], rows: list[int]) -> list[tuple[int, int, int]]:

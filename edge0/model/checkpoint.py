@@ -80,6 +80,7 @@ def refuse_unsafe(model_dir: Path, config: dict) -> None:
 
 
 _SHARD_NAME = re.compile(r"model[A-Za-z0-9._-]*\.safetensors")
+MAX_WEIGHT_FILES = 4096  # the largest public checkpoints have a few hundred shards
 
 
 def weight_files(model_dir: Path) -> list[Path]:
@@ -88,6 +89,9 @@ def weight_files(model_dir: Path) -> list[Path]:
     files = sorted(p for p in model_dir.glob("model*.safetensors") if _SHARD_NAME.fullmatch(p.name))
     if not files:
         raise LayoutError("no model*.safetensors file in the model directory", file=model_dir)
+    if len(files) > MAX_WEIGHT_FILES:
+        raise LayoutError(f"{len(files)} weight files (model*.safetensors): more than the {MAX_WEIGHT_FILES} "
+                          "Edge0 opens; write the checkpoint in fewer, larger shards", file=model_dir)
     for f in files:
         check_entry(model_dir, f.name)
     index = model_dir / "model.safetensors.index.json"
