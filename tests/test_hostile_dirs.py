@@ -512,3 +512,38 @@ def test_shards_against_the_open_file_limit(tiny_model_factory, tmp_path, soft_e
     assert out.stdout.startswith(expect), out.stdout + out.stderr[-2000:]
     if expect == "refused":
         assert "weight files need 40 open files" in out.stdout and "raise `ulimit -n`" in out.stdout
+
+
+def test_resident_weights_declared_past_the_memory_the_process_may_use(worker, tiny_model_factory, tmp_path):
+    """A 15 MB sparse directory whose config and header declared a 13.4 GiB embedding once
+    passed 4 GiB of RSS: the declared resident bytes are checked against the memory the
+    process may use (here the worker's 4 GiB address-space limit) before any is read."""
+    from tests.ckpt_tools import read_tensors
+
+    d = _copy(tiny_model_factory, "qwen3_moe", tmp_path)
+    vocab = 2**25  # embedding and lm_head: 2 x (2 GiB of int4 + 256 MiB of scales and biases)
+    _set_config(d, vocab_size=vocab)
+    f = d / "model.safetensors"
+    tensors, meta = read_tensors(f)
+    header, offset, big = {"__metadata__": meta} if meta else {}, 0, []
+    for t in tensors:
+        shape = list(t["shape"])
+        if t["name"].startswith(("model.embed_tokens.", "lm_head.")):
+            shape[0] = vocab
+            big.append(t["name"])
+        size = len(t["data"]) // t["shape"][0] * shape[0]
+        header[t["name"]] = {"dtype": t["dtype"], "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)
+    f.unlink()
+    with open(f, "wb") as out:
+        out.write(struct.pack("<Q", len(blob)) + blob)
+        for t in tensors:
+            if t["name"] in big:  # a hole: the file declares the bytes without holding them
+                out.seek(len(t["data"]) // t["shape"][0] * vocab, os.SEEK_CUR)
+            else:
+                out.write(t["data"])
+        out.truncate()
+    assert f.stat().st_blocks * 512 < 64 * 2**20  # sparse
+    _check(worker, d, "CheckpointError", "the resident weights (every tensor but the routed experts) declare 4.50 GiB")

@@ -65,10 +65,26 @@ def cgroup_limit(proc_cgroup: str = "/proc/self/cgroup", root: Path = CGROUP_ROO
     return min(limits) if limits else None
 
 
+def rlimit_memory() -> int | None:
+    """The smaller finite address-space or data-segment limit (``ulimit -v`` / ``-d``), or None."""
+    try:
+        import resource
+    except ImportError:
+        return None
+    limits = []
+    for name in ("RLIMIT_AS", "RLIMIT_DATA"):
+        which = getattr(resource, name, None)
+        if which is not None:
+            soft, _ = resource.getrlimit(which)
+            if soft != resource.RLIM_INFINITY and soft > 0:
+                limits.append(soft)
+    return min(limits) if limits else None
+
+
 def memory_limit() -> int:
-    """The memory this process may use: physical memory, or less under a cgroup limit."""
-    limit = cgroup_limit()
-    return min(physical_memory(), limit) if limit else physical_memory()
+    """The memory this process may use: physical memory, or less under a cgroup limit or
+    an address-space / data rlimit."""
+    return min(x for x in (physical_memory(), cgroup_limit(), rlimit_memory()) if x)
 
 
 def wants_direct(mode: str, files: list[str]) -> bool:
