@@ -547,3 +547,21 @@ def test_resident_weights_declared_past_the_memory_the_process_may_use(worker, t
         out.truncate()
     assert f.stat().st_blocks * 512 < 64 * 2**20  # sparse
     _check(worker, d, "CheckpointError", "the resident weights (every tensor but the routed experts) declare 4.50 GiB")
+
+
+def test_config_with_a_flood_of_unused_keys(worker, tiny_model_factory, tmp_path):
+    """200,000 unused keys once took 37 s to open (mlx-lm asks for a signature per key):
+    up to the bound they are dropped before mlx-lm sees them, past it refused."""
+    from edge0.model.spec import MAX_CONFIG_KEYS
+
+    d = _copy(tiny_model_factory, "qwen3_moe", tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    _set_config(d, **{f"unused_{i}": i for i in range(MAX_CONFIG_KEYS - len(cfg))})
+    outcome, detail = worker.run(d, time_limit=60)
+    assert outcome == "opened", detail
+    _set_config(d, unused_last=0)
+    _check(worker, d, "ConfigError", f"the top-level object has {MAX_CONFIG_KEYS + 1} keys, more than the "
+                                     f"{MAX_CONFIG_KEYS}")
+    d = _copy(tiny_model_factory, "qwen3_moe", tmp_path, name="n")
+    _set_config(d, rope_scaling={f"k{i}": i for i in range(MAX_CONFIG_KEYS + 1)})
+    _check(worker, d, "ConfigError", f"rope_scaling has {MAX_CONFIG_KEYS + 1} keys")

@@ -97,4 +97,21 @@ def load_config(model_dir: str | Path) -> dict:
                           "exist") from None
     if not isinstance(config, dict):
         raise ConfigError(f"{Path(model_dir) / 'config.json'} must hold a JSON object")
+    _check_key_counts(config, Path(model_dir) / "config.json")
     return config
+
+
+MAX_CONFIG_KEYS = 10_000  # per JSON object; real configs hold a few hundred (mlx-lm checks each key's name
+# against its argument class one signature at a time: 200,000 keys took 37 s)
+
+
+def _check_key_counts(value, where: Path, path: str = "") -> None:
+    if isinstance(value, dict):
+        if len(value) > MAX_CONFIG_KEYS and path.rsplit(".", 1)[-1] not in ("quantization", "quantization_config"):
+            raise ConfigError(f"{where}: {path or 'the top-level object'} has {len(value)} keys, more than the "
+                              f"{MAX_CONFIG_KEYS} a model configuration may hold")
+        for k, v in value.items():
+            _check_key_counts(v, where, f"{path}.{k}" if path else k)
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_key_counts(v, where, f"{path}[{i}]")

@@ -124,6 +124,20 @@ def _text_args_class(model_class, args_class, text_config: dict):
     return None
 
 
+def _model_args(args_class, config: dict):
+    """``args_class.from_dict(config)``; where the class keeps mlx-lm's own ``from_dict``
+    (which asks for the class's signature once per key) the keys it would ignore are
+    dropped first, with one signature."""
+    import inspect
+
+    from mlx_lm.models.base import BaseModelArgs
+
+    if getattr(args_class.from_dict, "__func__", None) is BaseModelArgs.from_dict.__func__:
+        known = inspect.signature(args_class).parameters
+        config = {k: v for k, v in config.items() if k in known}
+    return args_class.from_dict(config)
+
+
 def build_model(config: dict, replace_blocks: Callable[[nn.Module], None] = lambda m: None,
                 config_file: str = "config.json"):
     """Instantiate the mlx-lm model of ``config`` (its arrays stay lazy: nothing is
@@ -131,7 +145,7 @@ def build_model(config: dict, replace_blocks: Callable[[nn.Module], None] = lamb
     reject is a ConfigError naming config.json."""
     model_class, args_class = model_classes(config)
     try:
-        model = model_class(args_class.from_dict(config))
+        model = model_class(_model_args(args_class, config))
     except Edge0Error:
         raise
     except (Exception, RecursionError) as e:
