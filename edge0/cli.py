@@ -10,6 +10,7 @@ applied by default, --system-prompt, --ignore-chat-template, --max-tokens, --tem
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -161,6 +162,8 @@ def cmd_record_routing(args) -> int:
     from edge0.engine import Engine
 
     config = _engine_config(args)
+    if config.prerouter == "auto":  # the oracle is the router's own routing: heads beside the model stay unused
+        config = dataclasses.replace(config, prerouter="off")
     with Engine(Path(args.model), config) as engine:
         routing = engine.record_routing(args.prompt if args.prompt is not None else DEMO_PROMPT,
                                         max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p,
@@ -218,8 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=cmd_demo)
 
     r = sub.add_parser("record-routing", help="record a generation's routing (the oracle for --decode-path staged)",
-                       description="Runs the generation on the exact path and writes, per decode step and MoE "
-                                   "layer, the experts it routed to. A staged run of the same model, prompt and "
+                       description="Runs the generation on the exact path (prerouter heads beside the model "
+                                   "unused: the oracle is the router's own routing) and writes, per decode step and "
+                                   "MoE layer, the experts it routed to. A staged run of the same model, prompt and "
                                    "sampling replays it with --decode-path staged --oracle-file FILE.")
     r.add_argument("--model", required=True, help="an mlx-lm int4 MoE checkpoint directory")
     r.add_argument("--out", required=True, help="the routing file to write (JSON)")

@@ -347,7 +347,15 @@ class Engine:
         B.trim_buffer_cache()
 
     def record_routing(self, prompt: str | Sequence[int], **sampling) -> OracleRouting:
-        """Run a generation on the exact path and return its per-step routing (the oracle)."""
+        """Run a generation on the exact path and return its per-step routing (the oracle).
+        Every MoE layer must decode on the exact path (the router's own choice, recorded
+        there): an engine whose heads stage layers is refused before anything runs."""
+        off_exact = {l: p for (l, ph), p in self.streaming.path_of.items() if ph == "decode" and p != "exact"}
+        if off_exact:
+            paths = ", ".join(f"{l}: {p}" for l, p in sorted(off_exact.items())[:8])
+            raise ConfigError(f"record_routing records the routing the exact path computes, and layers decode "
+                              f"elsewhere ({paths}){' (the prerouter heads stage them)' if self.streaming.prerouter else ''}"
+                              f": open the engine with decode_path='exact' and prerouter='off'")
         rec = RoutingRecorder()
         job = self._submit(prompt, sampling, record=rec, adapter=self._adapter_for(DEFAULT_ADAPTER))
         while job.get() is not END:

@@ -317,6 +317,7 @@ def load_streaming_model(model_dir: str | Path, config: EngineConfig, *, oracle:
     streaming.kernels = kernels
     streaming.kernels_label = bk.describe() if kernels == "edge0" else "mlx"
     streaming.phase, streaming.pipeline, streaming.layers = phase, pipe, layers
+    streaming.path_of = path_of
     streaming.routing = (routing, extra) if prerouter is not None or (pipe is not None and pipe.heads) else None
     return _wired(streaming, prerouter, stager, heads, routing, extra)
 

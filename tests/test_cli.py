@@ -78,3 +78,35 @@ def test_eval_reports_perplexity(tiny_model_factory, tmp_path, capsys):
     assert main(["eval", "--model", str(d), "--teacher", str(d), "--data", str(text), "--max-tokens", "64"]) == 0
     out = capsys.readouterr().out
     assert "perplexity" in out and "top-1 agreement 1.0000" in out
+
+
+def test_readme_oracle_example_on_the_demo_which_ships_heads(tmp_path):
+    """README's record-routing then --oracle-file, as written, on the demo (which ships
+    prerouter heads): the recording holds every MoE layer at every step, and the staged replay
+    writes the text of the exact path without heads."""
+    from edge0.cli import PACKAGED_DEMO
+
+    d, out = str(PACKAGED_DEMO), str(tmp_path / "routing.json")
+    r = run_cli("record-routing", "--model", d, "--prompt", "def f(x):", "--max-tokens", "12", "--out", out)
+    assert r.returncode == 0, r.stderr
+    import json
+
+    steps = json.loads(open(out).read())["steps"]
+    assert len(steps) == 12 and all(len(s) == 8 for s in steps)
+    replay = run_cli("generate", "--model", d, "--prompt", "def f(x):", "--max-tokens", "12", "--decode-path",
+                     "staged", "--oracle-file", out, "--prefill-path", "whole_layer")
+    exact = run_cli("generate", "--model", d, "--prompt", "def f(x):", "--max-tokens", "12", "--prerouter", "off")
+    assert replay.returncode == 0 and exact.returncode == 0, replay.stderr + exact.stderr
+    text = lambda r: r.stdout.split("==========")[1]  # noqa: E731
+    assert text(replay) == text(exact)
+
+
+def test_recording_routing_where_heads_stage_the_layers_is_refused():
+    import pytest
+
+    from edge0 import ConfigError, Engine
+    from edge0.cli import PACKAGED_DEMO
+
+    with Engine(PACKAGED_DEMO) as e:
+        with pytest.raises(ConfigError, match=r"layers decode elsewhere \(1: staged, 2: staged.*prerouter='off'"):
+            e.record_routing("def f(x):", max_tokens=4)
