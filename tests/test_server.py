@@ -699,3 +699,29 @@ def test_metrics_show_the_staged_slots_and_mlx_memory():
     assert m.slot_bytes > 0 and values["edge0_slot_bytes"] == m.slot_bytes
     assert values["edge0_over_slot_layers_total"] == m.over_slot_layers
     assert values["edge0_process_mlx_active_bytes"] > 0 and values["edge0_process_mlx_cache_bytes"] >= 0
+
+
+def test_requests_that_leave_while_waiting_leave_the_queue_at_once(model):
+    """Clients that leave while their request waits for a place (the batch full) once stayed
+    queued, holding their prompts, drained one per decode step and none while the batch was
+    full: now they are out of the engine's line while the batch is still busy."""
+    d, _, _ = model
+    with serving(d, EngineConfig(adapter="off", max_batch=1), max_queue=64, keepalive_s=0.05) as (url, state):
+        engine = state.engine
+        with httpx.stream("POST", url + "/v1/completions", json={"prompt": "x", "max_tokens": 4000, "stream": True,
+                                                                "logit_bias": {"0": -100}},  # no EOS
+                          timeout=120) as long:
+            lines = long.iter_lines()
+            next(line for line in lines if line.startswith("data: "))  # the batch is full from now
+            for _ in range(12):
+                with httpx.stream("POST", url + "/v1/completions",
+                                  json={"prompt": "y " * 500, "max_tokens": 2, "stream": True}, timeout=120) as w:
+                    assert next(line for line in w.iter_lines() if line) == ": keep-alive"  # waiting
+            deadline = time.monotonic() + 20
+            while engine.resources(wait=False)["generations"] > 1:  # the long one only
+                assert time.monotonic() < deadline, engine.resources(wait=False)
+                next(lines)  # the long generation goes on meanwhile
+                time.sleep(0.01)
+            assert engine._batcher.counts() == (1, 0)
+        r = httpx.post(url + "/v1/completions", json={"prompt": "z", "max_tokens": 3}, timeout=120)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
