@@ -249,7 +249,7 @@ class Batcher:
                 host._begin_batch()
             cache, cached = None, 0
             if self._cached(row):
-                cache, cached = host.prompt_cache.take(row.adapter, row.ids, 3 if self._has_heads() else 1)
+                cache, cached = host.prompt_cache.take((row.adapter, row.cache_scope), row.ids, 3 if self._has_heads() else 1)
             row.cache = cache if cache is not None else bnn.make_cache(host._step_model, row.params.max_kv_size)
             row.pos = row.cached = cached
             row.sampler, row.processors = bnn.row_sampling(row.params, host._constraint_processors(row.params))
@@ -489,7 +489,7 @@ class Batcher:
             size, pipe = bnn.cache_nbytes(cache), host.streaming.pipeline
             if pipe is not None:  # counted as the whole pipeline's bytes: every rank keeps and evicts alike
                 size = sum(v for (v,) in pipe.gather([size]))
-            host.prompt_cache.put(row.adapter, covered, cache, size)
+            host.prompt_cache.put((row.adapter, row.cache_scope), covered, cache, size)
 
     def _end_row(self, row: Row) -> None:
         if row in self.joining:

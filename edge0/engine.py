@@ -191,24 +191,27 @@ class Engine:
 
 
     def _submit(self, prompt, sampling: dict, record: RoutingRecorder | None = None,
-                adapter=None, admission: Admission | None = None, consumer_timeout: float | None = None) -> Job:
+                adapter=None, admission: Admission | None = None, consumer_timeout: float | None = None,
+                cache_scope: str | None = None) -> Job:
         """Validate, then queue a generation for the batch loop on the compute thread."""
         if self._closed:
             raise EngineClosedError("the engine is closed")
+        _check_cache_scope(cache_scope)
         ids, params = self.validate(prompt, **sampling)
         if params.seed is None and self.streaming.pipeline is not None:  # every rank samples alike
             params = dataclasses.replace(params, seed=self.streaming.pipeline.next_seed())
         job = Job()
         job.admission = admission
         job.stall_timeout = consumer_timeout
-        self._batcher.submit(self._row(job, ids, params, record, adapter))
+        self._batcher.submit(self._row(job, ids, params, record, adapter, cache_scope))
         return job
 
-    def _row(self, job: Job, ids: list[int], params: SamplingParams, record, adapter) -> Row:
+    def _row(self, job: Job, ids: list[int], params: SamplingParams, record, adapter,
+             cache_scope: str | None = None) -> Row:
         """A generation for the batch loop, counted in line."""
         ctx = self.context_length
         max_tokens = min(params.max_tokens, ctx - len(ids)) if ctx is not None else params.max_tokens
-        row = Row(job, ids, params, record, adapter, max_tokens)
+        row = Row(job, ids, params, record, adapter, max_tokens, cache_scope)
         stager = self.streaming.stager
         # alone: a recording, a rotating cache, an oracle's step-by-step routing of one sequence
         row.alone = (record is not None or params.max_kv_size is not None or not self._batchable
@@ -221,15 +224,17 @@ class Engine:
         """A rank that follows a served pipeline: the generation rank 0 handed over (its
         events go nowhere: rank 0 answers the client)."""
         ids, params = self.validate(spec["ids"], **sampling_of(spec))
-        return self._row(DiscardingJob(), ids, params, None, spec["adapter"])
+        return self._row(DiscardingJob(), ids, params, None, spec["adapter"], spec.get("cache_scope"))
 
     def stream(self, prompt: str | Sequence[int], *, adapter=DEFAULT_ADAPTER, admission: Admission | None = None,
-               **sampling) -> Iterator[TokenEvent]:
+               cache_scope: str | None = None, **sampling) -> Iterator[TokenEvent]:
         """Synchronous token stream. Leaving the loop early stops the generation.
         ``adapter``: the name of a loaded adapter, ``None`` for the bare base; by default the
         engine's default adapter (if any). ``admission``: from ``admit()``, released when the
-        generation ends."""
-        job = self._submit(prompt, sampling, adapter=self._adapter_for(adapter), admission=admission)
+        generation ends. ``cache_scope``: the prompt cache shares entries only among
+        generations of the same scope (e.g. one per tenant; None is one scope of its own)."""
+        job = self._submit(prompt, sampling, adapter=self._adapter_for(adapter), admission=admission,
+                           cache_scope=cache_scope)
         wait = self._pipeline_wait()
         try:
             while (event := job.get(wait)) is not END:
@@ -243,7 +248,7 @@ class Engine:
 
     async def generate(self, prompt: str | Sequence[int], *, adapter=DEFAULT_ADAPTER, heartbeat: float | None = None,
                        admission: Admission | None = None, consumer_timeout: float | None = None,
-                       **sampling) -> AsyncIterator[TokenEvent | None]:
+                       cache_scope: str | None = None, **sampling) -> AsyncIterator[TokenEvent | None]:
         """Async token stream; the event loop is never blocked by compute or reads.
 
         Leaving it by any route (``break``, an exception, cancellation, ``aclosing``, the
@@ -256,9 +261,10 @@ class Engine:
         many seconds pass without a token (waiting in line, a long prefill), e.g. to keep a
         connection alive. ``admission``: from ``admit()``, released when the generation ends.
         ``consumer_timeout``: when this consumer takes no token for that many seconds, the
-        generation stops (``StalledConsumerError``) so that it holds the engine no longer."""
+        generation stops (``StalledConsumerError``) so that it holds the engine no longer.
+        ``cache_scope``: as ``stream``'s."""
         job = self._submit(prompt, sampling, adapter=self._adapter_for(adapter), admission=admission,
-                           consumer_timeout=consumer_timeout)
+                           consumer_timeout=consumer_timeout, cache_scope=cache_scope)
         wake = AsyncWaker(anyio.lowlevel.current_token())
         job.add_waker(wake)
         lost_after = self._pipeline_wait()
@@ -430,6 +436,15 @@ def _open(model_dir: Path, config: EngineConfig, oracle, log) -> tuple[Streaming
     except BaseException:
         streaming.close()
         raise
+
+
+MAX_CACHE_SCOPE = 1024  # characters
+
+
+def _check_cache_scope(scope) -> None:
+    if scope is not None and (not isinstance(scope, str) or len(scope) > MAX_CACHE_SCOPE):
+        raise ConfigError(f"cache_scope must be None or a string of at most {MAX_CACHE_SCOPE} characters, got "
+                          f"{type(scope).__name__} {str(scope)[:40]!r}")
 
 
 def _shutdown(worker: ComputeThread, streaming: Streaming, jobs: set) -> None:

@@ -1,9 +1,11 @@
 """Reusing the KV cache of an earlier generation whose tokens the new prompt extends.
 
 The next turn of a chat is the previous prompt, the reply and the new message: with the
-earlier generation's cache, only the new tokens need a prefill. Entries are per adapter
-(an adapter changes the keys and values), bounded in bytes and evicted least recently used
-first.
+earlier generation's cache, only the new tokens need a prefill. Entries are per scope: the
+adapter (an adapter changes the keys and values) and the caller's ``cache_scope`` (a
+tenant: what one scope cached never shortens another's prefill, so its timing and its
+``cached_tokens`` say nothing about another tenant's prompts). They are bounded in bytes and
+evicted least recently used first.
 
 A generation takes its entry out of the store (one owner: the cache is extended in place)
 and puts the extended cache back when it ends, with the tokens it now covers. An entry
@@ -21,6 +23,7 @@ first prediction, and so the text, is then the same with the cache as without).
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Hashable
 
 from edge0.backend import nn as bnn
 
@@ -28,7 +31,7 @@ from edge0.backend import nn as bnn
 class PromptCache:
     def __init__(self, max_bytes: int):
         self.max_bytes = max_bytes
-        self._entries: OrderedDict[int, tuple[str | None, tuple[int, ...], list, int]] = OrderedDict()
+        self._entries: OrderedDict[int, tuple[Hashable, tuple[int, ...], list, int]] = OrderedDict()
         self._next = 0
         self.hits = self.misses = 0
 
@@ -39,14 +42,14 @@ class PromptCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def take(self, adapter: str | None, ids: list[int], compute: int = 1) -> tuple[list | None, int]:
+    def take(self, scope: Hashable, ids: list[int], compute: int = 1) -> tuple[list | None, int]:
         """(cache, tokens it already holds) for a prompt, removed from the store; (None, 0)
         when nothing reusable is stored. At least the prompt's last ``compute`` tokens are
         left to compute (prerouter heads must observe the two tokens before the last, as a
         whole prompt's prefill lets them)."""
         best, best_len = None, 0
         for key, (name, tokens, cache, _) in self._entries.items():
-            if name != adapter:
+            if name != scope:
                 continue
             common = _common_prefix(tokens, ids)
             usable = min(common, len(ids) - compute)
@@ -69,14 +72,14 @@ class PromptCache:
         self.hits += 1
         return cache, best_len
 
-    def put(self, adapter: str | None, tokens: list[int], cache: list, size: int | None = None) -> None:
+    def put(self, scope: Hashable, tokens: list[int], cache: list, size: int | None = None) -> None:
         """Store ``cache``, which holds exactly ``tokens``; evict the least recently used
         entries beyond the byte bound (a cache larger than the bound is not kept). ``size``:
         the bytes to count it as (default: what it holds)."""
         size = bnn.cache_nbytes(cache) if size is None else size
         if size > self.max_bytes or not tokens:
             return
-        self._entries[self._next] = (adapter, tuple(tokens), cache, size)
+        self._entries[self._next] = (scope, tuple(tokens), cache, size)
         self._next += 1
         while self.nbytes > self.max_bytes:
             self._entries.popitem(last=False)

@@ -31,8 +31,10 @@ class TokenEvent:
 class Row:
     """One generation: its prompt, sampling, cache, what it generated and its consumer."""
 
-    def __init__(self, job, ids: list[int], params: SamplingParams, record, adapter, max_tokens: int):
+    def __init__(self, job, ids: list[int], params: SamplingParams, record, adapter, max_tokens: int,
+                 cache_scope: str | None = None):
         self.job, self.ids, self.params, self.record, self.adapter = job, ids, params, record, adapter
+        self.cache_scope = cache_scope  # the prompt cache shares entries within one scope only
         self.max_tokens = max_tokens
         self.generated: list[int] = []
         self.cache = None  # its own cache (mlx-lm's list, one per layer) until it joins the batch
@@ -53,7 +55,7 @@ class Row:
         params = dataclasses.asdict(self.params)
         if params.get("logit_bias"):
             params["logit_bias"] = [[int(k), v] for k, v in params["logit_bias"].items()]
-        return {"ids": list(self.ids), "params": params, "adapter": self.adapter}
+        return {"ids": list(self.ids), "params": params, "adapter": self.adapter, "cache_scope": self.cache_scope}
 
 
 def sampling_of(spec: dict) -> dict:

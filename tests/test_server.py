@@ -725,3 +725,50 @@ def test_requests_that_leave_while_waiting_leave_the_queue_at_once(model):
             assert engine._batcher.counts() == (1, 0)
         r = httpx.post(url + "/v1/completions", json={"prompt": "z", "max_tokens": 3}, timeout=120)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+
+def test_prompt_cache_is_shared_within_one_tenant_only(model):
+    """Client B once learnt client A's secret from cached_tokens (one more cached token: the
+    next digit guessed right). Cached prompts are shared only by requests with the same API
+    key, `user` and `cache_salt`: B's probe with another user recovers nothing."""
+    d, _, _ = model
+    secret = "The code is 4 8 1 5 1 6. Remember it."
+    with serving(d, EngineConfig(adapter="off", prompt_cache_mb=64)) as (url, state):
+        def cached(prompt, **extra):
+            r = httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1, **extra}, timeout=120)
+            assert r.status_code == 200, r.text
+            return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+        cached(secret, user="alice")  # A's request leaves its prompt in the cache
+        probes = {g: cached(secret[:12] + g + " 8 1 5 1 6. Remember it.", user=f"mallory-{g}") for g in "0123456789"}
+        assert set(probes.values()) == {0}, probes  # other users: nothing shared, the right guess included
+        assert cached(secret[:12] + "4 8 1 5 1 6. Remember it.", user="alice") > 0  # the same tenant: shared
+        assert cached(secret + " More.", user="alice", cache_salt="s1") == 0  # another salt: another scope
+        headers = {"Authorization": "Bearer other-key"}
+        r = httpx.post(url + "/v1/completions", json={"prompt": secret, "max_tokens": 1, "user": "alice"},
+                       headers=headers, timeout=120)
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # another key: another tenant
+        bad = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 1, "user": "u" * 257})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "user"
+
+
+def test_engine_prompt_cache_scopes(model):
+    """The same through the engine's own API, sync and async: cache_scope separates."""
+    import anyio
+
+    from edge0 import ConfigError, Engine
+
+    d, _, _ = model
+    prompt = "def f(x):\n    return x * 2\n\ndef g(y):"
+    with Engine(d, EngineConfig(adapter="off", prompt_cache_mb=64)) as e:
+        last = lambda events: [ev for ev in events if ev.stats is not None][-1].stats  # noqa: E731
+        assert last(e.stream(prompt, max_tokens=2, cache_scope="a")).cached_tokens == 0
+        assert last(e.stream(prompt, max_tokens=2, cache_scope="b")).cached_tokens == 0
+        assert last(e.stream(prompt, max_tokens=2)).cached_tokens == 0  # None is a scope of its own
+
+        async def again():
+            return last([ev async for ev in e.generate(prompt, max_tokens=2, cache_scope="a") if ev is not None])
+
+        assert anyio.run(again).cached_tokens > 0
+        with pytest.raises(ConfigError, match="cache_scope must be None or a string"):
+            list(e.stream(prompt, max_tokens=2, cache_scope=5))

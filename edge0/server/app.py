@@ -17,6 +17,7 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/model
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 import time
@@ -165,6 +166,15 @@ def _check_auth(state: ServerState, request: Request) -> None:
         raise P.APIError(401, "missing or wrong API key (Authorization: Bearer KEY)", code="invalid_api_key")
 
 
+def _tenant(request: Request, req: P.GenerationRequest) -> str:
+    """The prompt cache's scope of a request: the API key it presented (hashed: the key
+    is never kept), its ``user`` and its ``cache_salt``. Requests share cached prompts only
+    when all three are equal (docs/SERVER.md)."""
+    given = request.headers.get("authorization", "").strip()
+    parts = json.dumps([given, req.user, req.cache_salt]).encode()
+    return hashlib.sha256(parts).hexdigest()
+
+
 def _check_ready(state: ServerState) -> None:
     if state.engine is None:
         why = f"the model failed to load: {state.load_error}" if state.load_error else "the model is loading"
@@ -299,6 +309,7 @@ def _endpoint(state: ServerState, kind: str):
             body = await _read_json(state, request)
             req = P.parse(body, kind, state.models, state.default_model, state.settings.defaults,
                           state.engine.vocab_size)
+            req.tenant = _tenant(request, req)
             admission = _admit(state)  # before any work for the request
             ids = await anyio.to_thread.run_sync(_prompt_ids, state, req)
             if req.stream:
@@ -378,6 +389,7 @@ async def _generate(state: ServerState, req: P.GenerationRequest, ids: list[int]
     """The engine's events for a request as (text, logprob entries); ``None`` items are
     heartbeats."""
     gen = state.engine.generate(ids, adapter=req.adapter, heartbeat=heartbeat, admission=admission,
+                                cache_scope=req.tenant,
                                 consumer_timeout=state.settings.send_timeout_s, **req.sampling)
     try:
         async for event in gen:

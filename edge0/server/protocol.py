@@ -45,6 +45,9 @@ class GenerationRequest:
     top_logprobs: int = 0
     max_tokens_given: bool = False  # the request named its token limit (else the server's default)
     tools: list[dict] | None = None  # function definitions for the chat template (tool_choice "auto")
+    user: str | None = None  # OpenAI's end-user id: with the API key, the prompt cache's tenant
+    cache_salt: str | None = None  # vLLM's finer scope: only requests with the same salt share cached prompts
+    tenant: str | None = None  # the prompt cache's scope, set by the server (API key, user, cache_salt)
 
 
 def _number(body: dict, name: str, lo: float, hi: float, *, lo_open=False, hi_open=False, integer=False,
@@ -137,6 +140,7 @@ def parse(body: Any, kind: str, models: dict[str, Any], default_model: str, defa
                             include_usage=include_usage, logprobs=logprobs, top_logprobs=top,
                             max_tokens_given=body.get("max_tokens") is not None
                             or body.get("max_completion_tokens") is not None)
+    req.user, req.cache_salt = _short_string(body, "user"), _short_string(body, "cache_salt")
     if logprobs:
         sampling["logprobs"] = True
         sampling["top_logprobs"] = top
@@ -207,6 +211,18 @@ def _sampling(body: dict, defaults: Defaults) -> dict:
         except ConfigError as e:
             raise bad(str(e), "logit_bias") from None
     return sampling
+
+
+MAX_ID_CHARS = 256  # user, cache_salt
+
+
+def _short_string(body: dict, name: str) -> str | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, str) or len(value) > MAX_ID_CHARS:
+        raise bad(f"'{name}' must be a string of at most {MAX_ID_CHARS} characters", name)
+    return value
 
 
 def _check_unicode(value: Any, path: str) -> None:
