@@ -772,3 +772,69 @@ def test_engine_prompt_cache_scopes(model):
         assert anyio.run(again).cached_tokens > 0
         with pytest.raises(ConfigError, match="cache_scope must be None or a string"):
             list(e.stream(prompt, max_tokens=2, cache_scope=5))
+
+
+def _silent_sockets(port: int, source: str, n: int) -> list:
+    """``n`` connections from address ``source`` that never send a byte."""
+    import socket
+
+    out = []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind((source, 0))
+        s.connect(("127.0.0.1", port))
+        out.append(s)
+    return out
+
+
+def test_one_client_cannot_take_every_connection(model):
+    """260 silent sockets from one address, reopened as they closed, once made every other
+    request a 503: one address holds at most its share, and a full server closes an idle
+    connection of the client holding the most to serve a new one."""
+    d, _, _ = model
+    with serving(d, EngineConfig(adapter="off"), max_connections=24, max_connections_per_client=8,
+                 header_timeout_s=60) as (url, state):
+        port = int(url.rsplit(":", 1)[1])
+        stop, flood = threading.Event(), []
+
+        def flooder():  # reopens its silent sockets as the server closes them
+            while not stop.is_set():
+                flood.extend(_silent_sockets(port, "127.0.0.2", 4))
+                time.sleep(0.02)
+
+        t = threading.Thread(target=flooder, daemon=True)
+        t.start()
+        try:
+            time.sleep(1.0)
+            for _ in range(5):
+                r = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=60)
+                assert r.status_code == 200, r.text
+        finally:
+            stop.set()
+            t.join(10)
+        time.sleep(0.2)
+        assert len(flood) > 50 and sum(map(_open, flood)) <= 8  # the rest were closed by the server
+        for s in flood:
+            s.close()
+        # every slot taken by idle sockets of three other clients: a newcomer is still served
+        others = [s for src, n in (("127.0.0.3", 8), ("127.0.0.4", 8), ("127.0.0.5", 8))
+                  for s in _silent_sockets(port, src, n)]
+        try:
+            time.sleep(0.5)
+            r = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=60)
+            assert r.status_code == 200, r.text
+        finally:
+            for s in others:
+                s.close()
+
+
+def _open(s) -> bool:
+    """Whether the server still holds the other end of client socket ``s``."""
+    import socket
+
+    try:
+        return s.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
+    except BlockingIOError:
+        return True  # nothing to read, not closed
+    except OSError:  # reset
+        return False

@@ -60,6 +60,7 @@ class ServerSettings:
     header_timeout_s: float = 10.0  # a connection that sends no whole request head in this long is closed
     body_timeout_s: float = 30.0  # a request body not in after this long: 408
     max_connections: int = 256  # connections served at once (503 beyond)
+    max_connections_per_client: int = 32  # of them from one client address (edge0.server.connections)
     retry_after_s: int = 1
 
 

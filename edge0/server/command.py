@@ -44,7 +44,12 @@ def add_parser(sub) -> None:
     s.add_argument("--body-timeout", type=float, default=30.0,
                    help="seconds a request's body may take to arrive; then 408 (default 30)")
     s.add_argument("--max-connections", type=int, default=256,
-                   help="connections served at once; more get 503 (default 256)")
+                   help="connections served at once; more get 503 (default 256). When all are taken, a new "
+                        "connection closes an idle one of the client holding the most")
+    s.add_argument("--max-connections-per-client", type=int, default=32,
+                   help="connections from one client address; past it the client's oldest idle one is closed, "
+                        "or the new one refused (default 32; behind a reverse proxy every client has the "
+                        "proxy's address: raise it to --max-connections there)")
     s.add_argument("--send-timeout", type=float, default=30.0,
                    help="seconds a client may take no token of its stream (not reading it) before its "
                         "generation is stopped and its connection closed, so that it holds neither the engine "
@@ -76,9 +81,9 @@ def build_settings(args: argparse.Namespace):
     if key is not None and not key.strip():
         raise ConfigError(f"--api-key (or {API_KEY_ENV}) is empty: give a key, or leave it out to serve without one")
     if not (args.keepalive > 0 and args.send_timeout > 0 and args.header_timeout > 0 and args.body_timeout > 0
-            and args.grace >= 0 and args.max_connections >= 1):
+            and args.grace >= 0 and args.max_connections >= 1 and args.max_connections_per_client >= 1):
         raise ConfigError("--keepalive, --send-timeout, --header-timeout and --body-timeout must be > 0, --grace >= 0 "
-                          "and --max-connections >= 1")
+                          "and --max-connections and --max-connections-per-client >= 1")
     SamplingParams(max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p)
     model_dir = resolve_model(args.model)
     config = resolve_config(args, defaults={"prompt_cache_mb": DEFAULT_PROMPT_CACHE_MB})
@@ -88,7 +93,7 @@ def build_settings(args: argparse.Namespace):
         defaults=Defaults(max_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p, top_k=args.top_k,
                           min_p=args.min_p),
         max_queue=args.max_queue, api_key=key, header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
-        max_connections=args.max_connections,
+        max_connections=args.max_connections, max_connections_per_client=args.max_connections_per_client,
         allowed_hosts=tuple(h.strip() for h in args.allowed_hosts.split(",") if h.strip()),
         max_body_bytes=args.max_body_bytes, keepalive_s=args.keepalive, send_timeout_s=args.send_timeout)
 

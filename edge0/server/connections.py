@@ -1,7 +1,12 @@
 """The HTTP connections' bounds: a connection must send its request's headers within
 ``header_timeout_s`` (slowloris and silent sockets are closed), its body within
 ``body_timeout_s`` (408, ``edge0.server.app``), and at most ``max_connections`` are served at
-once (uvicorn answers 503 beyond). Idle keep-alive connections close after 5 s (uvicorn's
+once (uvicorn answers 503 beyond), at most ``max_per_client`` of them from one client
+address: past its share a client's oldest idle connection is closed to make room, or, with
+none idle, the new one is. When all ``max_connections`` are taken, a new connection closes
+an idle one (no request in progress: a silent socket or a kept-alive one between requests)
+of the client holding the most, so that silent sockets from one address cannot turn every
+other client away. Idle keep-alive connections close after 5 s (uvicorn's
 ``timeout_keep_alive``). A connection whose client takes none of what is sent to it for
 ``send_timeout_s`` is closed: its socket's send buffer is capped (``SEND_BUFFER_BYTES``, so
 a client that stops reading is noticed within that many bytes rather than the megabytes
@@ -22,7 +27,18 @@ from edge0.logs import get_logger
 SEND_BUFFER_BYTES = 64 * 1024
 
 
-def bounded_protocol(header_timeout_s: float, send_timeout_s: float | None = None) -> type:
+def _idle(p) -> bool:
+    """No request in progress on connection ``p`` (nothing sent yet, or between requests)."""
+    return (not p.transport.is_closing() and p.conn.their_state is h11.IDLE
+            and (p.cycle is None or p.cycle.response_complete))
+
+
+def _host(p) -> str:
+    return p.client[0] if getattr(p, "client", None) else ""
+
+
+def bounded_protocol(header_timeout_s: float, send_timeout_s: float | None = None, *,
+                     max_connections: int | None = None, max_per_client: int | None = None) -> type:
     """uvicorn's h11 protocol with a timer on each request head: from the moment the
     connection opens (or, on a kept-alive one, the first byte of its next request) the head
     must be complete within ``header_timeout_s``, or the connection is closed. Bytes that
@@ -36,6 +52,9 @@ def bounded_protocol(header_timeout_s: float, send_timeout_s: float | None = Non
             super().connection_made(transport)
             self._head_timer = self.loop.call_later(header_timeout_s, self._head_timeout)
             self._send_timer = None
+            self._opened = self.loop.time()
+            if not self._make_room():
+                return
             sock = transport.get_extra_info("socket")
             if send_timeout_s is not None and sock is not None:
                 try:  # lowered, never raised (Linux reports twice the size it was set to)
@@ -43,6 +62,32 @@ def bounded_protocol(header_timeout_s: float, send_timeout_s: float | None = Non
                         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
                 except OSError:  # not a socket that has one
                     pass
+
+        def _make_room(self) -> bool:
+            """This client within its share and the server within its bound, by closing idle
+            connections; False when this connection itself was refused."""
+            others = [p for p in self.connections if p is not self and not p.transport.is_closing()]
+            mine = [p for p in others if _host(p) == _host(self)]
+            if max_per_client is not None and len(mine) >= max_per_client:
+                idle = sorted((p for p in mine if _idle(p)), key=lambda p: p._opened)
+                if not idle:
+                    get_logger("edge0.server").warning("server.client_connections", client=_host(self),
+                                                       action="connection refused", limit=max_per_client)
+                    self.transport.abort()
+                    return False
+                idle[0].transport.abort()
+                others.remove(idle[0])
+            if max_connections is not None and len(others) + 1 >= max_connections:
+                counts: dict[str, int] = {}
+                for p in others:
+                    counts[_host(p)] = counts.get(_host(p), 0) + 1
+                idle = [p for p in others if _idle(p)]
+                if idle:  # the most-connected client's oldest idle connection
+                    victim = min(idle, key=lambda p: (-counts[_host(p)], p._opened))
+                    get_logger("edge0.server").info("server.connections_full", action="idle connection closed",
+                                                    client=_host(victim))
+                    victim.transport.abort()
+            return True
 
         def pause_writing(self) -> None:
             super().pause_writing()
@@ -89,5 +134,7 @@ def bounded_protocol(header_timeout_s: float, send_timeout_s: float | None = Non
 def server_config(app, settings, *, host: str, port: int, **kw) -> uvicorn.Config:
     """uvicorn's configuration for ``app`` under ``settings`` (``ServerSettings``)."""
     return uvicorn.Config(app, host=host, port=port, lifespan="on",
-                          http=bounded_protocol(settings.header_timeout_s, settings.send_timeout_s),
+                          http=bounded_protocol(settings.header_timeout_s, settings.send_timeout_s,
+                                                max_connections=settings.max_connections,
+                                                max_per_client=settings.max_connections_per_client),
                           limit_concurrency=settings.max_connections, timeout_keep_alive=5, **kw)
