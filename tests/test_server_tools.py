@@ -185,3 +185,35 @@ def test_tools_for_a_model_without_a_tool_format_are_a_400(tiny_model_factory):
                                                            "tools": [WEATHER]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
     assert "no tool-call format" in r.json()["error"]["message"]
+
+
+def _nested(depth: int, inner: str = "1") -> str:
+    return '{"a": ' * depth + inner + "}" * depth
+
+
+@pytest.mark.parametrize("name", ["arguments string 5,000 deep", "a field 980 deep in a body over 64 KB",
+                                  "history arguments 900 deep", "tool parameters 320 deep"])
+def test_deeply_nested_json_is_a_400_not_a_500(tool_server, name):
+    """Each once raised RecursionError -> 500 (the template, the unicode check, the
+    arguments' parse)."""
+    url, _ = tool_server
+    user = '{"role": "user", "content": "x"}'
+    call = '{"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function", ' \
+           '"function": {"name": "get_weather", "arguments": %s}}]}'
+    body = {
+        "arguments string 5,000 deep": '{"messages": [%s, %s], "max_tokens": 2}'
+                                       % (user, call % json.dumps(_nested(5000))),
+        "a field 980 deep in a body over 64 KB": '{"messages": [%s], "max_tokens": 2, "pad": "%s", "x": %s}'
+                                                 % (user, "p" * 70_000, _nested(980)),
+        "history arguments 900 deep": '{"messages": [%s, %s], "max_tokens": 2}' % (user, call % _nested(900)),
+        "tool parameters 320 deep": '{"messages": [%s], "max_tokens": 2, "tools": [{"type": "function", '
+                                    '"function": {"name": "f", "parameters": {"type": "object", "properties": %s}}}]}'
+                                    % (user, _nested(320, "{}")),
+    }[name]
+    r = httpx.post(url + "/v1/chat/completions", content=body, headers={"Content-Type": "application/json"},
+                   timeout=60)
+    assert r.status_code == 400, r.text[:500]
+    assert "nested deeper than 64 levels" in r.json()["error"]["message"]
+    ok = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                        "max_tokens": 2}, timeout=60)
+    assert ok.status_code == 200

@@ -1,7 +1,10 @@
 """The OpenAI error shape every refused request gets: ``APIError`` (HTTP status,
-message, the field at fault) and ``bad``, the 400 of a client's mistake."""
+message, the field at fault), ``bad``, the 400 of a client's mistake, and ``check_value``,
+the 400 of a value nested too deeply to walk."""
 
 from __future__ import annotations
+
+from typing import Any
 
 
 class APIError(Exception):
@@ -20,3 +23,37 @@ class APIError(Exception):
 
 def bad(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
+
+
+MAX_DEPTH = 64  # nesting of the request body, and of tool-call arguments given as JSON text
+
+
+def check_value(value: Any, what: str = "the request body", param: str | None = None) -> None:
+    """A 400 for a value nested deeper than ``MAX_DEPTH`` levels, or holding a string that
+    is no Unicode text (JSON's ``\\ud800`` escapes make lone surrogates, which no tokenizer
+    takes), naming the path. Walked without recursion: a body 5,000 levels deep must not
+    exhaust the stack checking it."""
+    stack = [(value, None, 0)]  # (value, (parent entry, key), depth): a path is built only for an error
+    while stack:
+        entry = stack.pop()
+        v, _, depth = entry
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as e:
+                where = _path(entry)
+                raise bad(f"{where or what} holds a lone surrogate (\\u{ord(v[e.start]):04x} at character "
+                          f"{e.start}): not Unicode text", where or param) from None
+        elif isinstance(v, (dict, list)):
+            if depth >= MAX_DEPTH:
+                raise bad(f"{what} is nested deeper than {MAX_DEPTH} levels (at {_path(entry) or 'the top'})", param)
+            for k, child in (v.items() if isinstance(v, dict) else enumerate(v)):
+                stack.append((child, (entry, k), depth + 1))
+
+
+def _path(entry) -> str:
+    keys = []
+    while entry[1] is not None:
+        entry, key = entry[1]
+        keys.append(f".{key}" if isinstance(entry[0], dict) else f"[{key}]")
+    return "".join(reversed(keys)).lstrip(".")

@@ -38,6 +38,7 @@ from edge0.config import EngineConfig
 from edge0.errors import ConfigError, Edge0Error, EngineBusyError, StalledConsumerError
 from edge0.logs import get_logger
 from edge0.server import protocol as P
+from edge0.server.api_error import MAX_DEPTH
 from edge0.server.guard import RequestGuard
 from edge0.server.metrics import Metrics
 from edge0.server.tools import ToolCalls, stream_deltas
@@ -276,7 +277,9 @@ async def _read_json(state: ServerState, request: Request):
     body = b"".join(chunks)
     try:  # a large body is parsed off the event loop: other streams go on meanwhile
         return json.loads(body) if size <= INLINE_JSON_BYTES else await anyio.to_thread.run_sync(json.loads, body)
-    except (ValueError, RecursionError) as e:
+    except RecursionError:
+        raise P.bad(f"the request body is nested deeper than {MAX_DEPTH} levels") from None
+    except ValueError as e:
         raise P.bad(f"the request body is not valid JSON: {e}") from None
 
 

@@ -22,7 +22,7 @@ from typing import Any
 from edge0.constrain import parse_response_format
 from edge0.errors import ConfigError
 from edge0.sampling import MAX_TOKENS, check_logit_bias
-from edge0.server.api_error import APIError, bad
+from edge0.server.api_error import APIError, bad, check_value
 from edge0.server.tools import history_calls, parse_tools
 
 MAX_STOP = 4
@@ -129,7 +129,7 @@ def parse(body: Any, kind: str, models: dict[str, Any], default_model: str, defa
     """A checked request. ``models``: id -> the engine's adapter argument for it."""
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
-    _check_unicode(body, "")
+    check_value(body)
     model, adapter = _model_and_adapter(body, models, default_model)
     sampling = _sampling(body, defaults)
     stops = _stops(body)
@@ -223,24 +223,6 @@ def _short_string(body: dict, name: str) -> str | None:
     if not isinstance(value, str) or len(value) > MAX_ID_CHARS:
         raise bad(f"'{name}' must be a string of at most {MAX_ID_CHARS} characters", name)
     return value
-
-
-def _check_unicode(value: Any, path: str) -> None:
-    """Every string of the request is text a tokenizer can take: JSON's ``\\ud800`` escapes
-    can make a lone surrogate, which is no Unicode text."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as e:
-            where = path.lstrip(".") or "the request"
-            raise bad(f"{where} holds a lone surrogate (\\u{ord(value[e.start]):04x} at character {e.start}): "
-                      "not Unicode text", path.lstrip(".") or None) from None
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            _check_unicode(v, f"{path}.{k}")
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            _check_unicode(v, f"{path}[{i}]")
 
 
 def _stops(body: dict) -> list[str]:

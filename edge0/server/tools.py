@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from edge0.sampling import open_tail
-from edge0.server.api_error import bad
+from edge0.server.api_error import MAX_DEPTH, bad, check_value
 
 MAX_TOOLS = 128
 
@@ -93,8 +93,11 @@ def history_calls(message: dict, i: int) -> list[dict] | None:
         if isinstance(args, str):
             try:
                 args = json.loads(args) if args.strip() else {}
+            except RecursionError:
+                raise bad(f"{where}[{j}].function.arguments is nested deeper than {MAX_DEPTH} levels", where) from None
             except ValueError:
                 raise bad(f"{where}[{j}].function.arguments is not valid JSON", where) from None
+            check_value(args, f"{where}[{j}].function.arguments", where)
         out.append({"id": str(call.get("id", "")), "type": "function",
                     "function": {"name": fn["name"], "arguments": args}})
     return out
