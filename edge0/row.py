@@ -129,5 +129,6 @@ def _logprobs(token: int, logprobs, params: SamplingParams) -> dict:
     if params.top_logprobs:
         top = np.argpartition(-row, params.top_logprobs - 1)[: params.top_logprobs]
         top = top[np.argsort(-row[top], kind="stable")]
-        out["top_logprobs"] = [(int(i), float(row[i])) for i in top]
+        # tokens a constraint or logit_bias rules out (-inf) are no alternatives
+        out["top_logprobs"] = [(int(i), float(row[i])) for i in top if np.isfinite(row[i])]
     return out

@@ -130,3 +130,39 @@ def test_bad_response_formats_over_http_are_400s(json_server, fmt, match):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == "response_format" and match in err["message"], err
+
+
+def _strict_json(text: str):
+    """JSON as OpenAI's clients parse it: Infinity / NaN are no JSON."""
+    def refuse(name):
+        raise ValueError(f"{name} is not JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_with_a_constraint_are_valid_json(json_server, stream):
+    """response_format with logprobs and top_logprobs 20 was a 500 ('Out of range float
+    values') and, streamed, "logprob": -Infinity: masked tokens are no alternatives."""
+    url, _ = json_server
+    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 8, "logprobs": True,
+            "top_logprobs": 20, "response_format": {"type": "json_object"}, "stream": stream}
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    if stream:
+        chunks = [_strict_json(line[6:]) for line in r.text.splitlines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+        entries = [e for c in chunks if c["choices"] and c["choices"][0].get("logprobs")
+                   for e in c["choices"][0]["logprobs"]["content"]]
+    else:
+        entries = _strict_json(r.text)["choices"][0]["logprobs"]["content"]
+    assert entries
+    for e in entries:
+        assert e["logprob"] > -9999.0 and all(t["logprob"] > float("-inf") for t in e["top_logprobs"])
+        assert len(e["top_logprobs"]) <= 20
+
+
+def test_engine_top_logprobs_leave_out_masked_tokens(engine):
+    events = list(engine.stream("x", max_tokens=6, logprobs=True, top_logprobs=20,
+                                response_format={"type": "json_object"}))
+    for ev in events:
+        assert all(lp > float("-inf") for _, lp in ev.top_logprobs)

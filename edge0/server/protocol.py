@@ -292,8 +292,12 @@ def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
+IMPOSSIBLE_LOGPROB = -9999.0  # OpenAI's stand-in for log(0): JSON has no -Infinity
+
+
 def token_logprob(tokenizer, token: int, logprob: float, top: list | None) -> dict:
     text = tokenizer.decode([token])
+    logprob = logprob if math.isfinite(logprob) else IMPOSSIBLE_LOGPROB
     entry = {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
     entry["top_logprobs"] = [
         {"token": (t := tokenizer.decode([i])), "logprob": lp, "bytes": list(t.encode("utf-8"))}
