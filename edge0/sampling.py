@@ -1,7 +1,8 @@
 """What one generation asks for: length, sampling, stops, log-probabilities.
 
 The names and meanings are mlx-lm's (``mlx_lm.generate`` and its server): a temperature
-of 0 is greedy; ``top_p`` 1, ``top_k`` 0 and ``min_p`` 0 switch those filters off;
+of 0 is greedy, and so is one below ``MIN_TEMP`` (1e-5: float32 logits divided by 1e-300
+overflow to infinities, and mlx-lm then samples garbage, or a token a constraint masks); ``top_p`` 1, ``top_k`` 0 and ``min_p`` 0 switch those filters off;
 ``repetition_penalty`` scales down the logits of the last ``repetition_context_size``
 tokens; ``presence_penalty`` subtracts a constant from the logit of each token among the
 last ``presence_context_size``, ``frequency_penalty`` a constant times its count among the
@@ -63,6 +64,9 @@ def check_logit_bias(value) -> dict[int, float] | None:
     return out or None
 
 
+MIN_TEMP = 1e-5  # a smaller positive temperature samples greedily
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 256
@@ -89,6 +93,8 @@ class SamplingParams:
     def __post_init__(self):
         _int("max_tokens", self.max_tokens, 1, MAX_TOKENS)
         _number("temp", self.temp, 0.0, 100.0)
+        if 0.0 < self.temp < MIN_TEMP:
+            object.__setattr__(self, "temp", 0.0)  # greedy: what such a temperature means, computed safely
         _number("top_p", self.top_p, 0.0, 1.0, lo_open=True)
         _int("top_k", self.top_k, 0)
         _number("min_p", self.min_p, 0.0, 1.0, hi_open=True)

@@ -166,3 +166,19 @@ def test_engine_top_logprobs_leave_out_masked_tokens(engine):
                                 response_format={"type": "json_object"}))
     for ev in events:
         assert all(lp > float("-inf") for _, lp in ev.top_logprobs)
+
+
+@pytest.mark.parametrize("fmt", [None, {"type": "json_object"}])
+def test_a_vanishing_temperature_is_greedy(json_server, fmt):
+    """temperature 1e-300 was a 500 with json_object (a masked token sampled from NaNs) and
+    garbage without: below 1e-5 the sampling is greedy, the text temperature 0's."""
+    url, _ = json_server
+
+    def text(temp):
+        body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 12, "temperature": temp,
+                "seed": 3, **({"response_format": fmt} if fmt else {})}
+        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["message"]["content"]
+
+    assert text(1e-300) == text(0) == text(9e-6)
