@@ -115,11 +115,45 @@ def parse_response_format(response_format) -> tuple[str, dict, str | None] | Non
     return "json_schema", dict(schema), name
 
 
+MAX_SCHEMA_BYTES = 64 * 1024  # of the schema's JSON text (a 2 MB const took 1.8 s to its first mask)
+# Compiling a format walks its first steps, off the compute thread: the first mask and
+# PROBE_STEPS more along two paths (the lowest and the highest token id allowed), each
+# within these bounds, or the format is refused before any generation starts
+PROBE_STEPS = 4
+PROBE_FIRST_S = 0.5
+PROBE_STEP_S = 0.05
+
+
+def _limits():
+    """llguidance's resource limits for every matcher: its defaults, but no parser-state
+    dumps in errors (they may hold the schema)."""
+    return _llguidance().LLParserLimits(verbose_errors=False)
+
+
 def _schema_text(schema: dict, where: str) -> str:
     try:
-        return json.dumps(schema, allow_nan=False)
+        text = json.dumps(schema, allow_nan=False)
     except (TypeError, ValueError, RecursionError) as e:
         raise ConfigError(f"{where}: not JSON: {e}") from None
+    if len(text.encode("utf-8")) > MAX_SCHEMA_BYTES:
+        raise ConfigError(f"{where}: the schema is {len(text.encode('utf-8'))} bytes of JSON, more than the "
+                          f"{MAX_SCHEMA_BYTES} a response_format may take")
+    return text
+
+
+def _explain(error: str) -> str:
+    """llguidance's error, on one line, with what it means for the schema."""
+    line = _one_line(error)
+    if "NoExtensionBias" in line:
+        return ("the schema admits no JSON value at all (e.g. a $ref that only refers to itself, or an empty "
+                f"anyOf) [{line}]")
+    if "too many expressions" in line or "LexerTooComplex" in line:
+        return f"a pattern, const or enum too large for the grammar engine to enforce [{line}]"
+    m = re.search(r"row has (\d+) items; max is (\d+)", line)
+    if m:
+        return (f"{m.group(1)} alternatives (anyOf, oneOf or enum branches) at one point, more than the "
+                f"{m.group(2)} the grammar engine takes [{line}]")
+    return line
 
 
 def _grammar_tokenizer(tokenizer):
@@ -173,12 +207,41 @@ def compile_response_format(response_format, tokenizer) -> Constraint | None:
         grammar = ll.LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS)
     except (ValueError, TypeError) as e:
         raise ConfigError(f"{where}: {e}") from None
-    matcher = ll.LLMatcher(lltok, grammar, log_level=0)
-    if not matcher.is_error():
-        matcher.compute_bitmask()  # parts of the grammar are built lazily: surface their errors now
+    matcher = ll.LLMatcher(lltok, grammar, log_level=0, limits=_limits())
     if matcher.is_error():
-        raise ConfigError(f"{where}: {_one_line(matcher.get_error())}")
+        raise ConfigError(f"{where}: {_explain(matcher.get_error())}")
+    _probe(matcher, lltok.vocab_size, where)
     return Constraint(kind, schema, name, matcher, lltok.vocab_size, tuple(eos))
+
+
+def _probe(matcher, vocab_size: int, where: str) -> None:
+    """The format's first steps, walked on copies of ``matcher``: parts of the grammar are
+    built lazily (their errors show only there), and a format whose masks are too slow to
+    compute would stall every row of the batch it joins. ``ConfigError`` for either."""
+    import time
+
+    import numpy as np
+    from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
+
+    bitmask = allocate_token_bitmask(1, vocab_size)
+    for pick in (0, -1):  # the lowest and the highest token id allowed at each step
+        m = matcher.deep_copy()
+        for step in range(PROBE_STEPS + 1):
+            t0 = time.perf_counter()
+            fill_next_token_bitmask(m, bitmask, 0)
+            seconds = time.perf_counter() - t0
+            if m.is_error():
+                raise ConfigError(f"{where}: {_explain(m.get_error())}")
+            bound = PROBE_FIRST_S if step == 0 else PROBE_STEP_S
+            if seconds > bound:
+                raise ConfigError(f"{where}: the schema is too expensive to enforce: computing the "
+                                  f"{'first' if step == 0 else f'step {step}'} token mask took {seconds:.2f} s "
+                                  f"(at most {bound:g} s)")
+            allowed = np.flatnonzero(np.unpackbits(bitmask.view(np.uint8), bitorder="little")[:vocab_size])
+            if len(allowed) == 0 or m.is_stopped():
+                break
+            if not m.consume_token(int(allowed[pick])):
+                raise ConfigError(f"{where}: {_explain(m.get_error())}")
 
 
 class Constraint:
@@ -281,7 +344,7 @@ class ConstraintProcessor:
         np = self._np
         self._fill(self._m, self._bitmask, 0)
         if self._m.is_error():
-            raise ConstraintError(f"constrained decoding: {_one_line(self._m.get_error())}")
+            raise ConstraintError(f"constrained decoding: {_explain(self._m.get_error())}")
         if self._allowed is None or self._allowed.shape[0] != width:
             self._allowed = np.zeros(width, dtype=bool)  # rows past the vocabulary stay False
         k = min(width, self._n_vocab)

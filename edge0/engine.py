@@ -25,7 +25,7 @@ import anyio
 
 from edge0.admission import Admission, EngineMetrics, Line
 from edge0.batch import Batcher, batchable
-from edge0.row import Row, TokenEvent, sampling_of  # noqa: F401 - TokenEvent: part of this module's API
+from edge0.row import UNCOMPILED, Row, TokenEvent, sampling_of  # noqa: F401 - TokenEvent: part of this module's API
 from edge0.backend import core as B
 from edge0.backend import nn as bnn
 from edge0.config import EngineConfig
@@ -203,7 +203,10 @@ class Engine:
         job = Job()
         job.admission = admission
         job.stall_timeout = consumer_timeout
-        self._batcher.submit(self._row(job, ids, params, record, adapter, cache_scope))
+        row = self._row(job, ids, params, record, adapter, cache_scope)
+        # compiled here, on the caller's thread (a cache hit after validate): the compute thread never compiles
+        row.constraint = self._constraints.get(params.response_format)
+        self._batcher.submit(row)
         return job
 
     def _row(self, job: Job, ids: list[int], params: SamplingParams, record, adapter,
@@ -329,8 +332,9 @@ class Engine:
         if self.streaming.prerouter is not None:
             self.streaming.prerouter.reset()
 
-    def _constraint_processors(self, params: SamplingParams) -> tuple:
-        constraint = self._constraints.get(params.response_format)
+    def _constraint_processors(self, row) -> tuple:
+        constraint = row.constraint if row.constraint is not UNCOMPILED else self._constraints.get(
+            row.params.response_format)  # (a pipeline follower's row: compiled there)
         return (constraint.processor(),) if constraint is not None else ()
 
     def _describe_adapter(self, name: str | None) -> str | None:

@@ -182,3 +182,56 @@ def test_a_vanishing_temperature_is_greedy(json_server, fmt):
         return r.json()["choices"][0]["message"]["content"]
 
     assert text(1e-300) == text(0) == text(9e-6)
+
+
+def _schema(s: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "x", "schema": s}}
+
+
+@pytest.mark.parametrize("schema,match", [
+    ({"type": "string", "pattern": "^(a{1000000})$"}, "too large for the grammar engine"),  # a 500 at token 1
+    ({"anyOf": [{"const": i} for i in range(5000)]}, "more than the 65536 a response_format may take"),
+    ({"const": "x" * 2_000_000}, "more than the 65536"),  # 1.8 s to its first mask, cached for ever
+    ({"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}, "admits no JSON value at all"),  # was "NoExtensionBias"
+])
+def test_schemas_the_grammar_cannot_run_are_400s_before_generation(json_server, schema, match):
+    url, state = json_server
+    before = state.engine.metrics().decode_steps
+    r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                       "response_format": _schema(schema), "max_tokens": 4},
+                   timeout=120)
+    assert r.status_code == 400, r.text[:300]
+    err = r.json()["error"]
+    assert err["param"] == "response_format" and match in err["message"], err
+    assert state.engine.metrics().decode_steps == before  # refused before any generation
+
+
+def test_the_compute_thread_never_compiles_a_format(engine, monkeypatch):
+    """A schema evicted from the cache once recompiled on the compute thread, stalling
+    every stream: a generation carries its compiled format from where it was submitted."""
+    import threading
+
+    from edge0 import constrain
+
+    where = []
+    original = constrain.compile_response_format
+
+    def spy(*a, **kw):
+        where.append(threading.current_thread().name)
+        return original(*a, **kw)
+
+    monkeypatch.setattr(constrain, "compile_response_format", spy)
+    cache = constrain.ConstraintCache(engine.tokenizer)
+    monkeypatch.setattr(engine, "_constraints", cache)
+    submit = engine._batcher.submit
+
+    def evicting_submit(row):  # the format leaves the cache between submission and the compute thread
+        cache._entries.clear()
+        submit(row)
+
+    monkeypatch.setattr(engine._batcher, "submit", evicting_submit)
+    for i in range(2):
+        fmt = _schema({"type": "object", "properties": {f"k{i}": {"type": "integer"}}})
+        events = list(engine.stream("x", max_tokens=3, response_format=fmt))
+        assert events and events[-1].stats is not None
+    assert len(where) == 2 and set(where) == {threading.current_thread().name}, where
