@@ -31,7 +31,9 @@ the host, so the two overlap.
 from __future__ import annotations
 
 import copy
+import ctypes
 import json
+import os
 import re
 import threading
 import weakref
@@ -207,11 +209,45 @@ def compile_response_format(response_format, tokenizer) -> Constraint | None:
         grammar = ll.LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS)
     except (ValueError, TypeError) as e:
         raise ConfigError(f"{where}: {e}") from None
+    before = _allocated_bytes()
     matcher = ll.LLMatcher(lltok, grammar, log_level=0, limits=_limits())
     if matcher.is_error():
         raise ConfigError(f"{where}: {_explain(matcher.get_error())}")
     _probe(matcher, lltok.vocab_size, where)
-    return Constraint(kind, schema, name, matcher, lltok.vocab_size, tuple(eos))
+    constraint = Constraint(kind, schema, name, matcher, lltok.vocab_size, tuple(eos))
+    # what it holds, as the heap's growth while it was built (the grammar engine reports
+    # no size of its own; another thread's allocations meanwhile can only inflate it)
+    constraint.nbytes = max(len(text), _allocated_bytes() - before)
+    return constraint
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                       "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _allocated_bytes() -> int:
+    """Bytes the C heap has handed out and not got back (glibc's ``mallinfo2``: every arena,
+    mapped blocks included), else the resident set (which a reused free block does not grow)."""
+    global _mallinfo2
+    if _mallinfo2 is None:
+        try:
+            fn = ctypes.CDLL(None).mallinfo2
+            fn.restype = _MallInfo2
+            _mallinfo2 = fn
+        except (OSError, AttributeError):
+            _mallinfo2 = False
+    if _mallinfo2:
+        info = _mallinfo2()
+        return info.uordblks + info.hblkhd
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0  # entries then count their schema's text only
+
+
+_mallinfo2 = None
 
 
 def _probe(matcher, vocab_size: int, where: str) -> None:
@@ -251,6 +287,7 @@ class Constraint:
 
     def __init__(self, kind: str, schema: dict, name: str | None, matcher, vocab_size: int, eos_token_ids):
         self.kind, self.schema, self.name = kind, schema, name
+        self.nbytes = 0  # the memory it holds, as estimated when compiled
         self.vocab_size = int(vocab_size)
         self.eos_token_ids = tuple(eos_token_ids)
         self._template = matcher
@@ -357,13 +394,22 @@ class ConstraintProcessor:
 
 
 class ConstraintCache:
-    """Compiled ``response_format``s of one tokenizer, the most recent ``size`` kept: a
-    generation asking for one that an earlier one asked for does not compile it again."""
+    """Compiled ``response_format``s of one tokenizer, the most recently used kept within
+    ``size`` entries and ``max_bytes`` of the memory they hold (each entry's estimate,
+    ``Constraint.nbytes``): a generation asking for one that an earlier one asked for does
+    not compile it again, and distinct heavy schemas cannot grow the process without bound
+    (six of them once took it from 129 MB to 1.3 GB). One larger than ``max_bytes`` is used
+    by its generation and not kept."""
 
-    def __init__(self, tokenizer, size: int = 32):
-        self.tokenizer, self.size = tokenizer, size
+    def __init__(self, tokenizer, size: int = 32, max_bytes: int = 64 * 2**20):
+        self.tokenizer, self.size, self.max_bytes = tokenizer, size, max_bytes
         self._lock = threading.Lock()
         self._entries: dict[str, Constraint | None] = {}
+
+    @property
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(c.nbytes for c in self._entries.values() if c is not None)
 
     def get(self, response_format) -> Constraint | None:
         if response_format is None:
@@ -374,8 +420,10 @@ class ConstraintCache:
         if hit is _MISSING:
             hit = compile_response_format(response_format, self.tokenizer)
         with self._lock:
-            self._entries[key] = hit
-            while len(self._entries) > self.size:
+            if hit is None or hit.nbytes <= self.max_bytes:
+                self._entries[key] = hit
+            while len(self._entries) > self.size or sum(
+                    c.nbytes for c in self._entries.values() if c is not None) > self.max_bytes:
                 self._entries.pop(next(iter(self._entries)))
         return hit
 

@@ -235,3 +235,21 @@ def test_the_compute_thread_never_compiles_a_format(engine, monkeypatch):
         events = list(engine.stream("x", max_tokens=3, response_format=fmt))
         assert events and events[-1].stats is not None
     assert len(where) == 2 and set(where) == {threading.current_thread().name}, where
+
+
+def test_compiled_formats_are_kept_within_a_byte_bound(engine):
+    """Distinct heavy schemas once grew the process by 200 MB each, never given back: the
+    cache of compiled formats is bounded by the memory its entries hold."""
+    from edge0.constrain import ConstraintCache
+
+    cache = ConstraintCache(engine.tokenizer, max_bytes=24 * 2**20)
+    sizes = []
+    for n in (20, 24, 28, 32, 36):
+        c = cache.get(_schema({"type": "string", "pattern": "^(a{1000}){%d}$" % n}))
+        sizes.append(c.nbytes)
+        assert cache.nbytes <= 24 * 2**20
+    assert min(sizes) > 2**20  # each holds megabytes (lexer states), counted
+    assert len(cache._entries) < 5  # the oldest went
+    small = ConstraintCache(engine.tokenizer, max_bytes=2**20)
+    assert small.get(_schema({"type": "string", "pattern": "^(a{1000}){30}$"})) is not None  # used...
+    assert small.nbytes == 0  # ...and not kept
