@@ -38,7 +38,7 @@ class Row:
                  cache_scope: str | None = None):
         self.job, self.ids, self.params, self.record, self.adapter = job, ids, params, record, adapter
         self.cache_scope = cache_scope  # the prompt cache shares entries within one scope only
-        self.constraint = UNCOMPILED  # its response_format compiled (None: none), set where it is submitted
+        self.constraint = UNCOMPILED  # its response_format's logits processor (None: none), made where it is submitted
         self.max_tokens = max_tokens
         self.generated: list[int] = []
         self.cache = None  # its own cache (mlx-lm's list, one per layer) until it joins the batch

@@ -9,6 +9,7 @@ shortest document the grammar allows (``{"": ""}``) and EOS ends it."""
 from __future__ import annotations
 
 import json
+import re
 
 import anyio
 import httpx
@@ -189,7 +190,8 @@ def _schema(s: dict) -> dict:
 
 
 @pytest.mark.parametrize("schema,match", [
-    ({"type": "string", "pattern": "^(a{1000000})$"}, "too large for the grammar engine"),  # a 500 at token 1
+    # a 500 at token 1; which bound it meets first depends on the machine's speed
+    ({"type": "string", "pattern": "^(a{1000000})$"}, "too large for the grammar engine|too expensive to enforce"),
     ({"anyOf": [{"const": i} for i in range(5000)]}, "more than the 65536 a response_format may take"),
     ({"const": "x" * 2_000_000}, "more than the 65536"),  # 1.8 s to its first mask, cached for ever
     ({"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}, "admits no JSON value at all"),  # was "NoExtensionBias"
@@ -202,7 +204,7 @@ def test_schemas_the_grammar_cannot_run_are_400s_before_generation(json_server, 
                    timeout=120)
     assert r.status_code == 400, r.text[:300]
     err = r.json()["error"]
-    assert err["param"] == "response_format" and match in err["message"], err
+    assert err["param"] == "response_format" and re.search(match, err["message"]), err
     assert state.engine.metrics().decode_steps == before  # refused before any generation
 
 
