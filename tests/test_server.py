@@ -838,3 +838,20 @@ def _open(s) -> bool:
         return True  # nothing to read, not closed
     except OSError:  # reset
         return False
+
+
+def test_serve_prefills_in_small_chunks_by_default(monkeypatch):
+    """A running stream once froze for a whole 2048-token chunk of another request's prompt:
+    serve interleaves DEFAULT_SERVE_PREFILL_STEP prompt tokens with each decode step, unless
+    told otherwise (flag, environment)."""
+    from edge0.cli import PACKAGED_DEMO, build_parser
+    from edge0.server.command import DEFAULT_SERVE_PREFILL_STEP, build_settings
+
+    parse = lambda *extra: build_settings(build_parser().parse_args(  # noqa: E731
+        ["serve", "--model", str(PACKAGED_DEMO), *extra]))
+    assert DEFAULT_SERVE_PREFILL_STEP == 256
+    assert parse().config.prefill_step_size == 256
+    assert parse("--prefill-step-size", "1024").config.prefill_step_size == 1024
+    monkeypatch.setenv("EDGE0_PREFILL_STEP_SIZE", "512")
+    assert parse().config.prefill_step_size == 512
+    assert EngineConfig().prefill_step_size == 2048  # the engine's own default stays mlx-lm's

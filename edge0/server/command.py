@@ -7,6 +7,9 @@ import os
 import sys
 
 DEFAULT_PROMPT_CACHE_MB = 512
+# Prompt tokens prefilled between two decode steps of the batch when serving (the engine's
+# 2048, mlx-lm's, froze running streams for the whole chunk: docs/SERVER.md, "Fairness")
+DEFAULT_SERVE_PREFILL_STEP = 256
 API_KEY_ENV = "EDGE0_API_KEY"
 
 
@@ -60,9 +63,11 @@ def add_parser(sub) -> None:
                    help="on SIGTERM/SIGINT: seconds running requests may take to finish before they are "
                         "cancelled (default 30)")
     add_config_flags(s)
-    for action in s._actions:  # serve keeps a prompt cache by default; say so where the flag is
+    for action in s._actions:  # serve's own defaults; say so where the flags are
         if action.dest == "prompt_cache_mb":
             action.help = action.help.replace("(default: 0;", f"(default for serve: {DEFAULT_PROMPT_CACHE_MB};")
+        if action.dest == "prefill_step_size":
+            action.help = action.help.replace("(default: 2048", f"(default for serve: {DEFAULT_SERVE_PREFILL_STEP}")
     s.set_defaults(func=cmd_serve)
 
 
@@ -86,7 +91,8 @@ def build_settings(args: argparse.Namespace):
                           "and --max-connections and --max-connections-per-client >= 1")
     SamplingParams(max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p)
     model_dir = resolve_model(args.model)
-    config = resolve_config(args, defaults={"prompt_cache_mb": DEFAULT_PROMPT_CACHE_MB})
+    config = resolve_config(args, defaults={"prompt_cache_mb": DEFAULT_PROMPT_CACHE_MB,
+                                            "prefill_step_size": DEFAULT_SERVE_PREFILL_STEP})
     model_id = args.model if not os.path.isdir(args.model) else os.path.basename(os.path.normpath(args.model))
     return ServerSettings(
         model_dir=model_dir, config=config, model_id=model_id,
