@@ -426,3 +426,21 @@ def test_sft_refuses_stage_extra_with_replace(heads, tmp_path, capsys):
                  "--routing", "replace", "--stage-extra", "2", "--no-progress"]) == 2
     assert "--stage-extra applies to --routing select" in capsys.readouterr().err
     assert not (tmp_path / "w").exists()  # refused before any work
+
+
+def test_sft_and_distill_take_the_sampling_temperature(heads, tmp_path):
+    """--temp sets the temperature of the continuations a phase trains on (the teacher's for
+    SFT, the student's for distillation); the rows' metadata and the adapter's recipe say so."""
+    import json
+
+    from edge0.cli import main
+    from edge0.model.safetensors_header import read_header
+
+    d = heads("qwen3_moe", True, {"routing": "replace", "stage_extra": 0})
+    w = tmp_path / "w"
+    assert main(["train", "sft", "--model", str(d), "--teacher", str(d), "--work", str(w), "--rows", "4",
+                 "--steps", "1", "--batch", "2", "--temp", "1.0", "--no-progress"]) == 0
+    (rows_meta,) = w.glob("sft_rows-*.npy.json")
+    assert json.loads(rows_meta.read_text())["temp"] == 1.0
+    recipe = json.loads(read_header(w / "adapter-sft" / "adapters.safetensors").metadata["recipe"])
+    assert recipe["temp"] == 1.0

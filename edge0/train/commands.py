@@ -60,10 +60,11 @@ def _lora_flags(p, defaults, *, teacher: bool = True) -> None:
     p.add_argument("--time-budget", type=float, default=None, help="seconds of training before it stops")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --work")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    for name in ("rows", "steps", "batch", "lr", "rank", "scale", "seed"):
+    for name in ("rows", "steps", "batch", "lr", "rank", "scale", "seed", "temp"):
         if hasattr(defaults, name):
             value = getattr(defaults, name)
-            p.add_argument("--" + name, type=type(value), default=value, help=f"(default {value})")
+            what = {"temp": "sampling temperature of the continuations trained on "}.get(name, "")
+            p.add_argument("--" + name, type=type(value), default=value, help=f"{what}(default {value})")
     if hasattr(defaults, "routing"):
         p.add_argument("--routing", choices=("auto", "replace", "select"), default="auto",
                        help="the routing the student trains on, as served (default auto: what the heads file records)")
@@ -116,7 +117,7 @@ def _work(args) -> Path:
 
 
 def _configured(cfg, args):
-    for name in ("rows", "steps", "batch", "lr", "rank", "scale", "seed"):
+    for name in ("rows", "steps", "batch", "lr", "rank", "scale", "seed", "temp"):
         if hasattr(cfg, name) and getattr(args, name, None) is not None:
             setattr(cfg, name, getattr(args, name))
     cfg.time_budget_s = args.time_budget
