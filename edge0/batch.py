@@ -81,12 +81,15 @@ class Batcher:
         pipe = self.host.streaming.pipeline
         while True:
             with self._lock:
-                left = self._left_waiting()
+                left = [r for r in self._waiting if r.job.cancelled]  # whose consumer left: out of line now
+                if left:  # (never handed to a pipeline's other ranks, which only hear of admitted rows)
+                    self._waiting = deque(r for r in self._waiting if not r.job.cancelled)
                 done = not self._waiting and not self.joining and not self.rows
                 if done:
                     self._running = False
                 admitted = self._admit() if not done and (pipe is None or pipe.rank == 0) else []
-            self._end_unstarted(left)
+            for row in left:
+                self._end_unstarted(row)
             if done:
                 return
             try:
@@ -206,21 +209,10 @@ class Batcher:
             except BaseException:  # noqa: BLE001 - each row still gets its end
                 row.job.finish(row.error)
 
-    def _left_waiting(self) -> list[Row]:  # under the lock
-        """The waiting rows whose consumer left (cancelled), out of the line: they take no
-        place and hold no prompt while the batch is full (never handed to a pipeline's
-        other ranks, which only hear of admitted rows)."""
-        if not any(r.job.cancelled for r in self._waiting):
-            return []
-        left = [r for r in self._waiting if r.job.cancelled]
-        self._waiting = deque(r for r in self._waiting if not r.job.cancelled)
-        return left
-
-    def _end_unstarted(self, rows: list[Row]) -> None:
-        for row in rows:
-            self.host._jobs.discard(row.job)
-            self.host._line.ended(row.job.admission, started=False)
-            row.job.finish(row.error)
+    def _end_unstarted(self, row: Row) -> None:
+        self.host._jobs.discard(row.job)
+        self.host._line.ended(row.job.admission, started=False)
+        row.job.finish(row.error)
 
     def _admit(self) -> list[Row]:  # under the lock
         out = []

@@ -18,8 +18,8 @@ from edge0.backend import core as B
 from edge0.backend import kernels as bk
 from edge0.backend import nn as bnn
 from edge0.config import PATHS, PHASES, EngineConfig
-from edge0.errors import CheckpointError, ConfigError
-from edge0.exec.budget import check_budget, slot_ceiling, staged_slots
+from edge0.errors import ConfigError
+from edge0.exec.budget import check_budget, check_resident, slot_ceiling, staged_slots
 from edge0.exec.exact import ExactExecutor
 from edge0.exec.hot import HotExecutor
 from edge0.exec.oracle import OracleRouting, RoutingRecorder
@@ -28,7 +28,7 @@ from edge0.exec.plan import LayerRoute
 from edge0.exec.split import Split, resolve_threads
 from edge0.exec.staged import StagedExecutor, Stager
 from edge0.exec.whole_layer import WholeLayerExecutor
-from edge0.io_sched.direct import memory_limit, wants_direct
+from edge0.io_sched.direct import wants_direct
 from edge0.io_sched.reader import ExpertReader
 from edge0.model.files import check_entry
 from edge0.model.open import open_model
@@ -261,10 +261,9 @@ def load_streaming_model(model_dir: str | Path, config: EngineConfig, *, oracle:
         raise ConfigError(f"slots_per_layer={slots} cannot hold the {spec.k + extra} experts select routing stages "
                           f"per layer (k={spec.k} + stage_extra={extra})")
     others = check_budget(spec, index, config, on["staged"], on["hot"], on["whole_layer"], slots)
-    _check_resident_fits(model_dir, index, spec, pipe, others)
+    check_resident(model_dir, index, spec, pipe, others)
     reader = ExpertReader(index, config.reader_threads, log=log, direct=wants_direct(config.direct_io, index.files))
-    phase = StepPhase()  # the step hook says whether each forward pass decodes or prefills
-    stager = None
+    phase, stager = StepPhase(), None  # the step hook says whether each forward pass decodes or prefills
     compute_dtype = resolve_compute_dtype(config.compute_dtype, raw)
     try:
         kernels, split = _kernels(config, compute_dtype, [templates[layer] for layer in layers])
@@ -316,8 +315,7 @@ def load_streaming_model(model_dir: str | Path, config: EngineConfig, *, oracle:
     streaming.compute_dtype = compute_dtype
     streaming.kernels = kernels
     streaming.kernels_label = bk.describe() if kernels == "edge0" else "mlx"
-    streaming.phase, streaming.pipeline, streaming.layers = phase, pipe, layers
-    streaming.path_of = path_of
+    streaming.phase, streaming.pipeline, streaming.layers, streaming.path_of = phase, pipe, layers, path_of
     streaming.routing = (routing, extra) if prerouter is not None or (pipe is not None and pipe.heads) else None
     return _wired(streaming, prerouter, stager, heads, routing, extra)
 
@@ -338,20 +336,6 @@ def _wired(streaming: Streaming, prerouter, stager, heads, routing: str, extra: 
         streaming.close()
         raise
     return streaming
-
-
-def _check_resident_fits(model_dir: Path, index, spec, pipe, buffers: int) -> None:
-    """The resident weights the headers declare, with the expert buffers, within the memory
-    this process may use: checked before one byte is read (a sparse file can declare
-    gigabytes it does not hold)."""
-    resident = sum(e.nbytes for h in index.headers for name, e in h.tensors.items()
-                   if not spec.is_expert_key(name) and (pipe is None or not pipe.remote_key(name)))
-    limit = memory_limit()
-    if resident + buffers > limit:
-        raise CheckpointError(f"the resident weights (every tensor but the routed experts) declare "
-                              f"{resident / 2**30:.2f} GiB and the expert buffers need {buffers / 2**30:.2f} GiB: "
-                              f"more than the {limit / 2**30:.2f} GiB this process may use (physical memory, "
-                              "cgroup and rlimits)", file=model_dir)
 
 
 def resolve_routing(config: EngineConfig, meta: dict | None, spec, heads_path) -> tuple[str, int]:

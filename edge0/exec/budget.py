@@ -1,10 +1,11 @@
 """How much memory the expert buffers take: the staged slots at open and how far they may
-grow, and the ``memory_budget_mb`` check made before any buffer is allocated."""
+grow, the ``memory_budget_mb`` check made before any buffer is allocated, and the resident
+weights' check against the memory the process may use."""
 
 from __future__ import annotations
 
 from edge0.config import EngineConfig
-from edge0.errors import ConfigError
+from edge0.errors import CheckpointError, ConfigError
 from edge0.io_sched.direct import memory_limit
 
 
@@ -53,3 +54,17 @@ def check_budget(spec, index, config: EngineConfig, staged, hot, whole, slots: i
         raise ConfigError(f"expert buffers need {total / 2**20:.1f} MiB ({detail}), over memory_budget_mb="
                           f"{config.memory_budget_mb}")
     return total - parts.get("staged slots", 0)
+
+
+def check_resident(model_dir, index, spec, pipe, buffers: int) -> None:
+    """The resident weights the headers declare, with the expert buffers, within the memory
+    this process may use: checked before one byte is read (a sparse file can declare
+    gigabytes it does not hold)."""
+    resident = sum(e.nbytes for h in index.headers for name, e in h.tensors.items()
+                   if not spec.is_expert_key(name) and (pipe is None or not pipe.remote_key(name)))
+    limit = memory_limit()
+    if resident + buffers > limit:
+        raise CheckpointError(f"the resident weights (every tensor but the routed experts) declare "
+                              f"{resident / 2**30:.2f} GiB and the expert buffers need {buffers / 2**30:.2f} GiB: "
+                              f"more than the {limit / 2**30:.2f} GiB this process may use (physical memory, "
+                              "cgroup and rlimits)", file=model_dir)

@@ -37,6 +37,33 @@ def _host(p) -> str:
     return p.client[0] if getattr(p, "client", None) else ""
 
 
+def _make_room(new, max_connections: int | None, max_per_client: int | None) -> bool:
+    """Connection ``new``'s client within its share and the server within its bound, by
+    closing idle connections; False when ``new`` itself was refused."""
+    others = [p for p in new.connections if p is not new and not p.transport.is_closing()]
+    mine = [p for p in others if _host(p) == _host(new)]
+    if max_per_client is not None and len(mine) >= max_per_client:
+        idle = sorted((p for p in mine if _idle(p)), key=lambda p: p._opened)
+        if not idle:
+            get_logger("edge0.server").warning("server.client_connections", client=_host(new),
+                                               action="connection refused", limit=max_per_client)
+            new.transport.abort()
+            return False
+        idle[0].transport.abort()
+        others.remove(idle[0])
+    if max_connections is not None and len(others) + 1 >= max_connections:
+        counts: dict[str, int] = {}
+        for p in others:
+            counts[_host(p)] = counts.get(_host(p), 0) + 1
+        idle = [p for p in others if _idle(p)]
+        if idle:  # the most-connected client's oldest idle connection
+            victim = min(idle, key=lambda p: (-counts[_host(p)], p._opened))
+            get_logger("edge0.server").info("server.connections_full", action="idle connection closed",
+                                            client=_host(victim))
+            victim.transport.abort()
+    return True
+
+
 def bounded_protocol(header_timeout_s: float, send_timeout_s: float | None = None, *,
                      max_connections: int | None = None, max_per_client: int | None = None) -> type:
     """uvicorn's h11 protocol with a timer on each request head: from the moment the
@@ -53,7 +80,7 @@ def bounded_protocol(header_timeout_s: float, send_timeout_s: float | None = Non
             self._head_timer = self.loop.call_later(header_timeout_s, self._head_timeout)
             self._send_timer = None
             self._opened = self.loop.time()
-            if not self._make_room():
+            if not _make_room(self, max_connections, max_per_client):
                 return
             sock = transport.get_extra_info("socket")
             if send_timeout_s is not None and sock is not None:
@@ -62,32 +89,6 @@ def bounded_protocol(header_timeout_s: float, send_timeout_s: float | None = Non
                         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
                 except OSError:  # not a socket that has one
                     pass
-
-        def _make_room(self) -> bool:
-            """This client within its share and the server within its bound, by closing idle
-            connections; False when this connection itself was refused."""
-            others = [p for p in self.connections if p is not self and not p.transport.is_closing()]
-            mine = [p for p in others if _host(p) == _host(self)]
-            if max_per_client is not None and len(mine) >= max_per_client:
-                idle = sorted((p for p in mine if _idle(p)), key=lambda p: p._opened)
-                if not idle:
-                    get_logger("edge0.server").warning("server.client_connections", client=_host(self),
-                                                       action="connection refused", limit=max_per_client)
-                    self.transport.abort()
-                    return False
-                idle[0].transport.abort()
-                others.remove(idle[0])
-            if max_connections is not None and len(others) + 1 >= max_connections:
-                counts: dict[str, int] = {}
-                for p in others:
-                    counts[_host(p)] = counts.get(_host(p), 0) + 1
-                idle = [p for p in others if _idle(p)]
-                if idle:  # the most-connected client's oldest idle connection
-                    victim = min(idle, key=lambda p: (-counts[_host(p)], p._opened))
-                    get_logger("edge0.server").info("server.connections_full", action="idle connection closed",
-                                                    client=_host(victim))
-                    victim.transport.abort()
-            return True
 
         def pause_writing(self) -> None:
             super().pause_writing()
