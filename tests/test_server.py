@@ -619,22 +619,33 @@ def test_an_idle_keep_alive_connection_is_closed_after_5_s(server):
 
 
 def test_connections_beyond_max_connections_get_503(model):
+    """With every slot taken by busy connections (a request in progress on each; uvicorn
+    counts the newcomer's own), a new request gets 503; idle ones (silent sockets) are
+    closed to make room instead."""
     import socket
 
     d, _, _ = model
-    with serving(d, EngineConfig(adapter="off"), max_connections=2) as (url, _):
+    with serving(d, EngineConfig(adapter="off"), max_connections=3) as (url, _):
         host, port = url.rsplit("//", 1)[1].split(":")
-        held = [socket.create_connection((host, int(port))) for _ in range(2)]
-        try:
-            time.sleep(0.3)
+        body = {"prompt": "x", "max_tokens": 4000, "stream": True, "logit_bias": {"0": -100}}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as a, \
+                httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as b:
+            lines = [r.iter_lines() for r in (a, b)]  # kept: a closed iterator closes its response
+            for it in lines:
+                while not next(it).startswith("data: "):  # both busy
+                    pass
             assert httpx.get(url + "/health", timeout=10).status_code == 503
-        finally:
-            for s in held:
-                s.close()
         deadline = time.monotonic() + 10
         while httpx.get(url + "/health", timeout=10).status_code != 200:
             assert time.monotonic() < deadline
             time.sleep(0.05)
+        held = [socket.create_connection((host, int(port))) for _ in range(2)]  # silent: idle
+        try:
+            time.sleep(0.3)
+            assert httpx.get(url + "/health", timeout=10).status_code == 200
+        finally:
+            for s in held:
+                s.close()
 
 
 def test_clients_that_stop_reading_lose_their_connections_not_others_theirs(model):
