@@ -25,7 +25,7 @@ import anyio
 
 from edge0.admission import Admission, EngineMetrics, Line
 from edge0.batch import Batcher, batchable
-from edge0.row import UNCOMPILED, Row, TokenEvent, sampling_of  # noqa: F401 - TokenEvent: part of this module's API
+from edge0.row import Row, TokenEvent, sampling_of  # noqa: F401 - TokenEvent: part of this module's API
 from edge0.backend import core as B
 from edge0.backend import nn as bnn
 from edge0.config import EngineConfig
@@ -203,12 +203,7 @@ class Engine:
         job = Job()
         job.admission = admission
         job.stall_timeout = consumer_timeout
-        row = self._row(job, ids, params, record, adapter, cache_scope)
-        # compiled here, on the caller's thread (a cache hit after validate), and its matcher copied for
-        # this generation here too (a large grammar's copy took 0.18 s): the compute thread does neither
-        constraint = self._constraints.get(params.response_format)
-        row.constraint = constraint.processor() if constraint is not None else None
-        self._batcher.submit(row)
+        self._batcher.submit(self._row(job, ids, params, record, adapter, cache_scope))
         return job
 
     def _row(self, job: Job, ids: list[int], params: SamplingParams, record, adapter,
@@ -217,6 +212,10 @@ class Engine:
         ctx = self.context_length
         max_tokens = min(params.max_tokens, ctx - len(ids)) if ctx is not None else params.max_tokens
         row = Row(job, ids, params, record, adapter, max_tokens, cache_scope)
+        # its format compiled (a cache hit after validate) and its matcher copied here, on the submitting
+        # thread, before the row is counted in line (a large grammar's copy took 0.18 s)
+        constraint = self._constraints.get(params.response_format)
+        row.constraint = constraint.processor() if constraint is not None else None
         stager = self.streaming.stager
         # alone: a recording, a rotating cache, an oracle's step-by-step routing of one sequence
         row.alone = (record is not None or params.max_kv_size is not None or not self._batchable
@@ -335,9 +334,6 @@ class Engine:
             self.streaming.prerouter.reset()
 
     def _constraint_processors(self, row) -> tuple:
-        if row.constraint is UNCOMPILED:  # a pipeline follower's row, made on the compute thread
-            constraint = self._constraints.get(row.params.response_format)
-            return (constraint.processor(),) if constraint is not None else ()
         return (row.constraint,) if row.constraint is not None else ()
 
     def _describe_adapter(self, name: str | None) -> str | None:

@@ -28,9 +28,6 @@ class TokenEvent:
     top_logprobs: list[tuple[int, float]] | None = None  # with SamplingParams.top_logprobs > 0
 
 
-UNCOMPILED = object()
-
-
 class Row:
     """One generation: its prompt, sampling, cache, what it generated and its consumer."""
 
@@ -38,7 +35,7 @@ class Row:
                  cache_scope: str | None = None):
         self.job, self.ids, self.params, self.record, self.adapter = job, ids, params, record, adapter
         self.cache_scope = cache_scope  # the prompt cache shares entries within one scope only
-        self.constraint = UNCOMPILED  # its response_format's logits processor (None: none), made where it is submitted
+        self.constraint = None  # its response_format's logits processor (None: none), made where it is submitted
         self.max_tokens = max_tokens
         self.generated: list[int] = []
         self.cache = None  # its own cache (mlx-lm's list, one per layer) until it joins the batch
