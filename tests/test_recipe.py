@@ -108,6 +108,73 @@ def test_reverse_kl_topk_is_kl_of_the_bucketed_distributions():
     assert abs(same) < 1e-6  # zero when the student is the teacher
 
 
+def test_forward_kl_topk_is_kl_of_the_bucketed_distributions():
+    from edge0.train.distill import forward_kl_topk
+
+    rng = np.random.default_rng(1)
+    s = rng.normal(0, 2, (2, 3, 10)).astype(np.float32)
+    t = rng.normal(0, 2, (2, 3, 10)).astype(np.float32)
+    tlogp = t - np.log(np.exp(t).sum(-1, keepdims=True))
+    idx = np.argsort(-tlogp, -1)[..., :4]
+    mask = np.array([[1, 1, 0], [1, 0, 1]], dtype=np.float32)
+    got = forward_kl_topk(mx.array(s), mx.array(idx), mx.array(np.take_along_axis(tlogp, idx, -1)),
+                          mx.array(mask)).item()
+    p = np.exp(s - np.log(np.exp(s).sum(-1, keepdims=True)))
+    q = np.exp(tlogp)
+    pk, qk = np.take_along_axis(p, idx, -1), np.take_along_axis(q, idx, -1)
+    pb = np.concatenate([pk, 1 - pk.sum(-1, keepdims=True)], -1)
+    qb = np.concatenate([qk, 1 - qk.sum(-1, keepdims=True)], -1)
+    per = (qb * (np.log(qb) - np.log(pb))).sum(-1)  # the teacher weights: KL(teacher || student)
+    want = float((per * mask).sum() / mask.sum())
+    assert abs(got - want) < 1e-5
+    same = forward_kl_topk(mx.array(t), mx.array(idx), mx.array(np.take_along_axis(tlogp, idx, -1)),
+                           mx.ones((2, 3))).item()
+    assert abs(same) < 1e-6
+
+
+def test_sft_on_the_corpus_learns_the_teachers_distribution(model_with_heads, tmp_path):
+    """`edge0 train sft --text corpus`: windows of the training split, the teacher's top-K at
+    every position as the target, forward KL falling on a fixed batch; the adapter's recipe
+    says so, and a second run reuses the scored windows."""
+    import json
+
+    from edge0.backend import nn as bnn
+    from edge0.cli import main
+    from edge0.model.safetensors_header import read_header
+
+    d, w, out = model_with_heads, tmp_path / "w", tmp_path / "a"
+    argv = ["train", "sft", "--model", str(d), "--teacher", str(d), "--work", str(w), "--rows", "8",
+            "--steps", "6", "--batch", "4", "--rank", "4", "--lr", "3e-3", "--text", "corpus", "--top-k", "5",
+            "--routing", "replace", "--out", str(out), "--no-progress"]
+    assert main(argv) == 0
+    (rows_path,) = w.glob("corpus_rows-*.npy")
+    rows = np.load(rows_path)
+    assert rows.shape == (8, 128)
+    with np.load(str(rows_path)[:-4] + ".topk.npz") as t:
+        ids, lp = t["ids"], t["lp"]
+    assert ids.shape == lp.shape == (8, 127, 5)
+    teacher = bnn.load_teacher(d)
+    bnn.cast_model(teacher, mx.float32)
+    logits = np.array(teacher(mx.array(rows[:2]))[:, :-1].astype(mx.float32))
+    want = np.sort(np.argsort(-logits, -1)[..., :5], -1)
+    assert (np.sort(ids[:2], -1) == want).mean() > 0.99  # the teacher's own top-5 (ties apart)
+    recipe = json.loads(read_header(out / "adapters.safetensors").metadata["recipe"])
+    assert recipe["text"] == "corpus" and recipe["top_k"] == 5
+    assert recipe["loss_after"] < recipe["loss_before"], recipe
+    mtime = rows_path.stat().st_mtime_ns
+    assert main(argv[:-3] + ["--out", str(tmp_path / "b"), "--no-progress"]) == 0
+    assert rows_path.stat().st_mtime_ns == mtime  # scored once
+
+
+def test_sft_refuses_an_unknown_text(model_with_heads, tmp_path):
+    from edge0.errors import ConfigError
+    from edge0.train.sft import SFTConfig, run_sft
+
+    with pytest.raises(ConfigError, match="SFT text 'web'"):
+        run_sft(model_with_heads, model_with_heads, tmp_path / "a", SFTConfig(text="web"), work=tmp_path / "w")
+    assert not (tmp_path / "w").exists()
+
+
 def test_quick_recipe_end_to_end(tiny_model_factory, tmp_path):
     """``edge0 train recipe --quick``: heads -> SFT -> distill -> report on a tiny model
     (its own float32 reading as the teacher)."""

@@ -81,6 +81,12 @@ def add_lora_parsers(trs) -> None:
                                    "int4 student, routed by the prerouter's prediction at every continuation "
                                    "position, learns them by cross-entropy. Only the LoRA trains.")
     _lora_flags(s, SFTConfig())
+    s.add_argument("--text", choices=("teacher", "corpus"), default=SFTConfig.text,
+                   help="what the student learns from: the teacher's sampled continuations by cross-entropy "
+                        "(teacher), or the teacher's top-K distribution on windows of the training split by "
+                        f"forward KL (corpus) (default {SFTConfig.text})")
+    s.add_argument("--top-k", type=int, default=SFTConfig.top_k,
+                   help=f"with --text corpus: the teacher's tokens kept per position (default {SFTConfig.top_k})")
     s.add_argument("--out", default=None, help="adapter directory (default: WORK/adapter-sft)")
     s.set_defaults(func=cmd_sft)
     d = trs.add_parser("distill", help="phase 3: on-policy reverse KL of the served student against the teacher",
@@ -117,7 +123,7 @@ def _work(args) -> Path:
 
 
 def _configured(cfg, args):
-    for name in ("rows", "steps", "batch", "lr", "rank", "scale", "seed", "temp"):
+    for name in ("rows", "steps", "batch", "lr", "rank", "scale", "seed", "temp", "text", "top_k"):
         if hasattr(cfg, name) and getattr(args, name, None) is not None:
             setattr(cfg, name, getattr(args, name))
     cfg.time_budget_s = args.time_budget

@@ -1,9 +1,18 @@
 """Phase 2 of the recovery recipe: supervised fine-tuning of the LoRA on the student path.
 
-The float32 teacher continues prompts taken from the training split; the student (int4
-base, prerouter routing at every continuation position, LoRA on attention and
-shared-expert projections) learns those continuations by cross-entropy. Only the adapter
-trains; heads and base are frozen. The result is an adapter directory with provenance.
+The student (int4 base, prerouter routing at every continuation position, LoRA on
+attention and shared-expert projections) learns from the float32 teacher in one of two
+ways (``SFTConfig.text``):
+
+- ``teacher``: the teacher continues prompts taken from the training split, and the
+  student learns those sampled continuations by cross-entropy;
+- ``corpus``: windows of the training split itself, and the student learns the teacher's
+  whole next-token distribution at every continuation position, by forward KL over the
+  teacher's top-K tokens plus a tail bucket (``forward_kl_topk``). No sampling noise: the
+  target is the teacher's distribution, on the text the model is used for.
+
+Only the adapter trains; heads and base are frozen. The result is an adapter directory
+with provenance.
 """
 
 from __future__ import annotations
@@ -15,6 +24,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from edge0.errors import ConfigError
 from edge0.prerouter.files import checkpoint_identity
 from edge0.train import data as D
 from edge0.train.loop import fit_adapter
@@ -27,7 +37,9 @@ class SFTConfig:
     rows: int = 4096  # teacher-written sequences
     prompt_len: int = 32
     new_tokens: int = 96
-    temp: float = 0.8  # teacher sampling temperature
+    temp: float = 0.8  # teacher sampling temperature (text "teacher")
+    text: str = "teacher"  # "teacher": CE on its sampled continuations; "corpus": KL to it on the training split
+    top_k: int = 32  # text "corpus": the teacher's tokens kept per position (the rest is one tail bucket)
     rank: int = 8
     scale: float = 10.0
     steps: int = 600
@@ -71,6 +83,39 @@ def teacher_rows(teacher_dir: Path, model_dir: Path, cfg: SFTConfig, work: Path,
     return rows, meta
 
 
+def corpus_targets(teacher_dir: Path, model_dir: Path, cfg: SFTConfig, work: Path, say=print,
+                   dp: DataParallel | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict]:
+    """Windows of the training split and the teacher's top-K next-token ids and
+    log-probabilities at every position of them (cached in ``work``: the targets first,
+    the rows last, so cached rows always have their targets)."""
+    from edge0.train.distill import teacher_topk
+
+    dp = dp or DataParallel(None)
+    identity = checkpoint_identity(teacher_dir)
+    key = D.cache_key(identity, "corpus", cfg.rows, cfg.prompt_len, cfg.new_tokens, cfg.top_k, cfg.seed)
+    path = work / f"corpus_rows-{key}.npy"
+    targets = work / f"corpus_rows-{key}.topk.npz"
+    if not dp.any(not (D.rows_cached(path) and targets.exists())):
+        rows, _, meta = D.load_rows(path)
+        with np.load(targets) as t:
+            return rows, t["ids"], t["lp"], meta
+    train_stream, _, corpus_desc = D.token_streams(model_dir)
+    rows = D.prompts(train_stream, cfg.rows, cfg.prompt_len + cfg.new_tokens, seed=cfg.seed)
+    t0 = time.perf_counter()
+    say(f"the teacher scores {cfg.rows} windows of the training split")
+    ids, lp = teacher_topk(teacher_dir, rows, cfg.top_k, dp=dp)
+    meta = {"teacher": str(teacher_dir.name), "teacher_identity": identity,
+            "rows": f"{cfg.rows} random {cfg.prompt_len + cfg.new_tokens}-token windows of the training split "
+                    f"(seed {cfg.seed}); the teacher's top-{cfg.top_k} at every position",
+            "corpus": corpus_desc, "seconds": round(time.perf_counter() - t0, 1)}
+    if dp.is_main:
+        tmp = targets.with_name(targets.name + ".tmp.npz")
+        np.savez(tmp, ids=ids, lp=lp)
+        tmp.replace(targets)
+        D.save_rows(path, rows, cfg.prompt_len, meta)
+    return rows, ids, lp, meta
+
+
 def run_sft(model_dir: str | Path, teacher_dir: str | Path, out: str | Path, cfg: SFTConfig, *, work: str | Path,
             heads_file: str | Path | None = None, resume: bool = False, progress=None, say=print,
             dp: DataParallel | None = None) -> dict:
@@ -78,11 +123,15 @@ def run_sft(model_dir: str | Path, teacher_dir: str | Path, out: str | Path, cfg
     (edge0.train.parallel; default: the one ``mlx.launch`` started, or one process)."""
     model_dir, teacher_dir, work, out = Path(model_dir), Path(teacher_dir), Path(work), Path(out)
     dp = dp or DataParallel.current()
+    if cfg.text not in SFT_TEXTS:
+        raise ConfigError(f"SFT text {cfg.text!r}: expected one of {', '.join(SFT_TEXTS)}")
     work.mkdir(parents=True, exist_ok=True)
+    if cfg.text == "corpus":
+        return _run_corpus_kl(model_dir, teacher_dir, out, cfg, work=work, heads_file=heads_file, resume=resume,
+                              progress=progress, say=say, dp=dp)
     rows, data_meta = teacher_rows(teacher_dir, model_dir, cfg, work, say, dp)
     mask = D.continuation_mask(rows, cfg.prompt_len)
-    student = StudentModel(model_dir, heads_file=heads_file, rank=cfg.rank, scale=cfg.scale, seed=cfg.seed,
-                           experts_per_token=cfg.experts_per_token, routing=cfg.routing, stage_extra=cfg.stage_extra)
+    student = _student(model_dir, heads_file, cfg)
     P = np.full(cfg.batch, cfg.prompt_len)
 
     def loss(model, tokens, m):
@@ -96,3 +145,37 @@ def run_sft(model_dir: str | Path, teacher_dir: str | Path, out: str | Path, cfg
     return fit_adapter(student, loss, batches, fixed, cfg, name="sft", phase="2 (SFT on the student path)",
                        model_dir=model_dir, teacher_dir=teacher_dir, data_meta=data_meta, tokens=int(mask.sum()),
                        work=work, out=out, resume=resume, progress=progress, dp=dp, weight=mask_weight(1))
+
+
+SFT_TEXTS = ("teacher", "corpus")
+
+
+def _student(model_dir: Path, heads_file, cfg: SFTConfig) -> StudentModel:
+    return StudentModel(model_dir, heads_file=heads_file, rank=cfg.rank, scale=cfg.scale, seed=cfg.seed,
+                        experts_per_token=cfg.experts_per_token, routing=cfg.routing, stage_extra=cfg.stage_extra)
+
+
+def _run_corpus_kl(model_dir: Path, teacher_dir: Path, out: Path, cfg: SFTConfig, *, work: Path, heads_file,
+                   resume: bool, progress, say, dp: DataParallel) -> dict:
+    """Phase 2 on the training split: forward KL to the teacher's top-K + tail."""
+    from edge0.train.distill import forward_kl_topk
+
+    rows, top_idx, top_lp, data_meta = corpus_targets(teacher_dir, model_dir, cfg, work, say, dp)
+    mask = D.continuation_mask(rows, cfg.prompt_len)
+    student = _student(model_dir, heads_file, cfg)
+    P = np.full(cfg.batch, cfg.prompt_len)
+
+    def loss(model, tokens, idx, lp, m):
+        logits = student.logits(tokens, P[: tokens.shape[0]])[:, :-1].astype(mx.float32)
+        return forward_kl_topk(logits, idx, lp, m)
+
+    def batches(rng):
+        i = rng.integers(0, len(rows), size=cfg.batch)
+        return mx.array(rows[i]), mx.array(top_idx[i]), mx.array(top_lp[i]), mx.array(mask[i])
+
+    b = cfg.batch
+    fixed = (mx.array(rows[:b]), mx.array(top_idx[:b]), mx.array(top_lp[:b]), mx.array(mask[:b]))
+    return fit_adapter(student, loss, batches, fixed, cfg, name="sft",
+                       phase="2 (forward KL to the teacher on the training split, top-K + tail)",
+                       model_dir=model_dir, teacher_dir=teacher_dir, data_meta=data_meta, tokens=int(mask.sum()),
+                       work=work, out=out, resume=resume, progress=progress, dp=dp, weight=mask_weight(3))
