@@ -107,6 +107,7 @@ class EngineMetrics:
     slot_bytes: int = 0  # bytes the staged layers' slots hold now (grown while a batch needs more)
     over_slot_layers: int = 0  # staged layer-steps run exact: a batch's union did not fit the slots
     micro_turns: int = 0  # of the decode passes, those of one half of a batch (two-rank micro-batches)
+    prefill_passes: int = 0  # prompt forward passes: a chunk of one prompt, or short prompts prefilled together
 
     @property
     def expert_bytes_per_token(self) -> float:

@@ -1,12 +1,11 @@
 """Continuous batching: the generations of one engine decode together, one forward pass
 per step for all of them.
 
-Every generation is a ``Row``. A new row prefills alone, in chunks of
-``prefill_step_size`` tokens; between two decode steps of the rows already running, new
-rows' chunks run until that many prompt tokens were forwarded (so running streams keep
-flowing, and short prompts arriving together all prefill before the next step); then the
-row joins the batch at a step boundary, its KV
-cache merged into the batch's (mlx-lm's left-padded ``BatchKVCache``). Each decode step
+Every generation is a ``Row``. A new row prefills in chunks of ``prefill_step_size``
+tokens; between two decode steps of the running rows, new rows' chunks run until that many
+prompt tokens were forwarded (running streams keep flowing), short prompts arriving
+together in one pass (``edge0.prefill``); then the row joins the batch at a step boundary,
+its KV cache merged into the batch's (mlx-lm's left-padded ``BatchKVCache``). Each decode step
 forwards one token of every row: the attention weights, every layer's expert reads (the
 exact path reads the union of the rows' experts once; the staged path plans the union of
 the rows' predictions, one prerouter flush for the batch) and the projections are shared;
@@ -29,6 +28,7 @@ from collections import deque
 from contextlib import contextmanager
 
 from edge0 import micro as micro_batches
+from edge0 import prefill
 from edge0.backend import core as B
 from edge0.backend import nn as bnn
 from edge0.errors import DistributedError, ExpertReadError
@@ -60,6 +60,7 @@ class Batcher:
         self.tokens = 0  # tokens they generated, every row
         self.decode_bytes = 0  # expert bytes read during them
         self.micro_turns = 0  # micro-batch turns (a half's decode pass each) under a two-rank pipeline
+        self.prefill_passes = 0  # prompt forward passes (a chunk of one row, or rows prefilled together)
 
     # -- any thread -----------------------------------------------------------------------
     def submit(self, row: Row) -> None:
@@ -173,6 +174,7 @@ class Batcher:
             self._start(row, piped=cancelled is not None)
         self._drop_cancelled(cancelled)
         budget = self.host.config.prefill_step_size  # prompt tokens between two decode steps
+        budget -= prefill.together(self, budget)  # short prompts arriving together: one pass
         for row in list(self.joining):
             if budget <= 0:
                 break
@@ -181,7 +183,7 @@ class Batcher:
             if not self._micro_ready():
                 raise DistributedError(f"rank 0 decodes {len(self.rows)} generations in micro-batches, which this "
                                        "rank cannot: every rank must ask for the same generations in the same order")
-            self._micro_phase()
+            micro_batches.run_phase(self)
         elif self.rows:
             self._decode_step()
 
@@ -286,6 +288,7 @@ class Batcher:
                     host._step_model(B.array([rest[:n]]), cache=row.cache, decode=False)
                     B.eval([c.state for c in row.cache])
                     row.pos += n
+                    self.prefill_passes += 1
         except BaseException as e:
             row.error = e
         if row.error is None and len(row.ids) - row.pos <= 1:
@@ -431,9 +434,6 @@ class Batcher:
     # -- micro-batches (a two-rank pipeline: edge0.micro) -----------------------------------------
     def _micro_ready(self) -> bool:
         return micro_batches.ready(self)
-
-    def _micro_phase(self) -> None:
-        micro_batches.run_phase(self)
 
     def _sample(self, row: Row, logits):
         if row.processors:

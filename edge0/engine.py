@@ -410,7 +410,8 @@ class Engine:
                              cache.hits if cache is not None else 0, self._last_stats, batch.counts()[0],
                              batch.steps, batch.tokens, batch.decode_bytes,
                              stager.slot_bytes() if stager is not None else 0,
-                             stager.over_slot_layers if stager is not None else 0, batch.micro_turns)
+                             stager.over_slot_layers if stager is not None else 0, batch.micro_turns,
+                             batch.prefill_passes)
 
     # -- introspection (tests, the server's leak checks) ----------------------------------
     def resources(self, wait: bool = True) -> dict:

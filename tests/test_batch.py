@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,27 @@ def _alone(model, config, prompts, **sampling) -> list[list[int]]:
         return [[ev.token for ev in e.stream(p, **sampling)] for p in prompts]
 
 
+def _arriving_together(engine: Engine, prompts, adapters=None, **sampling) -> list[list[int]]:
+    """Every prompt submitted while the engine's compute thread is held, then released: the
+    batch loop finds them all waiting at once."""
+    gate, out = threading.Event(), [None] * len(prompts)
+    engine._worker.submit(gate.wait)
+
+    def run(i):
+        extra = {"adapter": adapters[i]} if adapters else {}
+        out[i] = [ev.token for ev in engine.stream(prompts[i], **extra, **sampling)]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    while engine.metrics().in_flight < len(prompts):
+        time.sleep(0.01)
+    gate.set()
+    for t in threads:
+        t.join(120)
+    return out
+
+
 async def _together(engine: Engine, prompts, **sampling) -> list[list[int]]:
     async def one(p):
         return [ev.token async for ev in engine.generate(p, **sampling)]
@@ -50,6 +72,25 @@ def test_a_row_decodes_in_a_batch_as_it_would_alone(name):
     assert together == alone
     # they shared steps: far fewer forward passes than tokens
     assert m.decode_steps < 0.5 * m.decode_tokens
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_rows_arriving_together_prefill_in_one_pass_as_each_would_alone(name):
+    """Short prompts that arrive together prefill in one left-padded pass (edge0.prefill)
+    and then decode together, every row's tokens those it gets alone; a one-token prompt
+    (nothing to prefill) and a prompt longer than a chunk prefill on their own."""
+    config = EngineConfig(**{**CONFIGS[name].__dict__, "prefill_step_size": 128})
+    long_prompt = "def long_function(a, b, c):\n" + "    a = a + b * c - 1\n" * 12
+    prompts = PROMPTS + [long_prompt]
+    alone = _alone(DEMO, config, prompts, max_tokens=12)
+    with Engine(DEMO, config) as e:
+        assert len(e.encode(long_prompt)) > 129
+        together = _arriving_together(e, prompts, max_tokens=12)
+        m = e.metrics()
+        assert e.resources() == {"generations": 0, "pinned_slots": 0, "pending_reads": 0, "open_files": 1}
+    assert together == alone
+    # the five short prompts in one pass (128 tokens allow it), the long one in its chunks
+    assert m.prefill_passes == 1 + -(-(len(e.encode(long_prompt)) - 1) // 128), m.prefill_passes
 
 
 def test_rows_that_join_and_leave_mid_stream_change_no_others_tokens():
@@ -97,6 +138,9 @@ def test_mixed_adapters_in_one_batch_equal_each_alone(tmp_path):
     with Engine(DEMO, config) as e:
         mixed = asyncio.run(together(e))
         assert e.metrics().decode_steps < 40
+        passes = e.metrics().prefill_passes
+        assert _arriving_together(e, prompts, names, max_tokens=16) == alone  # prefilled in one pass
+        assert e.metrics().prefill_passes == passes + 1
     assert mixed == alone
     assert len({tuple(t) for t in alone[:3]}) == 3  # each adapter changes the tokens
 
@@ -237,6 +281,9 @@ def test_other_architectures_batch_as_they_decode_alone(tiny_model_factory, tmp_
         with Engine(d, config) as e:
             assert asyncio.run(_together(e, PROMPTS[:4], max_tokens=12)) == alone
             assert e.metrics().decode_steps < 30
+        with Engine(d, config) as e:
+            assert _arriving_together(e, PROMPTS[:4], max_tokens=12) == alone
+            assert e.metrics().prefill_passes == 1
 
 
 @pytest.mark.parametrize("family", ["jamba", "gpt_oss", "qwen3_next"])

@@ -30,6 +30,7 @@ class Prerouter:
         self.route = None  # set by connect(): (consumer, logits, width) -> that block's routing of them
         self.embed = None  # set by connect(): token ids -> embedding rows (heads that see the token)
         self.width = None  # experts staged per consumer (None: k, the prediction is the routing)
+        self.sequences = 1  # sequences a prefill pass holds, left-padded alike (edge0.prefill)
         self.reset()
 
     def connect(self, *, route, embed) -> None:
@@ -81,8 +82,9 @@ class Prerouter:
 
     def observe(self, layer: int, x, inds, decode: bool | None = None) -> None:
         """``decode``: the call is a decode step (one token per sequence, each row its own
-        sequence); else one sequence's prefill (its last row is "t", the one before "t-1").
-        None: a call on one token is a decode step."""
+        sequence); else the prefill of ``self.sequences`` sequences of equal padded length
+        (each one's last row is "t", the one before "t-1"). None: a call on one token is a
+        decode step."""
         rows_x = x.reshape(-1, x.shape[-1])
         rows_i = inds.reshape(-1, inds.shape[-1])
         n = rows_i.shape[0]
@@ -92,6 +94,11 @@ class Prerouter:
             if layer in self.last:
                 self.prev[layer] = self.last[layer][1]
             self.last[layer] = (rows_x, rows_i)
+        elif self.sequences > 1:
+            xs = rows_x.reshape(self.sequences, -1, rows_x.shape[-1])
+            ks = rows_i.reshape(self.sequences, -1, rows_i.shape[-1])
+            self.last[layer] = (xs[:, -1], ks[:, -1])
+            self.prev[layer] = ks[:, -2]
         else:
             self.last[layer] = (rows_x[-1:], rows_i[-1:])
             self.prev[layer] = rows_i[-2:-1]

@@ -85,6 +85,14 @@ def batch_cache(caches: list[list]) -> list:
     return [BatchKVCache.merge([c[layer] for c in caches]) for layer in range(len(caches[0]))]
 
 
+def empty_batch_cache(layers: int, left_padding: list[int]) -> list:
+    """An empty batch cache (one ``BatchKVCache`` per layer) for sequences whose first
+    pass is left-padded by ``left_padding`` tokens each."""
+    from mlx_lm.models.cache import BatchKVCache
+
+    return [BatchKVCache(list(left_padding)) for _ in range(layers)]
+
+
 def extend_batch_cache(cache: list, other: list) -> None:
     """Append ``other``'s rows to ``cache``'s (in place)."""
     for a, b in zip(cache, other):

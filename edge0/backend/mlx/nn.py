@@ -18,6 +18,7 @@ from edge0.backend.mlx.convert import cast_model, dequantize_model, quantize_swi
 from edge0.backend.mlx.generation import (
     batch_cache,
     cache_nbytes,
+    empty_batch_cache,
     extend_batch_cache,
     extract_batch_row,
     filter_batch_cache,
@@ -82,6 +83,6 @@ __all__ = [
     "load_parameters_flat", "load_resident", "load_tokenizer", "log_sigmoid", "make_cache", "model_classes",
     "module_at", "parameters_flat", "quantize_switch", "router_weight", "set_module_at", "silu",
     "rotary_dims", "split_projections", "switch_experts", "switch_layout", "switch_output_width", "token_embedding",
-    "trim_cache", "value_and_grad", "copy_prefix", "batch_cache", "extend_batch_cache", "extract_batch_row",
+    "trim_cache", "value_and_grad", "copy_prefix", "batch_cache", "empty_batch_cache", "extend_batch_cache", "extract_batch_row",
     "filter_batch_cache", "is_plain_kv_cache", "row_sampling",
 ]

@@ -1,0 +1,100 @@
+"""Rows that arrive together prefill together, where that is cheaper.
+
+A row joining the batch prefills its prompt alone, in chunks (``Batcher._prefill_chunk``).
+When several joining rows each have a whole short prompt still to prefill, one forward
+pass of all of them costs less than one pass each: the weights are read once, each MoE
+layer gathers the union of the rows' experts once (on the streaming paths: one read of
+the union instead of one per row), and the per-pass overhead is paid once. ``together``
+takes those rows, left-pads their prompts into one ``[rows, tokens]`` pass on a batch
+cache (mlx-lm's ``BatchKVCache``, whose mask keeps the padding out of attention), and the
+rows join the decoding batch at once, cache and prerouter state included.
+
+Which rows go together (``group``): rows not running alone, with nothing of their prompt
+forwarded yet and nothing from the prompt cache, whose prompt but its last token is at
+least two tokens (the heads' state needs two positions) and fits one prefill chunk, so a
+row's prompt is forwarded in the one chunk it would have alone; at least two of them;
+their padded size (rows x longest) within the iteration's prompt-token budget. Not under
+a pipeline (its ranks must decide every pass alike; they prefill row by row). A row's
+numbers are those it gets alone: on MLX's CPU backend each row of a matmul or a gather is
+computed on its own, and attention over left padding equals attention without it
+(``tests/test_batch.py`` compares every path's tokens with each row's alone).
+"""
+
+from __future__ import annotations
+
+from edge0.backend import core as B
+from edge0.backend import nn as bnn
+from edge0.row import Row
+
+
+def group(batcher, budget: int) -> list[Row]:
+    """The joining rows to prefill in one pass (none, or at least two), in their order."""
+    host = batcher.host
+    if host.streaming.pipeline is not None or budget <= 0:
+        return []
+    chunk = host.config.prefill_step_size
+    out, longest = [], 0
+    for row in batcher.joining:
+        n = len(row.ids) - 1
+        if (row.alone or row.error is not None or row.job.cancelled or row.cache is None or row.pos != 0
+                or not 2 <= n <= chunk or not all(bnn.is_plain_kv_cache(c) for c in row.cache)):
+            continue
+        if (len(out) + 1) * max(longest, n) > budget:
+            break
+        out.append(row)
+        longest = max(longest, n)
+    return out if len(out) >= 2 else []
+
+
+def together(batcher, budget: int) -> int:
+    """Prefill the rows ``group`` picks in one forward pass and join them to the batch;
+    the prompt tokens that pass forwarded, padding included (0: no group)."""
+    rows = group(batcher, budget)
+    if not rows:
+        return 0
+    host = batcher.host
+    lengths = [len(r.ids) - 1 for r in rows]
+    width = max(lengths)
+    pads = [width - n for n in lengths]
+    inputs = B.array([[0] * p + r.ids[:n] for r, p, n in zip(rows, pads, lengths)], dtype=B.int32)
+    cache = bnn.empty_batch_cache(len(rows[0].cache), pads)
+    pre = host.streaming.prerouter
+    batch_state = pre.take_state() if pre is not None else None
+    state = None
+    try:
+        bank = host.streaming.adapters
+        if bank is not None:
+            bank.activate_rows([r.adapter for r in rows])
+        if pre is not None:
+            pre.sequences = len(rows)
+        host._step_model(inputs, cache=cache, decode=False)
+        B.eval([(c.keys, c.values) for c in cache])
+        if pre is not None:
+            state = pre.take_state()
+    except BaseException as e:  # the pass itself: every row of it fails
+        for row in rows:
+            row.error = e
+        return width * len(rows)
+    finally:
+        if pre is not None:
+            pre.sequences = 1
+            pre.put_state(batch_state)
+    batcher.prefill_passes += 1
+    _join(batcher, rows, lengths, cache, state)
+    return width * len(rows)
+
+
+def _join(batcher, rows: list[Row], lengths: list[int], cache, state) -> None:
+    for row, n in zip(rows, lengths):
+        batcher.joining.remove(row)
+        row.pos, row.next, row.cache, row.pstate = n, row.ids[-1], None, None
+    if batcher.rows:
+        bnn.extend_batch_cache(batcher.cache, cache)
+    else:
+        batcher.cache = cache
+    pre = batcher.host.streaming.prerouter
+    if pre is not None:
+        states = ([pre.take_state()] if batcher.rows else []) + [state]
+        pre.put_state(pre.merge_states(states))
+    with batcher._lock:
+        batcher.rows.extend(rows)
