@@ -36,10 +36,11 @@ import json
 import os
 import re
 import threading
+import time
 import weakref
 from collections.abc import Mapping
 
-from edge0.errors import ConfigError, ConstraintError
+from edge0.errors import ConfigError, ConstraintError, FormatTooCostlyError
 
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 JSON_OBJECT_SCHEMA = {"type": "object"}
@@ -124,6 +125,9 @@ MAX_SCHEMA_BYTES = 64 * 1024  # of the schema's JSON text (a 2 MB const took 1.8
 PROBE_STEPS = 4
 PROBE_FIRST_S = 0.5
 PROBE_STEP_S = 0.05
+# While generating, one token's grammar work (advance and mask) for one row, which the whole
+# batch waits for: a row over it ends with FormatTooCostlyError (0.2-0.3 ms is usual)
+MASK_STEP_S = 0.25
 
 
 def _limits():
@@ -254,8 +258,6 @@ def _probe(matcher, vocab_size: int, where: str) -> None:
     """The format's first steps, walked on copies of ``matcher``: parts of the grammar are
     built lazily (their errors show only there), and a format whose masks are too slow to
     compute would stall every row of the batch it joins. ``ConfigError`` for either."""
-    import time
-
     import numpy as np
     from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
@@ -346,9 +348,15 @@ class ConstraintProcessor:
 
     def __call__(self, tokens, logits):
         B = self._B
+        t0 = time.perf_counter()
         self._advance(tokens, B)
         B.async_eval(logits)  # the model's step runs on the device while the mask is computed
         allowed = B.array(self._mask(logits.shape[-1]))
+        spent = time.perf_counter() - t0
+        if spent > MASK_STEP_S:
+            raise FormatTooCostlyError(f"response_format: the schema is too expensive to enforce: the token mask "
+                                       f"after {self._consumed} generated tokens took {spent:.2f} s (at most "
+                                       f"{MASK_STEP_S:g} s a token)")
         return B.where(allowed, logits, B.array(float("-inf"), dtype=logits.dtype))
 
     def _advance(self, tokens, B) -> None:

@@ -19,7 +19,8 @@ Edge0Error
  +-- EngineBusyError          ``Engine.admit``: too many requests already wait
  +-- StalledConsumerError     a generation's consumer took nothing for its stall timeout
  +-- ConstraintError          a constrained generation's grammar refused a sampled token, or
- |                            its processor was fed another generation's tokens
+ |    |                       its processor was fed another generation's tokens
+ |    +-- FormatTooCostlyError    one token's mask took longer than the bound (the format's fault)
  +-- KernelError              Edge0's kernels were handed inputs they cannot compute (shape,
                               dtype, bits, group size)
 
@@ -133,6 +134,12 @@ class ConstraintError(Edge0Error):
     """Constrained decoding (``response_format``) went wrong while generating: the grammar
     refused a token that was sampled under its own mask, left no token to allow, or a
     processor was fed tokens that are not its generation's (e.g. reused across two)."""
+
+
+class FormatTooCostlyError(ConstraintError, ValueError):
+    """A ``response_format``'s grammar took longer than ``edge0.constrain.MASK_STEP_S`` to
+    mask one token while generating: the generation ends there (the request's fault, a 400
+    naming ``response_format`` from the server), so that no format holds the batch longer."""
 
 
 class KernelError(Edge0Error, ValueError):

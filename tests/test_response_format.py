@@ -255,3 +255,56 @@ def test_compiled_formats_are_kept_within_a_byte_bound(engine):
     small = ConstraintCache(engine.tokenizer, max_bytes=2**20)
     assert small.get(_schema({"type": "string", "pattern": "^(a{1000}){30}$"})) is not None  # used...
     assert small.nbytes == 0  # ...and not kept
+
+
+def _slow_masks_on_the_compute_thread(monkeypatch, seconds: float):
+    """Masks computed on the compute thread (while generating) take ``seconds`` longer; the
+    ones compiling walks (the request's thread) stay fast, so the format is admitted."""
+    import threading
+    import time
+
+    import llguidance.numpy as lln
+
+    fill = lln.fill_next_token_bitmask
+
+    def slow(*a, **kw):
+        if threading.current_thread().name.startswith("edge0-compute"):
+            time.sleep(seconds)
+        return fill(*a, **kw)
+
+    monkeypatch.setattr(lln, "fill_next_token_bitmask", slow)
+
+
+def test_a_format_whose_masks_stall_the_batch_ends_its_generation(qwen, monkeypatch):
+    """One row's grammar work per token is bounded (constrain.MASK_STEP_S): a generation
+    whose mask takes longer ends with FormatTooCostlyError, a 400 naming response_format
+    over HTTP (an error event of that type when streamed); a row without a format beside
+    it runs on."""
+    from edge0 import constrain
+    from edge0.errors import FormatTooCostlyError
+
+    _slow_masks_on_the_compute_thread(monkeypatch, constrain.MASK_STEP_S + 0.1)
+    with Engine(qwen, EngineConfig(adapter="off")) as e:
+        with pytest.raises(FormatTooCostlyError, match="response_format: the schema is too expensive"):
+            list(e.stream("x", max_tokens=4, response_format=JSON_SCHEMA))
+        assert len(list(e.stream("x", max_tokens=4, temp=0.0))) == 4
+    with serving(qwen, EngineConfig(adapter="off")) as (url, state):
+        body = {"messages": [{"role": "user", "content": "x"}], "response_format": JSON_SCHEMA, "max_tokens": 4}
+        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 400, r.text[:300]
+        assert r.json()["error"]["param"] == "response_format" and "at most" in r.json()["error"]["message"]
+        with httpx.stream("POST", url + "/v1/chat/completions", json={**body, "stream": True}, timeout=120) as s:
+            events = [json.loads(line[6:]) for line in s.iter_lines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+        err = events[-1]["error"]
+        assert err["type"] == "invalid_request_error" and err["param"] == "response_format", err
+        free = httpx.post(url + "/v1/chat/completions", json={**body, "response_format": None}, timeout=120)
+        assert free.status_code == 200
+
+
+def test_masks_within_the_bound_leave_the_generation_alone(qwen, monkeypatch):
+    """The bound is per token: masks a little slower than usual, under it, change nothing."""
+    _slow_masks_on_the_compute_thread(monkeypatch, 0.02)
+    with Engine(qwen, EngineConfig(adapter="off")) as e:
+        events = list(e.stream("x", max_tokens=4, response_format=JSON_SCHEMA))
+    assert events and events[-1].finish_reason in ("stop", "length")

@@ -35,7 +35,7 @@ from starlette.middleware import Middleware
 from starlette.routing import Route
 
 from edge0.config import EngineConfig
-from edge0.errors import ConfigError, Edge0Error, EngineBusyError, StalledConsumerError
+from edge0.errors import ConfigError, Edge0Error, EngineBusyError, FormatTooCostlyError, StalledConsumerError
 from edge0.logs import get_logger
 from edge0.server import protocol as P
 from edge0.server.api_error import MAX_DEPTH
@@ -431,6 +431,8 @@ async def _complete(state: ServerState, request: Request, req: P.GenerationReque
         except Exception as e:  # noqa: BLE001 - re-raised below, outside the task group
             error = e
         tg.cancel_scope.cancel()
+    if isinstance(error, FormatTooCostlyError):  # the request's format, not the server
+        raise P.APIError(400, str(error), param="response_format")
     if isinstance(error, Edge0Error):
         raise P.APIError(500, f"generation failed: {type(error).__name__}: {error}", kind="server_error")
     if error is not None:
@@ -474,8 +476,10 @@ async def _stream(state: ServerState, req: P.GenerationRequest, ids: list[int], 
     except Edge0Error as e:
         state.log.error("server.generation_failed", error=f"{type(e).__name__}: {e}")
         ended = True
-        yield _sse({"error": {"message": f"generation failed: {type(e).__name__}: {e}", "type": "server_error",
-                              "param": None, "code": None}})
+        costly = isinstance(e, FormatTooCostlyError)  # the request's format, not the server
+        yield _sse({"error": {"message": str(e) if costly else f"generation failed: {type(e).__name__}: {e}",
+                              "type": "invalid_request_error" if costly else "server_error",
+                              "param": "response_format" if costly else None, "code": None}})
     finally:
         if not ended:
             state.metrics.disconnects += 1
