@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from contextlib import contextmanager
 
 from edge0 import micro as micro_batches
 from edge0 import prefill
@@ -61,6 +60,7 @@ class Batcher:
         self.decode_bytes = 0  # expert bytes read during them
         self.micro_turns = 0  # micro-batch turns (a half's decode pass each) under a two-rank pipeline
         self.prefill_passes = 0  # prompt forward passes (a chunk of one row, or rows prefilled together)
+        self.share = prefill.Share(host.config.prefill_share)  # prefill's time while rows decode
 
     # -- any thread -----------------------------------------------------------------------
     def submit(self, row: Row) -> None:
@@ -168,24 +168,26 @@ class Batcher:
     def _iteration(self, admitted: list[Row], cancelled: dict[int, bool] | None, micro: bool = False) -> None:
         """Start the admitted rows, drop the cancelled ones (under a pipeline: those rank 0
         cancelled, ``cancelled``), prefill up to ``prefill_step_size`` prompt tokens of the
-        joining rows, then one decode step of the batch (``micro``: decode steps in two
+        joining rows (within ``prefill_share`` of the time), then one decode step of the batch (``micro``: decode steps in two
         micro-batches until rank 0 stops them)."""
         for row in admitted:
             self._start(row, piped=cancelled is not None)
         self._drop_cancelled(cancelled)
-        budget = self.host.config.prefill_step_size  # prompt tokens between two decode steps
-        budget -= prefill.together(self, budget)  # short prompts arriving together: one pass
-        for row in list(self.joining):
-            if budget <= 0:
-                break
-            budget -= self._prefill_chunk(row)
+        budget = self.host.config.prefill_step_size if self.share.allows(self) else 0  # between two steps
+        with self.share.timed(decoding=False):
+            budget -= prefill.together(self, budget)  # short prompts arriving together: one pass
+            for row in list(self.joining):
+                if budget <= 0:
+                    break
+                budget -= prefill.chunk(self, row)
         if self.rows and micro:
             if not self._micro_ready():
                 raise DistributedError(f"rank 0 decodes {len(self.rows)} generations in micro-batches, which this "
                                        "rank cannot: every rank must ask for the same generations in the same order")
             micro_batches.run_phase(self)
         elif self.rows:
-            self._decode_step()
+            with self.share.timed(decoding=True):
+                self._decode_step()
 
     def _typed(self, error: BaseException) -> BaseException:
         """Under a pipeline, MLX's RuntimeError of a transfer (a rank gone, the link broken)
@@ -271,47 +273,6 @@ class Batcher:
         if gone:
             self._leave(gone)
 
-    def _prefill_chunk(self, row: Row) -> int:
-        """One chunk of ``row``'s prompt (all but its last token; ``prefill_step_size``
-        tokens at most); with the last chunk done, the row joins the batch. Returns the
-        tokens forwarded (at least 1, so that every call makes progress)."""
-        host = self.host
-        rest = row.ids[row.pos:]
-        n = 0
-        try:
-            with self._heads_on(row):
-                if len(rest) > 1:
-                    n = min(host.config.prefill_step_size, len(rest) - 1)  # never cut by the budget:
-                    # a row's chunks are the same whatever runs beside it
-                    if host.streaming.adapters is not None:
-                        host.streaming.adapters.activate(row.adapter)
-                    host._step_model(B.array([rest[:n]]), cache=row.cache, decode=False)
-                    B.eval([c.state for c in row.cache])
-                    row.pos += n
-                    self.prefill_passes += 1
-        except BaseException as e:
-            row.error = e
-        if row.error is None and len(row.ids) - row.pos <= 1:
-            self._join(row)
-        return max(n, 1)
-
-    @contextmanager
-    def _heads_on(self, row: Row):
-        """Inside, the prerouter observes ``row``'s sequence alone (its own state); the
-        batch's state is put back after, ``row``'s kept for it."""
-        pre = self.host.streaming.prerouter
-        if pre is None:
-            yield
-            return
-        batch_state = pre.take_state()
-        if row.pstate is not None:
-            pre.put_state(row.pstate)
-        try:
-            yield
-        finally:
-            row.pstate = pre.take_state()
-            pre.put_state(batch_state)
-
     def _join(self, row: Row) -> None:
         self.joining.remove(row)
         row.next = row.ids[-1]
@@ -351,7 +312,7 @@ class Batcher:
 
     def _solo_step(self, row: Row) -> bool:
         """``row``'s next token from a forward pass of its own; False when it ended there."""
-        with self._heads_on(row):
+        with prefill.heads_on(self, row):
             done = self._step([row], row.cache)
         if done:
             self._end_row(row)

@@ -42,6 +42,11 @@ class EngineConfig:
     # Prompt tokens per prefill forward pass (as mlx-lm's prefill_step_size). While other
     # generations decode, new ones prefill about that many tokens between two of their steps.
     prefill_step_size: int = 2048
+    # While generations decode, the most of the compute thread's time, in percent, new
+    # prompts' prefill may take (1-100): 50 = decoding streams get at least half, so their
+    # steps at most about double while a long prompt prefills; 100 = prefill every step,
+    # within prefill_step_size tokens (chunks are delayed, never cut: tokens unchanged).
+    prefill_share: int = 100
     # Generations decoding together, one forward pass per step for all of them (continuous
     # batching; mlx-lm's --decode-concurrency); more wait their turn. 1: one at a time.
     max_batch: int = 16
@@ -158,6 +163,9 @@ class EngineConfig:
         for name in ("bundle_capacity", "reader_threads", "prefill_step_size", "prefetch_depth", "hot_experts",
                      "max_batch"):
             _positive(name, getattr(self, name))
+        if isinstance(self.prefill_share, bool) or not isinstance(self.prefill_share, int) \
+                or not 1 <= self.prefill_share <= 100:
+            raise ConfigError(f"prefill_share must be a whole percentage from 1 to 100, got {self.prefill_share!r}")
         if isinstance(self.slots_per_layer, bool) or not isinstance(self.slots_per_layer, int) \
                 or self.slots_per_layer < 0:
             raise ConfigError(f"slots_per_layer must be 0 (= 2 x k) or a positive integer, got {self.slots_per_layer!r}")

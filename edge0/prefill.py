@@ -1,6 +1,9 @@
-"""Rows that arrive together prefill together, where that is cheaper.
+"""Prefill of the rows joining the batch: alone in chunks, together where that is cheaper,
+and within a share of the compute thread's time while other rows decode.
 
-A row joining the batch prefills its prompt alone, in chunks (``Batcher._prefill_chunk``).
+A row joining the batch prefills its prompt alone, in chunks of ``prefill_step_size``
+tokens (``chunk``; a row's chunks never depend on what runs beside it, so its numbers are
+its solo numbers).
 When several joining rows each have a whole short prompt still to prefill, one forward
 pass of all of them costs less than one pass each: the weights are read once, each MoE
 layer gathers the union of the rows' experts once (on the streaming paths: one read of
@@ -21,6 +24,9 @@ computed on its own, and attention over left padding equals attention without it
 """
 
 from __future__ import annotations
+
+import time
+from contextlib import contextmanager
 
 from edge0.backend import core as B
 from edge0.backend import nn as bnn
@@ -98,3 +104,78 @@ def _join(batcher, rows: list[Row], lengths: list[int], cache, state) -> None:
         pre.put_state(pre.merge_states(states))
     with batcher._lock:
         batcher.rows.extend(rows)
+
+
+def chunk(batcher, row: Row) -> int:
+    """One chunk of ``row``'s prompt (all but its last token; ``prefill_step_size`` tokens
+    at most); with the last chunk done, the row joins the batch. Returns the tokens
+    forwarded (at least 1, so that every call makes progress)."""
+    host = batcher.host
+    rest = row.ids[row.pos:]
+    n = 0
+    try:
+        with heads_on(batcher, row):
+            if len(rest) > 1:
+                n = min(host.config.prefill_step_size, len(rest) - 1)  # never cut by the budget:
+                # a row's chunks are the same whatever runs beside it
+                if host.streaming.adapters is not None:
+                    host.streaming.adapters.activate(row.adapter)
+                host._step_model(B.array([rest[:n]]), cache=row.cache, decode=False)
+                B.eval([c.state for c in row.cache])
+                row.pos += n
+                batcher.prefill_passes += 1
+    except BaseException as e:
+        row.error = e
+    if row.error is None and len(row.ids) - row.pos <= 1:
+        batcher._join(row)
+    return max(n, 1)
+
+
+@contextmanager
+def heads_on(batcher, row: Row):
+    """Inside, the prerouter observes ``row``'s sequence alone (its own state); the batch's
+    state is put back after, ``row``'s kept for it."""
+    pre = batcher.host.streaming.prerouter
+    if pre is None:
+        yield
+        return
+    batch_state = pre.take_state()
+    if row.pstate is not None:
+        pre.put_state(row.pstate)
+    try:
+        yield
+    finally:
+        row.pstate = pre.take_state()
+        pre.put_state(batch_state)
+
+
+class Share:
+    """The compute thread's time between prefill and the rows decoding
+    (``EngineConfig.prefill_share``, a percentage): while rows decode, prefill chunks run
+    only while their time stays within that share of the whole. A credit in seconds: each decode step
+    earns ``share / (1 - share)`` of its time, each iteration's prefill spends its own; a
+    chunk waits while the credit is negative (50%: the decoding rows get at least half
+    the time, so their step at most about doubles). Nothing decoding: prefill runs and the
+    credit starts over; nothing joining: no credit is saved up. 100% (the default):
+    prefill runs every iteration, its token budget the only bound. Under a pipeline every
+    rank must decide alike, so there the budget alone decides. Chunks are delayed, never
+    cut: a row's numbers do not change."""
+
+    def __init__(self, percent: int):
+        self.share, self.credit = percent / 100.0, 0.0
+
+    def allows(self, batcher) -> bool:
+        if self.share >= 1.0 or not batcher.rows or batcher.host.streaming.pipeline is not None:
+            self.credit = 0.0
+            return True
+        if not batcher.joining:
+            self.credit = min(self.credit, 0.0)
+        return self.credit >= 0.0
+
+    @contextmanager
+    def timed(self, decoding: bool):
+        t0 = time.perf_counter()
+        yield
+        if self.share < 1.0:
+            spent = time.perf_counter() - t0
+            self.credit += spent * self.share / (1.0 - self.share) if decoding else -spent

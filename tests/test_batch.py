@@ -311,3 +311,43 @@ def test_slot_growth_never_passes_the_memory_budget(tiny_model_factory):
     ceiling = slot_ceiling(EngineConfig(memory_budget_mb=budget_mb, slot_budget_mb=1024), index, staged, 4, others)
     assert ceiling * len(staged) * per + others <= budget_mb * 2**20
     assert slot_ceiling(EngineConfig(slot_budget_mb=1024), index, staged, 4, others) > ceiling
+
+
+@pytest.mark.parametrize("share, least_gap", [(50, 9), (100, 1)])
+def test_prefill_takes_at_most_its_share_of_time_while_rows_decode(monkeypatch, share, least_gap):
+    """prefill_share: with the clock made of work done (a prefill pass 10 units, a decode step
+    1), a long prompt's chunks at 50% come only after about ten decode steps of the running
+    stream each (at 100%, one: a chunk every step); the chunks are delayed, never cut, so
+    both generations' tokens are their tokens alone."""
+    from edge0 import prefill
+
+    config = EngineConfig(prefill_step_size=32, prefill_share=share)
+    long_prompt = "def long_function(a, b, c):\n" + "    a = a + b * c - 1\n" * 16
+    with Engine(DEMO, config) as e:
+        eos = {t: -100.0 for t in e.tokenizer.eos_token_ids}
+        clock = lambda: 10 * e.metrics().prefill_passes + e.metrics().decode_steps  # noqa: E731
+        monkeypatch.setattr(prefill, "time", type("Clock", (), {"perf_counter": staticmethod(clock)}))
+        seen, a_tokens, b_tokens = [], [], []
+
+        def run_b():
+            b_tokens.extend(ev.token for ev in e.stream(long_prompt, max_tokens=1, temp=0.0))
+
+        late = threading.Thread(target=run_b)
+        for ev in e.stream(PROMPTS[0], max_tokens=120, temp=0.0, logit_bias=eos):
+            a_tokens.append(ev.token)
+            m = e.metrics()
+            seen.append((m.decode_steps, m.prefill_passes))
+            if len(a_tokens) == 5:
+                late.start()
+        late.join(60)
+        chunks = -(-(len(e.encode(long_prompt)) - 1) // 32)
+    at = [steps for (steps, passes), (_, before) in zip(seen[1:], seen) if passes > before]
+    assert len(at) >= chunks - 1 and b_tokens, (at, chunks)  # every chunk ran while A decoded
+    gaps = [b - a for a, b in zip(at, at[1:])]
+    assert gaps and min(gaps) >= least_gap, gaps
+    if share == 100:
+        assert max(gaps) <= 2, gaps
+    alone = EngineConfig(max_batch=1)
+    with Engine(DEMO, alone) as e:
+        assert [ev.token for ev in e.stream(long_prompt, max_tokens=1, temp=0.0)] == b_tokens
+        assert [ev.token for ev in e.stream(PROMPTS[0], max_tokens=120, temp=0.0, logit_bias=eos)] == a_tokens

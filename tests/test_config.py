@@ -459,3 +459,10 @@ def test_prerouter_flush_is_auto_mlx_or_numpy():
         EngineConfig(prerouter_flush=good)
     with pytest.raises(ConfigError, match="prerouter_flush must be auto, mlx or numpy, got 'host'"):
         EngineConfig(prerouter_flush="host")
+
+
+@pytest.mark.parametrize("value", [0, 101, -5, True, 0.5, "50"])
+def test_prefill_share_is_a_whole_percentage(value):
+    with pytest.raises(ConfigError, match=r"prefill_share must be a whole percentage from 1 to 100, got"):
+        EngineConfig(prefill_share=value)
+    assert EngineConfig(prefill_share=1).prefill_share == 1 and EngineConfig().prefill_share == 100

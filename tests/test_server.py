@@ -866,3 +866,18 @@ def test_serve_prefills_in_small_chunks_by_default(monkeypatch):
     monkeypatch.setenv("EDGE0_PREFILL_STEP_SIZE", "512")
     assert parse().config.prefill_step_size == 512
     assert EngineConfig().prefill_step_size == 2048  # the engine's own default stays mlx-lm's
+
+
+def test_serve_gives_prefill_half_the_time_by_default(monkeypatch):
+    """serve keeps at least half of the compute thread's time for the streams decoding while
+    prompts prefill (prefill_share 50), unless told otherwise; the engine's default is 100."""
+    from edge0.cli import PACKAGED_DEMO, build_parser
+    from edge0.server.command import build_settings
+
+    parse = lambda *extra: build_settings(build_parser().parse_args(  # noqa: E731
+        ["serve", "--model", str(PACKAGED_DEMO), *extra]))
+    assert parse().config.prefill_share == 50
+    assert parse("--prefill-share", "80").config.prefill_share == 80
+    monkeypatch.setenv("EDGE0_PREFILL_SHARE", "30")
+    assert parse().config.prefill_share == 30
+    assert EngineConfig().prefill_share == 100

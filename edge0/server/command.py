@@ -10,6 +10,7 @@ DEFAULT_PROMPT_CACHE_MB = 512
 # Prompt tokens prefilled between two decode steps of the batch when serving (the engine's
 # 2048, mlx-lm's, froze running streams for the whole chunk: docs/SERVER.md, "Fairness")
 DEFAULT_SERVE_PREFILL_STEP = 256
+DEFAULT_SERVE_PREFILL_SHARE = 50  # percent of the compute thread's time while streams decode
 API_KEY_ENV = "EDGE0_API_KEY"
 
 
@@ -68,6 +69,8 @@ def add_parser(sub) -> None:
             action.help = action.help.replace("(default: 0;", f"(default for serve: {DEFAULT_PROMPT_CACHE_MB};")
         if action.dest == "prefill_step_size":
             action.help = action.help.replace("(default: 2048", f"(default for serve: {DEFAULT_SERVE_PREFILL_STEP}")
+        if action.dest == "prefill_share":
+            action.help = action.help.replace("(default: 100", f"(default for serve: {DEFAULT_SERVE_PREFILL_SHARE}")
     s.set_defaults(func=cmd_serve)
 
 
@@ -92,7 +95,8 @@ def build_settings(args: argparse.Namespace):
     SamplingParams(max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p)
     model_dir = resolve_model(args.model)
     config = resolve_config(args, defaults={"prompt_cache_mb": DEFAULT_PROMPT_CACHE_MB,
-                                            "prefill_step_size": DEFAULT_SERVE_PREFILL_STEP})
+                                            "prefill_step_size": DEFAULT_SERVE_PREFILL_STEP,
+                                            "prefill_share": DEFAULT_SERVE_PREFILL_SHARE})
     model_id = args.model if not os.path.isdir(args.model) else os.path.basename(os.path.normpath(args.model))
     return ServerSettings(
         model_dir=model_dir, config=config, model_id=model_id,
