@@ -108,6 +108,7 @@ class EngineMetrics:
     over_slot_layers: int = 0  # staged layer-steps run exact: a batch's union did not fit the slots
     micro_turns: int = 0  # of the decode passes, those of one half of a batch (two-rank micro-batches)
     prefill_passes: int = 0  # prompt forward passes: a chunk of one prompt, or short prompts prefilled together
+    constraint_cache_bytes: int = 0  # heap the compiled response formats kept for reuse hold (estimated)
 
     @property
     def expert_bytes_per_token(self) -> float:

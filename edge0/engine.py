@@ -411,7 +411,7 @@ class Engine:
                              batch.steps, batch.tokens, batch.decode_bytes,
                              stager.slot_bytes() if stager is not None else 0,
                              stager.over_slot_layers if stager is not None else 0, batch.micro_turns,
-                             batch.prefill_passes)
+                             batch.prefill_passes, self._constraints.nbytes)
 
     # -- introspection (tests, the server's leak checks) ----------------------------------
     def resources(self, wait: bool = True) -> dict:

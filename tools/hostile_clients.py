@@ -33,9 +33,12 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlsplit
 
+import hostile_attacks as attacks
+
 MIB = 1 << 20
 RCVBUF = 4096  # a silent stream's receive buffer (the kernel doubles it)
-KINDS = ("silent_stream", "slowloris", "unfinished_body", "silent_socket", "oversize")
+KINDS = ("silent_stream", "slowloris", "unfinished_body", "silent_socket", "oversize",  # slow clients
+         "abandoned_wait", "heavy_schema", "schema_loop", "cache_probe", "flood")  # tools/hostile_attacks.py
 OVERSIZE_VARIANTS = ("content-length", "chunked", "under-limit")
 
 
@@ -44,17 +47,7 @@ def host_port(url: str) -> tuple[str, int]:
     return parts.hostname or "127.0.0.1", parts.port or 80
 
 
-async def _connect(addr: tuple[str, int], rcvbuf: int | None = None) -> socket.socket:
-    sock = socket.socket(socket.AF_INET6 if ":" in addr[0] else socket.AF_INET, socket.SOCK_STREAM)
-    if rcvbuf:  # before connect, so that the advertised window is small from the start
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
-    sock.setblocking(False)
-    try:
-        await asyncio.get_running_loop().sock_connect(sock, addr)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
+_connect = attacks.connect
 
 
 def _head(addr: tuple[str, int], path: str, length: int | None, chunked: bool = False) -> bytes:
@@ -222,7 +215,12 @@ async def run_scenario(url: str, counts: dict[str, int], hold_s: float, silent_m
               "slowloris": lambda i: slowloris(addr, stop),
               "unfinished_body": lambda i: unfinished_body(addr, stop),
               "silent_socket": lambda i: silent_socket(addr, stop),
-              "oversize": lambda i: oversize(addr, OVERSIZE_VARIANTS[i % len(OVERSIZE_VARIANTS)], max_body, max_body)}
+              "oversize": lambda i: oversize(addr, OVERSIZE_VARIANTS[i % len(OVERSIZE_VARIANTS)], max_body, max_body),
+              "abandoned_wait": lambda i: attacks.abandoned_wait(addr, i),
+              "heavy_schema": lambda i: attacks.heavy_schema(addr, i),
+              "schema_loop": lambda i: attacks.schema_loop(addr, stop),
+              "cache_probe": lambda i: attacks.cache_probe(addr),
+              "flood": lambda i: attacks.flood(addr, stop)}
     tasks, others = [], []
     for kind in KINDS:
         for i in range(counts.get(kind, 0)):
@@ -270,16 +268,23 @@ SCENARIOS = [
     ("silent sockets", {"silent_socket": 20}),
     ("oversize prompts", {"oversize": 3}),
     ("burst", {"slowloris": 50, "unfinished_body": 20, "silent_socket": 100, "silent_stream": 8, "oversize": 4}),
+    ("abandoned waiting requests", {"abandoned_wait": 100}),
+    ("expensive schemas", {"heavy_schema": 6}),
+    ("schema loops", {"schema_loop": 2}),
+    ("prompt-cache probe", {"cache_probe": 1}),
+    ("connection flood from 127.0.0.2", {"flood": 1}),
 ]
-STATE_KEYS = ("rss_kib", "prompt_cache_kib", "rss_less_cache_kib", "mlx_cache_kib", "mlx_active_kib", "open_fds",
-              "threads", "tasks")
+STATE_KEYS = ("rss_kib", "prompt_cache_kib", "constraint_cache_kib", "rss_less_caches_kib", "mlx_cache_kib",
+              "mlx_active_kib", "open_fds", "threads", "tasks")
 # "back to baseline" allows this much over the state before the hostile phase (None: not judged).
-# RSS as such is not: the prompt cache grows by design (up to --prompt-cache-mb); RSS less the
-# cache may keep the allocator's high-water mark of a few 4 MiB bodies parsed at once.
+# RSS as such is not: the prompt cache grows by design (up to --prompt-cache-mb), so do the
+# compiled response formats kept for reuse (within 64 MiB); RSS less both caches may keep
+# the allocator's high-water mark of a few 4 MiB bodies parsed at once.
 # MLX's own memory (live arrays; freed buffers it keeps for reuse, up to 256 MiB) is shown, not
 # judged: it says where a change of RSS less the cache lives.
-TOLERANCE = {"rss_kib": None, "prompt_cache_kib": None, "rss_less_cache_kib": 48 * 1024, "mlx_cache_kib": None,
-             "mlx_active_kib": None, "open_fds": 2, "threads": 2, "tasks": 2}
+TOLERANCE = {"rss_kib": None, "prompt_cache_kib": None, "constraint_cache_kib": None,
+             "rss_less_caches_kib": 48 * 1024, "mlx_cache_kib": None, "mlx_active_kib": None, "open_fds": 2,
+             "threads": 2, "tasks": 2}
 
 
 def _kib(value) -> int | None:
@@ -296,8 +301,9 @@ def server_state(url: str, pid: int | None, read_metrics) -> dict:
             rss = next((int(line.split()[1]) for line in f if line.startswith("VmRSS:")), None)
     cache = m.get("edge0_prompt_cache_bytes")
     cache = None if cache is None else int(cache) // 1024
-    return {"rss_kib": rss, "prompt_cache_kib": cache,
-            "rss_less_cache_kib": None if rss is None or cache is None else rss - cache,
+    formats = _kib(m.get("edge0_constraint_cache_bytes", 0))  # compiled response formats, kept by design
+    return {"rss_kib": rss, "prompt_cache_kib": cache, "constraint_cache_kib": formats,
+            "rss_less_caches_kib": None if rss is None or cache is None else rss - cache - formats,
             "mlx_cache_kib": _kib(m.get("edge0_process_mlx_cache_bytes")),
             "mlx_active_kib": _kib(m.get("edge0_process_mlx_active_bytes")),
             "open_fds": m.get("edge0_process_open_fds"), "threads": m.get("edge0_process_threads"),
@@ -382,9 +388,10 @@ def _pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
 
 
-async def _scenarios(url: str, hold_s: float, silent_hold_s: float, silent_max_tokens: int) -> tuple[list, dict]:
+async def _scenarios(url: str, hold_s: float, silent_hold_s: float, silent_max_tokens: int,
+                     scenarios: list) -> tuple[list, dict]:
     windows, results = [], {}
-    for name, counts in SCENARIOS:
+    for name, counts in scenarios:
         t0 = time.perf_counter()
         results[name] = await run_scenario(url, counts, hold_s, silent_max_tokens, silent_hold_s=silent_hold_s)
         windows.append((name, t0, time.perf_counter()))
@@ -393,7 +400,7 @@ async def _scenarios(url: str, hold_s: float, silent_hold_s: float, silent_max_t
 
 
 def hostile_round(state, url: str, request, clients: int, seed: int, hold_s: float, silent_hold_s: float,
-                  silent_max_tokens: int):
+                  silent_max_tokens: int, scenarios: list):
     """Normal clients streaming while every scenario runs in turn; returns their results, the
     scenarios' time windows and outcomes, and the sampler (peaks)."""
     sampler, stop = Sampler(state), threading.Event()
@@ -402,7 +409,7 @@ def hostile_round(state, url: str, request, clients: int, seed: int, hold_s: flo
         with ThreadPoolExecutor(1) as background:
             normal = background.submit(normal_clients, request, clients, seed, None, stop)
             try:
-                windows, outcomes = asyncio.run(_scenarios(url, hold_s, silent_hold_s, silent_max_tokens))
+                windows, outcomes = asyncio.run(_scenarios(url, hold_s, silent_hold_s, silent_max_tokens, scenarios))
             finally:
                 stop.set()
             return normal.result(), windows, outcomes, sampler
@@ -413,11 +420,16 @@ def hostile_round(state, url: str, request, clients: int, seed: int, hold_s: flo
 
 def run_hostile(url: str, pid: int | None, request, read_metrics, *, clients: int = 8, requests: int = 4,
                 hold_s: float = 10.0, silent_hold_s: float = 25.0, silent_max_tokens: int = 64,
-                settle_s: float = 60.0, rounds: int = 2, seed: int = 0) -> dict:
+                settle_s: float = 60.0, rounds: int = 2, seed: int = 0, only: list[str] | None = None) -> dict:
     """The quiet run of ``clients`` normal clients (``requests`` each), then ``rounds`` times:
     the same clients streaming while every scenario of ``SCENARIOS`` runs in turn (each for
     ``hold_s`` seconds, then its sockets are closed), and the server's state once it has
-    settled. ``request(rng)`` is one normal request: {"status", "start", "ttft", "total"}."""
+    settled. ``request(rng)`` is one normal request: {"status", "start", "ttft", "total"}.
+    ``only``: the names of the scenarios to run (default: all)."""
+    scenarios = [(n, c) for n, c in SCENARIOS if only is None or n in only]
+    unknown = sorted(set(only or ()) - {n for n, _ in SCENARIOS})
+    if unknown:
+        raise SystemExit(f"unknown scenarios {unknown}; known: {[n for n, _ in SCENARIOS]}")
     state = lambda: server_state(url, pid, read_metrics)  # noqa: E731
     nudge = lambda: request(random.Random(seed - 1))  # noqa: E731
     warm = request(random.Random(seed))
@@ -430,7 +442,7 @@ def run_hostile(url: str, pid: int | None, request, read_metrics, *, clients: in
     by_window: dict[str, list] = {}
     for n in range(rounds):
         results, windows, got, sampler = hostile_round(state, url, request, clients, seed + 1 + n, hold_s,
-                                                       silent_hold_s, silent_max_tokens)
+                                                       silent_hold_s, silent_max_tokens, scenarios)
         loaded += results
         for name, t0, t1 in windows:
             by_window.setdefault(name, []).extend(r for r in results if t0 <= r["start"] < t1)
@@ -453,5 +465,5 @@ def run_hostile(url: str, pid: int | None, request, read_metrics, *, clients: in
               "metrics_reads": {"failed": dict(reads["failed"]), "slowest_s": reads["slowest_s"]},
               "settings": {"clients": clients, "requests_per_client_quiet": requests, "hold_s": hold_s,
                            "silent_hold_s": silent_hold_s,
-                           "rounds": rounds, "silent_max_tokens": silent_max_tokens, "scenarios": dict(SCENARIOS)}}
+                           "rounds": rounds, "silent_max_tokens": silent_max_tokens, "scenarios": dict(scenarios)}}
     return report

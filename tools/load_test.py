@@ -307,6 +307,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "cache together, as `edge0 bench --memory-limit`; needs root); the cgroup's peak is reported")
     p.add_argument("--cold", action="store_true",
                    help="drop the checkpoint's files from the page cache before the server starts")
+    p.add_argument("--scenarios", default=None,
+                   help="--hostile: the scenarios to run, comma-separated names (default: all; "
+                        "tools/hostile_clients.py SCENARIOS)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", "--out", dest="json", default=None, help="write the results here too")
     p.add_argument("serve_args", nargs="*", help="more `edge0 serve` (or `mlx_lm server`) flags, after --")
@@ -362,7 +365,7 @@ def _run(args: argparse.Namespace, cap, preexec) -> int:
                 url, pid, lambda rng: one_request(url, args.max_tokens, args.timeout, rng), metrics,
                 clients=args.clients, requests=args.requests, hold_s=args.hold, silent_hold_s=args.silent_hold,
                 silent_max_tokens=args.silent_max_tokens, settle_s=args.settle, rounds=args.rounds,
-                seed=args.seed)
+                seed=args.seed, only=args.scenarios.split(",") if args.scenarios else None)
             report["targets"] = hostile_report.targets(report)
         else:
             report = soak(url, pid, args)

@@ -232,7 +232,8 @@ def _metrics(state: ServerState):
             batch_size=m.batch_size if m else 0, decode_steps=m.decode_steps if m else 0,
             decode_tokens=m.decode_tokens if m else 0, bytes_per_token=m.expert_bytes_per_token if m else 0.0,
             slot_bytes=m.slot_bytes if m else 0, over_slot_layers=m.over_slot_layers if m else 0,
-            micro_turns=m.micro_turns if m else 0)
+            micro_turns=m.micro_turns if m else 0, prefill_passes=m.prefill_passes if m else 0,
+            constraint_cache_bytes=m.constraint_cache_bytes if m else 0)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
     return handler
 

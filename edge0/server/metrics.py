@@ -34,7 +34,8 @@ class Metrics:
     def render(self, *, in_flight: int, queued: int, expert_bytes: int, cache_bytes: int, cache_hits: int,
                loaded: bool, resources: dict | None = None, process: dict | None = None, batch_size: int = 0,
                decode_steps: int = 0, decode_tokens: int = 0, bytes_per_token: float = 0.0,
-               slot_bytes: int = 0, over_slot_layers: int = 0, micro_turns: int = 0) -> str:
+               slot_bytes: int = 0, over_slot_layers: int = 0, micro_turns: int = 0, prefill_passes: int = 0,
+               constraint_cache_bytes: int = 0) -> str:
         lines: list[str] = []
 
         def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]):
@@ -80,6 +81,10 @@ class Metrics:
                "experts did not fit the layer's slots.", [("", over_slot_layers)])
         metric("prompt_cache_bytes", "gauge", "Bytes held by the prompt cache.", [("", cache_bytes)])
         metric("prompt_cache_hits_total", "counter", "Prompts that reused a cached KV prefix.", [("", cache_hits)])
+        metric("prefill_passes_total", "counter", "Prompt forward passes (a chunk of one prompt, or short prompts "
+               "arriving together prefilled in one pass).", [("", prefill_passes)])
+        metric("constraint_cache_bytes", "gauge", "Heap held by the compiled response formats kept for reuse "
+               "(estimated when each was compiled; within 64 MiB).", [("", constraint_cache_bytes)])
         metric("model_loaded", "gauge", "1 once the model is loaded and the server answers requests.",
                [("", int(loaded))])
         if resources is not None:  # live generations; the rest as of the last generation's end
