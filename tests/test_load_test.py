@@ -37,6 +37,28 @@ def test_hostile_clients_get_closed_timed_out_and_refused(tiny_model_factory):
     assert got["silent_stream"]["outcomes"] == {"200 (stream complete)": 1}  # 4 tokens fit any buffer
 
 
+def test_the_attacks_of_one_client_get_what_the_server_answers(tiny_model_factory):
+    """The five attacks of tools/hostile_attacks.py against a real server: abandoned requests
+    leave, an expensive schema is a 400 or a normal answer (never a 5xx), schema loops get
+    200s, the prompt-cache probe from another user recovers no digit, the flood from
+    127.0.0.2 holds connections the server keeps closing."""
+    from edge0.config import EngineConfig
+    from tests.test_server import serving
+
+    with serving(tiny_model_factory("qwen3_moe"), EngineConfig(adapter="off"), header_timeout_s=0.5,
+                 max_connections=64, max_connections_per_client=8) as (url, state):
+        counts = {"abandoned_wait": 3, "heavy_schema": 2, "schema_loop": 1, "cache_probe": 1, "flood": 1}
+        got = hostile_clients.summarize(asyncio.run(hostile_clients.run_scenario(url, counts, 1.5, 4)))
+        assert load_test.one_request(url, 4, 60, random.Random(0))["status"] == 200  # still serving
+    assert {k: v["clients"] for k, v in got.items()} == counts
+    assert got["abandoned_wait"]["outcomes"] == {"left": 3}
+    assert set(got["heavy_schema"]["outcomes"]) <= {"200", "400"}, got["heavy_schema"]
+    assert all(o.startswith("200") for o in got["schema_loop"]["outcomes"]), got["schema_loop"]
+    assert got["cache_probe"]["outcomes"] == {"0 digits recovered": 1}
+    (flood,) = got["flood"]["outcomes"]
+    assert flood.startswith("held (") and int(flood.split("(")[1].split()[0]) > 8, flood  # closed and reopened
+
+
 def _report(quiet_p95=1.0, loaded_p95=1.5, status="200", fds_after=10) -> dict:
     lat = lambda p95: {"requests": 4, "statuses": {status: 4}, "ttft_p50_s": 0.5, "ttft_p95_s": p95,  # noqa: E731
                        "total_p50_s": 0.6, "total_p95_s": p95}

@@ -119,8 +119,11 @@ async def heavy_schema(addr, i: int) -> dict:
     body = {"messages": [{"role": "user", "content": "a"}], "max_tokens": 4,
             "response_format": {"type": "json_schema", "json_schema": {
                 "name": "heavy", "schema": {"type": "string", "pattern": HEAVY_PATTERN % (20 + i)}}}}
-    status, _ = await _post(addr, body)
-    return {"outcome": status, "seconds": time.monotonic() - t0}
+    status, got = await _post(addr, body)
+    out = {"outcome": status, "seconds": time.monotonic() - t0}
+    if status.startswith("5") and got:  # what went wrong, for the report
+        out["detail"] = str((got.get("error") or {}).get("message"))[:200]
+    return out
 
 
 async def schema_loop(addr, stop: asyncio.Event) -> dict:

@@ -141,7 +141,7 @@ def serve_flags(extra: list[str]) -> list[str]:
     return ["--host", "127.0.0.1", "--port", "0", "--max-queue", "64", *extra]
 
 
-def start_server(model: str, extra: list[str], preexec=None) -> tuple[subprocess.Popen, str]:
+def start_server(model: str, extra: list[str], preexec=None, log: str | None = None) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen([sys.executable, "-m", "edge0", "serve", "--model", model, *serve_flags(extra)],
                             stderr=subprocess.PIPE, text=True, preexec_fn=preexec)
     line = proc.stderr.readline()
@@ -149,8 +149,19 @@ def start_server(model: str, extra: list[str], preexec=None) -> tuple[subprocess
         proc.kill()
         raise SystemExit(f"the server did not start: {line}{proc.stderr.read()}")
     url = line.split(" on ")[1].split(" ")[0]
-    threading.Thread(target=proc.stderr.read, daemon=True).start()  # drain
+    threading.Thread(target=_drain, args=(proc.stderr, log), daemon=True).start()
     return wait_healthy(proc, url, "the server", lambda: "")
+
+
+def _drain(stream, log: str | None) -> None:
+    """Read the server's log as it comes (into ``log`` when given, else nowhere)."""
+    if log is None:
+        stream.read()
+        return
+    with open(log, "w") as f:
+        for line in stream:
+            f.write(line)
+            f.flush()
 
 
 def wait_healthy(proc: subprocess.Popen, url: str, name: str, tail) -> tuple[subprocess.Popen, str]:
@@ -307,6 +318,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "cache together, as `edge0 bench --memory-limit`; needs root); the cgroup's peak is reported")
     p.add_argument("--cold", action="store_true",
                    help="drop the checkpoint's files from the page cache before the server starts")
+    p.add_argument("--server-log", default=None, help="write the started server's log here")
     p.add_argument("--scenarios", default=None,
                    help="--hostile: the scenarios to run, comma-separated names (default: all; "
                         "tools/hostile_clients.py SCENARIOS)")
@@ -357,7 +369,7 @@ def _run(args: argparse.Namespace, cap, preexec) -> int:
         extra = (HOSTILE_SERVE_FLAGS if args.hostile else []) + args.serve_args
         flags = serve_flags(extra)
         print(f"edge0 serve --model {args.model} {' '.join(flags)}", file=sys.stderr, flush=True)
-        proc, url = start_server(args.model, extra, preexec)
+        proc, url = start_server(args.model, extra, preexec, args.server_log)
         pid = proc.pid
     try:
         if args.hostile:
