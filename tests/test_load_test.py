@@ -40,8 +40,9 @@ def test_hostile_clients_get_closed_timed_out_and_refused(tiny_model_factory):
 def test_the_attacks_of_one_client_get_what_the_server_answers(tiny_model_factory):
     """The five attacks of tools/hostile_attacks.py against a real server: abandoned requests
     leave, an expensive schema is a 400 or a normal answer (never a 5xx), schema loops get
-    200s, the prompt-cache probe from another user recovers no digit, the flood from
-    127.0.0.2 holds connections the server keeps closing."""
+    200s, the prompt-cache probe from another user runs to its answer (that it recovers
+    nothing is tests/test_server.py's probe test, on a tokenizer whose digits it can read
+    one by one), the flood from 127.0.0.2 holds connections the server keeps closing."""
     from edge0.config import EngineConfig
     from tests.test_server import serving
 

@@ -308,3 +308,34 @@ def test_masks_within_the_bound_leave_the_generation_alone(qwen, monkeypatch):
     with Engine(qwen, EngineConfig(adapter="off")) as e:
         events = list(e.stream("x", max_tokens=4, response_format=JSON_SCHEMA))
     assert events and events[-1].finish_reason in ("stop", "length")
+
+
+def test_a_format_refused_once_its_generation_began_is_a_400(qwen, monkeypatch):
+    """A format compiled again when its generation is made (the cache let it go after the
+    request was checked) and refused then, its walk over the bounds on a loaded machine,
+    was a 500 "generation failed: ConfigError": it is the request's 400, streamed or not."""
+    from edge0.errors import ConfigError as Refused
+
+    with serving(qwen, EngineConfig(adapter="off")) as (url, state):
+        cache = state.engine._constraints
+        get, calls = cache.get, []
+
+        def second_refused(fmt):
+            calls.append(fmt)
+            if len(calls) % 2 == 0:  # the generation's own compile, after the request's check
+                raise Refused("response_format.json_schema.schema: the schema is too expensive to enforce: "
+                              "computing the step 2 token mask took 0.06 s (at most 0.05 s)")
+            return get(fmt)
+
+        monkeypatch.setattr(cache, "get", second_refused)
+        body = {"messages": [{"role": "user", "content": "x"}], "response_format": JSON_SCHEMA, "max_tokens": 4}
+        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 400, r.text[:300]
+        assert r.json()["error"]["param"] == "response_format"
+        with httpx.stream("POST", url + "/v1/chat/completions", json={**body, "stream": True}, timeout=120) as s:
+            lines = [line for line in s.iter_lines() if line.startswith("data: ")]
+        assert s.status_code in (200, 400)
+        if s.status_code == 200:
+            err = json.loads(lines[-1][6:])["error"]
+            assert err["type"] == "invalid_request_error" and err["param"] == "response_format", err
+        assert len(calls) == 4

@@ -238,6 +238,18 @@ def _metrics(state: ServerState):
     return handler
 
 
+def _request_fault(error: BaseException) -> str | None:
+    """The request field to blame when a generation failed on what the request asked for (a
+    400), else None (the server's fault, a 500): a format too costly to enforce, or a value
+    the engine refused once the generation began (a format compiled again there after the
+    cache let it go, whose walk then took too long)."""
+    if isinstance(error, FormatTooCostlyError):
+        return "response_format"
+    if isinstance(error, ConfigError):
+        return "response_format" if str(error).startswith("response_format") else "messages"
+    return None
+
+
 def _process() -> dict:
     """Threads, open file descriptors and event-loop tasks of this process (leak checks)."""
     import asyncio
@@ -432,8 +444,8 @@ async def _complete(state: ServerState, request: Request, req: P.GenerationReque
         except Exception as e:  # noqa: BLE001 - re-raised below, outside the task group
             error = e
         tg.cancel_scope.cancel()
-    if isinstance(error, FormatTooCostlyError):  # the request's format, not the server
-        raise P.APIError(400, str(error), param="response_format")
+    if _request_fault(error):
+        raise P.APIError(400, str(error), param=_request_fault(error))
     if isinstance(error, Edge0Error):
         raise P.APIError(500, f"generation failed: {type(error).__name__}: {error}", kind="server_error")
     if error is not None:
@@ -477,10 +489,10 @@ async def _stream(state: ServerState, req: P.GenerationRequest, ids: list[int], 
     except Edge0Error as e:
         state.log.error("server.generation_failed", error=f"{type(e).__name__}: {e}")
         ended = True
-        costly = isinstance(e, FormatTooCostlyError)  # the request's format, not the server
-        yield _sse({"error": {"message": str(e) if costly else f"generation failed: {type(e).__name__}: {e}",
-                              "type": "invalid_request_error" if costly else "server_error",
-                              "param": "response_format" if costly else None, "code": None}})
+        fault = _request_fault(e)
+        yield _sse({"error": {"message": str(e) if fault else f"generation failed: {type(e).__name__}: {e}",
+                              "type": "invalid_request_error" if fault else "server_error",
+                              "param": fault, "code": None}})
     finally:
         if not ended:
             state.metrics.disconnects += 1
