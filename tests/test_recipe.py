@@ -262,6 +262,37 @@ def test_quality_command_serves_each_adapter_row(model_with_heads, tmp_path, cap
     assert main(["train", "quality", "--model", str(d), "--teacher", str(d), "--heads", str(tmp_path / "none")]) == 2
 
 
+def test_quality_command_measures_on_a_text_given(model_with_heads, tmp_path, capsys):
+    """``edge0 train quality --text``: the rows are measured on that text (a file, or a
+    directory's .py files in order) instead of the held-out split; a missing path or a text
+    shorter than --tokens is a ConfigError naming it (exit 2)."""
+    import json
+
+    from edge0.backend import nn as bnn
+    from edge0.cli import main
+
+    d = model_with_heads
+    src = tmp_path / "src"
+    (src / "pkg").mkdir(parents=True)
+    (src / "b.py").write_text("def second(y):\n    return y * 2\n" * 8)
+    (src / "pkg" / "a.py").write_text("import os\n\ndef first(x):\n    return os.path.join(x, x)\n" * 8)
+    (src / "notes.txt").write_text("not python")
+    args = ["train", "quality", "--model", str(d), "--tokens", "30"]
+    assert main(args + ["--text", str(src), "--json", str(tmp_path / "t.json")]) == 0
+    on_text = json.loads((tmp_path / "t.json").read_text())
+    assert main(args + ["--json", str(tmp_path / "h.json")]) == 0
+    held = json.loads((tmp_path / "h.json").read_text())
+    assert on_text["text"] == str(src) and on_text["tokens"] == held["tokens"] == 29
+    assert on_text["rows"][0]["nll"] != held["rows"][0]["nll"]
+    tok = bnn.load_tokenizer(d)
+    from edge0.train.data import text_tokens
+    want = list(tok.encode((src / "b.py").read_text())) + [0] + list(tok.encode((src / "pkg" / "a.py").read_text()))
+    assert text_tokens(d, src, 30) == want[:30]  # b.py sorts before pkg/a.py; notes.txt is not read
+    assert main(args + ["--text", str(tmp_path / "none")]) == 2
+    assert main(args + ["--text", str(src), "--tokens", "100000"]) == 2
+    assert "fewer than the 100000 asked for" in capsys.readouterr().err
+
+
 def test_cached_rows_without_their_metadata_are_written_again_and_bad_ones_named(tmp_path):
     """Rows copied without their .json are not taken as a cache; metadata that cannot be read
     is a CheckpointError naming the file, not a traceback."""

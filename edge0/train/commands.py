@@ -276,6 +276,10 @@ def add_quality_parser(trs) -> None:
                         "stage_extra=8'; with --row, the default prerouter and --adapter rows are not added")
     q.add_argument("--experts-per-token", type=int, default=None, help="serve every int4 row at this width")
     q.add_argument("--tokens", type=int, default=4096, help="held-out tokens (default 4096)")
+    q.add_argument("--text", default=None, metavar="PATH",
+                   help="measure on this text instead of the model's held-out split: a file, or a directory "
+                        "whose *.py files are read in sorted order (tokenized with the model's tokenizer, one "
+                        "end-of-text token between files; the first --tokens of them)")
     q.add_argument("--json", default=None, help="also write the table here")
     q.set_defaults(func=cmd_quality)
 
@@ -299,8 +303,13 @@ def cmd_quality(args) -> int:
         rows = rows[:2] + [_settings_row(model, heads, text, args.experts_per_token) for text in args.row]
     if args.teacher is None:
         rows = rows[1:]
-    _, held, _ = D.token_streams(model)
-    table = quality_table(args.teacher, rows, D.ordinary_code(held, args.tokens), say=say)
+    if args.text:
+        tokens = D.text_tokens(model, Path(args.text), args.tokens)
+    else:
+        _, held, _ = D.token_streams(model)
+        tokens = D.ordinary_code(held, args.tokens)
+    table = quality_table(args.teacher, rows, tokens, say=say)
+    table["text"] = args.text or "the model's held-out split (ordinary code)"
     table["experts_per_token"] = args.experts_per_token
     if args.json:
         Path(args.json).write_text(json.dumps(table, indent=1))

@@ -69,6 +69,30 @@ def ordinary_code(heldout: np.ndarray, n: int) -> list[int]:
     return heldout[:n].astype(np.int64).tolist()
 
 
+def text_tokens(model_dir: Path, path: Path, n: int) -> list[int]:
+    """The first ``n`` tokens of ``path`` (a text file, or a directory's ``*.py`` files in
+    sorted order, an end-of-text token after each) in the model's tokenizer."""
+    from edge0.backend import nn as bnn
+
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*.py") if p.is_file())
+    elif path.is_file():
+        files = [path]
+    else:
+        raise ConfigError(f"--text {path}: no such file or directory")
+    tok = bnn.load_tokenizer(Path(model_dir))
+    out: list[int] = []
+    for f in files:
+        try:
+            text = f.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"--text: {f} cannot be read as UTF-8 text ({type(e).__name__})") from None
+        out += list(tok.encode(text)) + [EOS]
+        if len(out) >= n:
+            return out[:n]
+    raise ConfigError(f"--text {path}: {len(out)} tokens, fewer than the {n} asked for (--tokens)")
+
+
 def prompts(stream: np.ndarray, n: int, length: int, seed: int) -> np.ndarray:
     """``n`` random windows of ``length`` tokens from ``stream`` (int32 [n, length])."""
     rng = np.random.default_rng(seed)
