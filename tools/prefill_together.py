@@ -96,7 +96,9 @@ def main(argv=None) -> int:
         print(f"| {a} | {m['all_s']:.3f} | {m['mean_ttft_s']:.3f} | {m['expert_mib']:.1f} | {m['prompt_passes']:.0f} |")
     print(f"one by one / together, all first tokens: {ratio:.2f}x")
     if args.out:
-        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "runs": runs,
+        shown = {k: str(v.relative_to(ROOT) if isinstance(v, Path) and v.is_relative_to(ROOT) else v)
+                 for k, v in vars(args).items()}  # the repository's own paths as it names them
+        args.out.write_text(json.dumps({"args": shown, "runs": runs,
                                         "medians": med, "ratio_all_s": ratio}, indent=1))
     return 0
 
