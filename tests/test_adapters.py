@@ -326,3 +326,44 @@ def test_adapter_init_serves_the_base_and_loads_in_mlx_lm(qwen, tmp_path):
 
     mlx_load(str(qwen), adapter_path=str(out))
     assert main(["adapter", "init", "--model", str(qwen), "--out", str(out)]) == 2  # not empty: refused
+
+
+def test_the_demo_serves_its_shipped_adapter():
+    """The packaged demo, opened with every default (sync and async, and `edge0 demo`),
+    applies the recovery adapter that ships beside it, on top of its shipped heads, with
+    the routing both were trained for (select, k+2): the stats line names both, and the
+    adapter changes the output (bare base: adapter=None)."""
+    import anyio
+
+    from edge0.adapters import ADAPTER_DIRNAME
+    from edge0.cli import PACKAGED_DEMO
+    from edge0.prerouter.files import HEADS_FILENAME
+
+    adapter_dir = PACKAGED_DEMO / ADAPTER_DIRNAME
+    assert (adapter_dir / "adapters.safetensors").is_file() and (adapter_dir / "adapter_config.json").is_file()
+    rank = json.loads((adapter_dir / "adapter_config.json").read_text())["lora_parameters"]["rank"]
+    with Engine(PACKAGED_DEMO) as engine:
+        s = engine.streaming
+        assert s.adapters is not None and s.adapters.active == ADAPTER_DIRNAME
+        assert s.stager.layers == s.prerouter.heads.consumers() and s.heads_path == PACKAGED_DEMO / HEADS_FILENAME
+        _, meta = mx.load(str(adapter_dir / "adapters.safetensors"), return_metadata=True)
+        assert json.loads(meta["routing"]) == {"routing": s.routing[0], "stage_extra": s.routing[1]} \
+            == {"routing": "select", "stage_extra": 2}
+        with_adapter = list(engine.stream("def f(x):", max_tokens=12, logprobs=True))
+        bare = list(engine.stream("def f(x):", max_tokens=12, logprobs=True, adapter=None))
+    stats = with_adapter[-1].stats
+    assert stats.adapter.startswith(f"{ADAPTER_DIRNAME} (rank {rank},") and "phase 2" in stats.adapter
+    assert stats.heads.startswith(HEADS_FILENAME)
+    assert bare[-1].stats.adapter is None
+    assert [e.logprob for e in with_adapter] != [e.logprob for e in bare]
+
+    async def main():
+        async with Engine.open(PACKAGED_DEMO) as engine:
+            return [e async for e in engine.generate("def f(x):", max_tokens=12, logprobs=True) if e is not None]
+
+    events = anyio.run(main)
+    assert events[-1].stats.adapter == stats.adapter and [e.token for e in events] == [e.token for e in with_adapter]
+    out = subprocess.run([sys.executable, "-m", "edge0", "demo", "--max-tokens", "4"], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert f"adapter {stats.adapter}" in out.stdout
