@@ -168,8 +168,8 @@ class Batcher:
     def _iteration(self, admitted: list[Row], cancelled: dict[int, bool] | None, micro: bool = False) -> None:
         """Start the admitted rows, drop the cancelled ones (under a pipeline: those rank 0
         cancelled, ``cancelled``), prefill up to ``prefill_step_size`` prompt tokens of the
-        joining rows (within ``prefill_share`` of the time), then one decode step of the batch (``micro``: decode steps in two
-        micro-batches until rank 0 stops them)."""
+        joining rows (within ``prefill_share`` of the time), then one decode step of the
+        batch (``micro``: decode steps in two micro-batches until rank 0 stops them)."""
         for row in admitted:
             self._start(row, piped=cancelled is not None)
         self._drop_cancelled(cancelled)
