@@ -447,6 +447,7 @@ class Batcher:
     def _end_row(self, row: Row) -> None:
         if row in self.joining:
             self.joining.remove(row)
+        row.cache = row.pstate = None  # its KV now, not when a garbage collection finds its cycles
         host = self.host
         host._jobs.discard(row.job)
         host._line.ended(row.job.admission, started=True)

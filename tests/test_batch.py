@@ -351,3 +351,43 @@ def test_prefill_takes_at_most_its_share_of_time_while_rows_decode(monkeypatch, 
     with Engine(DEMO, alone) as e:
         assert [ev.token for ev in e.stream(long_prompt, max_tokens=1, temp=0.0)] == b_tokens
         assert [ev.token for ev in e.stream(PROMPTS[0], max_tokens=120, temp=0.0, logit_bias=eos)] == a_tokens
+
+
+def test_rows_that_end_while_prefilling_give_their_cache_back_at_once():
+    """A generation cancelled while its prompt prefills gives its KV cache back when it
+    ends, not when a garbage collection finds the cycles its row sits in (abandoned long
+    prompts held tens of MiB of MLX memory on the server until then)."""
+    import gc
+
+    import mlx.core as mx
+
+    long_prompt = "def long_function(a, b, c):\n" + "    a = a + b * c - 1\n" * 60
+    with Engine(DEMO, EngineConfig(prefill_step_size=16)) as e:
+        e.generate_text("x", max_tokens=2)
+        base = mx.get_active_memory()
+
+        async def leave_early():
+            async def one():
+                async for _ in e.generate(long_prompt, max_tokens=4):
+                    pass
+            for _ in range(4):
+                task = asyncio.ensure_future(one())
+                while e.metrics().prefill_passes == passes[0]:
+                    await asyncio.sleep(0.005)
+                passes[0] = e.metrics().prefill_passes
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
+        passes = [e.metrics().prefill_passes]
+        gc.disable()
+        try:
+            asyncio.run(leave_early())
+            deadline = time.monotonic() + 30
+            while e.metrics().in_flight and time.monotonic() < deadline:
+                time.sleep(0.01)
+            e.resources()  # the compute thread is done with them
+            held = mx.get_active_memory() - base
+        finally:
+            gc.enable()
+        assert e.metrics().in_flight == 0
+    assert held < 256 * 1024, held  # each one's cache would be about 1 MiB
