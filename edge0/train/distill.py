@@ -156,11 +156,21 @@ def run_distill(model_dir: str | Path, teacher_dir: str | Path, sft_adapter: str
     student = StudentModel(model_dir, heads_file=heads_file, seed=cfg.seed, experts_per_token=cfg.experts_per_token,
                            routing=cfg.routing, stage_extra=cfg.stage_extra, **_lora_shape(sft_adapter))
     student.load_lora(sft_adapter)
+    return fit_topk(student, reverse_kl_topk, rows, top_idx, top_lp, mask, cfg, name="distill",
+                    phase="3 (on-policy reverse KL, top-K + tail)", model_dir=model_dir, teacher_dir=teacher_dir,
+                    data_meta=data_meta, work=work, out=out, resume=resume, progress=progress, dp=dp,
+                    provenance={"starts_from": artifact_identity(sft_adapter / "adapters.safetensors")})
+
+
+def fit_topk(student: StudentModel, kl, rows: np.ndarray, top_idx: np.ndarray, top_lp: np.ndarray,
+             mask: np.ndarray, cfg, **fit) -> dict:
+    """Train ``student``'s adapter on ``kl(student logits, teacher top-K ids, their
+    log-probabilities, mask)`` over batches of ``rows`` (``fit``: ``fit_adapter``'s keywords)."""
     P = np.full(cfg.batch, cfg.prompt_len)
 
     def loss(model, tokens, idx, lp, m):
         logits = student.logits(tokens, P[: tokens.shape[0]])[:, :-1].astype(mx.float32)
-        return reverse_kl_topk(logits, idx, lp, m)
+        return kl(logits, idx, lp, m)
 
     def batches(rng):
         i = rng.integers(0, len(rows), size=cfg.batch)
@@ -168,11 +178,7 @@ def run_distill(model_dir: str | Path, teacher_dir: str | Path, sft_adapter: str
 
     b = cfg.batch
     fixed = (mx.array(rows[:b]), mx.array(top_idx[:b]), mx.array(top_lp[:b]), mx.array(mask[:b]))
-    return fit_adapter(student, loss, batches, fixed, cfg, name="distill",
-                       phase="3 (on-policy reverse KL, top-K + tail)", model_dir=model_dir, teacher_dir=teacher_dir,
-                       data_meta=data_meta, tokens=int(mask.sum()), work=work, out=out, resume=resume,
-                       progress=progress, dp=dp, weight=mask_weight(3),
-                       provenance={"starts_from": artifact_identity(sft_adapter / "adapters.safetensors")})
+    return fit_adapter(student, loss, batches, fixed, cfg, tokens=int(mask.sum()), weight=mask_weight(3), **fit)
 
 
 def _lora_shape(adapter_dir: Path) -> dict:

@@ -158,24 +158,12 @@ def _student(model_dir: Path, heads_file, cfg: SFTConfig) -> StudentModel:
 def _run_corpus_kl(model_dir: Path, teacher_dir: Path, out: Path, cfg: SFTConfig, *, work: Path, heads_file,
                    resume: bool, progress, say, dp: DataParallel) -> dict:
     """Phase 2 on the training split: forward KL to the teacher's top-K + tail."""
-    from edge0.train.distill import forward_kl_topk
+    from edge0.train.distill import fit_topk, forward_kl_topk
 
     rows, top_idx, top_lp, data_meta = corpus_targets(teacher_dir, model_dir, cfg, work, say, dp)
     mask = D.continuation_mask(rows, cfg.prompt_len)
     student = _student(model_dir, heads_file, cfg)
-    P = np.full(cfg.batch, cfg.prompt_len)
-
-    def loss(model, tokens, idx, lp, m):
-        logits = student.logits(tokens, P[: tokens.shape[0]])[:, :-1].astype(mx.float32)
-        return forward_kl_topk(logits, idx, lp, m)
-
-    def batches(rng):
-        i = rng.integers(0, len(rows), size=cfg.batch)
-        return mx.array(rows[i]), mx.array(top_idx[i]), mx.array(top_lp[i]), mx.array(mask[i])
-
-    b = cfg.batch
-    fixed = (mx.array(rows[:b]), mx.array(top_idx[:b]), mx.array(top_lp[:b]), mx.array(mask[:b]))
-    return fit_adapter(student, loss, batches, fixed, cfg, name="sft",
-                       phase="2 (forward KL to the teacher on the training split, top-K + tail)",
-                       model_dir=model_dir, teacher_dir=teacher_dir, data_meta=data_meta, tokens=int(mask.sum()),
-                       work=work, out=out, resume=resume, progress=progress, dp=dp, weight=mask_weight(3))
+    return fit_topk(student, forward_kl_topk, rows, top_idx, top_lp, mask, cfg, name="sft",
+                    phase="2 (forward KL to the teacher on the training split, top-K + tail)",
+                    model_dir=model_dir, teacher_dir=teacher_dir, data_meta=data_meta, work=work, out=out,
+                    resume=resume, progress=progress, dp=dp)
