@@ -47,7 +47,8 @@ def _arriving_together(engine: Engine, prompts, adapters=None, **sampling) -> li
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
     for t in threads:
         t.start()
-    while engine.metrics().in_flight < len(prompts):
+    deadline = time.monotonic() + 60
+    while engine.metrics().in_flight < len(prompts) and time.monotonic() < deadline:
         time.sleep(0.01)
     gate.set()
     for t in threads:
@@ -372,7 +373,8 @@ def test_rows_that_end_while_prefilling_give_their_cache_back_at_once():
                     pass
             for _ in range(4):
                 task = asyncio.ensure_future(one())
-                while e.metrics().prefill_passes == passes[0]:
+                deadline = time.monotonic() + 60
+                while e.metrics().prefill_passes == passes[0] and time.monotonic() < deadline:
                     await asyncio.sleep(0.005)
                 passes[0] = e.metrics().prefill_passes
                 task.cancel()
