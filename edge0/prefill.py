@@ -43,7 +43,7 @@ def group(batcher, budget: int) -> list[Row]:
     for row in batcher.joining:
         n = len(row.ids) - 1
         if (row.alone or row.error is not None or row.job.cancelled or row.cache is None or row.pos != 0
-                or not 2 <= n <= chunk or not all(bnn.is_plain_kv_cache(c) for c in row.cache)):
+                or not 2 <= n <= chunk):  # (a row whose cache cannot join a batch runs alone)
             continue
         if (len(out) + 1) * max(longest, n) > budget:
             break

@@ -86,49 +86,42 @@ def test_dequantized_student_path_is_close_to_the_served_path(model_with_heads):
     assert mx.array_equal(mx.argmax(ours, -1), mx.argmax(served, -1)).item()
 
 
-def test_reverse_kl_topk_is_kl_of_the_bucketed_distributions():
-    from edge0.train.distill import reverse_kl_topk
-
-    rng = np.random.default_rng(0)
+def _bucketed(seed: int):
+    """Random student and teacher logits [2, 3, 10], the teacher's top 4 (ids, log-probs),
+    and both distributions bucketed to those 4 plus the tail: (s, t, idx, top_lp, pb, qb)."""
+    rng = np.random.default_rng(seed)
     s = rng.normal(0, 2, (2, 3, 10)).astype(np.float32)
     t = rng.normal(0, 2, (2, 3, 10)).astype(np.float32)
     tlogp = t - np.log(np.exp(t).sum(-1, keepdims=True))
     idx = np.argsort(-tlogp, -1)[..., :4]
-    got = reverse_kl_topk(mx.array(s), mx.array(idx), mx.array(np.take_along_axis(tlogp, idx, -1)),
-                          mx.ones((2, 3))).item()
     p = np.exp(s - np.log(np.exp(s).sum(-1, keepdims=True)))
-    q = np.exp(tlogp)
-    pk, qk = np.take_along_axis(p, idx, -1), np.take_along_axis(q, idx, -1)
+    pk, qk = np.take_along_axis(p, idx, -1), np.take_along_axis(np.exp(tlogp), idx, -1)
     pb = np.concatenate([pk, 1 - pk.sum(-1, keepdims=True)], -1)
     qb = np.concatenate([qk, 1 - qk.sum(-1, keepdims=True)], -1)
+    return s, t, mx.array(idx), mx.array(np.take_along_axis(tlogp, idx, -1)), pb, qb
+
+
+def test_reverse_kl_topk_is_kl_of_the_bucketed_distributions():
+    from edge0.train.distill import reverse_kl_topk
+
+    s, t, idx, top_lp, pb, qb = _bucketed(0)
+    got = reverse_kl_topk(mx.array(s), idx, top_lp, mx.ones((2, 3))).item()
     want = float(np.mean((pb * (np.log(pb) - np.log(qb))).sum(-1)))
     assert abs(got - want) < 1e-5
-    same = reverse_kl_topk(mx.array(t), mx.array(idx), mx.array(np.take_along_axis(tlogp, idx, -1)),
-                           mx.ones((2, 3))).item()
+    same = reverse_kl_topk(mx.array(t), idx, top_lp, mx.ones((2, 3))).item()
     assert abs(same) < 1e-6  # zero when the student is the teacher
 
 
 def test_forward_kl_topk_is_kl_of_the_bucketed_distributions():
     from edge0.train.distill import forward_kl_topk
 
-    rng = np.random.default_rng(1)
-    s = rng.normal(0, 2, (2, 3, 10)).astype(np.float32)
-    t = rng.normal(0, 2, (2, 3, 10)).astype(np.float32)
-    tlogp = t - np.log(np.exp(t).sum(-1, keepdims=True))
-    idx = np.argsort(-tlogp, -1)[..., :4]
+    s, t, idx, top_lp, pb, qb = _bucketed(1)
     mask = np.array([[1, 1, 0], [1, 0, 1]], dtype=np.float32)
-    got = forward_kl_topk(mx.array(s), mx.array(idx), mx.array(np.take_along_axis(tlogp, idx, -1)),
-                          mx.array(mask)).item()
-    p = np.exp(s - np.log(np.exp(s).sum(-1, keepdims=True)))
-    q = np.exp(tlogp)
-    pk, qk = np.take_along_axis(p, idx, -1), np.take_along_axis(q, idx, -1)
-    pb = np.concatenate([pk, 1 - pk.sum(-1, keepdims=True)], -1)
-    qb = np.concatenate([qk, 1 - qk.sum(-1, keepdims=True)], -1)
+    got = forward_kl_topk(mx.array(s), idx, top_lp, mx.array(mask)).item()
     per = (qb * (np.log(qb) - np.log(pb))).sum(-1)  # the teacher weights: KL(teacher || student)
     want = float((per * mask).sum() / mask.sum())
     assert abs(got - want) < 1e-5
-    same = forward_kl_topk(mx.array(t), mx.array(idx), mx.array(np.take_along_axis(tlogp, idx, -1)),
-                           mx.ones((2, 3))).item()
+    same = forward_kl_topk(mx.array(t), idx, top_lp, mx.ones((2, 3))).item()
     assert abs(same) < 1e-6
 
 
