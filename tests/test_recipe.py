@@ -125,38 +125,48 @@ def test_forward_kl_topk_is_kl_of_the_bucketed_distributions():
     assert abs(same) < 1e-6
 
 
-def test_sft_on_the_corpus_learns_the_teachers_distribution(model_with_heads, tmp_path):
+def test_sft_on_the_corpus_learns_the_teachers_distribution(model_with_heads, tmp_path, monkeypatch):
     """`edge0 train sft --text corpus`: windows of the training split, the teacher's top-K at
     every position as the target, forward KL falling on a fixed batch; the adapter's recipe
-    says so, and a second run reuses the scored windows."""
+    says so, a second run reuses the scored windows, and a run on more windows (same seed)
+    scores only the new ones."""
     import json
 
     from edge0.backend import nn as bnn
     from edge0.cli import main
     from edge0.model.safetensors_header import read_header
+    from edge0.train import sft
 
+    monkeypatch.setattr(sft, "SCORE_BLOCK", 4)
     d, w, out = model_with_heads, tmp_path / "w", tmp_path / "a"
     argv = ["train", "sft", "--model", str(d), "--teacher", str(d), "--work", str(w), "--rows", "8",
             "--steps", "6", "--batch", "4", "--rank", "4", "--lr", "3e-3", "--text", "corpus", "--top-k", "5",
             "--routing", "replace", "--out", str(out), "--no-progress"]
     assert main(argv) == 0
-    (rows_path,) = w.glob("corpus_rows-*.npy")
-    rows = np.load(rows_path)
-    assert rows.shape == (8, 128)
-    with np.load(str(rows_path)[:-4] + ".topk.npz") as t:
-        ids, lp = t["ids"], t["lp"]
-    assert ids.shape == lp.shape == (8, 127, 5)
     teacher = bnn.load_teacher(d)
     bnn.cast_model(teacher, mx.float32)
-    logits = np.array(teacher(mx.array(rows[:2]))[:, :-1].astype(mx.float32))
-    want = np.sort(np.argsort(-logits, -1)[..., :5], -1)
-    assert (np.sort(ids[:2], -1) == want).mean() > 0.99  # the teacher's own top-5 (ties apart)
+
+    def check_scored(n):
+        rows, ids, lp, _ = sft.corpus_targets(d, d, sft.SFTConfig(text="corpus", rows=n, top_k=5), w, say=lambda m: None)
+        assert rows.shape == (n, 128) and ids.shape == lp.shape == (n, 127, 5)
+        for at in (slice(0, 2), slice(n - 2, n)):  # the first block's windows and the last's
+            logits = np.array(teacher(mx.array(rows[at]))[:, :-1].astype(mx.float32))
+            want = np.sort(np.argsort(-logits, -1)[..., :5], -1)
+            assert (np.sort(ids[at], -1) == want).mean() > 0.99  # the teacher's own top-5 (ties apart)
+        return rows, {f: f.stat().st_mtime_ns for f in w.glob("corpus_block-*.npz")}
+
+    rows8, blocks = check_scored(8)
+    assert len(blocks) == 2
     recipe = json.loads(read_header(out / "adapters.safetensors").metadata["recipe"])
     assert recipe["text"] == "corpus" and recipe["top_k"] == 5
     assert recipe["loss_after"] < recipe["loss_before"], recipe
-    mtime = rows_path.stat().st_mtime_ns
     assert main(argv[:-3] + ["--out", str(tmp_path / "b"), "--no-progress"]) == 0
-    assert rows_path.stat().st_mtime_ns == mtime  # scored once
+    assert check_scored(8)[1] == blocks  # scored once
+    argv[argv.index("--rows") + 1] = "12"
+    assert main(argv[:-3] + ["--out", str(tmp_path / "c"), "--no-progress"]) == 0
+    rows12, blocks12 = check_scored(12)
+    assert (rows12[:8] == rows8).all()
+    assert len(blocks12) == 3 and {f: blocks12[f] for f in blocks} == blocks  # only the new block scored
 
 
 def test_sft_refuses_an_unknown_text(model_with_heads, tmp_path):

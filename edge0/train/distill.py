@@ -119,15 +119,17 @@ def student_rows(model_dir: Path, adapter_dir: Path, cfg: DistillConfig, work: P
     return rows, meta
 
 
-def teacher_topk(teacher_dir: Path, rows: np.ndarray, k: int, batch: int = 16,
+def teacher_topk(teacher, rows: np.ndarray, k: int, batch: int = 16,
                  dp: DataParallel | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The teacher's top-``k`` next-token ids and log-probabilities at every position
-    (under a data-parallel group each rank scores its share of the batches)."""
+    (``teacher``: its directory, or the model already loaded in float32; under a
+    data-parallel group each rank scores its share of the batches)."""
     from edge0.backend import nn as bnn
 
     dp = dp or DataParallel(None)
-    teacher = bnn.load_teacher(teacher_dir)
-    bnn.cast_model(teacher, mx.float32)
+    if isinstance(teacher, (str, Path)):
+        teacher = bnn.load_teacher(teacher)
+        bnn.cast_model(teacher, mx.float32)
     starts = range(0, len(rows), batch)
     parts = {}
     for i, start in enumerate(starts):

@@ -17,6 +17,7 @@ with provenance.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ import numpy as np
 from edge0.errors import ConfigError
 from edge0.prerouter.files import checkpoint_identity
 from edge0.train import data as D
+from edge0.train.distill import teacher_topk
 from edge0.train.loop import fit_adapter
 from edge0.train.parallel import DataParallel, mask_weight
 from edge0.train.student import StudentModel, continuation_ce
@@ -83,37 +85,63 @@ def teacher_rows(teacher_dir: Path, model_dir: Path, cfg: SFTConfig, work: Path,
     return rows, meta
 
 
+SCORE_BLOCK = 1024  # windows the teacher scores per cached block
+
+
 def corpus_targets(teacher_dir: Path, model_dir: Path, cfg: SFTConfig, work: Path, say=print,
                    dp: DataParallel | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict]:
     """Windows of the training split and the teacher's top-K next-token ids and
-    log-probabilities at every position of them (cached in ``work``: the targets first,
-    the rows last, so cached rows always have their targets)."""
-    from edge0.train.distill import teacher_topk
-
+    log-probabilities at every position of them. The teacher scores them in blocks of
+    ``SCORE_BLOCK`` windows, each cached in ``work`` under the hash of its windows, so an
+    interrupted scoring resumes at its first missing block and a longer run (``--rows``
+    larger, same seed: the windows drawn first are the same) scores only the new ones.
+    The rows are written last, so cached rows always have their targets."""
     dp = dp or DataParallel(None)
     identity = checkpoint_identity(teacher_dir)
     key = D.cache_key(identity, "corpus", cfg.rows, cfg.prompt_len, cfg.new_tokens, cfg.top_k, cfg.seed)
     path = work / f"corpus_rows-{key}.npy"
-    targets = work / f"corpus_rows-{key}.topk.npz"
-    if not dp.any(not (D.rows_cached(path) and targets.exists())):
-        rows, _, meta = D.load_rows(path)
-        with np.load(targets) as t:
-            return rows, t["ids"], t["lp"], meta
     train_stream, _, corpus_desc = D.token_streams(model_dir)
     rows = D.prompts(train_stream, cfg.rows, cfg.prompt_len + cfg.new_tokens, seed=cfg.seed)
+    chunks = [rows[s:s + SCORE_BLOCK] for s in range(0, len(rows), SCORE_BLOCK)]
+    blocks = [work / f"corpus_block-{D.cache_key(identity, cfg.top_k, c.shape, hashlib.sha256(c).hexdigest())}.npz"
+              for c in chunks]
     t0 = time.perf_counter()
-    say(f"the teacher scores {cfg.rows} windows of the training split")
-    ids, lp = teacher_topk(teacher_dir, rows, cfg.top_k, dp=dp)
+    sizes = [len(c) for c in chunks]
+    cached = [not dp.any(not b.exists()) for b in blocks]  # a block every rank has
+    if not all(cached):
+        say(f"the teacher scores {sum(n for n, c in zip(sizes, cached) if not c)} of {cfg.rows} windows of the "
+            f"training split ({sum(cached)} of {len(blocks)} blocks cached)")
+    teacher = None
+    parts = []
+    for i, block in enumerate(blocks):
+        if cached[i]:
+            with np.load(block) as t:
+                parts.append((t["ids"], t["lp"]))
+            continue
+        if teacher is None:
+            teacher = _teacher(teacher_dir)
+        ids, lp = teacher_topk(teacher, chunks[i], cfg.top_k, dp=dp)
+        if dp.is_main:
+            tmp = block.with_name(block.name + ".tmp.npz")
+            np.savez(tmp, ids=ids, lp=lp)
+            tmp.replace(block)
+        parts.append((ids, lp))
+        say(f"teacher scored block {i + 1}/{len(blocks)}")
     meta = {"teacher": str(teacher_dir.name), "teacher_identity": identity,
             "rows": f"{cfg.rows} random {cfg.prompt_len + cfg.new_tokens}-token windows of the training split "
                     f"(seed {cfg.seed}); the teacher's top-{cfg.top_k} at every position",
             "corpus": corpus_desc, "seconds": round(time.perf_counter() - t0, 1)}
-    if dp.is_main:
-        tmp = targets.with_name(targets.name + ".tmp.npz")
-        np.savez(tmp, ids=ids, lp=lp)
-        tmp.replace(targets)
+    if dp.is_main and not D.rows_cached(path):
         D.save_rows(path, rows, cfg.prompt_len, meta)
-    return rows, ids, lp, meta
+    return rows, np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]), meta
+
+
+def _teacher(teacher_dir: Path):
+    from edge0.backend import nn as bnn
+
+    teacher = bnn.load_teacher(teacher_dir)
+    bnn.cast_model(teacher, mx.float32)
+    return teacher
 
 
 def run_sft(model_dir: str | Path, teacher_dir: str | Path, out: str | Path, cfg: SFTConfig, *, work: str | Path,
