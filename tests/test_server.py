@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from edge0 import Engine, EngineConfig
-from edge0.server.connections import server_config
+from edge0.server.connections import make_server
 from edge0.server.app import ServerSettings, create_app
 from edge0.server.protocol import Defaults
 from tests.test_adapters import random_adapter
@@ -32,13 +32,10 @@ def serving(model_dir, config: EngineConfig | None = None, sndbuf: int | None = 
     send buffer of its connections (a small one stands for a full network path)."""
     import socket
 
-    import uvicorn
-
     s = ServerSettings(model_dir=Path(model_dir), config=config or EngineConfig(prompt_cache_mb=64),
                        model_id="tiny", **settings)
     app = create_app(s)
-    server = uvicorn.Server(server_config(app, s, host="127.0.0.1", port=0, log_level="error",
-                                          timeout_graceful_shutdown=5))
+    server = make_server(app, s, host="127.0.0.1", port=0, log_level="error", timeout_graceful_shutdown=5)
     sock = socket.socket()
     if sndbuf is not None:  # accepted connections inherit it
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
@@ -804,7 +801,7 @@ def test_one_client_cannot_take_every_connection(model):
     connection of the client holding the most to serve a new one."""
     d, _, _ = model
     with serving(d, EngineConfig(adapter="off"), max_connections=24, max_connections_per_client=8,
-                 header_timeout_s=60) as (url, state):
+                 header_timeout_s=60, flood_ban_s=0) as (url, state):
         port = int(url.rsplit(":", 1)[1])
         stop, flood = threading.Event(), []
 
@@ -837,6 +834,54 @@ def test_one_client_cannot_take_every_connection(model):
         finally:
             for s in others:
                 s.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the kernel filter is Linux's")
+def test_an_address_flooding_connections_is_dropped_by_the_kernel(model):
+    """A flood of connections from one address kept the event loop accepting and closing
+    them (3.2x the others' latency): an address that arrives at its full share more than
+    share times in a second has its connections dropped before the accept queue for
+    --flood-ban seconds, and counted; other addresses are served throughout, and the
+    banned one connects again once its ban ends."""
+    import socket
+
+    d, _, _ = model
+
+    def connect(source, port, timeout=0.3):
+        s = socket.socket()
+        s.bind((source, 0))
+        s.settimeout(timeout)
+        try:
+            s.connect(("127.0.0.1", port))
+            return s
+        except OSError:
+            s.close()
+            return None
+
+    with serving(d, EngineConfig(adapter="off"), max_connections=64, max_connections_per_client=4,
+                 header_timeout_s=60, flood_ban_s=3) as (url, state):
+        port = int(url.rsplit(":", 1)[1])
+        held, t0 = [], time.monotonic()
+        while state.metrics.address_bans == 0 and time.monotonic() - t0 < 20 and len(held) <= 100:
+            s = connect("127.0.0.2", port)  # silent sockets, reopened as fast as they connect
+            if s is not None:
+                held.append(s)
+            time.sleep(0.01)  # the server's event loop shares this process's interpreter
+        banned_at = time.monotonic()
+        try:
+            assert state.metrics.address_bans == 1
+            assert 9 <= len(held) <= 60, len(held)  # share + share + 1 arrivals, then none
+            assert connect("127.0.0.2", port) is None  # still banned
+            r = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=60)
+            assert r.status_code == 200, r.text  # another address, served
+            assert "edge0_address_bans_total 1" in httpx.get(url + "/metrics", timeout=30).text
+        finally:
+            for s in held:
+                s.close()
+        time.sleep(max(0.0, banned_at + 3.5 - time.monotonic()))
+        back = connect("127.0.0.2", port, timeout=5)
+        assert back is not None  # the ban ended
+        back.close()
 
 
 def _open(s) -> bool:

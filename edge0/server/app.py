@@ -62,6 +62,7 @@ class ServerSettings:
     body_timeout_s: float = 30.0  # a request body not in after this long: 408
     max_connections: int = 256  # connections served at once (503 beyond)
     max_connections_per_client: int = 32  # of them from one client address (edge0.server.connections)
+    flood_ban_s: float = 2.0  # an address cycling through its share: dropped this long (server.address_gate)
     retry_after_s: int = 1
 
 

@@ -54,6 +54,10 @@ def add_parser(sub) -> None:
                    help="connections from one client address; past it the client's oldest idle one is closed, "
                         "or the new one refused (default 32; behind a reverse proxy every client has the "
                         "proxy's address: raise it to --max-connections there)")
+    s.add_argument("--flood-ban", type=float, default=2.0, metavar="SECONDS",
+                   help="an address that arrives at its full --max-connections-per-client more than that many "
+                        "times in a second has its new connections dropped by the kernel this long, doubled on each "
+                        "repeat within a minute up to 64 s (Linux; default 2; 0: never)")
     s.add_argument("--send-timeout", type=float, default=30.0,
                    help="seconds a client may take no token of its stream (not reading it) before its "
                         "generation is stopped and its connection closed, so that it holds neither the engine "
@@ -89,9 +93,10 @@ def build_settings(args: argparse.Namespace):
     if key is not None and not key.strip():
         raise ConfigError(f"--api-key (or {API_KEY_ENV}) is empty: give a key, or leave it out to serve without one")
     if not (args.keepalive > 0 and args.send_timeout > 0 and args.header_timeout > 0 and args.body_timeout > 0
-            and args.grace >= 0 and args.max_connections >= 1 and args.max_connections_per_client >= 1):
-        raise ConfigError("--keepalive, --send-timeout, --header-timeout and --body-timeout must be > 0, --grace >= 0 "
-                          "and --max-connections and --max-connections-per-client >= 1")
+            and args.grace >= 0 and args.flood_ban >= 0 and args.max_connections >= 1
+            and args.max_connections_per_client >= 1):
+        raise ConfigError("--keepalive, --send-timeout, --header-timeout and --body-timeout must be > 0, --grace and "
+                          "--flood-ban >= 0 and --max-connections and --max-connections-per-client >= 1")
     SamplingParams(max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p)
     model_dir = resolve_model(args.model)
     config = resolve_config(args, defaults={"prompt_cache_mb": DEFAULT_PROMPT_CACHE_MB,
@@ -104,15 +109,14 @@ def build_settings(args: argparse.Namespace):
                           min_p=args.min_p),
         max_queue=args.max_queue, api_key=key, header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
         max_connections=args.max_connections, max_connections_per_client=args.max_connections_per_client,
+        flood_ban_s=args.flood_ban,
         allowed_hosts=tuple(h.strip() for h in args.allowed_hosts.split(",") if h.strip()),
         max_body_bytes=args.max_body_bytes, keepalive_s=args.keepalive, send_timeout_s=args.send_timeout)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from edge0.server.app import create_app
-    from edge0.server.connections import server_config
+    from edge0.server.connections import make_server
 
     from edge0.backend import dist
 
@@ -121,9 +125,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if group is not None and group.rank() > 0:
         return _follow(settings, group)
     app = create_app(settings)
-    config = server_config(app, settings, host=args.host, port=args.port, log_level="warning",
-                           timeout_graceful_shutdown=args.grace, access_log=False)
-    server = uvicorn.Server(config)
+    server = make_server(app, settings, host=args.host, port=args.port, log_level="warning",
+                         timeout_graceful_shutdown=args.grace, access_log=False)
     state = app.state.edge0
     failed = []
 

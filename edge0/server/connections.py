@@ -6,7 +6,8 @@ address: past its share a client's oldest idle connection is closed to make room
 none idle, the new one is. When all ``max_connections`` are taken, a new connection closes
 an idle one (no request in progress: a silent socket or a kept-alive one between requests)
 of the client holding the most, so that silent sockets from one address cannot turn every
-other client away. Idle keep-alive connections close after 5 s (uvicorn's
+other client away; an address that keeps arriving at its full share is banned in the kernel
+for a while (``edge0.server.address_gate``). Idle keep-alive connections close after 5 s (uvicorn's
 ``timeout_keep_alive``). A connection whose client takes none of what is sent to it for
 ``send_timeout_s`` is closed: its socket's send buffer is capped (``SEND_BUFFER_BYTES``, so
 a client that stops reading is noticed within that many bytes rather than the megabytes
@@ -22,6 +23,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from edge0.logs import get_logger
+from edge0.server.address_gate import AddressGate
 
 
 SEND_BUFFER_BYTES = 64 * 1024
@@ -37,12 +39,14 @@ def _host(p) -> str:
     return p.client[0] if getattr(p, "client", None) else ""
 
 
-def _make_room(new, max_connections: int | None, max_per_client: int | None) -> bool:
+def _make_room(new, max_connections: int | None, max_per_client: int | None, gate=None) -> bool:
     """Connection ``new``'s client within its share and the server within its bound, by
     closing idle connections; False when ``new`` itself was refused."""
     others = [p for p in new.connections if p is not new and not p.transport.is_closing()]
     mine = [p for p in others if _host(p) == _host(new)]
     if max_per_client is not None and len(mine) >= max_per_client:
+        if gate is not None:
+            gate.over_share(_host(new), new.loop)
         idle = sorted((p for p in mine if _idle(p)), key=lambda p: p._opened)
         if not idle:
             get_logger("edge0.server").warning("server.client_connections", client=_host(new),
@@ -65,7 +69,8 @@ def _make_room(new, max_connections: int | None, max_per_client: int | None) -> 
 
 
 def bounded_protocol(header_timeout_s: float, send_timeout_s: float | None = None, *,
-                     max_connections: int | None = None, max_per_client: int | None = None) -> type:
+                     max_connections: int | None = None, max_per_client: int | None = None,
+                     gate: AddressGate | None = None) -> type:
     """uvicorn's h11 protocol with a timer on each request head: from the moment the
     connection opens (or, on a kept-alive one, the first byte of its next request) the head
     must be complete within ``header_timeout_s``, or the connection is closed. Bytes that
@@ -80,7 +85,7 @@ def bounded_protocol(header_timeout_s: float, send_timeout_s: float | None = Non
             self._head_timer = self.loop.call_later(header_timeout_s, self._head_timeout)
             self._send_timer = None
             self._opened = self.loop.time()
-            if not _make_room(self, max_connections, max_per_client):
+            if not _make_room(self, max_connections, max_per_client, gate):
                 return
             sock = transport.get_extra_info("socket")
             if send_timeout_s is not None and sock is not None:
@@ -133,9 +138,28 @@ def bounded_protocol(header_timeout_s: float, send_timeout_s: float | None = Non
 
 
 def server_config(app, settings, *, host: str, port: int, **kw) -> uvicorn.Config:
-    """uvicorn's configuration for ``app`` under ``settings`` (``ServerSettings``)."""
+    """uvicorn's configuration for ``app`` under ``settings`` (``ServerSettings``); the
+    address gate it counts on is ``app.state.edge0.address_gate`` (``make_server`` gives it
+    the listening sockets)."""
+    state = app.state.edge0
+    state.address_gate = AddressGate(settings.max_connections_per_client, settings.flood_ban_s, state.metrics)
     return uvicorn.Config(app, host=host, port=port, lifespan="on",
                           http=bounded_protocol(settings.header_timeout_s, settings.send_timeout_s,
                                                 max_connections=settings.max_connections,
-                                                max_per_client=settings.max_connections_per_client),
+                                                max_per_client=settings.max_connections_per_client,
+                                                gate=state.address_gate),
                           limit_concurrency=settings.max_connections, timeout_keep_alive=5, **kw)
+
+
+def make_server(app, settings, *, host: str, port: int, **kw) -> uvicorn.Server:
+    """A uvicorn server for ``app`` (``server_config``) whose listening sockets, once open,
+    carry the address gate's filter."""
+    server = uvicorn.Server(server_config(app, settings, host=host, port=port, **kw))
+    startup = server.startup
+
+    async def gated(sockets=None):
+        await startup(sockets=sockets)
+        app.state.edge0.address_gate.listen_on([s for srv in server.servers for s in srv.sockets])
+
+    server.startup = gated
+    return server

@@ -16,6 +16,7 @@ class Metrics:
         self.stall_ms_per_step = 0.0
         self.guard_recall: float | None = None
         self.disconnects = 0
+        self.address_bans = 0  # edge0.server.address_gate
 
     def count(self, endpoint: str, status: int) -> None:
         self.requests[(endpoint, status)] += 1
@@ -52,6 +53,9 @@ class Metrics:
         metric("completion_tokens_total", "counter", "Tokens generated.", [("", self.completion_tokens)])
         metric("client_disconnects_total", "counter", "Generations cancelled because the client went away.",
                [("", self.disconnects)])
+        metric("address_bans_total", "counter", "Client addresses whose new connections the kernel dropped for a "
+               "while, for cycling through their connection share faster than it once a second.",
+               [("", self.address_bans)])
         metric("decode_tokens_per_second", "gauge", "Decode speed of the last finished generation.",
                [("", round(self.decode_tps, 3))])
         metric("prefill_tokens_per_second", "gauge", "Prefill speed of the last finished generation.",
