@@ -175,11 +175,7 @@ class Batcher:
         self._drop_cancelled(cancelled)
         budget = self.host.config.prefill_step_size if self.share.allows(self) else 0  # between two steps
         with self.share.timed(decoding=False):
-            budget -= prefill.together(self, budget)  # short prompts arriving together: one pass
-            for row in list(self.joining):
-                if budget <= 0:
-                    break
-                budget -= prefill.chunk(self, row)
+            prefill.run(self, budget)
         if self.rows and micro:
             if not self._micro_ready():
                 raise DistributedError(f"rank 0 decodes {len(self.rows)} generations in micro-batches, which this "

@@ -33,6 +33,47 @@ from edge0.backend import nn as bnn
 from edge0.row import Row
 
 
+STARVE_PASSES = 32  # iterations a prompt may be passed over before it goes first
+
+
+def run(batcher, budget: int) -> None:
+    """One iteration's prefill within ``budget`` prompt tokens: short prompts arriving
+    together in one pass (``together``), then chunks of the joining rows, the prompt with
+    the fewest tokens left first (``order``). A chunk that does not fit what is left of the
+    budget waits for the next iteration (the first always runs, so every iteration makes
+    progress): a short prompt's row joins the batch without waiting for a long prompt's
+    whole chunk after it."""
+    order(batcher)
+    if budget <= 0:
+        return
+    served = set()
+    grouped = together(batcher, budget)
+    budget -= grouped
+    step = batcher.host.config.prefill_step_size
+    for row in list(batcher.joining):
+        if budget <= 0:
+            break
+        if (served or grouped) and min(step, len(row.ids) - row.pos - 1) > budget:
+            continue
+        budget -= chunk(batcher, row)
+        served.add(id(row))
+    for row in batcher.joining:
+        row.passed_over = 0 if id(row) in served else row.passed_over + 1
+
+
+def order(batcher) -> None:
+    """Sort the joining rows, in place, into the order their prompts are prefilled: the
+    fewest prompt tokens left first, so that a short prompt gets its first token after
+    one chunk rather than after every long prompt that arrived before it (a client that
+    sends long prompts and leaves holds no one's first token); a row passed over
+    ``STARVE_PASSES`` times goes first (the first to arrive first), so a long prompt still
+    finishes under a stream of short ones. Ties go by arrival. Every input is the same on
+    every rank of a pipeline, so its ranks order alike. A row's chunks are the same in any
+    order."""
+    batcher.joining.sort(key=lambda r: (0, 0, r.arrival) if r.passed_over >= STARVE_PASSES
+                         else (1, len(r.ids) - r.pos, r.arrival))
+
+
 def group(batcher, budget: int) -> list[Row]:
     """The joining rows to prefill in one pass (none, or at least two), in their order."""
     host = batcher.host

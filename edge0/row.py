@@ -5,6 +5,7 @@ sampled tokens into those events (detokenizer, stops, logprobs, stats)."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import time
 from dataclasses import dataclass, field
@@ -28,6 +29,9 @@ class TokenEvent:
     top_logprobs: list[tuple[int, float]] | None = None  # with SamplingParams.top_logprobs > 0
 
 
+_ARRIVALS = itertools.count()
+
+
 class Row:
     """One generation: its prompt, sampling, cache, what it generated and its consumer."""
 
@@ -48,7 +52,8 @@ class Row:
         self.events = None  # its RowEvents, from the first token on
         self.error: BaseException | None = None
         self.alone = False  # runs alone: nothing joins while it runs
-
+        self.passed_over = 0  # iterations with prefill budget in which its prompt got none
+        self.arrival = next(_ARRIVALS)  # the order rows were made in (edge0.prefill.order)
 
     def spec(self) -> dict:
         """What another rank needs to run this generation as this one runs (a served

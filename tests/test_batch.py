@@ -393,3 +393,79 @@ def test_rows_that_end_while_prefilling_give_their_cache_back_at_once():
             gc.enable()
         assert e.metrics().in_flight == 0
     assert held < 256 * 1024, held  # each one's cache would be about 1 MiB
+
+
+@pytest.mark.parametrize("starve", [2, 10_000])
+def test_a_long_prompt_still_prefills_under_a_stream_of_shorter_ones(monkeypatch, tiny_model_factory, starve):
+    """The prompt with the fewest tokens left prefills first, but one passed over
+    STARVE_PASSES times goes first: a seven-chunk prompt submitted with twenty two-chunk
+    prompts gets its first token before the last of them (last, if it waited for them all)."""
+    from edge0 import prefill
+
+    monkeypatch.setattr(prefill, "STARVE_PASSES", starve)
+    d = tiny_model_factory("qwen3_moe")
+    with Engine(d, EngineConfig(prefill_step_size=8, max_batch=32, prompt_cache_mb=0)) as e:
+        long_prompt = "def long_function(a, b, c):\n" + "    a = a + b * c - 1\n" * 3  # 7 chunks
+        mediums = [f"def {c}(x):\n    return x * 1 + 1" for c in "abcdefghijklmnopqrst"]  # 2 each
+        assert 40 < len(e.encode(long_prompt)) <= 57 and all(10 < len(e.encode(m)) <= 17 for m in mediums)
+        order = []
+
+        async def one(name, prompt):
+            async for ev in e.generate(prompt, max_tokens=1, temp=0.0):
+                if ev is not None and name not in order:
+                    order.append(name)
+
+        async def main():
+            await asyncio.gather(one("long", long_prompt), *(one(i, m) for i, m in enumerate(mediums)))
+
+        asyncio.run(main())
+    assert len(order) == 21
+    if starve == 2:
+        assert order.index("long") < 20, order  # before the last two-chunk prompt
+    else:
+        assert order[-1] == "long", order  # without the bound: after them all
+
+
+def test_an_iteration_forwards_at_most_its_budget_of_prompt_tokens_but_one_chunk(monkeypatch, tiny_model_factory):
+    """A long prompt's whole chunk used to run after a short prompt's in the same iteration,
+    holding the short one's first token for it: an iteration's prompt tokens stay within
+    prefill_step_size, except a single chunk (which always runs), and every generation's
+    tokens are still its own."""
+    from edge0 import prefill
+
+    d = tiny_model_factory("qwen3_moe")
+    step = 16
+    long_prompt = "def long_function(a, b, c):\n" + "    a = a + b * c - 1\n" * 6
+    shorts = ["x = 1 + 2"]  # one (two arriving together would prefill together)
+    with Engine(d, EngineConfig(prefill_step_size=step, prompt_cache_mb=0)) as e:
+        iterations: list[list[int]] = []  # each iteration's chunks (prompt tokens forwarded)
+        real_run, real_chunk = prefill.run, prefill.chunk
+
+        def run(batcher, budget):
+            iterations.append([])
+            return real_run(batcher, budget)
+
+        def chunk(batcher, row):
+            n = real_chunk(batcher, row)
+            iterations[-1].append(n)
+            return n
+
+        monkeypatch.setattr(prefill, "run", run)
+        monkeypatch.setattr(prefill, "chunk", chunk)
+        got = {}
+
+        async def one(name, prompt, delay):
+            await asyncio.sleep(delay)
+            got[name] = [ev.token async for ev in e.generate(prompt, max_tokens=3, temp=0.0) if ev is not None]
+
+        async def main():
+            await asyncio.gather(one("long", long_prompt, 0), *(one(s, s, 0.05) for s in shorts))
+
+        asyncio.run(main())
+        assert len(e.encode(long_prompt)) > 4 * step
+        assert all(sum(ns) <= step for ns in iterations if len(ns) > 1), iterations
+        assert any(ns == [step] for ns in iterations), iterations
+        assert [len(e.encode(shorts[0])) - 1] in iterations, iterations  # the short one's chunk, alone
+    with Engine(d, EngineConfig(max_batch=1, prompt_cache_mb=0)) as e:
+        for name, prompt in [("long", long_prompt)] + [(s, s) for s in shorts]:
+            assert [ev.token for ev in e.stream(prompt, max_tokens=3, temp=0.0)] == got[name]

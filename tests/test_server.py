@@ -896,6 +896,41 @@ def _open(s) -> bool:
         return False
 
 
+def test_a_short_prompt_is_not_held_behind_long_ones(model):
+    """Long prompts sent and abandoned held every later client's first token until each was
+    cancelled (FIFO prefill): the prompt with the fewest tokens left prefills first, so a
+    short request that arrives while a long prompt prefills gets its first token before
+    the long one, and the long one's text is still its own."""
+    d, _, _ = model
+    long_prompt = "def long_function(a, b, c):\n" + "    a = a + b * c - 1\n" * 90
+    body = lambda prompt: {"prompt": prompt, "max_tokens": 4, "temperature": 0, "stream": True}  # noqa: E731
+    with serving(d, EngineConfig(adapter="off", prefill_step_size=8, prompt_cache_mb=0)) as (url, state):
+        first, texts = {}, {}
+
+        def send(name, prompt):
+            text = []
+            with httpx.stream("POST", url + "/v1/completions", json=body(prompt), timeout=120) as r:
+                assert r.status_code == 200
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        first.setdefault(name, time.monotonic())
+                        text.append(json.loads(line[6:])["choices"][0]["text"])
+            texts[name] = "".join(text)
+
+        engine = state.engine
+        before = engine.metrics().prefill_passes
+        long_ = threading.Thread(target=send, args=("long", long_prompt))
+        long_.start()
+        deadline = time.monotonic() + 60
+        while engine.metrics().prefill_passes < before + 2 and time.monotonic() < deadline:
+            time.sleep(0.002)  # the long prompt is prefilling
+        send("short", "x = 1")
+        long_.join(120)
+        assert first["short"] < first["long"], first
+        solo = httpx.post(url + "/v1/completions", json={**body(long_prompt), "stream": False}, timeout=120)
+        assert texts["long"] == solo.json()["choices"][0]["text"]
+
+
 def test_serve_prefills_in_small_chunks_by_default(monkeypatch):
     """A running stream once froze for a whole 2048-token chunk of another request's prompt:
     serve interleaves DEFAULT_SERVE_PREFILL_STEP prompt tokens with each decode step, unless
