@@ -20,6 +20,12 @@ LOG_FORMATS = ("console", "json")
 STAGED_SOURCES = ("auto", "oracle", "prerouter")
 PREROUTER_MODES = ("auto", "on", "off")
 ROUTINGS = ("auto", "replace", "select")
+AUTO_ON_OFF = ("auto", "on", "off")
+PREROUTER_DTYPES = ("auto", "float16", "float32")
+PREROUTER_FLUSHES = ("auto", "mlx", "numpy")
+PIPELINES = ("auto", "off")
+KERNELS = ("auto", "edge0", "mlx")
+JSON_WHITESPACES = ("compact", "flexible")
 
 
 @dataclass(frozen=True)
@@ -135,6 +141,10 @@ class EngineConfig:
     # when a prompt extends its tokens (the next turn of a chat): only the new tokens are
     # prefilled. 0 = off.
     prompt_cache_mb: int = 0
+    # JSON written under response_format: "compact" (no whitespace between tokens, as
+    # json.dumps(separators=(",", ":")) writes it) or "flexible" (any JSON whitespace, at
+    # most 40 characters in a row: a model may pretty-print, and may spend tokens on it).
+    json_whitespace: str = "compact"
     # Under mlx.launch with more than one rank: "auto" splits the decoder layers over the
     # ranks (pipeline parallelism: each rank holds and streams its own layers), "off" runs
     # the whole model on every rank. One process: nothing to split.
@@ -190,14 +200,14 @@ class EngineConfig:
             raise ConfigError(f"staged_source must be one of {STAGED_SOURCES}, got {self.staged_source!r}")
         if self.prerouter not in PREROUTER_MODES:
             raise ConfigError(f"prerouter must be one of {PREROUTER_MODES}, got {self.prerouter!r}")
-        if self.prerouter_dtype not in ("auto", "float16", "float32"):
+        if self.prerouter_dtype not in PREROUTER_DTYPES:
             raise ConfigError(f"prerouter_dtype must be auto, float16 or float32, got {self.prerouter_dtype!r}")
         _positive("pipeline_timeout_s", self.pipeline_timeout_s)
         if self.pipeline_micro_batches not in (1, 2) or isinstance(self.pipeline_micro_batches, bool):
             raise ConfigError(f"pipeline_micro_batches must be 1 (off) or 2, got {self.pipeline_micro_batches!r}")
-        if self.pipeline not in ("auto", "off"):
+        if self.pipeline not in PIPELINES:
             raise ConfigError(f"pipeline must be auto or off, got {self.pipeline!r}")
-        if self.prerouter_flush not in ("auto", "mlx", "numpy"):
+        if self.prerouter_flush not in PREROUTER_FLUSHES:
             raise ConfigError(f"prerouter_flush must be auto, mlx or numpy, got {self.prerouter_flush!r}")
         if self.routing not in ROUTINGS:
             raise ConfigError(f"routing must be one of {ROUTINGS}, got {self.routing!r}")
@@ -229,14 +239,11 @@ class EngineConfig:
                 self.slot_budget_mb, int) or self.slot_budget_mb < 0):
             raise ConfigError(f"slot_budget_mb must be None (4 x the slots at open), 0 (never grow) or a positive "
                               f"number of MiB, got {self.slot_budget_mb!r}")
-        if self.kernels not in ("auto", "edge0", "mlx"):
-            raise ConfigError(f"kernels must be auto, edge0 or mlx, got {self.kernels!r}")
-        if self.direct_io not in ("auto", "on", "off"):
-            raise ConfigError(f"direct_io must be 'auto', 'on' or 'off', got {self.direct_io!r}")
-        if self.log_format not in LOG_FORMATS:
-            raise ConfigError(f"log_format must be one of {LOG_FORMATS}, got {self.log_format!r}")
-        if self.log_level not in LOG_LEVELS:
-            raise ConfigError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
+        for name, choices in (("kernels", KERNELS), ("direct_io", AUTO_ON_OFF), ("json_whitespace", JSON_WHITESPACES),
+                              ("log_format", LOG_FORMATS), ("log_level", LOG_LEVELS)):
+            if getattr(self, name) not in choices:
+                raise ConfigError(f"{name} must be {', '.join(choices[:-1])} or {choices[-1]}, "
+                                  f"got {getattr(self, name)!r}")
 
     def path_for(self, layer: int, phase: str) -> str:
         for l, p, path in self.layer_paths:

@@ -12,8 +12,9 @@ Every malformed shape, unknown field, unsupported or invalid schema raises ``Con
 naming the field (``response_format.json_schema.schema: ...``), so a server answers 400
 before any generation starts (``parse_response_format`` checks the shape alone, without
 the grammar library). ``name`` (optional here), ``description`` and ``strict`` are checked
-but change nothing: the schema is enforced either way. Whitespace between tokens is
-JSON's, at most ``MAX_WHITESPACE_RUN`` characters in a row (a model cannot loop on it).
+but change nothing: the schema is enforced either way. Whitespace between tokens: none
+(compact JSON, the default), or JSON's at most ``MAX_WHITESPACE_RUN`` characters in a row
+(``whitespace="flexible"``: a model cannot loop on it).
 ``Constraint.processor()`` makes a fresh per-generation logits processor with mlx-lm's signature ``processor(tokens, logits) -> logits``: each call feeds
 the grammar the token sampled since the last call, computes the set of tokens the grammar
 allows next and sets every other logit (padding rows past the tokenizer's vocabulary
@@ -46,11 +47,16 @@ RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 JSON_OBJECT_SCHEMA = {"type": "object"}
 _JSON_SCHEMA_FIELDS = ("name", "description", "schema", "strict")
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
-# whitespace between JSON tokens: any mix of JSON's four, at most 40 in a row (room for a
-# newline and the indentation of a pretty-printed document 19 levels deep), so a model
-# cannot loop on whitespace for ever inside a document the mask keeps open
+# whitespace between JSON tokens (EngineConfig.json_whitespace): "compact", none (a model
+# spends no token on it: a schema of a name and an age once took 125 tokens, in runs of 39
+# spaces, when any was allowed); "flexible", any mix of JSON's four, at most 40 in a row
+# (room for a newline and the indentation of a pretty-printed document 19 levels deep), so
+# a model cannot loop on whitespace for ever inside a document the mask keeps open
 MAX_WHITESPACE_RUN = 40
-JSON_OPTIONS = {"whitespace_flexible": True, "whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,%d}" % MAX_WHITESPACE_RUN}
+JSON_OPTIONS = {
+    "compact": {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"},
+    "flexible": {"whitespace_flexible": True, "whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,%d}" % MAX_WHITESPACE_RUN},
+}
 
 _tokenizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _tokenizers_lock = threading.Lock()
@@ -147,6 +153,42 @@ def _schema_text(schema: dict, where: str) -> str:
     return text
 
 
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_ONE = ("additionalProperties", "items", "not", "if", "then", "else", "contains", "propertyNames",
+               "unevaluatedProperties", "unevaluatedItems")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems", "items")
+
+
+def closed_objects(schema):
+    """``schema`` with every object that names its ``properties`` and says nothing of
+    others closed to them (``additionalProperties: false``), as OpenAI's strict mode
+    requires and other servers' grammar engines assume: the model writes the fields the
+    schema names and then closes the object, instead of adding keys until ``max_tokens``.
+    An object that says ``additionalProperties`` (or ``unevaluatedProperties``), or sits
+    directly in an ``allOf`` (whose branches intersect), is left as it is. Changes
+    ``schema`` in place and returns it."""
+    todo = [(schema, False)]
+    while todo:
+        node, in_all_of = todo.pop()
+        if not isinstance(node, dict):
+            continue
+        if (isinstance(node.get("properties"), dict) and not in_all_of
+                and "additionalProperties" not in node and "unevaluatedProperties" not in node):
+            node["additionalProperties"] = False
+        for key in _SCHEMA_MAPS:
+            if isinstance(node.get(key), dict):
+                todo.extend((v, False) for v in node[key].values())
+        for key in _SCHEMA_ONE:
+            if isinstance(node.get(key), dict):
+                todo.append((node[key], False))
+        for key in _SCHEMA_LISTS:
+            if isinstance(node.get(key), list):
+                todo.extend((v, False) for v in node[key])
+        if isinstance(node.get("allOf"), list):
+            todo.extend((v, True) for v in node["allOf"])
+    return schema
+
+
 def _explain(error: str) -> str:
     """llguidance's error, on one line, with what it means for the schema."""
     line = _one_line(error)
@@ -197,20 +239,23 @@ def _grammar_tokenizer(tokenizer):
         return built
 
 
-def compile_response_format(response_format, tokenizer) -> Constraint | None:
+def compile_response_format(response_format, tokenizer, whitespace: str = "compact") -> Constraint | None:
     """A ``Constraint`` for OpenAI's ``response_format`` (``None`` for text or none) over
-    ``tokenizer`` (mlx-lm's TokenizerWrapper). Raises ``ConfigError`` naming the field for
-    a malformed shape or a schema the grammar engine rejects or does not support."""
+    ``tokenizer`` (mlx-lm's TokenizerWrapper), writing JSON with ``whitespace``
+    (``JSON_OPTIONS``). Raises ``ConfigError`` naming the field for a malformed shape or a
+    schema the grammar engine rejects or does not support."""
     parsed = parse_response_format(response_format)
     if parsed is None:
         return None
     kind, schema, name = parsed
     where = "response_format.json_schema.schema" if kind == "json_schema" else "response_format"
     text = _schema_text(schema, where)
+    if kind == "json_schema":
+        text = json.dumps(closed_objects(json.loads(text)))  # (a copy: the request's schema is not changed)
     ll = _llguidance()
     lltok, eos = _grammar_tokenizer(tokenizer)
     try:
-        grammar = ll.LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS)
+        grammar = ll.LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS[whitespace])
     except (ValueError, TypeError) as e:
         raise ConfigError(f"{where}: {e}") from None
     before = _allocated_bytes()
@@ -409,8 +454,8 @@ class ConstraintCache:
     (six of them once took it from 129 MB to 1.3 GB). One larger than ``max_bytes`` is used
     by its generation and not kept."""
 
-    def __init__(self, tokenizer, size: int = 32, max_bytes: int = 64 * 2**20):
-        self.tokenizer, self.size, self.max_bytes = tokenizer, size, max_bytes
+    def __init__(self, tokenizer, size: int = 32, max_bytes: int = 64 * 2**20, whitespace: str = "compact"):
+        self.tokenizer, self.size, self.max_bytes, self.whitespace = tokenizer, size, max_bytes, whitespace
         self._lock = threading.Lock()
         self._entries: dict[str, Constraint | None] = {}
 
@@ -426,7 +471,7 @@ class ConstraintCache:
         with self._lock:
             hit = self._entries.pop(key, _MISSING)
         if hit is _MISSING:
-            hit = compile_response_format(response_format, self.tokenizer)
+            hit = compile_response_format(response_format, self.tokenizer, self.whitespace)
         with self._lock:
             if hit is None or hit.nbytes <= self.max_bytes:
                 self._entries[key] = hit

@@ -84,7 +84,7 @@ class Engine:
         # runs its generations one at a time
         self._batchable = self._worker.call(lambda: batchable(bnn.make_cache(self._step_model)))
         self.prompt_cache = PromptCache(self.config.prompt_cache_mb * 2**20) if self.config.prompt_cache_mb else None
-        self._constraints = ConstraintCache(self.tokenizer)
+        self._constraints = ConstraintCache(self.tokenizer, whitespace=self.config.json_whitespace)
         self._jobs: set[Job] = set()
         self._line = Line(self.config.max_batch)
         self._resources: dict = {}

@@ -276,18 +276,50 @@ def test_an_invalid_or_unsupported_schema_is_a_config_error(tokenizer, schema):
 
 
 def test_whitespace_runs_are_bounded(tokenizer):
-    """Up to MAX_WHITESPACE_RUN whitespace characters in a row are allowed, one more is not
-    (a model cannot loop on whitespace inside an open document)."""
+    """Flexible whitespace: up to MAX_WHITESPACE_RUN whitespace characters in a row are
+    allowed, one more is not (a model cannot loop on whitespace inside an open document).
+    Compact (the default): none at all."""
     from edge0.constrain import MAX_WHITESPACE_RUN
 
     (space,) = tokenizer.encode(" ", add_special_tokens=False)
     (brace,) = tokenizer.encode("{", add_special_tokens=False)
-    proc = compile_response_format({"type": "json_object"}, tokenizer).processor()
     width = tokenizer.vocab_size
     prompt = [5]
-    proc(mx.array(prompt), mx.zeros((1, width)))
-    tokens = prompt + [brace]
-    for n in range(MAX_WHITESPACE_RUN + 1):
-        allowed = np.array(proc(mx.array(tokens), mx.zeros((1, width))))[0] > -np.inf
-        assert allowed[space] == (n < MAX_WHITESPACE_RUN), n
-        tokens.append(space)
+    for whitespace, run in (("flexible", MAX_WHITESPACE_RUN), ("compact", 0)):
+        proc = compile_response_format({"type": "json_object"}, tokenizer, whitespace).processor()
+        proc(mx.array(prompt), mx.zeros((1, width)))
+        tokens = prompt + [brace]
+        for n in range(run + 1):
+            allowed = np.array(proc(mx.array(tokens), mx.zeros((1, width))))[0] > -np.inf
+            assert allowed[space] == (n < run), (whitespace, n)
+            tokens.append(space)
+    default = compile_response_format({"type": "json_object"}, tokenizer).processor()
+    default(mx.array(prompt), mx.zeros((1, width)))
+    assert not (np.array(default(mx.array(prompt + [brace]), mx.zeros((1, width))))[0] > -np.inf)[space]
+
+
+def test_objects_that_name_their_properties_are_closed_to_others():
+    """Under a json_schema an object that lists its properties and says nothing of others
+    takes no others (a model once added keys until max_tokens); what the schema says
+    explicitly, and allOf's branches (which intersect), are left alone; keywords are told
+    from property names."""
+    from edge0.constrain import closed_objects
+
+    schema = {"type": "object", "properties": {
+        "properties": {"type": "object", "properties": {"a": {"type": "integer"}}},  # a property named so
+        "open": {"type": "object", "properties": {"b": {}}, "additionalProperties": True},
+        "list": {"type": "array", "items": {"type": "object", "properties": {"c": {}}}},
+        "either": {"anyOf": [{"type": "object", "properties": {"d": {}}}, {"type": "null"}]},
+        "both": {"allOf": [{"type": "object", "properties": {"e": {}}}, {"properties": {"f": {}}}]},
+        "free": {"type": "object"}},
+        "$defs": {"node": {"type": "object", "properties": {"g": {"$ref": "#/$defs/node"}}}}}
+    out = closed_objects(json.loads(json.dumps(schema)))
+    p = out["properties"]
+    assert out["additionalProperties"] is False
+    assert p["properties"]["additionalProperties"] is False and "additionalProperties" not in p["properties"]["properties"]
+    assert p["open"]["additionalProperties"] is True
+    assert p["list"]["items"]["additionalProperties"] is False
+    assert p["either"]["anyOf"][0]["additionalProperties"] is False
+    assert all("additionalProperties" not in b for b in p["both"]["allOf"])
+    assert "additionalProperties" not in p["free"]  # names no properties: any
+    assert out["$defs"]["node"]["additionalProperties"] is False

@@ -931,6 +931,28 @@ def test_a_short_prompt_is_not_held_behind_long_ones(model):
         assert texts["long"] == solo.json()["choices"][0]["text"]
 
 
+@pytest.mark.parametrize("whitespace", ["compact", "flexible"])
+def test_a_json_schema_answer_is_compact_and_closes(whitespace):
+    """A json_schema of a name and an age once ended at max_tokens 80 as invalid JSON (runs
+    of 39 spaces, keys added past the schema's): the demo's answer now closes within 40
+    tokens, holds the two fields, and is compact unless the server is told otherwise."""
+    from edge0.cli import PACKAGED_DEMO
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": {
+        "type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"]}}}
+    with serving(PACKAGED_DEMO, EngineConfig(prompt_cache_mb=0, json_whitespace=whitespace)) as (url, _):
+        r = client(url).chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Give a person as JSON."}], max_tokens=40,
+            temperature=0, response_format=fmt)
+    text = r.choices[0].message.content
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens <= 40, (r.usage, text)
+    doc = json.loads(text)
+    assert set(doc) == {"name", "age"} and isinstance(doc["name"], str) and isinstance(doc["age"], int)
+    if whitespace == "compact":
+        assert text == json.dumps(doc, separators=(",", ":")), text
+
+
 def test_serve_prefills_in_small_chunks_by_default(monkeypatch):
     """A running stream once froze for a whole 2048-token chunk of another request's prompt:
     serve interleaves DEFAULT_SERVE_PREFILL_STEP prompt tokens with each decode step, unless

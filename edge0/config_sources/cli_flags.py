@@ -38,6 +38,13 @@ _CHOICES = {
     "log_level": "LOG_LEVELS",
     "staged_source": "STAGED_SOURCES",
     "prerouter": "PREROUTER_MODES",
+    "routing": "ROUTINGS",
+    "direct_io": "AUTO_ON_OFF",
+    "prerouter_dtype": "PREROUTER_DTYPES",
+    "prerouter_flush": "PREROUTER_FLUSHES",
+    "pipeline": "PIPELINES",
+    "kernels": "KERNELS",
+    "json_whitespace": "JSON_WHITESPACES",
 }
 
 # Fields that also answer to mlx-lm's name for the same setting.
