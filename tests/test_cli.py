@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from edge0.cli import main
 
 
@@ -110,3 +112,19 @@ def test_recording_routing_where_heads_stage_the_layers_is_refused():
     with Engine(PACKAGED_DEMO) as e:
         with pytest.raises(ConfigError, match=r"layers decode elsewhere \(1: staged, 2: staged.*prerouter='off'"):
             e.record_routing("def f(x):", max_tokens=4)
+
+
+HEAVY_MODULES = ("mlx", "mlx_lm", "transformers", "numpy", "starlette", "uvicorn", "structlog", "huggingface_hub")
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["generate", "--help"], ["serve", "--help"], ["train", "sft", "--help"],
+                                  ["bench", "--help"], ["eval", "--help"], ["demo", "--help"],
+                                  ["generate", "--model"], ["generate", "--model", "m", "--temp", "hot"]])
+def test_help_and_argument_errors_load_no_array_or_model_library(argv):
+    """Every CLI call once cost about 3 s of CPU, --help included, because building the parser
+    imported the training code and through it MLX, mlx-lm and transformers: help and
+    argument errors now import none of them (about 0.1 s of CPU here)."""
+    code = ("import sys\nfrom edge0.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+            f"print(sorted(m for m in {HEAVY_MODULES!r} if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120)
+    assert r.stdout.strip().splitlines()[-1] == "[]", (r.stdout[-500:], r.stderr[-500:])

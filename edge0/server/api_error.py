@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+DEFAULT_MAX_BODY = 4 * 2**20  # bytes of a request body (--max-body-bytes)
+
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, *, param: str | None = None, kind: str | None = None,

@@ -38,12 +38,11 @@ from edge0.config import EngineConfig
 from edge0.errors import ConfigError, Edge0Error, EngineBusyError, FormatTooCostlyError, StalledConsumerError
 from edge0.logs import get_logger
 from edge0.server import protocol as P
-from edge0.server.api_error import MAX_DEPTH
+from edge0.server.api_error import DEFAULT_MAX_BODY, MAX_DEPTH
 from edge0.server.guard import RequestGuard
 from edge0.server.metrics import Metrics
 from edge0.server.tools import ToolCalls, stream_deltas
 
-DEFAULT_MAX_BODY = 4 * 2**20
 
 
 @dataclass

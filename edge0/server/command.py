@@ -16,7 +16,7 @@ API_KEY_ENV = "EDGE0_API_KEY"
 
 def add_parser(sub) -> None:
     from edge0.config_sources.cli_flags import add_config_flags
-    from edge0.server.app import DEFAULT_MAX_BODY
+    from edge0.server.api_error import DEFAULT_MAX_BODY
 
     s = sub.add_parser(
         "serve", help="an OpenAI-compatible HTTP server (chat, completions, models, health, metrics)",

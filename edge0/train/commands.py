@@ -73,8 +73,7 @@ def _lora_flags(p, defaults, *, teacher: bool = True) -> None:
 
 
 def add_lora_parsers(trs) -> None:
-    from edge0.train.distill import DistillConfig
-    from edge0.train.sft import SFTConfig
+    from edge0.train.settings import DistillConfig, SFTConfig
 
     s = trs.add_parser("sft", help="phase 2: the recovery LoRA by SFT on the teacher's text, on the student path",
                        description="The float32 teacher continues prompts from the model's training split; the "

@@ -18,7 +18,6 @@ cover the teacher's whole support.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
@@ -26,28 +25,10 @@ import numpy as np
 
 from edge0.adapters import artifact_identity
 from edge0.train import data as D
+from edge0.train.settings import DistillConfig
 from edge0.train.loop import fit_adapter
 from edge0.train.parallel import DataParallel, mask_weight
 from edge0.train.student import StudentModel
-
-
-@dataclass
-class DistillConfig:
-    rows: int = 400  # student generations (about a tenth of phase 2's tokens)
-    prompt_len: int = 32
-    new_tokens: int = 96
-    temp: float = 1.0  # the student samples from its own distribution
-    top_k: int = 32
-    steps: int = 150
-    batch: int = 8
-    lr: float = 2e-4
-    warmup: int = 10
-    seed: int = 1
-    checkpoint_every: int = 25
-    time_budget_s: float | None = None
-    experts_per_token: int | None = None
-    routing: str = "auto"  # the student's routing, in training and in its own continuations
-    stage_extra: int | None = None
 
 
 def reverse_kl_topk(student_logits, top_idx, teacher_logp, mask):

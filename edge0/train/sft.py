@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
@@ -28,32 +27,11 @@ import numpy as np
 from edge0.errors import ConfigError
 from edge0.prerouter.files import checkpoint_identity
 from edge0.train import data as D
+from edge0.train.settings import SFTConfig
 from edge0.train.distill import teacher_topk
 from edge0.train.loop import fit_adapter
 from edge0.train.parallel import DataParallel, mask_weight
 from edge0.train.student import StudentModel, continuation_ce
-
-
-@dataclass
-class SFTConfig:
-    rows: int = 4096  # teacher-written sequences
-    prompt_len: int = 32
-    new_tokens: int = 96
-    temp: float = 0.8  # teacher sampling temperature (text "teacher")
-    text: str = "teacher"  # "teacher": CE on its sampled continuations; "corpus": KL to it on the training split
-    top_k: int = 32  # text "corpus": the teacher's tokens kept per position (the rest is one tail bucket)
-    rank: int = 8
-    scale: float = 10.0
-    steps: int = 600
-    batch: int = 16
-    lr: float = 5e-4
-    warmup: int = 30
-    seed: int = 0
-    checkpoint_every: int = 50
-    time_budget_s: float | None = None
-    experts_per_token: int | None = None
-    routing: str = "auto"  # the student's routing: auto = what the heads file records
-    stage_extra: int | None = None  # select routing: experts staged beyond k (None: the heads' record)
 
 
 def teacher_rows(teacher_dir: Path, model_dir: Path, cfg: SFTConfig, work: Path, say=print,
