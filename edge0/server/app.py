@@ -20,12 +20,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-import time
 import traceback
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
 import anyio
 from starlette.applications import Starlette
@@ -34,87 +30,12 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.middleware import Middleware
 from starlette.routing import Route
 
-from edge0.config import EngineConfig
 from edge0.errors import ConfigError, Edge0Error, EngineBusyError, FormatTooCostlyError, StalledConsumerError
-from edge0.logs import get_logger
 from edge0.server import protocol as P
-from edge0.server.api_error import DEFAULT_MAX_BODY, MAX_DEPTH
+from edge0.server.api_error import MAX_DEPTH
 from edge0.server.guard import RequestGuard
-from edge0.server.metrics import Metrics
+from edge0.server.state import ServerSettings, ServerState  # noqa: F401  (ServerSettings: the public name)
 from edge0.server.tools import ToolCalls, stream_deltas
-
-
-
-@dataclass
-class ServerSettings:
-    model_dir: Path
-    config: EngineConfig
-    model_id: str  # the base's id in /v1/models (the directory name or the repo id)
-    defaults: P.Defaults = field(default_factory=P.Defaults)
-    max_queue: int = 16
-    api_key: str | None = None
-    max_body_bytes: int = DEFAULT_MAX_BODY
-    keepalive_s: float = 10.0
-    send_timeout_s: float = 30.0  # a stream whose client takes nothing this long is stopped
-    allowed_hosts: tuple[str, ...] = ()  # Host names served besides IP literals and localhost ("*": any)
-    header_timeout_s: float = 10.0  # a connection that sends no whole request head in this long is closed
-    body_timeout_s: float = 30.0  # a request body not in after this long: 408
-    max_connections: int = 256  # connections served at once (503 beyond)
-    max_connections_per_client: int = 32  # of them from one client address (edge0.server.connections)
-    flood_ban_s: float = 2.0  # an address cycling through its share: dropped this long (server.address_gate)
-    retry_after_s: int = 1
-
-
-class ServerState:
-    def __init__(self, settings: ServerSettings):
-        self.settings = settings
-        self.engine = None
-        self.load_error: str | None = None
-        self.metrics = Metrics()
-        self.log = get_logger("edge0.server")
-        self.on_load_failure = None  # the command line stops the server when loading fails
-
-    @property
-    def in_flight(self) -> int:
-        """Requests admitted and not finished (the engine counts them)."""
-        return self.engine.metrics().in_flight if self.engine is not None else 0
-
-    @property
-    def models(self) -> dict[str, Any]:
-        """Model id -> the engine's adapter argument: the base (bare) and every adapter."""
-        out: dict[str, Any] = {self.settings.model_id: None}
-        for name in self.engine.adapters:
-            out[name] = name
-        return out
-
-    @property
-    def default_model(self) -> str:
-        """What a request naming no model gets: the engine's default adapter if it has one."""
-        adapters = self.engine.adapters
-        return adapters[0] if adapters and self.settings.config.adapter != "off" else self.settings.model_id
-
-    async def load(self) -> None:
-        from edge0.engine import Engine
-
-        t0 = time.perf_counter()
-        try:
-            self.engine = await anyio.to_thread.run_sync(Engine, self.settings.model_dir, self.settings.config)
-            if getattr(getattr(self.engine, "streaming", None), "pipeline", None) is not None:  # rank 0 of mlx.launch
-                self.engine.lead()
-        except Exception as e:  # noqa: BLE001 - reported by /health and the log, then the server stops
-            self.load_error = f"{type(e).__name__}: {e}"
-            self.log.error("server.load_failed", error=self.load_error)
-            if self.on_load_failure is not None:
-                self.on_load_failure()
-            return
-        self.log.info("server.ready", model=str(self.settings.model_dir), seconds=round(time.perf_counter() - t0, 2),
-                      adapters=self.engine.adapters)
-
-    async def close(self) -> None:
-        if self.engine is not None:
-            engine, self.engine = self.engine, None
-            with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(engine.close)
 
 
 def create_app(settings: ServerSettings) -> Starlette:
