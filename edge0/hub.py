@@ -20,6 +20,9 @@ _PATTERNS = ["*.json", "model*.safetensors", "*.py", "tokenizer.model", "*.tikto
              "*.jsonl", "*.jinja"]
 
 
+_QUANTIZED = re.compile(r"(?i)[-_](int)?[2-8]-?bits?\b|[-_](q|int)[2-8]\b|mlx-community/")
+
+
 def resolve_model(name: str | Path) -> Path:
     """The local directory of ``name``: itself when it exists, else its hub-cache snapshot."""
     path = Path(name)
@@ -36,11 +39,22 @@ def resolve_model(name: str | Path) -> Path:
     try:
         return Path(snapshot_download(text, local_files_only=True, allow_patterns=_PATTERNS))
     except Exception:  # LocalEntryNotFoundError, incomplete snapshots, a cache that does not exist
-        raise ConfigError(
-            f"{text} is not in the local Hugging Face cache ({_cache_dir()}). Get it with "
-            f"`huggingface-cli download {text}` (needs network) if it is an int4 MLX checkpoint, or convert an "
-            f"unquantized model: `mlx_lm.convert --hf-path {text} -q --q-bits 4 --q-group-size 64 --mlx-path DIR`"
-        ) from None
+        get = f"Get it with `hf download {text}` (needs network)"
+        if not _QUANTIZED.search(text):  # a name that does not say it is quantized may be the unquantized model
+            get += (f" if it is an int4 MLX checkpoint, or convert an unquantized model: `mlx_lm.convert --hf-path "
+                    f"{text} -q --q-bits 4 --q-group-size 64 --mlx-path DIR`")
+        raise ConfigError(f"{text} is not in the local Hugging Face cache ({_cache_dir()}). {get}") from None
+
+
+def repo_id_of(path: str | Path) -> str | None:
+    """The hub repo id a local directory is a snapshot of (``.../models--ORG--NAME/snapshots/REV``),
+    or None."""
+    parts = Path(path).resolve().parts
+    for part, after in zip(parts, parts[1:]):
+        if part.startswith("models--") and after == "snapshots" and part.count("--") >= 2:
+            org, _, name = part[len("models--"):].partition("--")
+            return f"{org}/{name}"
+    return None
 
 
 def _cache_dir() -> str:

@@ -101,7 +101,10 @@ def test_repo_ids_resolve_from_the_local_hub_cache(qwen, tmp_path):
     assert cached.stdout == local.stdout
     missing = run("generate", "--model", "tiny-org/absent", "--prompt", "x", env=env)
     assert missing.returncode == 2 and "is not in the local Hugging Face cache" in missing.stderr
-    assert "huggingface-cli download tiny-org/absent" in missing.stderr and "mlx_lm.convert" in missing.stderr
+    assert "`hf download tiny-org/absent`" in missing.stderr and "mlx_lm.convert" in missing.stderr
+    quantized = run("generate", "--model", "mlx-community/Absent-MoE-4bit", "--prompt", "x", env=env)
+    assert "`hf download mlx-community/Absent-MoE-4bit`" in quantized.stderr  # already int4: nothing to convert
+    assert quantized.returncode == 2 and "mlx_lm.convert" not in quantized.stderr
     # the Python API resolves the same way
     code = ("from edge0 import Engine; from edge0.hub import resolve_model; "
             "e = Engine(resolve_model('tiny-org/tiny-moe')); print(e.spec.model_type); e.close()")

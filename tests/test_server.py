@@ -135,8 +135,9 @@ def test_completions_streamed_and_not(server):
 def test_models_lists_the_base_and_every_adapter(server):
     url, _ = server
     ids = {m.id: m for m in client(url).models.list().data}
-    assert set(ids) == {"tiny", "alpha", "beta"}
+    assert set(ids) == {"tiny", "alpha", "beta", "default_model"}
     assert ids["alpha"].parent == "tiny" and ids["tiny"].parent is None  # type: ignore[attr-defined]
+    assert ids["default_model"].parent == "tiny"  # type: ignore[attr-defined]  (the default adapter, alpha)
 
 
 def test_adapters_alternate_without_reloading_and_match_dedicated_servers(server, model):

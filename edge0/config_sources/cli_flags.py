@@ -48,7 +48,7 @@ _CHOICES = {
 }
 
 # Fields that also answer to mlx-lm's name for the same setting.
-_ALIASES = {"max_batch": "--decode-concurrency"}
+_ALIASES = {"max_batch": "--decode-concurrency", "adapter": "--adapter-path"}
 
 _GIVEN_ATTR = "_edge0_config_given"   # set of dests given on the command line (see _GivenAction)
 
@@ -134,7 +134,7 @@ def _add_field_flag(group, f: dataclasses.Field, kind: str, doc: str) -> None:
                       help=help_text.replace(" (default:", " Several directories (or the flag repeated): the "
                                              "first is the default, the others stay resident too (as "
                                              "--extra-adapters). (default:", 1))
-        group.add_argument(flag(name), **kwargs)
+        group.add_argument(flag(name), _ALIASES[name], **kwargs)
         return
     if kind == INT:
         kwargs.update(type=int, metavar="N")
@@ -144,6 +144,8 @@ def _add_field_flag(group, f: dataclasses.Field, kind: str, doc: str) -> None:
         kwargs.update(type=_str_or_none, metavar="TEXT|none")
     if name in _CHOICES and hasattr(_config_module, _CHOICES[name]):
         kwargs["choices"] = tuple(getattr(_config_module, _CHOICES[name]))
+        if name == "log_level":  # mlx-lm's spelling, --log-level INFO, too
+            kwargs["type"] = str.lower
     elif kind == STR:
         kwargs["metavar"] = "TEXT"
     group.add_argument(flag(name), *((_ALIASES[name],) if name in _ALIASES else ()), **kwargs)

@@ -11,8 +11,10 @@ own, and switching never reloads the base.
 Tool calls (``tools`` in the chat template, the model's calls parsed back into
 ``tool_calls``) are ``edge0.server.tools``'s.
 
-Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
-``GET /health`` (503 while the model loads), ``GET /metrics`` (Prometheus text).
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models`` (each
+also without ``/v1``, as mlx-lm's server answers), ``GET /health`` (503 while the model
+loads), ``GET /metrics`` (Prometheus text). With ``allowed_origins``, browsers on those
+origins may call it (CORS, Starlette's middleware).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import Route
 
 from edge0.errors import ConfigError, Edge0Error, EngineBusyError, FormatTooCostlyError, StalledConsumerError
@@ -51,16 +54,18 @@ def create_app(settings: ServerSettings) -> Starlette:
                 tg.cancel_scope.cancel()
         await state.close()
 
-    routes = [
-        Route("/v1/chat/completions", _endpoint(state, "chat"), methods=["POST"]),
-        Route("/v1/completions", _endpoint(state, "completion"), methods=["POST"]),
-        Route("/v1/models", _models(state), methods=["GET"]),
-        Route("/v1/models/{model_id:path}", _models(state, one=True), methods=["GET"]),
-        Route("/health", _health(state), methods=["GET"]),
-        Route("/metrics", _metrics(state), methods=["GET"]),
-    ]
+    routes = [Route("/health", _health(state), methods=["GET"]), Route("/metrics", _metrics(state), methods=["GET"])]
+    for prefix in ("/v1", ""):  # mlx-lm's server answers both
+        routes += [Route(f"{prefix}/chat/completions", _endpoint(state, "chat"), methods=["POST"]),
+                   Route(f"{prefix}/completions", _endpoint(state, "completion"), methods=["POST"]),
+                   Route(f"{prefix}/models", _models(state), methods=["GET"]),
+                   Route(prefix + "/models/{model_id:path}", _models(state, one=True), methods=["GET"])]
+    middleware = [Middleware(RequestGuard, allowed_hosts=settings.allowed_hosts)]
+    if settings.allowed_origins:  # browsers' preflight and CORS headers, outside the Host and Content-Type checks
+        middleware.insert(0, Middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
+                                        allow_methods=["GET", "POST"], allow_headers=["*"], max_age=600))
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: _not_found, 405: _not_allowed},
-                    middleware=[Middleware(RequestGuard, allowed_hosts=settings.allowed_hosts)])
+                    middleware=middleware)
     app.state.edge0 = state
     return app
 

@@ -54,6 +54,9 @@ def add_parser(sub) -> None:
                    help="connections from one client address; past it the client's oldest idle one is closed, "
                         "or the new one refused (default 32; behind a reverse proxy every client has the "
                         "proxy's address: raise it to --max-connections there)")
+    s.add_argument("--allowed-origins", default="", metavar="ORIGINS",
+                   help="comma-separated origins (https://app.example) whose browsers may call the server: CORS "
+                        "headers and preflight answers for them; * for any (default: none, as without the flag)")
     s.add_argument("--flood-ban", type=float, default=2.0, metavar="SECONDS",
                    help="an address that arrives at its full --max-connections-per-client more than that many "
                         "times in a second has its new connections dropped by the kernel this long, doubled on each "
@@ -81,7 +84,7 @@ def add_parser(sub) -> None:
 def build_settings(args: argparse.Namespace):
     from edge0.config_sources.resolve import resolve_config
     from edge0.errors import ConfigError
-    from edge0.hub import resolve_model
+    from edge0.hub import repo_id_of, resolve_model
     from edge0.server.app import ServerSettings
     from edge0.server.protocol import Defaults
     from edge0.sampling import SamplingParams
@@ -103,13 +106,15 @@ def build_settings(args: argparse.Namespace):
                                             "prefill_step_size": DEFAULT_SERVE_PREFILL_STEP,
                                             "prefill_share": DEFAULT_SERVE_PREFILL_SHARE})
     model_id = args.model if not os.path.isdir(args.model) else os.path.basename(os.path.normpath(args.model))
+    aliases = {args.model, str(model_dir), os.path.abspath(model_dir), repo_id_of(model_dir)} - {None, model_id}
     return ServerSettings(
         model_dir=model_dir, config=config, model_id=model_id,
         defaults=Defaults(max_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p, top_k=args.top_k,
                           min_p=args.min_p),
         max_queue=args.max_queue, api_key=key, header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
         max_connections=args.max_connections, max_connections_per_client=args.max_connections_per_client,
-        flood_ban_s=args.flood_ban,
+        flood_ban_s=args.flood_ban, model_aliases=tuple(sorted(aliases)),
+        allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
         allowed_hosts=tuple(h.strip() for h in args.allowed_hosts.split(",") if h.strip()),
         max_body_bytes=args.max_body_bytes, keepalive_s=args.keepalive, send_timeout_s=args.send_timeout)
 

@@ -35,6 +35,8 @@ class ServerSettings:
     max_connections_per_client: int = 32  # of them from one client address (edge0.server.connections)
     flood_ban_s: float = 2.0  # an address cycling through its share: dropped this long (server.address_gate)
     retry_after_s: int = 1
+    model_aliases: tuple[str, ...] = ()  # other names of the base: the path it was started with, its hub id
+    allowed_origins: tuple[str, ...] = ()  # browser origins answered with CORS headers ("*": any)
 
 
 class ServerState:
@@ -53,10 +55,15 @@ class ServerState:
 
     @property
     def models(self) -> dict[str, Any]:
-        """Model id -> the engine's adapter argument: the base (bare) and every adapter."""
+        """Model id -> the engine's adapter argument: the base (bare), every adapter, the
+        base's aliases (``model_aliases``) and mlx-lm's ``default_model`` (what a request
+        naming no model gets)."""
         out: dict[str, Any] = {self.settings.model_id: None}
         for name in self.engine.adapters:
             out[name] = name
+        for name in self.settings.model_aliases:
+            out.setdefault(name, None)
+        out.setdefault("default_model", out[self.default_model])
         return out
 
     @property
