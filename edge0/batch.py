@@ -244,7 +244,8 @@ class Batcher:
                 cache, cached = host.prompt_cache.take((row.adapter, row.cache_scope), row.ids, 3 if self._has_heads() else 1)
             row.cache = cache if cache is not None else bnn.make_cache(host._step_model, row.params.max_kv_size)
             row.pos = row.cached = cached
-            row.sampler, row.processors = bnn.row_sampling(row.params, host._constraint_processors(row))
+            row.sampler, row.processors = bnn.row_sampling(row.params, host._constraint_processors(row),
+                                                           host.xtc_special)
             stats = GenerationStats(prompt_tokens=len(row.ids), cached_tokens=cached)
             stats.heads, _ = host.streaming.describe_artifacts()
             stats.adapter = host._describe_adapter(row.adapter)

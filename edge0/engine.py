@@ -85,6 +85,8 @@ class Engine:
         self._batchable = self._worker.call(lambda: batchable(bnn.make_cache(self._step_model)))
         self.prompt_cache = PromptCache(self.config.prompt_cache_mb * 2**20) if self.config.prompt_cache_mb else None
         self._constraints = ConstraintCache(self.tokenizer, whitespace=self.config.json_whitespace)
+        # what XTC sampling never drops, as mlx-lm's server has it: the newline's tokens and EOS
+        self.xtc_special = tuple(self.tokenizer.encode("\n")) + tuple(self.tokenizer.eos_token_ids)
         self._jobs: set[Job] = set()
         self._line = Line(self.config.max_batch)
         self._resources: dict = {}
@@ -383,14 +385,17 @@ class Engine:
     # -- prompts, admission, metrics ----------------------------------------------------------
     def prompt_ids(self, prompt: str | None = None, *, messages: Sequence[dict] | None = None,
                    system_prompt: str | None = None, chat_template: bool = True,
-                   tools: Sequence[dict] | None = None) -> list[int]:
+                   tools: Sequence[dict] | None = None, template_kwargs: dict | None = None,
+                   role_mapping: dict | None = None) -> list[int]:
         """Token ids of a prompt as mlx-lm builds them (``edge0.prompts.prompt_ids``): with a
         chat template, ``prompt`` as one user message after an optional ``system_prompt``, or
         ``messages`` (and ``tools``, OpenAI function definitions); without, the text (a base
-        model continues the messages' contents)."""
+        model continues the messages' contents, or, with ``role_mapping``, mlx-lm's prompt of
+        them). ``template_kwargs``: the chat template's variables (``enable_thinking``)."""
         self._check_text_size(len(prompt or "") + sum(len(str(m.get("content") or "")) for m in messages or ()))
         return build_prompt_ids(self.tokenizer, self.encode, prompt, messages=messages, system_prompt=system_prompt,
-                                chat_template=chat_template, tools=tools, check_chars=self._check_text_size)
+                                chat_template=chat_template, tools=tools, check_chars=self._check_text_size,
+                                template_kwargs=template_kwargs, role_mapping=role_mapping)
 
     def admit(self, max_waiting: int | None = None) -> Admission:
         """Count a request in line from now (before any work for it) until its generation

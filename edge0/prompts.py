@@ -10,14 +10,19 @@ from edge0.errors import ConfigError
 def prompt_ids(tok, encode: Callable[[str], list[int]], prompt: str | None = None, *,
                messages: Sequence[dict] | None = None, system_prompt: str | None = None,
                chat_template: bool = True, tools: Sequence[dict] | None = None,
-               check_chars: Callable[[int], None] | None = None) -> list[int]:
+               check_chars: Callable[[int], None] | None = None, template_kwargs: dict | None = None,
+               role_mapping: dict | None = None) -> list[int]:
     """``prompt`` (text): with a chat template (the tokenizer has one and ``chat_template``),
     one user message after an optional ``system_prompt``; without, the text with the
     tokenizer's special tokens. ``messages`` (``{"role", "content"}``): the chat template, or,
     for a base model without one, their contents joined by newlines, continued as text
     (``encode``). ``tools`` (OpenAI function definitions) go into the chat template; a
     model whose template has no tool-call format refuses them. ``check_chars`` sees the
-    rendered template's length before it is tokenized (``check_text_size``)."""
+    rendered template's length before it is tokenized (``check_text_size``).
+    ``template_kwargs`` go to the chat template as its variables (``enable_thinking``, as
+    mlx-lm's ``chat_template_kwargs``); ``role_mapping`` (mlx-lm's: a prefix per role,
+    ``stop`` after each message) writes the messages of a model without a chat template
+    instead of joining their contents."""
     templated = chat_template and getattr(tok, "has_chat_template", False)
     if tools and not (templated and getattr(tok, "has_tool_calling", False)):
         raise ConfigError("this model's chat template has no tool-call format: it cannot be given tools")
@@ -29,17 +34,30 @@ def prompt_ids(tok, encode: Callable[[str], list[int]], prompt: str | None = Non
         messages = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
         messages.append({"role": "user", "content": prompt})
     elif not templated:
+        if role_mapping is not None:
+            return encode(mapped_roles(messages, role_mapping))
         return encode("\n".join(m["content"] for m in messages))
     from jinja2 import TemplateError
 
     try:
-        extra = {"tools": list(tools)} if tools else {}
+        extra = {**(template_kwargs or {}), **({"tools": list(tools)} if tools else {})}
         text = tok.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True, **extra)
     except TemplateError as e:  # the template's own raise_exception, e.g. roles that do not alternate
         raise ConfigError(f"the model's chat template refuses these messages: {e}") from None
     if check_chars is not None:
         check_chars(len(text))
     return tok.encode(text, add_special_tokens=False)
+
+
+def mapped_roles(messages: Sequence[dict], role_mapping: dict) -> str:
+    """mlx-lm's prompt for a model without a chat template (its server's ``convert_chat``):
+    each message as its role's prefix, its content and ``stop``, then the assistant's
+    prefix, trailing whitespace stripped."""
+    stop = role_mapping.get("stop", "")
+    text = ""
+    for m in messages:
+        text += f"{role_mapping.get(m['role'], '')}{m['content']}{stop}"
+    return (text + role_mapping.get("assistant", "")).rstrip()
 
 
 def longest_token_chars(tok, vocab: int) -> int:

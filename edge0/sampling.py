@@ -82,6 +82,8 @@ class SamplingParams:
     presence_context_size: int = 20
     frequency_penalty: float | None = None
     frequency_context_size: int = 20
+    xtc_probability: float = 0.0  # mlx-lm's XTC: with this probability per step, drop the likeliest tokens
+    xtc_threshold: float = 0.1  # above this probability (all but the least likely of them)
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
     stop_token_ids: tuple[int, ...] = ()  # extra end-of-generation tokens (the tokenizer's EOS always stops)
     stop: tuple[str, ...] = ()  # stop strings: the text ends before the first one that appears
@@ -111,6 +113,8 @@ class SamplingParams:
             if getattr(self, f"{name}_penalty") is not None:
                 _number(f"{name}_penalty", getattr(self, f"{name}_penalty"), -2.0, 2.0)
             _int(f"{name}_context_size", getattr(self, f"{name}_context_size"), 1, 1 << 20)
+        _number("xtc_probability", self.xtc_probability, 0.0, 1.0)
+        _number("xtc_threshold", self.xtc_threshold, 0.0, 0.5)
         object.__setattr__(self, "logit_bias", check_logit_bias(self.logit_bias))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop

@@ -87,3 +87,101 @@ def test_mlx_lm_flag_spellings_are_accepted(model):
     d, a, _ = model
     s = _settings("--model", str(d), "--adapter-path", str(a), "--log-level", "INFO")
     assert s.config.adapter == str(a) and s.config.log_level == "info"
+
+
+THINKING_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                     "{% if add_generation_prompt %}<|im_start|>assistant\n"
+                     "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}"
+                     "{% endif %}")
+
+
+def _with_template(src, dst, template):
+    """A copy of model ``src`` whose tokenizer has chat template ``template`` (None: none)."""
+    import json
+
+    from tests.ckpt_tools import copy_model
+
+    d = copy_model(src, dst)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    if template is None:
+        cfg.pop("chat_template", None)
+    else:
+        cfg["chat_template"] = template
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def test_chat_template_kwargs_reach_the_template(model, tmp_path):
+    """chat_template_kwargs was accepted and dropped (Qwen3's thinking could not be switched
+    off): its entries are the template's variables now, and what the server sets itself is
+    refused."""
+    from edge0 import Engine
+
+    d = _with_template(model[0], tmp_path / "m", THINKING_TEMPLATE)
+    messages = [{"role": "user", "content": "hi"}]
+    with Engine(d, EngineConfig(adapter="off")) as e:  # (mlx-lm's tokenizer passes enable_thinking=False unless told)
+        want = len(e.prompt_ids(messages=messages, template_kwargs={"enable_thinking": True}))
+        plain = len(e.prompt_ids(messages=messages))
+    assert want != plain
+    with serving(d, EngineConfig(adapter="off")) as (url, _):
+        c = client(url)
+        given = c.chat.completions.create(model="tiny", messages=messages, max_tokens=2,
+                                          extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+        default = c.chat.completions.create(model="tiny", messages=messages, max_tokens=2)
+        assert (given.usage.prompt_tokens, default.usage.prompt_tokens) == (want, plain)
+        for bad_value, why in (({"tools": []}, "set by the server"), ("yes", "must be an object")):
+            r = httpx.post(url + "/v1/chat/completions", json={"messages": messages, "max_tokens": 2,
+                                                               "chat_template_kwargs": bad_value}, timeout=60)
+            assert r.status_code == 400 and why in r.json()["error"]["message"], r.text
+            assert r.json()["error"]["param"] == "chat_template_kwargs"
+
+
+def test_role_mapping_writes_a_template_less_prompt_as_mlx_lm_does(model, tmp_path):
+    from edge0 import Engine
+    from edge0.prompts import mapped_roles
+
+    d = _with_template(model[0], tmp_path / "m", None)
+    mapping = {"system": "RULE: ", "user": "USER: ", "assistant": "ASSISTANT: ", "stop": "\n"}
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    assert mapped_roles(messages, mapping) == "RULE: be brief\nUSER: hi\nASSISTANT:"
+    with Engine(d, EngineConfig(adapter="off")) as e:
+        want = len(e.encode(mapped_roles(messages, mapping)))
+        joined = len(e.encode("be brief\nhi"))
+    with serving(d, EngineConfig(adapter="off")) as (url, _):
+        c = client(url)
+        mapped = c.chat.completions.create(model="tiny", messages=messages, max_tokens=2,
+                                           extra_body={"role_mapping": mapping})
+        plain = c.chat.completions.create(model="tiny", messages=messages, max_tokens=2)
+        assert (mapped.usage.prompt_tokens, plain.usage.prompt_tokens) == (want, joined)
+        r = httpx.post(url + "/v1/chat/completions", json={"messages": messages, "role_mapping": {"user": 5}},
+                       timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "role_mapping"
+
+
+def test_mlx_lm_sampling_fields_are_applied_and_checked(model):
+    """repetition_context_size and xtc_probability / xtc_threshold were accepted and ignored
+    (even "abc" and 5): they change the sampling now, and a bad value is a 400 naming it;
+    a field the server does not implement is refused by name."""
+    d, _, _ = model
+
+    def text(c, prompt="def f(x):", **extra):
+        return c.completions.create(model="tiny", prompt=prompt, max_tokens=24, extra_body=extra,
+                                    **({} if "temperature" in extra else {"temperature": 0})).choices[0].text
+
+    with serving(d, EngineConfig(adapter="off")) as (url, _):
+        c = client(url)
+        repeating = "def f(x):" + text(c)[:20]  # the model's own tokens again: a penalty has something to act on
+        short = text(c, repeating, repetition_penalty=3.0, repetition_context_size=1)
+        assert short == text(c, repeating, repetition_penalty=3.0, repetition_context_size=1)
+        assert short != text(c, repeating, repetition_penalty=3.0, repetition_context_size=64)
+        sampled = dict(temperature=1.0, seed=3)
+        assert text(c, **sampled) == text(c, **sampled, xtc_probability=0.0)
+        assert text(c, **sampled) != text(c, **sampled, xtc_probability=1.0, xtc_threshold=0.0)
+        for body, param in (({"repetition_context_size": "abc"}, "repetition_context_size"),
+                            ({"xtc_probability": 5}, "xtc_probability"), ({"xtc_threshold": 0.9}, "xtc_threshold"),
+                            ({"suffix": "x"}, "suffix"), ({"best_of": 2}, "best_of")):
+            r = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2, **body}, timeout=60)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                           "functions": []}, timeout=60)
+        assert r.status_code == 400 and "'functions' is not a field" in r.json()["error"]["message"]

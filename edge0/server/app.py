@@ -229,7 +229,8 @@ def _prompt_ids(state: ServerState, req: P.GenerationRequest) -> list[int]:
     try:
         if req.tools and not getattr(engine.tokenizer, "has_tool_calling", False):
             raise P.bad("this model's chat template has no tool-call format: it cannot be given tools", "tools")
-        ids = engine.prompt_ids(messages=req.messages, tools=req.tools) if req.kind == "chat" else req.prompt
+        ids = (engine.prompt_ids(messages=req.messages, tools=req.tools, template_kwargs=req.template_kwargs,
+                                 role_mapping=req.role_mapping) if req.kind == "chat" else req.prompt)
         ids, _ = engine.validate(ids, **req.sampling)
     except ConfigError as e:  # a sampling value the model refuses, or the prompt
         named = next((f for f in req.sampling if str(e).startswith(f)), None)

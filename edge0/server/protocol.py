@@ -5,10 +5,13 @@ Requests are checked field by field before anything runs; every mistake is an
 (``{"error": {"message", "type", "param", "code"}}``). The fields are the ones mlx-lm's
 server takes: ``max_tokens`` / ``max_completion_tokens``, ``temperature``, ``top_p``,
 ``top_k``, ``min_p``, ``seed``, ``stop``, ``repetition_penalty``, ``presence_penalty``,
-``frequency_penalty`` (with mlx-lm's ``presence_context_size`` / ``frequency_context_size``),
+``frequency_penalty`` (with mlx-lm's ``repetition_context_size``, ``presence_context_size``
+and ``frequency_context_size``), mlx-lm's ``xtc_probability`` / ``xtc_threshold``,
 ``logit_bias``, ``response_format`` (JSON output, ``edge0.constrain``), ``logprobs`` /
-``top_logprobs``, ``stream`` / ``stream_options.include_usage``, and the adapter chosen by
-``model`` (the base or an adapter's name) or ``adapters``.
+``top_logprobs``, ``stream`` / ``stream_options.include_usage``, chat's
+``chat_template_kwargs`` and ``role_mapping``, and the adapter chosen by ``model`` (the
+base or an adapter's name) or ``adapters``. Any other field is refused (400 naming it):
+nothing a client sends is silently ignored.
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ class GenerationRequest:
     top_logprobs: int = 0
     max_tokens_given: bool = False  # the request named its token limit (else the server's default)
     tools: list[dict] | None = None  # function definitions for the chat template (tool_choice "auto")
+    template_kwargs: dict | None = None  # chat_template_kwargs: the chat template's variables
+    role_mapping: dict | None = None  # mlx-lm's prompt format for a model without a chat template
     user: str | None = None  # OpenAI's end-user id: with the API key, the prompt cache's tenant
     cache_salt: str | None = None  # vLLM's finer scope: only requests with the same salt share cached prompts
     tenant: str | None = None  # the prompt cache's scope, set by the server (API key, user, cache_salt)
@@ -130,6 +135,7 @@ def parse(body: Any, kind: str, models: dict[str, Any], default_model: str, defa
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
     check_value(body)
+    _known_fields(body, kind)
     model, adapter = _model_and_adapter(body, models, default_model)
     sampling = _sampling(body, defaults)
     stops = _stops(body)
@@ -147,9 +153,49 @@ def parse(body: Any, kind: str, models: dict[str, Any], default_model: str, defa
     if kind == "chat":
         req.messages = _messages(body.get("messages"))
         req.tools = parse_tools(body).tools
+        req.template_kwargs = _string_map(body, "chat_template_kwargs", any_value=True)
+        req.role_mapping = _string_map(body, "role_mapping")
+        if req.template_kwargs and TEMPLATE_OWN & set(req.template_kwargs):
+            name = sorted(TEMPLATE_OWN & set(req.template_kwargs))[0]
+            raise bad(f"'chat_template_kwargs.{name}' is set by the server, not the request", "chat_template_kwargs")
     else:
         req.prompt = _prompt(body.get("prompt"), vocab_size)
     return req
+
+
+COMMON_FIELDS = frozenset((
+    "model", "adapters", "n", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
+    "seed", "stop", "repetition_penalty", "repetition_context_size", "presence_penalty", "presence_context_size",
+    "frequency_penalty", "frequency_context_size", "xtc_probability", "xtc_threshold", "logit_bias",
+    "response_format", "logprobs", "top_logprobs", "stream", "stream_options", "user", "cache_salt"))
+FIELDS = {"chat": COMMON_FIELDS | {"messages", "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs",
+                                   "role_mapping"},
+          "completion": COMMON_FIELDS | {"prompt", "echo"}}
+TEMPLATE_OWN = frozenset(("messages", "conversation", "tools", "tokenize", "add_generation_prompt"))
+MAX_MAP_ENTRIES = 64
+
+
+def _known_fields(body: dict, kind: str) -> None:
+    """A field this server does not implement is refused, never silently ignored."""
+    unknown = sorted(str(k) for k in body if k not in FIELDS[kind])
+    if unknown:
+        raise bad(f"'{unknown[0]:.80}' is not a field this server implements for "
+                  f"{'chat completions' if kind == 'chat' else 'completions'}"
+                  + (f" (nor {len(unknown) - 1} more)" if len(unknown) > 1 else ""), unknown[0][:80])
+
+
+def _string_map(body: dict, name: str, any_value: bool = False) -> dict | None:
+    """An object of at most ``MAX_MAP_ENTRIES`` string keys (and string values unless
+    ``any_value``), or None."""
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, dict) or len(value) > MAX_MAP_ENTRIES:
+        raise bad(f"'{name}' must be an object of at most {MAX_MAP_ENTRIES} entries", name)
+    for k, v in value.items():
+        if not any_value and not isinstance(v, str):
+            raise bad(f"'{name}.{k:.40}' must be a string, got {v!r:.40}", name)
+    return dict(value)
 
 
 def _model_and_adapter(body: dict, models: dict[str, Any], default_model: str) -> tuple[str, Any]:
@@ -187,6 +233,9 @@ def _sampling(body: dict, defaults: Defaults) -> dict:
         min_p=float(_number(body, "min_p", 0, 1, hi_open=True, default=defaults.min_p)),
         seed=_number(body, "seed", -(1 << 63), (1 << 63) - 1, integer=True),
         repetition_penalty=_number(body, "repetition_penalty", 0.01, 100),  # smaller: logits past float range
+        repetition_context_size=_number(body, "repetition_context_size", 1, 1 << 20, integer=True),
+        xtc_probability=_number(body, "xtc_probability", 0, 1),
+        xtc_threshold=_number(body, "xtc_threshold", 0, 0.5),
     )
     if sampling["seed"] is not None:
         sampling["seed"] = sampling["seed"] % (1 << 63)
@@ -199,6 +248,9 @@ def _sampling(body: dict, defaults: Defaults) -> dict:
             sampling[f"{name}_context_size"] = size
     for name in [k for k, v in sampling.items() if v is None and k != "seed"]:
         del sampling[name]
+    for name in ("xtc_probability", "xtc_threshold"):
+        if name in sampling:
+            sampling[name] = float(sampling[name])
     if body.get("response_format") is not None:  # the shape now; the schema compiles with the tokenizer
         try:
             parse_response_format(body["response_format"])

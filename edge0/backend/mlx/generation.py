@@ -53,14 +53,16 @@ def make_cache(model: nn.Module, max_kv_size: int | None = None) -> list:
     return make_prompt_cache(model, max_kv_size=max_kv_size)
 
 
-def row_sampling(params, extra_processors: tuple = ()) -> tuple:
+def row_sampling(params, extra_processors: tuple = (), xtc_special: tuple = ()) -> tuple:
     """(sampler, logits processors) of one generation, mlx-lm's, built from ``params`` (a
     SamplingParams), then ``extra_processors`` (a constraint's mask last, so nothing lifts
-    a token it masked). The sampler takes log-probabilities [1, V] and returns [1]."""
+    a token it masked); ``xtc_special``: the tokens XTC never drops (mlx-lm's server: the
+    newline's and the EOS ids). The sampler takes log-probabilities [1, V] and returns [1]."""
     from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
     sampler = make_sampler(params.temp, params.top_p if params.top_p < 1.0 else 0.0, params.min_p,
-                           params.min_tokens_to_keep, top_k=params.top_k)
+                           params.min_tokens_to_keep, top_k=params.top_k, xtc_probability=params.xtc_probability,
+                           xtc_threshold=params.xtc_threshold, xtc_special_tokens=list(xtc_special))
     processors = make_logits_processors(logit_bias=params.logit_bias, repetition_penalty=params.repetition_penalty,
                                         repetition_context_size=params.repetition_context_size,
                                         presence_penalty=params.presence_penalty,
