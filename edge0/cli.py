@@ -149,6 +149,10 @@ def _run_generation(model_dir: Path, args) -> int:
             return 0
         say()
         say("=" * 10)
+        if stats is not None:  # mlx_lm.generate's three lines, as it prints them, for scripts that parse them
+            say(f"Prompt: {stats.prompt_tokens} tokens, {stats.prefill_tps:.3f} tokens-per-sec")
+            say(f"Generation: {stats.generated_tokens} tokens, {stats.decode_tps:.3f} tokens-per-sec")
+            say(f"Peak memory: {stats.peak_active_memory / 1e9:.3f} GB")
         spec = engine.spec
         say(f"model: {model_dir} ({spec.model_type}, {len(spec.moe_layers)} MoE layers x "
             f"{spec.num_experts} experts, k={spec.k}; experts on disk "

@@ -80,7 +80,8 @@ class EngineConfig:
     # prediction IS the routing), "oracle" (recorded), or "auto" (oracle_file if set, else
     # the prerouter).
     staged_source: str = "auto"
-    # Oracle routing recorded by `edge0 record-routing` (required when a layer is staged).
+    # Oracle routing recorded by `edge0 record-routing` (the same model, prompt and sampling):
+    # staged layers replay it instead of the prerouter's prediction (staged_source auto/oracle).
     oracle_file: str | None = None
     # Prerouter heads: "auto" uses prerouter.safetensors when the model directory has one
     # (its consumer layers then decode staged), "on" requires it, "off" ignores it.

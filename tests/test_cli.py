@@ -25,6 +25,14 @@ def test_generate_streams_text_and_stats(tiny_model_factory):
     assert "prefill" in out and "decode" in out and "tok/s" in out
     assert "peak MLX active" in out and "peak RSS" in out and "MiB/token" in out
     assert "qwen3_moe, 4 MoE layers x 16 experts, k=4" in out
+    import re  # mlx_lm.generate's lines, as scripts that parse them expect them, before Edge0's own
+
+    lines = out.splitlines()
+    at = lines.index("==========", 1)
+    assert re.fullmatch(r"Prompt: \d+ tokens, \d+\.\d{3} tokens-per-sec", lines[at + 1]), lines[at + 1]
+    assert re.fullmatch(r"Generation: 8 tokens, \d+\.\d{3} tokens-per-sec", lines[at + 2]), lines[at + 2]
+    assert re.fullmatch(r"Peak memory: \d+\.\d{3} GB", lines[at + 3]), lines[at + 3]
+    assert lines[at + 4].startswith("model: ") and lines[at + 5].startswith("prefill ")
 
 
 def test_generate_missing_model_is_a_clear_error(tmp_path, capsys):
