@@ -312,3 +312,23 @@ def test_cached_rows_without_their_metadata_are_written_again_and_bad_ones_named
         D.load_rows(path)
     (tmp_path / "rows.npy.json").unlink()
     assert not D.rows_cached(path)
+
+
+@pytest.mark.parametrize("lr, warmup, steps", [(5e-4, 30, 600), (3e-3, 3, 24), (2e-4, 10, 150), (1e-3, 1, 10),
+                                               (1e-3, 0, 10)])
+def test_the_adapter_schedule_is_warm_up_then_cosine_to_a_tenth(lr, warmup, steps):
+    """The warm-up + cosine of the adapter and head trainings, now mlx.optimizers' schedules:
+    the same curve as written by hand before (lr/warmup at step 0, lr at warmup - 1, then
+    cosine to lr/10 at the last step, and flat after)."""
+    import math
+
+    from edge0.train.loop import LoopConfig, lr_at
+
+    cfg = LoopConfig(steps=steps, batch=1, lr=lr, warmup=warmup)
+    for step in range(steps + 5):
+        if step < warmup:
+            want = lr * (step + 1) / warmup
+        else:
+            p = min((step - warmup) / max(steps - warmup, 1), 1.0)
+            want = lr * (0.1 + 0.45 * (1 + math.cos(math.pi * p)))
+        assert abs(lr_at(cfg, step) - want) <= 1e-6 * want, (step, lr_at(cfg, step), want)

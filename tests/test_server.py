@@ -984,3 +984,34 @@ def test_serve_gives_prefill_half_the_time_by_default(monkeypatch):
     monkeypatch.setenv("EDGE0_PREFILL_SHARE", "30")
     assert parse().config.prefill_share == 30
     assert EngineConfig().prefill_share == 100
+
+
+def test_the_uvicorn_protocol_contract_the_connection_bounds_rely_on(model):
+    """edge0/server/connections.py extends uvicorn's h11 protocol (a class uvicorn does not
+    promise to keep), within the versions pyproject.toml pins: what it reads and overrides
+    is there, on a live connection as on the class."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    for name in ("connection_made", "data_received", "connection_lost", "pause_writing", "resume_writing",
+                 "timeout_keep_alive_handler"):
+        assert callable(getattr(H11Protocol, name, None)), name
+    seen = {}
+    real = H11Protocol.data_received
+
+    def spy(self, data):
+        seen.update(conn=self.conn, cycle=getattr(self, "cycle", "missing"), client=self.client,
+                    connections=self.connections, loop=self.loop, transport=self.transport)
+        return real(self, data)
+
+    d, _, _ = model
+    H11Protocol.data_received = spy
+    try:
+        with serving(d, EngineConfig(adapter="off")) as (url, _):
+            assert httpx.get(url + "/health", timeout=30).status_code == 200
+    finally:
+        H11Protocol.data_received = real
+    assert isinstance(seen["conn"], h11.Connection) and hasattr(seen["conn"], "their_state")
+    assert seen["cycle"] is None or hasattr(seen["cycle"], "response_complete")
+    assert seen["client"][0] == "127.0.0.1" and isinstance(seen["connections"], set)
+    assert hasattr(seen["loop"], "call_later") and hasattr(seen["transport"], "abort")

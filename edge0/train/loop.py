@@ -17,6 +17,7 @@ logging and state format.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -61,11 +62,18 @@ class LoopResult:
 
 
 def lr_at(cfg: LoopConfig, step: int) -> float:
-    """Linear warm-up, then cosine to a tenth."""
-    if step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
-    p = min((step - cfg.warmup) / max(cfg.steps - cfg.warmup, 1), 1.0)
-    return cfg.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * p)))
+    """Linear warm-up (``lr / warmup`` at step 0, ``lr`` at step ``warmup - 1``), then cosine
+    to a tenth of ``lr`` at the last step: mlx.optimizers' schedules."""
+    return float(_schedule(cfg.lr, cfg.warmup, cfg.steps)(step))
+
+
+@functools.lru_cache(maxsize=8)
+def _schedule(lr: float, warmup: int, steps: int):
+    cosine = optim.cosine_decay(lr, max(steps - warmup, 1), 0.1 * lr)
+    if warmup < 1:
+        return cosine
+    warm = optim.linear_schedule(lr / warmup, lr, warmup - 1) if warmup > 1 else (lambda step: lr)
+    return optim.join_schedules([warm, cosine], [warmup])
 
 
 # --------------------------------------------------------------------------

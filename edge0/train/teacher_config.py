@@ -92,7 +92,10 @@ def model_config(tc: TeacherConfig) -> dict:
 
 def lr_at(tc: TeacherConfig, step: int, total_steps: int) -> float:
     """Linear warm-up to ``lr`` over ``warmup_steps``, then cosine to ``lr * min_lr_ratio``
-    at ``total_steps`` (``step`` counts from 0)."""
+    at ``total_steps`` (``step`` counts from 0). Written out in float64, not with
+    mlx.optimizers' float32 schedules (which the adapter and head trainings use,
+    ``edge0.train.loop``): the demo's teacher is rebuilt bit for bit against the sha256 its
+    provenance records, and a learning rate one float32 rounding away changes every weight."""
     warm = min(tc.warmup_steps, max(total_steps - 1, 0))
     if step < warm:
         return tc.lr * (step + 1) / warm
