@@ -136,3 +136,38 @@ def test_help_and_argument_errors_load_no_array_or_model_library(argv):
             f"print(sorted(m for m in {HEAVY_MODULES!r} if m in sys.modules))")
     r = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120)
     assert r.stdout.strip().splitlines()[-1] == "[]", (r.stdout[-500:], r.stderr[-500:])
+
+
+def test_train_heads_shows_its_tracing_and_a_sane_first_rate(tiny_model_factory, tmp_path):
+    """`edge0 train heads` said nothing while it traced (80 s on a real model) and its bar
+    started at thousands of steps a second: it says it traces, with a bar per text, and the
+    training bar's first line shows no rate yet (one comes from two reports)."""
+    d = tiny_model_factory("qwen3_moe")
+    r = run_cli("train", "heads", "--model", str(d), "--tokens", "1500", "--heldout-tokens", "300", "--steps", "6",
+                "--out", str(tmp_path / "h.safetensors"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = [line for line in r.stderr.replace("\r", "\n").splitlines() if line.strip()]
+    said = next(i for i, line in enumerate(lines) if "tracing the model's routing on the train text" in line)
+    traced = next(i for i, line in enumerate(lines) if line.startswith("tracing train:"))
+    trained = next(i for i, line in enumerate(lines) if line.startswith("heads:"))
+    assert said < traced < trained
+    assert "?step/s" in lines[trained], lines[trained]
+
+
+def test_a_progress_bar_rate_is_measured_between_reports(monkeypatch):
+    """The bar counted its first step the moment it was made, and the loss it then showed
+    redrew it with that step over a few microseconds: thousands of steps a second. Now the
+    first report is the bar's start: no rate until the next report."""
+    import io
+    import re
+
+    from edge0.train import console
+
+    out = io.StringIO()
+    monkeypatch.setattr(console.sys, "stderr", out)
+    bar = console.Progress("x")
+    bar(1, 10, 1.0)
+    first = out.getvalue().replace("\r", "\n").strip().splitlines()[-1]
+    bar.close()
+    assert "loss=1.0000" in first and "?step/s" in first, first
+    assert not re.search(r"[0-9.]+step/s", first), first

@@ -432,7 +432,8 @@ def cmd_heads(args) -> int:
                          heldout_tokens=args.heldout_tokens, seq_len=args.seq_len, steps=args.steps, batch=args.batch,
                          lr=args.lr, width=args.width, owners=_owner_range(args.owners), out=args.out, seed=args.seed,
                          progress=bar, streams=streams, token_input=args.inputs == "token", traces_dir=args.traces,
-                         extras=extras, serving={"routing": args.routing, "stage_extra": args.stage_extra}, dp=dp)
+                         extras=extras, serving={"routing": args.routing, "stage_extra": args.stage_extra}, dp=dp,
+                         trace_say=None if bar is None else say)
     if bar is not None:
         bar.close()
     if not dp.is_main:

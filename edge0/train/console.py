@@ -25,19 +25,24 @@ def warn_if_slow_blas(say) -> float:
 
 
 class Progress:
-    """A tqdm bar created on first use, showing the loss."""
+    """A tqdm bar created on first use, showing the loss when there is one. The bar starts
+    with the first report already counted, so its rate is measured between reports (a bar
+    made and stepped at once showed thousands of steps a second)."""
 
-    def __init__(self, desc: str):
-        self.desc, self.bar = desc, None
+    def __init__(self, desc: str, unit: str = "step"):
+        self.desc, self.unit, self.bar = desc, unit, None
 
-    def __call__(self, step: int, total: int, loss: float) -> None:
+    def __call__(self, step: int, total: int, loss: float | None = None) -> None:
         if self.bar is None:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, initial=step - 1, desc=self.desc, unit="step", file=sys.stderr)
-        self.bar.update(1)
-        self.bar.set_postfix(loss=f"{loss:.4f}")
+            self.bar = tqdm(total=total, initial=step, desc=self.desc, unit=self.unit, file=sys.stderr)
+        else:
+            self.bar.update(step - self.bar.n)
+        if loss is not None:
+            self.bar.set_postfix(loss=f"{loss:.4f}")
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+            self.bar = None

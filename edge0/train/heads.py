@@ -106,11 +106,12 @@ def token_chunks(tokenizer, texts: list[str], total: int, seq_len: int) -> list[
     return [ids[i:i + seq_len] for i in range(0, len(ids) - seq_len + 1, seq_len)] or [ids]
 
 
-def collect_traces(streaming, chunks: list[list[int]], owners: list[int], dp: DataParallel | None = None) -> Traces:
+def collect_traces(streaming, chunks: list[list[int]], owners: list[int], dp: DataParallel | None = None,
+                   progress=None) -> Traces:
     """Run the model over ``chunks`` (teacher forcing) and record, for every owner layer, its
     router's input and the experts its block routed to, and its consumer's router logits.
     Under a data-parallel group each rank traces its share of the chunks and every rank
-    ends with all the traces, in chunk order."""
+    ends with all the traces, in chunk order. ``progress(done, total)`` after each chunk."""
     dp = dp or DataParallel(None)
     from edge0.prerouter.heads import consumer_of
 
@@ -137,6 +138,8 @@ def collect_traces(streaming, chunks: list[list[int]], owners: list[int], dp: Da
                 prev = np.concatenate([np.full((1, inds.shape[1]), -1, dtype=np.int32), inds[:-1]])
                 part.update({f"x/{o}": x[:n], f"inds_t/{o}": inds[:n], f"inds_prev/{o}": prev[:n],
                              f"target/{o}": nxt[1:n + 1]})
+            if progress is not None:
+                progress(ci + 1, len(chunks))
     finally:
         for layer in want:
             routers[layer].watch = switches[layer].observer = None
@@ -226,13 +229,14 @@ def train_heads(model_dir: str | Path, *, data: str | None = None, tokens: int =
                 progress=None, streams: tuple[np.ndarray, np.ndarray, str] | None = None,
                 experts_per_token: int | None = None, token_input: bool = False,
                 traces_dir: str | Path | None = None, extras: tuple[int, ...] = (),
-                serving: dict | None = None, dp: DataParallel | None = None) -> dict:
+                serving: dict | None = None, dp: DataParallel | None = None, trace_say=None) -> dict:
     """``streams``: (train tokens, held-out tokens, description) to trace instead of text
     (the recipe passes the model's own training split). ``token_input``: heads also see
     the embedding of the token the next step decodes. ``traces_dir``: keep the traces
     there and reuse them when the same model, text and settings are traced again (heads
     variants then train without tracing). ``extras``: also report recall@(k+m) for each m.
-    ``serving``: the routing recorded in the file as the heads' default. ``dp``: the
+    ``serving``: the routing recorded in the file as the heads' default. ``trace_say``:
+    where to say that the tracing starts (with a progress bar of it). ``dp``: the
     data-parallel group (default: the one ``mlx.launch`` started, or one process): the
     ranks trace their shares of the text and step on their parts of each batch; rank 0
     writes the traces and the heads."""
@@ -262,8 +266,9 @@ def train_heads(model_dir: str | Path, *, data: str | None = None, tokens: int =
             train_texts, held_texts, description = texts_from(data) if data else default_texts()
             train_chunks = token_chunks(tokenizer, train_texts, tokens, seq_len)
             held_chunks = token_chunks(tokenizer, held_texts, heldout_tokens, seq_len)
-        tr = _traced(streaming, train_chunks, owners, traces_dir, "train", model_dir, experts_per_token, dp)
-        he = _traced(streaming, held_chunks, owners, traces_dir, "heldout", model_dir, experts_per_token, dp)
+        say = trace_say if dp.is_main else None
+        tr = _traced(streaming, train_chunks, owners, traces_dir, "train", model_dir, experts_per_token, dp, say)
+        he = _traced(streaming, held_chunks, owners, traces_dir, "heldout", model_dir, experts_per_token, dp, say)
         routers = streaming.routers()
         B.seed(seed)  # before the heads are built: their initialisation draws from it
         token_dim = streaming.embed_dim if token_input else 0
@@ -315,11 +320,30 @@ def _fit(heads: PrerouterHeads, tr: Traces, streaming, owners: list[int], loss_f
     return losses
 
 
-def _traced(streaming, chunks, owners, traces_dir, name, model_dir, experts_per_token, dp) -> Traces:
+def _traced(streaming, chunks, owners, traces_dir, name, model_dir, experts_per_token, dp, say=None) -> Traces:
     """``collect_traces``, through a file in ``traces_dir`` keyed by everything the traces
-    depend on (the checkpoint, the routing width, the owners and every traced token)."""
+    depend on (the checkpoint, the routing width, the owners and every traced token);
+    ``say``: the rank's messages (a progress bar of the tracing goes with them)."""
+    bar = None
+    if say is not None:
+        from edge0.train.console import Progress
+
+        bar = Progress(f"tracing {name}", unit="chunk")
+    try:
+        return _traced_once(streaming, chunks, owners, traces_dir, name, model_dir, experts_per_token, dp, bar, say)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _traced_once(streaming, chunks, owners, traces_dir, name, model_dir, experts_per_token, dp, bar, say) -> Traces:
+    def collect():
+        if say is not None:
+            say(f"tracing the model's routing on the {name} text ({len(chunks)} chunks; the heads train after)")
+        return collect_traces(streaming, chunks, owners, dp, bar)
+
     if traces_dir is None:
-        return collect_traces(streaming, chunks, owners, dp)
+        return collect()
     h = hashlib.sha256(json.dumps([checkpoint_identity(model_dir), experts_per_token, owners]).encode())
     for c in chunks:
         h.update(np.asarray(c, dtype=np.int64).tobytes() + b"|")
@@ -328,7 +352,7 @@ def _traced(streaming, chunks, owners, traces_dir, name, model_dir, experts_per_
     found = Traces.load(path, key)
     if not dp.any(found is None):
         return found
-    traces = collect_traces(streaming, chunks, owners, dp)
+    traces = collect()
     if dp.is_main:
         path.parent.mkdir(parents=True, exist_ok=True)
         traces.save(path, key)
