@@ -239,3 +239,30 @@ def test_resident_at_edge0_is_mlx_lms_model_on_edge0s_kernels(bench_model):
     ids = mx.array([[3, 14, 15, 92, 65, 35]])
     a, b = np.array(plain.model(ids)), np.array(ours.model(ids))
     assert np.linalg.norm(a - b) / np.linalg.norm(a) < 1e-4
+
+
+def test_the_command_shows_a_bar_per_run_and_charts_when_it_can(bench_model, tmp_path):
+    """`edge0 bench` said one line per run: it shows a bar over the rounds x arms with the
+    run in progress; it draws bench.png whenever matplotlib is installed (no flag needed),
+    and says what to install when --chart insists on it."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    def bench(*extra):
+        return subprocess.run([sys.executable, "-m", "edge0", "bench", "--model", str(bench_model), "--arms", "exact",
+                               "--rounds", "2", "--cache", "warm", "--prompt-tokens", "6", "--decode-tokens", "2",
+                               "--out", str(tmp_path / "out"), *extra], capture_output=True, text=True, timeout=600)
+
+    r = bench()
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = r.stderr.replace("\r", "\n").splitlines()
+    assert any("bench (warm) round 2/2: exact" in line for line in lines), r.stderr[-1500:]
+    assert any("2/2 [" in line for line in lines), r.stderr[-1500:]  # both runs counted
+    has_plot = importlib.util.find_spec("matplotlib") is not None
+    assert (tmp_path / "out" / "bench.png").exists() == has_plot
+    if not has_plot:
+        insisted = bench("--chart")
+        assert insisted.returncode == 2 and "pip install 'edge0[plot]'" in insisted.stderr
+    quiet = bench("--no-progress", "--no-chart")
+    assert quiet.returncode == 0 and "[bench] round 1/2: exact (warm)" in quiet.stderr

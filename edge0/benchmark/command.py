@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -61,7 +62,10 @@ def add_parser(sub) -> None:
     b.add_argument("--llama-threads", type=int, default=None, metavar="N",
                    help="threads of the llama.cpp arm (default: every core, llama.cpp's own default)")
     b.add_argument("--out", default="bench-results", help="directory for JSON, markdown and chart")
-    b.add_argument("--chart", action="store_true", help="also draw bench.png (needs matplotlib)")
+    b.add_argument("--chart", action=argparse.BooleanOptionalAction, default=None,
+                   help="draw bench.png (default: when matplotlib is installed, pip install -e '.[plot]'; "
+                        "--chart insists on it, --no-chart skips it)")
+    b.add_argument("--no-progress", action="store_true", help="no progress bar (one line per run instead)")
     b.set_defaults(func=run)
 
 
@@ -71,11 +75,13 @@ def run(args) -> int:
     modes = [m.strip() for m in args.cache.split(",") if m.strip()]
     if not modes or any(m not in CACHE_MODES for m in modes):
         raise ConfigError(f"--cache must name {' and/or '.join(CACHE_MODES)}, got {args.cache!r}")
-    if args.chart:  # before minutes of work, not after
+    if args.chart is not False:  # before minutes of work, not after
         try:
             import matplotlib  # noqa: F401
+            args.chart = True
         except ImportError:
-            raise ConfigError("--chart needs matplotlib: pip install 'edge0[plot]' (or drop --chart)") from None
+            if args.chart:
+                raise ConfigError("--chart needs matplotlib: pip install 'edge0[plot]' (or drop --chart)") from None
     limit = None
     if args.memory_limit is not None:  # checked (and the cgroup controller found) before any work
         from edge0.benchmark.cgroup import MemoryCap, parse_size
@@ -99,7 +105,11 @@ def run(args) -> int:
                                  cache=mode, prompt_tokens=args.prompt_tokens, decode_tokens=args.decode_tokens,
                                  compute_dtype=args.compute_dtype, cache_budget_mb=args.cache_budget_mb,
                                  memory_limit=limit, extra=_extra(args))
-        doc = run_bench(model, settings, progress=lambda s: print(f"[bench] {s}", file=sys.stderr))
+        bar = _RunBar(mode, args.rounds * len(arms), enabled=not args.no_progress)
+        try:
+            doc = run_bench(model, settings, progress=bar.say)
+        finally:
+            bar.close()
         (out / f"bench-{mode}.json").write_text(json.dumps(doc, indent=2))
         docs.append(doc)
         print(markdown(doc))
@@ -142,3 +152,32 @@ def arm_options(items: list[str], arms: tuple[str, ...]) -> dict:
         resolve_config(environ={}, **values)  # typed checks now, not in a child process later
         out.setdefault(arm, {}).update(values)
     return out
+
+
+class _RunBar:
+    """A progress bar over the benchmark's runs (rounds x arms), its description the run in
+    progress; the harness's other messages printed above it."""
+
+    def __init__(self, mode: str, total: int, enabled: bool = True):
+        self.mode, self.total, self.running, self.bar = mode, total, False, None
+        if enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc=f"bench ({mode})", unit="run", file=sys.stderr)
+
+    def say(self, message: str) -> None:
+        if self.bar is None:
+            print(f"[bench] {message}", file=sys.stderr)
+        elif message.startswith("round "):  # a run starts: the one before it is done
+            if self.running:
+                self.bar.update(1)
+            self.running = True
+            self.bar.set_description(f"bench ({self.mode}) {message}")
+        else:
+            self.bar.write(f"[bench] {message}", file=sys.stderr)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            if self.running:
+                self.bar.update(1)  # the last run
+            self.bar.close()
