@@ -318,6 +318,9 @@ class Batcher:
     def _decode_step(self) -> None:
         rows = list(self.rows)
         done = self._step(rows, self.cache)
+        if len(rows) == 1 and rows[0].kv_quant and rows[0].alone:  # as mlx-lm quantizes after each step
+            cfg = self.host.config
+            bnn.quantize_kv(self.cache, cfg.kv_bits, cfg.kv_group_size, cfg.quantized_kv_start)
         if done:
             self._leave(done)
 
@@ -426,8 +429,9 @@ class Batcher:
 
     def _cached(self, row: Row) -> bool:
         """Whether ``row`` takes its cache from the prompt cache and gives it back (not with
-        a bounded KV size, nor a routing recording)."""
-        return self.host.prompt_cache is not None and row.params.max_kv_size is None and row.record is None
+        a bounded KV size, a routing recording, nor a KV cache that is quantized)."""
+        return (self.host.prompt_cache is not None and row.params.max_kv_size is None and row.record is None
+                and not row.kv_quant)
 
     def _keep_cache(self, row: Row, i: int) -> None:
         host = self.host

@@ -26,6 +26,7 @@ PREROUTER_FLUSHES = ("auto", "mlx", "numpy")
 PIPELINES = ("auto", "off")
 KERNELS = ("auto", "edge0", "mlx")
 JSON_WHITESPACES = ("compact", "flexible")
+KV_BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize takes
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,15 @@ class EngineConfig:
     # Generations decoding together, one forward pass per step for all of them (continuous
     # batching; mlx-lm's --decode-concurrency); more wait their turn. 1: one at a time.
     max_batch: int = 16
+    # KV cache quantization (mlx-lm's --kv-bits): a generation's attention cache is quantized
+    # to this many bits once it holds quantized_kv_start tokens (None: off). Such a generation
+    # runs alone (a quantized cache cannot share a batch); one that never reaches the start batches.
+    kv_bits: int | None = None
+    # The group size of that quantization (mlx-lm's --kv-group-size): it must divide the
+    # attention's head size.
+    kv_group_size: int = 64
+    # Tokens a generation's cache holds before it is quantized (mlx-lm's --quantized-kv-start).
+    quantized_kv_start: int = 5000
     # Executor path of every MoE layer at decode (one-token steps): exact, staged, hot or
     # whole_layer. Layers a prerouter head predicts decode staged whatever this says.
     decode_path: str = "exact"
@@ -240,6 +250,7 @@ class EngineConfig:
                 self.slot_budget_mb, int) or self.slot_budget_mb < 0):
             raise ConfigError(f"slot_budget_mb must be None (4 x the slots at open), 0 (never grow) or a positive "
                               f"number of MiB, got {self.slot_budget_mb!r}")
+        _check_kv(self)
         for name, choices in (("kernels", KERNELS), ("direct_io", AUTO_ON_OFF), ("json_whitespace", JSON_WHITESPACES),
                               ("log_format", LOG_FORMATS), ("log_level", LOG_LEVELS)):
             if getattr(self, name) not in choices:
@@ -263,3 +274,12 @@ class EngineConfig:
 def _positive(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _check_kv(c: EngineConfig) -> None:
+    if c.kv_bits is not None and c.kv_bits not in KV_BITS:
+        raise ConfigError(f"kv_bits must be None (off) or one of {', '.join(map(str, KV_BITS))}, got {c.kv_bits!r}")
+    if c.kv_group_size not in (32, 64, 128):
+        raise ConfigError(f"kv_group_size must be 32, 64 or 128, got {c.kv_group_size!r}")
+    if isinstance(c.quantized_kv_start, bool) or not isinstance(c.quantized_kv_start, int) or c.quantized_kv_start < 0:
+        raise ConfigError(f"quantized_kv_start must be a non-negative integer, got {c.quantized_kv_start!r}")

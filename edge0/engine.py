@@ -78,6 +78,9 @@ class Engine:
         self.model, self.spec, self.index = self.streaming.model, self.streaming.spec, self.streaming.index
         self.reader = self.streaming.reader
         self._step_model = StepModel(self.streaming)
+        if self.config.kv_bits is not None and (problem := bnn.kv_group_problem(self.model, self.config.kv_group_size)):
+            _shutdown(self._worker, self.streaming, set())
+            raise ConfigError(problem)
         # under a pipeline rank 0's batch loop decides what each iteration admits; the other ranks follow it
         self._batcher = Batcher(self, self.config.max_batch)
         # a model whose caches are not all plain KV caches (state-space, linear attention)
@@ -219,8 +222,11 @@ class Engine:
         constraint = self._constraints.get(params.response_format)
         row.constraint = constraint.processor() if constraint is not None else None
         stager = self.streaming.stager
-        # alone: a recording, a rotating cache, an oracle's step-by-step routing of one sequence
-        row.alone = (record is not None or params.max_kv_size is not None or not self._batchable
+        # alone: a recording, a rotating cache, an oracle's step-by-step routing of one sequence, a KV
+        # cache that will be quantized
+        cfg = self.config
+        row.kv_quant = cfg.kv_bits is not None and len(ids) + max_tokens > cfg.quantized_kv_start
+        row.alone = (record is not None or params.max_kv_size is not None or not self._batchable or row.kv_quant
                      or (stager is not None and stager.oracle is not None))
         self._jobs.add(job)
         self._line.submitted(job.admission)

@@ -52,6 +52,7 @@ class Row:
         self.events = None  # its RowEvents, from the first token on
         self.error: BaseException | None = None
         self.alone = False  # runs alone: nothing joins while it runs
+        self.kv_quant = False  # its KV cache is quantized once it holds quantized_kv_start tokens (it runs alone)
         self.passed_over = 0  # iterations with prefill budget in which its prompt got none
         self.arrival = next(_ARRIVALS)  # the order rows were made in (edge0.prefill.order)
 

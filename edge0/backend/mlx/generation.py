@@ -14,7 +14,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from edge0.errors import Edge0Error, TokenizerError
+from edge0.errors import ConfigError, Edge0Error, TokenizerError
 
 
 def load_tokenizer(model_dir: Path):
@@ -113,6 +113,44 @@ def extract_batch_row(cache: list, row: int) -> list:
     out = [c.extract(row) for c in cache]
     mx.eval([c.state for c in out])
     return out
+
+
+def quantize_kv(cache: list, bits: int, group_size: int, start: int) -> None:
+    """mlx-lm's KV quantization (``maybe_quantize_kv_cache``): each layer's KV cache that
+    holds ``start`` tokens or more becomes a ``QuantizedKVCache`` of ``bits``, in place. A
+    group size that does not divide the cached vectors is a ``ConfigError``."""
+    from mlx_lm.generate import maybe_quantize_kv_cache
+
+    try:
+        maybe_quantize_kv_cache(cache, quantized_kv_start=start, kv_group_size=group_size, kv_bits=bits)
+    except ValueError as e:
+        if "divisible by the quantization group size" not in str(e):
+            raise
+        raise ConfigError(f"kv_group_size {group_size} does not divide this model's cached key and value vectors "
+                          f"({e}): use 32, which divides every size a multiple of 32") from None
+
+
+def kv_group_problem(model, group_size: int) -> str | None:
+    """Why ``group_size`` cannot quantize this model's KV cache, from the head sizes its
+    attention modules declare (``head_dim``, ``v_head_dim``, or ``k_proj`` / ``v_proj``
+    rows over ``n_kv_heads``) and its arguments' ``head_dim``, or None."""
+    def size(value):
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+    sizes = {size(getattr(getattr(model, "args", None), "head_dim", None))}
+    for _, module in model.named_modules():
+        sizes |= {size(getattr(module, name, None)) for name in ("head_dim", "v_head_dim")}
+        heads = size(getattr(module, "n_kv_heads", None))
+        for proj in ("k_proj", "v_proj") if heads else ():
+            weight = getattr(getattr(module, proj, None), "weight", None)
+            if weight is not None and weight.shape[0] % heads == 0:
+                sizes.add(weight.shape[0] // heads)
+    sizes.discard(None)
+    bad = sorted(v for v in sizes if v % group_size)
+    if bad:
+        return (f"kv_group_size {group_size} does not divide this model's attention head size {bad[0]}: use one "
+                f"that does ({', '.join(str(g) for g in (32, 64, 128) if all(v % g == 0 for v in sizes)) or 'none'})")
+    return None
 
 
 def cache_nbytes(cache: list) -> int:
