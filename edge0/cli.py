@@ -63,6 +63,9 @@ def _add_engine_flags(p: argparse.ArgumentParser, *, demo: bool = False) -> None
     p.add_argument("--prompt", "-p", default=None,
                    help="the prompt; '-' reads it from standard input (default: a short code prompt)")
     p.add_argument("--system-prompt", default=None, help="system message for the chat template")
+    p.add_argument("--prefill-response", default=None, metavar="TEXT",
+                   help="the start of the assistant's answer, written into the chat template: the model continues "
+                        "it (mlx_lm.generate's flag; needs a chat template)")
     p.add_argument("--ignore-chat-template", action="store_true",
                    help="use the raw prompt, not the tokenizer's chat template (applied by default when the "
                         "tokenizer has one)")
@@ -107,7 +110,8 @@ def _prompt_ids(engine, args) -> tuple[list[int], str | None]:
     if prompt == "-":
         prompt = sys.stdin.read()
     use_template = not args.ignore_chat_template and getattr(engine.tokenizer, "has_chat_template", False)
-    ids = engine.prompt_ids(prompt, system_prompt=args.system_prompt, chat_template=not args.ignore_chat_template)
+    ids = engine.prompt_ids(prompt, system_prompt=args.system_prompt, chat_template=not args.ignore_chat_template,
+                            prefill_response=args.prefill_response)
     return ids, None if use_template else prompt
 
 

@@ -392,16 +392,18 @@ class Engine:
     def prompt_ids(self, prompt: str | None = None, *, messages: Sequence[dict] | None = None,
                    system_prompt: str | None = None, chat_template: bool = True,
                    tools: Sequence[dict] | None = None, template_kwargs: dict | None = None,
-                   role_mapping: dict | None = None) -> list[int]:
+                   role_mapping: dict | None = None, prefill_response: str | None = None) -> list[int]:
         """Token ids of a prompt as mlx-lm builds them (``edge0.prompts.prompt_ids``): with a
         chat template, ``prompt`` as one user message after an optional ``system_prompt``, or
         ``messages`` (and ``tools``, OpenAI function definitions); without, the text (a base
         model continues the messages' contents, or, with ``role_mapping``, mlx-lm's prompt of
-        them). ``template_kwargs``: the chat template's variables (``enable_thinking``)."""
+        them). ``template_kwargs``: the chat template's variables (``enable_thinking``);
+        ``prefill_response``: the start of the assistant's answer, which the model continues."""
         self._check_text_size(len(prompt or "") + sum(len(str(m.get("content") or "")) for m in messages or ()))
         return build_prompt_ids(self.tokenizer, self.encode, prompt, messages=messages, system_prompt=system_prompt,
                                 chat_template=chat_template, tools=tools, check_chars=self._check_text_size,
-                                template_kwargs=template_kwargs, role_mapping=role_mapping)
+                                template_kwargs=template_kwargs, role_mapping=role_mapping,
+                                prefill_response=prefill_response)
 
     def admit(self, max_waiting: int | None = None) -> Admission:
         """Count a request in line from now (before any work for it) until its generation

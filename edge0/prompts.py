@@ -11,7 +11,7 @@ def prompt_ids(tok, encode: Callable[[str], list[int]], prompt: str | None = Non
                messages: Sequence[dict] | None = None, system_prompt: str | None = None,
                chat_template: bool = True, tools: Sequence[dict] | None = None,
                check_chars: Callable[[int], None] | None = None, template_kwargs: dict | None = None,
-               role_mapping: dict | None = None) -> list[int]:
+               role_mapping: dict | None = None, prefill_response: str | None = None) -> list[int]:
     """``prompt`` (text): with a chat template (the tokenizer has one and ``chat_template``),
     one user message after an optional ``system_prompt``; without, the text with the
     tokenizer's special tokens. ``messages`` (``{"role", "content"}``): the chat template, or,
@@ -22,8 +22,13 @@ def prompt_ids(tok, encode: Callable[[str], list[int]], prompt: str | None = Non
     ``template_kwargs`` go to the chat template as its variables (``enable_thinking``, as
     mlx-lm's ``chat_template_kwargs``); ``role_mapping`` (mlx-lm's: a prefix per role,
     ``stop`` after each message) writes the messages of a model without a chat template
-    instead of joining their contents."""
+    instead of joining their contents. ``prefill_response``: the start of the assistant's
+    answer, written into the template as its last message, which the model continues
+    (``mlx_lm.generate --prefill-response``; a prompt without a chat template refuses it)."""
     templated = chat_template and getattr(tok, "has_chat_template", False)
+    if prefill_response is not None and not templated:
+        raise ConfigError("prefill_response needs the tokenizer's chat template (this prompt is plain text: put the "
+                          "answer's start at the end of the prompt instead)")
     if tools and not (templated and getattr(tok, "has_tool_calling", False)):
         raise ConfigError("this model's chat template has no tool-call format: it cannot be given tools")
     if messages is None:
@@ -41,7 +46,11 @@ def prompt_ids(tok, encode: Callable[[str], list[int]], prompt: str | None = Non
 
     try:
         extra = {**(template_kwargs or {}), **({"tools": list(tools)} if tools else {})}
-        text = tok.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True, **extra)
+        if prefill_response is not None:
+            messages = [*messages, {"role": "assistant", "content": prefill_response}]
+            extra["continue_final_message"] = True
+        text = tok.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=prefill_response is None,
+                                       **extra)
     except TemplateError as e:  # the template's own raise_exception, e.g. roles that do not alternate
         raise ConfigError(f"the model's chat template refuses these messages: {e}") from None
     if check_chars is not None:

@@ -171,3 +171,27 @@ def test_a_progress_bar_rate_is_measured_between_reports(monkeypatch):
     bar.close()
     assert "loss=1.0000" in first and "?step/s" in first, first
     assert not re.search(r"[0-9.]+step/s", first), first
+
+
+def test_prefill_response_is_written_as_mlx_lm_writes_it(tiny_model_factory):
+    """mlx_lm.generate's --prefill-response: the assistant's answer starts with it, in the
+    chat template (continue_final_message), and the model continues it; without a chat
+    template it is refused."""
+    from mlx_lm.utils import load_tokenizer
+
+    from edge0 import ConfigError, Engine
+
+    d = tiny_model_factory("qwen3_moe")
+    tok = load_tokenizer(d)
+    messages = [{"role": "user", "content": "write f"}, {"role": "assistant", "content": "def f(x):"}]
+    text = tok.apply_chat_template(messages, tokenize=False, continue_final_message=True, add_generation_prompt=False)
+    want = tok.encode(text, add_special_tokens=False)
+    assert text.endswith("def f(x):")
+    with Engine(d) as e:
+        assert e.prompt_ids("write f", prefill_response="def f(x):") == want
+        assert e.prompt_ids("write f") != want
+        with pytest.raises(ConfigError, match="prefill_response needs the tokenizer's chat template"):
+            e.prompt_ids("write f", chat_template=False, prefill_response="def f(x):")
+    r = run_cli("generate", "--model", str(d), "--prompt", "write f", "--prefill-response", "def f(x):",
+                "--max-tokens", "4")
+    assert r.returncode == 0 and "Generation: 4 tokens" in r.stdout, r.stderr[-1000:]
