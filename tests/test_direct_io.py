@@ -83,7 +83,7 @@ def test_auto_is_on_when_the_checkpoint_is_larger_than_the_memory_limit(tiny_mod
     assert dio.wants_direct("auto", files) and not dio.wants_direct("off", files)
     monkeypatch.setattr(dio, "memory_limit", lambda: size)
     assert not dio.wants_direct("auto", files) and dio.wants_direct("on", files)
-    with pytest.raises(ConfigError, match="direct_io must be 'auto', 'on' or 'off', got 'yes'"):
+    with pytest.raises(ConfigError, match="direct_io must be auto, on or off, got 'yes'"):
         EngineConfig(direct_io="yes")
 
 
