@@ -290,6 +290,8 @@ class Engine:
                         until = max(0.0, last + lost_after - time.monotonic())
                         wait = until if wait is None else min(wait, until)
                     event = await wake.wait(job, wait)
+                else:  # one already waiting: still a checkpoint, so a cancellation takes effect between any two
+                    await anyio.lowlevel.checkpoint()
                 if event is TIMEOUT:
                     if lost_after is not None and time.monotonic() - last >= lost_after:
                         raise self._pipeline_lost(lost_after)
