@@ -1015,3 +1015,22 @@ def test_the_uvicorn_protocol_contract_the_connection_bounds_rely_on(model):
     assert seen["cycle"] is None or hasattr(seen["cycle"], "response_complete")
     assert seen["client"][0] == "127.0.0.1" and isinstance(seen["connections"], set)
     assert hasattr(seen["loop"], "call_later") and hasattr(seen["transport"], "abort")
+
+
+def test_metrics_are_prometheus_text_with_the_process_collector(model):
+    """/metrics is written by prometheus_client: its own parser reads every family, the
+    counters and gauges Edge0 keeps are there, and so is the process collector's (CPU
+    seconds, resident memory, open file descriptors)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    d, _, _ = model
+    with serving(d, EngineConfig(adapter="off")) as (url, _):
+        httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=60)
+        text = httpx.get(url + "/metrics", timeout=30).text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    for name in ("process_open_fds", "process_resident_memory_bytes", "process_cpu_seconds"):
+        assert name in families, sorted(families)
+    requests = families["edge0_requests"]
+    assert requests.type == "counter"
+    assert any(s.labels == {"endpoint": "completions", "status": "200"} and s.value == 1 for s in requests.samples)
+    assert families["edge0_batch_size"].type == "gauge" and families["edge0_model_loaded"].samples[0].value == 1

@@ -1,8 +1,13 @@
-"""The server's counters and gauges, rendered in Prometheus' text format (``GET /metrics``)."""
+"""The server's counters and gauges in Prometheus' text format (``GET /metrics``), written by
+``prometheus_client`` (the families of one snapshot, and its process collector: CPU
+seconds, resident and virtual memory, open and maximum file descriptors, start time)."""
 
 from __future__ import annotations
 
 from collections import Counter
+
+from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 
 class Metrics:
@@ -37,66 +42,85 @@ class Metrics:
                decode_steps: int = 0, decode_tokens: int = 0, bytes_per_token: float = 0.0,
                slot_bytes: int = 0, over_slot_layers: int = 0, micro_turns: int = 0, prefill_passes: int = 0,
                constraint_cache_bytes: int = 0) -> str:
-        lines: list[str] = []
+        families: list = []
 
-        def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]):
-            lines.append(f"# HELP edge0_{name} {help_}")
-            lines.append(f"# TYPE edge0_{name} {kind}")
-            for labels, value in samples:
-                lines.append(f"edge0_{name}{labels} {value}")
+        def metric(name: str, kind: str, help_: str, samples: list[tuple[tuple, float]], labels=()):
+            if kind == "counter":
+                family = CounterMetricFamily(f"edge0_{name.removesuffix('_total')}", help_, labels=list(labels))
+            else:
+                family = GaugeMetricFamily(f"edge0_{name}", help_, labels=list(labels))
+            for values, value in samples:
+                family.add_metric(list(values), value)
+            families.append(family)
 
         metric("requests_total", "counter", "HTTP requests answered, by endpoint and status.",
-               [(f'{{endpoint="{e}",status="{s}"}}', n) for (e, s), n in sorted(self.requests.items())])
-        metric("prompt_tokens_total", "counter", "Prompt tokens of finished generations.", [("", self.prompt_tokens)])
+               [((e, str(s)), n) for (e, s), n in sorted(self.requests.items())], labels=("endpoint", "status"))
+        metric("prompt_tokens_total", "counter", "Prompt tokens of finished generations.", [((), self.prompt_tokens)])
         metric("cached_prompt_tokens_total", "counter", "Prompt tokens taken from the prompt cache (not prefilled).",
-               [("", self.cached_prompt_tokens)])
-        metric("completion_tokens_total", "counter", "Tokens generated.", [("", self.completion_tokens)])
+               [((), self.cached_prompt_tokens)])
+        metric("completion_tokens_total", "counter", "Tokens generated.", [((), self.completion_tokens)])
         metric("client_disconnects_total", "counter", "Generations cancelled because the client went away.",
-               [("", self.disconnects)])
+               [((), self.disconnects)])
         metric("address_bans_total", "counter", "Client addresses whose new connections the kernel dropped for a "
                "while, for cycling through their connection share faster than it once a second.",
-               [("", self.address_bans)])
+               [((), self.address_bans)])
         metric("decode_tokens_per_second", "gauge", "Decode speed of the last finished generation.",
-               [("", round(self.decode_tps, 3))])
+               [((), round(self.decode_tps, 3))])
         metric("prefill_tokens_per_second", "gauge", "Prefill speed of the last finished generation.",
-               [("", round(self.prefill_tps, 3))])
+               [((), round(self.prefill_tps, 3))])
         metric("stall_ms_per_step", "gauge", "Staged layers' wait for expert reads per decode step (last "
-               "generation).", [("", round(self.stall_ms_per_step, 3))])
+               "generation).", [((), round(self.stall_ms_per_step, 3))])
         if self.guard_recall is not None:
             metric("guard_recall", "gauge", "Prerouter recall@k measured by the quality guard (last generation).",
-                   [("", round(self.guard_recall, 4))])
-        metric("expert_bytes_read_total", "counter", "Expert bytes read from the checkpoint.", [("", expert_bytes)])
+                   [((), round(self.guard_recall, 4))])
+        metric("expert_bytes_read_total", "counter", "Expert bytes read from the checkpoint.", [((), expert_bytes)])
         metric("in_flight_requests", "gauge", "Generations admitted and not finished (running + queued).",
-               [("", in_flight)])
-        metric("queue_depth", "gauge", "Generations waiting for their turn.", [("", queued)])
+               [((), in_flight)])
+        metric("queue_depth", "gauge", "Generations waiting for their turn.", [((), queued)])
         metric("batch_size", "gauge", "Generations decoding together now (one forward pass per step).",
-               [("", batch_size)])
+               [((), batch_size)])
         metric("decode_steps_total", "counter", "Decode forward passes (one per step, whatever the batch).",
-               [("", decode_steps)])
+               [((), decode_steps)])
         metric("decode_tokens_total", "counter", "Tokens the decode steps generated, every generation.",
-               [("", decode_tokens)])
+               [((), decode_tokens)])
         metric("decode_micro_turns_total", "counter", "Of the decode passes, those of one half of a batch "
-               "(micro-batches under a two-rank pipeline).", [("", micro_turns)])
+               "(micro-batches under a two-rank pipeline).", [((), micro_turns)])
         metric("expert_bytes_per_token", "gauge", "Expert bytes read per generated token at decode, since start.",
-               [("", round(bytes_per_token, 1))])
+               [((), round(bytes_per_token, 1))])
         metric("slot_bytes", "gauge", "Bytes the staged layers' expert slots hold now (they grow while a batch's "
-               "union of experts needs more, within slot_budget_mb).", [("", slot_bytes)])
+               "union of experts needs more, within slot_budget_mb).", [((), slot_bytes)])
         metric("over_slot_layers_total", "counter", "Staged layer-steps run exact because a batch's union of "
-               "experts did not fit the layer's slots.", [("", over_slot_layers)])
-        metric("prompt_cache_bytes", "gauge", "Bytes held by the prompt cache.", [("", cache_bytes)])
-        metric("prompt_cache_hits_total", "counter", "Prompts that reused a cached KV prefix.", [("", cache_hits)])
+               "experts did not fit the layer's slots.", [((), over_slot_layers)])
+        metric("prompt_cache_bytes", "gauge", "Bytes held by the prompt cache.", [((), cache_bytes)])
+        metric("prompt_cache_hits_total", "counter", "Prompts that reused a cached KV prefix.", [((), cache_hits)])
         metric("prefill_passes_total", "counter", "Prompt forward passes (a chunk of one prompt, or short prompts "
-               "arriving together prefilled in one pass).", [("", prefill_passes)])
+               "arriving together prefilled in one pass).", [((), prefill_passes)])
         metric("constraint_cache_bytes", "gauge", "Heap held by the compiled response formats kept for reuse "
-               "(estimated when each was compiled; within 64 MiB).", [("", constraint_cache_bytes)])
+               "(estimated when each was compiled; within 64 MiB).", [((), constraint_cache_bytes)])
         metric("model_loaded", "gauge", "1 once the model is loaded and the server answers requests.",
-               [("", int(loaded))])
+               [((), int(loaded))])
         if resources is not None:  # live generations; the rest as of the last generation's end
             for key, help_ in (("generations", "Generations the engine holds (running or queued)."),
                                ("pinned_slots", "Expert slots pinned by a step."),
                                ("pending_reads", "Expert reads in flight."),
                                ("open_files", "Checkpoint files the reader holds open.")):
-                metric(f"engine_{key}", "gauge", help_, [("", resources[key])])
+                metric(f"engine_{key}", "gauge", help_, [((), resources[key])])
         for key, value in (process or {}).items():
-            metric(f"process_{key}", "gauge", f"This process's {key.replace('_', ' ')}.", [("", value)])
-        return "\n".join(lines) + "\n"
+            metric(f"process_{key}", "gauge", f"This process's {key.replace('_', ' ')}.", [((), value)])
+        return _exposition(families)
+
+
+class _Snapshot:
+    def __init__(self, families: list):
+        self.families = families
+
+    def collect(self):
+        return self.families
+
+
+def _exposition(families: list) -> str:
+    """The families of one snapshot and the process collector's, in the text format."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Snapshot(families))
+    ProcessCollector(registry=registry)
+    return generate_latest(registry).decode()
