@@ -53,14 +53,15 @@ def add_parser(sub) -> None:
     s.add_argument("--max-connections-per-client", type=int, default=32,
                    help="connections from one client address; past it the client's oldest idle one is closed, "
                         "or the new one refused (default 32; behind a reverse proxy every client has the "
-                        "proxy's address: raise it to --max-connections there)")
+                        "proxy's address: raise it to --max-connections there, with --flood-ban 0)")
     s.add_argument("--allowed-origins", default="", metavar="ORIGINS",
                    help="comma-separated origins (https://app.example) whose browsers may call the server: CORS "
                         "headers and preflight answers for them; * for any (default: none, as without the flag)")
     s.add_argument("--flood-ban", type=float, default=2.0, metavar="SECONDS",
                    help="an address that arrives at its full --max-connections-per-client more than that many "
                         "times in a second has its new connections dropped by the kernel this long, doubled on each "
-                        "repeat within a minute up to 64 s (Linux; default 2; 0: never)")
+                        "repeat within a minute up to 64 s (Linux; default 2; 0: never, as behind a reverse proxy, "
+                        "where every client has the proxy's address)")
     s.add_argument("--send-timeout", type=float, default=30.0,
                    help="seconds a client may take no token of its stream (not reading it) before its "
                         "generation is stopped and its connection closed, so that it holds neither the engine "
