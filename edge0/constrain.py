@@ -153,10 +153,10 @@ def _schema_text(schema: dict, where: str) -> str:
     return text
 
 
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_SCHEMA_ONE = ("additionalProperties", "items", "not", "if", "then", "else", "contains", "propertyNames",
-               "unevaluatedProperties", "unevaluatedItems")
-_SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems", "items")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")  # name -> schema
+_SCHEMA_ONE = ("additionalProperties", "items", "unevaluatedItems")
+_BRANCHES = ("anyOf", "oneOf", "allOf")
+_COMBINES = _BRANCHES + ("if", "then", "else", "not", "dependentSchemas", "$ref")  # may add or test properties
 
 
 def closed_objects(schema):
@@ -164,16 +164,20 @@ def closed_objects(schema):
     others closed to them (``additionalProperties: false``), as OpenAI's strict mode
     requires and other servers' grammar engines assume: the model writes the fields the
     schema names and then closes the object, instead of adding keys until ``max_tokens``.
-    An object that says ``additionalProperties`` (or ``unevaluatedProperties``), or sits
-    directly in an ``allOf`` (whose branches intersect), is left as it is. Changes
-    ``schema`` in place and returns it."""
+    Left as they are: an object that says ``additionalProperties`` or
+    ``unevaluatedProperties``; one whose own keywords combine it with other schemas (a
+    sibling ``anyOf``, ``oneOf``, ``allOf``, ``if``/``then``/``else``, ``not``,
+    ``dependentSchemas`` or ``$ref``, which may add properties); a branch of such a
+    combination whose parent names properties (the two intersect); and anything inside
+    ``if``/``then``/``else``, ``not``, ``dependentSchemas``, ``contains`` and
+    ``propertyNames`` (conditions, not shapes). Changes ``schema`` in place and returns it."""
     todo = [(schema, False)]
     while todo:
-        node, in_all_of = todo.pop()
+        node, intersects = todo.pop()
         if not isinstance(node, dict):
             continue
-        if (isinstance(node.get("properties"), dict) and not in_all_of
-                and "additionalProperties" not in node and "unevaluatedProperties" not in node):
+        if (isinstance(node.get("properties"), dict) and not intersects
+                and not any(k in node for k in ("additionalProperties", "unevaluatedProperties", *_COMBINES))):
             node["additionalProperties"] = False
         for key in _SCHEMA_MAPS:
             if isinstance(node.get(key), dict):
@@ -181,11 +185,14 @@ def closed_objects(schema):
         for key in _SCHEMA_ONE:
             if isinstance(node.get(key), dict):
                 todo.append((node[key], False))
-        for key in _SCHEMA_LISTS:
+        if isinstance(node.get("prefixItems"), list):
+            todo.extend((v, False) for v in node["prefixItems"])
+        if isinstance(node.get("items"), list):
+            todo.extend((v, False) for v in node["items"])
+        named = isinstance(node.get("properties"), dict)
+        for key in _BRANCHES:
             if isinstance(node.get(key), list):
-                todo.extend((v, False) for v in node[key])
-        if isinstance(node.get("allOf"), list):
-            todo.extend((v, True) for v in node["allOf"])
+                todo.extend((v, named or key == "allOf") for v in node[key])
     return schema
 
 

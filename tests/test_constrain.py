@@ -311,7 +311,10 @@ def test_objects_that_name_their_properties_are_closed_to_others():
         "list": {"type": "array", "items": {"type": "object", "properties": {"c": {}}}},
         "either": {"anyOf": [{"type": "object", "properties": {"d": {}}}, {"type": "null"}]},
         "both": {"allOf": [{"type": "object", "properties": {"e": {}}}, {"properties": {"f": {}}}]},
-        "free": {"type": "object"}},
+        "free": {"type": "object"},
+        "conditional": {"type": "object", "properties": {"k": {}}, "if": {"properties": {"k": {"const": 1}}},
+                        "then": {"properties": {"v": {}}}},
+        "mixed": {"type": "object", "properties": {"k": {}}, "anyOf": [{"properties": {"x": {}}}]}},
         "$defs": {"node": {"type": "object", "properties": {"g": {"$ref": "#/$defs/node"}}}}}
     out = closed_objects(json.loads(json.dumps(schema)))
     p = out["properties"]
@@ -323,3 +326,6 @@ def test_objects_that_name_their_properties_are_closed_to_others():
     assert all("additionalProperties" not in b for b in p["both"]["allOf"])
     assert "additionalProperties" not in p["free"]  # names no properties: any
     assert out["$defs"]["node"]["additionalProperties"] is False
+    cond = p["conditional"]  # then may add "v": neither it nor its condition is closed
+    assert all("additionalProperties" not in n for n in (cond, cond["if"], cond["then"]))
+    assert "additionalProperties" not in p["mixed"] and "additionalProperties" not in p["mixed"]["anyOf"][0]
