@@ -70,3 +70,30 @@ def test_the_filter_reads_both_families_on_a_dual_stack_listener():
         _drop(s, ["::1"])
         assert not _connects(socket.AF_INET6, "::1", "::1", port)
         assert _connects(socket.AF_INET, "127.0.0.2", "127.0.0.1", port)
+
+
+def test_a_ban_doubles_on_each_repeat_within_a_minute_up_to_its_bound(monkeypatch):
+    """--flood-ban: 2 s, then 4, 8 ... while the address repeats within a minute, at most
+    MAX_BAN_S; an address a minute quiet starts over at 2."""
+    from edge0.server import address_gate as G
+
+    clock = [1000.0]
+    monkeypatch.setattr(G.time, "monotonic", lambda: clock[0])
+    gate = G.AddressGate(share=1, ban_s=2.0)
+    gate.listeners = [object()]
+    monkeypatch.setattr(gate, "_apply", lambda: True)
+    scheduled = []
+    loop = type("Loop", (), {"call_later": lambda self, s, f: scheduled.append(s)})()
+
+    def ban_seconds():
+        gate.over_share("10.0.0.9", loop)
+        gate.over_share("10.0.0.9", loop)  # over the share of 1 within the second: banned
+        seconds = scheduled[-1]
+        clock[0] += seconds
+        gate._expire()
+        assert "10.0.0.9" not in gate.banned
+        return seconds
+
+    assert [ban_seconds() for _ in range(7)] == [2, 4, 8, 16, 32, 64, 64]
+    clock[0] += G._STRIKE_MEMORY_S + 1
+    assert ban_seconds() == 2

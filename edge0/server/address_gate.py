@@ -5,7 +5,8 @@ connection, but an address that reconnects as fast as the server closes its surp
 makes the event loop accept and close tens of thousands of connections a second: the
 process must accept a connection to learn its address. So an address that arrives at its
 full share more than ``share`` times within one second is banned for ``ban_s`` seconds
-(doubled each time it is banned again within a minute, up to ``MAX_BAN_S``): a classic BPF
+(doubled each time it is banned again within a minute of its last ban's end, up to
+``MAX_BAN_S``): a classic BPF
 filter on the listening sockets drops its packets before they reach the accept queue, so
 its connects wait in the client's own SYN retries and cost this process nothing. Other
 addresses, and the banned address's connections already open, are untouched.
@@ -78,7 +79,7 @@ class AddressGate:
         self.listeners: list[socket.socket] = []
         self.banned: dict[str, float] = {}  # address -> monotonic time its ban ends
         self._arrivals: dict[str, deque] = {}
-        self._strikes: dict[str, tuple[int, float]] = {}  # address -> (bans in a row, last ban)
+        self._strikes: dict[str, tuple[int, float]] = {}  # address -> (bans in a row, when the last ended)
         self._unsupported = SO_ATTACH_FILTER is None
         self._log = get_logger("edge0.server")
 
@@ -104,10 +105,10 @@ class AddressGate:
             ipaddress.ip_address(host)
         except ValueError:
             return
-        count, last = self._strikes.get(host, (0, 0.0))
-        count = count + 1 if now - last < _STRIKE_MEMORY_S else 1
-        self._strikes[host] = (count, now)
+        count, ended = self._strikes.get(host, (0, 0.0))
+        count = count + 1 if now - ended < _STRIKE_MEMORY_S else 1
         seconds = min(MAX_BAN_S, self.ban_s * 2 ** (count - 1))
+        self._strikes[host] = (count, now + seconds)
         self.banned[host] = now + seconds
         while len(self.banned) > MAX_BANNED:
             del self.banned[min(self.banned, key=self.banned.get)]

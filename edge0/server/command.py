@@ -60,8 +60,8 @@ def add_parser(sub) -> None:
     s.add_argument("--flood-ban", type=float, default=2.0, metavar="SECONDS",
                    help="an address that arrives at its full --max-connections-per-client more than that many "
                         "times in a second has its new connections dropped by the kernel this long, doubled on each "
-                        "repeat within a minute up to 64 s (Linux; default 2; 0: never, as behind a reverse proxy, "
-                        "where every client has the proxy's address)")
+                        "repeat within a minute of the last ban's end, up to 64 s (Linux; default 2; 0: never, as "
+                        "behind a reverse proxy, where every client has the proxy's address)")
     s.add_argument("--send-timeout", type=float, default=30.0,
                    help="seconds a client may take no token of its stream (not reading it) before its "
                         "generation is stopped and its connection closed, so that it holds neither the engine "
