@@ -318,9 +318,8 @@ class Batcher:
     def _decode_step(self) -> None:
         rows = list(self.rows)
         done = self._step(rows, self.cache)
-        if len(rows) == 1 and rows[0].kv_quant and rows[0].alone:  # as mlx-lm quantizes after each step
-            cfg = self.host.config
-            bnn.quantize_kv(self.cache, cfg.kv_bits, cfg.kv_group_size, cfg.quantized_kv_start)
+        if rows and rows[0].kv_quant:  # (it runs alone) as mlx-lm quantizes after each step
+            bnn.quantize_kv(self.cache, self.host.config)
         if done:
             self._leave(done)
 

@@ -163,8 +163,7 @@ def chunk(batcher, row: Row) -> int:
                     host.streaming.adapters.activate(row.adapter)
                 host._step_model(B.array([rest[:n]]), cache=row.cache, decode=False)
                 if row.kv_quant:
-                    cfg = host.config
-                    bnn.quantize_kv(row.cache, cfg.kv_bits, cfg.kv_group_size, cfg.quantized_kv_start)
+                    bnn.quantize_kv(row.cache, host.config)
                 B.eval([c.state for c in row.cache])
                 row.pos += n
                 batcher.prefill_passes += 1

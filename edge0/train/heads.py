@@ -323,24 +323,18 @@ def _fit(heads: PrerouterHeads, tr: Traces, streaming, owners: list[int], loss_f
 def _traced(streaming, chunks, owners, traces_dir, name, model_dir, experts_per_token, dp, say=None) -> Traces:
     """``collect_traces``, through a file in ``traces_dir`` keyed by everything the traces
     depend on (the checkpoint, the routing width, the owners and every traced token);
-    ``say``: the rank's messages (a progress bar of the tracing goes with them)."""
-    bar = None
-    if say is not None:
+    ``say``: the rank's messages (the tracing, when it runs, is said with a progress bar)."""
+    def collect():
+        if say is None:
+            return collect_traces(streaming, chunks, owners, dp)
         from edge0.train.console import Progress
 
+        say(f"tracing the model's routing on the {name} text ({len(chunks)} chunks; the heads train after)")
         bar = Progress(f"tracing {name}", unit="chunk")
-    try:
-        return _traced_once(streaming, chunks, owners, traces_dir, name, model_dir, experts_per_token, dp, bar, say)
-    finally:
-        if bar is not None:
+        try:
+            return collect_traces(streaming, chunks, owners, dp, bar)
+        finally:
             bar.close()
-
-
-def _traced_once(streaming, chunks, owners, traces_dir, name, model_dir, experts_per_token, dp, bar, say) -> Traces:
-    def collect():
-        if say is not None:
-            say(f"tracing the model's routing on the {name} text ({len(chunks)} chunks; the heads train after)")
-        return collect_traces(streaming, chunks, owners, dp, bar)
 
     if traces_dir is None:
         return collect()

@@ -115,12 +115,14 @@ def extract_batch_row(cache: list, row: int) -> list:
     return out
 
 
-def quantize_kv(cache: list, bits: int, group_size: int, start: int) -> None:
-    """mlx-lm's KV quantization (``maybe_quantize_kv_cache``): each layer's KV cache that
-    holds ``start`` tokens or more becomes a ``QuantizedKVCache`` of ``bits``, in place. A
-    group size that does not divide the cached vectors is a ``ConfigError``."""
+def quantize_kv(cache: list, config) -> None:
+    """mlx-lm's KV quantization (``maybe_quantize_kv_cache``) under ``config`` (an
+    EngineConfig): each layer's KV cache that holds ``quantized_kv_start`` tokens or more
+    becomes a ``QuantizedKVCache`` of ``kv_bits``, in place. A group size that does not
+    divide the cached vectors is a ``ConfigError``."""
     from mlx_lm.generate import maybe_quantize_kv_cache
 
+    bits, group_size, start = config.kv_bits, config.kv_group_size, config.quantized_kv_start
     try:
         maybe_quantize_kv_cache(cache, quantized_kv_start=start, kv_group_size=group_size, kv_bits=bits)
     except ValueError as e:
