@@ -35,6 +35,7 @@ from starlette.routing import Route
 
 from edge0.errors import ConfigError, Edge0Error, EngineBusyError, FormatTooCostlyError, StalledConsumerError
 from edge0.server import protocol as P
+from edge0.server import schema as S
 from edge0.server.api_error import MAX_DEPTH
 from edge0.server.guard import RequestGuard
 from edge0.server.state import ServerSettings, ServerState  # noqa: F401  (ServerSettings: the public name)
@@ -116,8 +117,8 @@ def _models(state: ServerState, one: bool = False):
             _check_auth(state, request)
             _check_ready(state)
             created = P.now()
-            data = {name: {"id": name, "object": "model", "created": created, "owned_by": "edge0",
-                           "parent": None if adapter is None else state.settings.model_id}
+            data = {name: S.ModelCard(id=name, created=created, owned_by="edge0",
+                                      parent=None if adapter is None else state.settings.model_id)
                     for name, adapter in state.models.items()}
             wanted = request.path_params.get("model_id") if one else None
             if one and wanted not in data:
@@ -127,7 +128,7 @@ def _models(state: ServerState, one: bool = False):
             state.metrics.count("models", e.status)
             return _error(e)
         state.metrics.count("models", 200)
-        return JSONResponse(data[wanted] if one else {"object": "list", "data": list(data.values())})
+        return JSONResponse((data[wanted] if one else S.ModelList(data=list(data.values()))).model_dump())
     return handler
 
 

@@ -1,19 +1,15 @@
-"""The OpenAI HTTP API as Edge0's server speaks it: request checking and response bodies.
+"""The OpenAI HTTP API as Edge0's server speaks it: a body's model (``schema``) turned
+into a request for the engine, and the engine's tokens into response bodies.
 
-Requests are checked field by field before anything runs; every mistake is an
-``APIError`` with the HTTP status and the OpenAI error shape
-(``{"error": {"message", "type", "param", "code"}}``). The fields are the ones mlx-lm's
-server takes: ``max_tokens`` / ``max_completion_tokens``, ``temperature``, ``top_p``,
-``top_k``, ``min_p``, ``seed``, ``stop``, ``repetition_penalty``, ``presence_penalty``,
-``frequency_penalty`` (with mlx-lm's ``repetition_context_size``, ``presence_context_size``
-and ``frequency_context_size``), mlx-lm's ``xtc_probability`` / ``xtc_threshold``,
-``logit_bias``, ``response_format`` (JSON output, ``edge0.constrain``), ``logprobs`` /
-``top_logprobs``, ``stream`` / ``stream_options.include_usage``, chat's
-``chat_template_kwargs`` and ``role_mapping``, and the adapter chosen by ``model`` (the
-base or an adapter's name) or ``adapters``. Any other field is refused (400 naming it):
-nothing a client sends is silently ignored.
+A body is first its pydantic model (``schema.ChatRequest`` / ``CompletionRequest``:
+exactly the fields the server implements, each with its type and bounds; any other field
+is refused, nothing a client sends is silently ignored), then what only the server can
+check: the model or adapter it names (404), the response format's schema, logit bias and
+token ids against the vocabulary, tools, the chat template's own variables. Every mistake
+is an ``APIError`` with the HTTP status and OpenAI's error shape (``{"error": {"message",
+"type", "param", "code"}}``). The fields are the ones mlx-lm's server takes, with OpenAI's
+``max_completion_tokens``, ``user`` and ``stream_options`` and vLLM's ``cache_salt``.
 """
-
 from __future__ import annotations
 
 import math
@@ -24,12 +20,10 @@ from typing import Any
 
 from edge0.constrain import parse_response_format
 from edge0.errors import ConfigError
-from edge0.sampling import MAX_TOKENS, check_logit_bias
+from edge0.sampling import check_logit_bias
+from edge0.server import schema as S
 from edge0.server.api_error import APIError, bad, check_value
 from edge0.server.tools import history_calls, parse_tools
-
-MAX_STOP = 4
-MAX_TOP_LOGPROBS = 20
 
 
 @dataclass
@@ -55,64 +49,24 @@ class GenerationRequest:
     tenant: str | None = None  # the prompt cache's scope, set by the server (API key, user, cache_salt)
 
 
-def _number(body: dict, name: str, lo: float, hi: float, *, lo_open=False, hi_open=False, integer=False,
-            default=None):
-    if name not in body or body[name] is None:
-        return default
-    v = body[name]
-    kind = "an integer" if integer else "a number"
-    if isinstance(v, bool) or not isinstance(v, (int,) if integer else (int, float)) \
-            or (isinstance(v, float) and not math.isfinite(v)):
-        raise bad(f"'{name}' must be {kind}, got {v!r:.40}", name)
-    ok = (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
-    if not ok:
-        lb, hb = "(" if lo_open else "[", ")" if hi_open else "]"
-        raise bad(f"'{name}' must be in {lb}{lo}, {hi}{hb}, got {v!r}", name)
-    return v
-
-
-def _bool(body: dict, name: str, default: bool = False) -> bool:
-    v = body.get(name, default)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise bad(f"'{name}' must be true or false, got {v!r:.40}", name)
-    return v
-
-
-def _messages(value) -> list[dict]:
-    if not isinstance(value, list) or not value:
-        raise bad("'messages' must be a non-empty list of {role, content} objects", "messages")
+def _messages(messages: list[S.Message]) -> list[dict]:
+    """The checked messages in the form chat templates read: content parts joined, the
+    developer role a system message, an assistant's history calls and a tool result's id."""
     out = []
-    for i, m in enumerate(value):
-        if not isinstance(m, dict):
-            raise bad(f"messages[{i}] must be an object", f"messages[{i}]")
-        role = m.get("role")
-        if role not in ("system", "developer", "user", "assistant", "tool"):
-            raise bad(f"messages[{i}].role must be system, developer, user, assistant or tool, got {role!r:.40}",
-                      f"messages[{i}].role")
-        content = m.get("content")
-        if isinstance(content, list):  # content parts: only text is understood
-            parts = []
-            for j, part in enumerate(content):
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise bad(f"messages[{i}].content[{j}] must be a text part ({{'type': 'text', 'text': ...}}); "
-                              "this model reads text only", f"messages[{i}].content")
-                parts.append(part["text"])
-            content = "".join(parts)
-        if content is None and role == "assistant":
+    for i, m in enumerate(messages):
+        content = m.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        if content is None and m.role == "assistant":
             content = ""
-        if not isinstance(content, str):
-            raise bad(f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content")
-        entry = {"role": "system" if role == "developer" else role, "content": content}
-        calls = history_calls(m, i)
+        if content is None:
+            raise bad(f"'messages[{i}].content' must be {S.EXPECT['messages[*].content']}", f"messages[{i}].content")
+        entry = {"role": "system" if m.role == "developer" else m.role, "content": content}
+        calls = history_calls({"role": m.role, "tool_calls": m.tool_calls}, i)
         if calls is not None:
             entry["tool_calls"] = calls
-        for key in ("tool_call_id", "name") if role == "tool" else ():
-            if m.get(key) is not None:
-                if not isinstance(m[key], str):
-                    raise bad(f"messages[{i}].{key} must be a string", f"messages[{i}].{key}")
-                entry[key] = m[key]
+        if m.role == "tool":
+            entry.update({k: v for k, v in (("tool_call_id", m.tool_call_id), ("name", m.name)) if v is not None})
         out.append(entry)
     return out
 
@@ -135,186 +89,98 @@ def parse(body: Any, kind: str, models: dict[str, Any], default_model: str, defa
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
     check_value(body)
-    _known_fields(body, kind)
-    model, adapter = _model_and_adapter(body, models, default_model)
-    sampling = _sampling(body, defaults)
-    stops = _stops(body)
-    stream, include_usage = _stream_options(body)
-    logprobs, top = _logprob_fields(body, kind)
-    sampling["stop"] = tuple(stops)
-    req = GenerationRequest(kind=kind, model=model, adapter=adapter, sampling=sampling, stream=stream,
-                            include_usage=include_usage, logprobs=logprobs, top_logprobs=top,
-                            max_tokens_given=body.get("max_tokens") is not None
-                            or body.get("max_completion_tokens") is not None)
-    req.user, req.cache_salt = _short_string(body, "user"), _short_string(body, "cache_salt")
+    r = S.parse_body(body, kind)
+    model, adapter = _model_and_adapter(r, models, default_model)
+    sampling = _sampling(r, defaults)
+    logprobs, top = _logprob_fields(r, kind)
+    sampling["stop"] = _stops(r)
+    req = GenerationRequest(kind=kind, model=model, adapter=adapter, sampling=sampling, stream=bool(r.stream),
+                            include_usage=bool(r.stream_options and r.stream_options.include_usage),
+                            logprobs=logprobs, top_logprobs=top,
+                            max_tokens_given=r.max_tokens is not None or r.max_completion_tokens is not None,
+                            user=r.user, cache_salt=r.cache_salt)
     if logprobs:
         sampling["logprobs"] = True
         sampling["top_logprobs"] = top
     if kind == "chat":
-        req.messages = _messages(body.get("messages"))
+        req.messages = _messages(r.messages)
         req.tools = parse_tools(body).tools
-        req.template_kwargs = _string_map(body, "chat_template_kwargs", any_value=True)
-        req.role_mapping = _string_map(body, "role_mapping")
+        req.template_kwargs, req.role_mapping = r.chat_template_kwargs, r.role_mapping
         if req.template_kwargs and TEMPLATE_OWN & set(req.template_kwargs):
             name = sorted(TEMPLATE_OWN & set(req.template_kwargs))[0]
             raise bad(f"'chat_template_kwargs.{name}' is set by the server, not the request", "chat_template_kwargs")
     else:
-        req.prompt = _prompt(body.get("prompt"), vocab_size)
+        req.prompt = _prompt(r.prompt, vocab_size)
     return req
 
 
-COMMON_FIELDS = frozenset((
-    "model", "adapters", "n", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
-    "seed", "stop", "repetition_penalty", "repetition_context_size", "presence_penalty", "presence_context_size",
-    "frequency_penalty", "frequency_context_size", "xtc_probability", "xtc_threshold", "logit_bias",
-    "response_format", "logprobs", "top_logprobs", "stream", "stream_options", "user", "cache_salt"))
-FIELDS = {"chat": COMMON_FIELDS | {"messages", "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs",
-                                   "role_mapping"},
-          "completion": COMMON_FIELDS | {"prompt", "echo"}}
 TEMPLATE_OWN = frozenset(("messages", "conversation", "tools", "tokenize", "add_generation_prompt"))
-MAX_MAP_ENTRIES = 64
 
 
-def _known_fields(body: dict, kind: str) -> None:
-    """A field this server does not implement is refused, never silently ignored."""
-    unknown = sorted(str(k) for k in body if k not in FIELDS[kind])
-    if unknown:
-        raise bad(f"'{unknown[0]:.80}' is not a field this server implements for "
-                  f"{'chat completions' if kind == 'chat' else 'completions'}"
-                  + (f" (nor {len(unknown) - 1} more)" if len(unknown) > 1 else ""), unknown[0][:80])
-
-
-def _string_map(body: dict, name: str, any_value: bool = False) -> dict | None:
-    """An object of at most ``MAX_MAP_ENTRIES`` string keys (and string values unless
-    ``any_value``), or None."""
-    value = body.get(name)
-    if value is None:
-        return None
-    if not isinstance(value, dict) or len(value) > MAX_MAP_ENTRIES:
-        raise bad(f"'{name}' must be an object of at most {MAX_MAP_ENTRIES} entries", name)
-    for k, v in value.items():
-        if not any_value and not isinstance(v, str):
-            raise bad(f"'{name}.{k:.40}' must be a string, got {v!r:.40}", name)
-    return dict(value)
-
-
-def _model_and_adapter(body: dict, models: dict[str, Any], default_model: str) -> tuple[str, Any]:
+def _model_and_adapter(r: S.ChatRequest | S.CompletionRequest, models: dict[str, Any],
+                       default_model: str) -> tuple[str, Any]:
     """The model id answered with and the engine's adapter argument, from ``model`` or ``adapters``."""
-    model = body.get("model", default_model)
-    if model is None:
-        model = default_model
-    if not isinstance(model, str):
-        raise bad(f"'model' must be a string, got {model!r:.40}", "model")
-    adapters = body.get("adapters")
-    if adapters is not None:
-        if not isinstance(adapters, str):
-            raise bad("'adapters' must be the name of one adapter this server holds", "adapters")
-        if adapters not in models:
-            raise APIError(404, f"no adapter {adapters!r}; this server serves {sorted(models)}", param="adapters",
+    if r.adapters is not None:
+        if r.adapters not in models:
+            raise APIError(404, f"no adapter {r.adapters!r}; this server serves {sorted(models)}", param="adapters",
                            code="model_not_found")
-        return adapters, models[adapters]
+        return r.adapters, models[r.adapters]
+    model = default_model if r.model is None else r.model
     if model not in models:
         raise APIError(404, f"the model {model!r} does not exist; this server serves {sorted(models)}",
                        param="model", code="model_not_found")
     return model, models[model]
 
 
-def _sampling(body: dict, defaults: Defaults) -> dict:
-    """``n`` (one choice only), the token limit and the sampling fields, with the server's defaults."""
-    n = _number(body, "n", 1, 1, integer=True, default=1)
-    del n  # one choice per request
-    max_tokens = _number(body, "max_completion_tokens", 1, MAX_TOKENS, integer=True)
-    if max_tokens is None:
-        max_tokens = _number(body, "max_tokens", 1, MAX_TOKENS, integer=True, default=defaults.max_tokens)
+def _sampling(r: S.ChatRequest | S.CompletionRequest, defaults: Defaults) -> dict:
+    """The token limit and the sampling fields, with the server's defaults for those left out."""
+    def given(value, default):
+        return default if value is None else value
+
     sampling = dict(
-        max_tokens=max_tokens, temp=float(_number(body, "temperature", 0, 100, default=defaults.temperature)),
-        top_p=float(_number(body, "top_p", 0, 1, lo_open=True, default=defaults.top_p)),
-        top_k=_number(body, "top_k", 0, 1 << 20, integer=True, default=defaults.top_k),
-        min_p=float(_number(body, "min_p", 0, 1, hi_open=True, default=defaults.min_p)),
-        seed=_number(body, "seed", -(1 << 63), (1 << 63) - 1, integer=True),
-        repetition_penalty=_number(body, "repetition_penalty", 0.01, 100),  # smaller: logits past float range
-        repetition_context_size=_number(body, "repetition_context_size", 1, 1 << 20, integer=True),
-        xtc_probability=_number(body, "xtc_probability", 0, 1),
-        xtc_threshold=_number(body, "xtc_threshold", 0, 0.5),
-    )
-    if sampling["seed"] is not None:
-        sampling["seed"] = sampling["seed"] % (1 << 63)
-    for name in ("presence", "frequency"):  # OpenAI's range; 0 (its default) is no penalty
-        penalty = _number(body, f"{name}_penalty", -2, 2)
-        size = _number(body, f"{name}_context_size", 1, 1 << 20, integer=True)
-        if penalty:
-            sampling[f"{name}_penalty"] = float(penalty)
-        if size is not None:
-            sampling[f"{name}_context_size"] = size
+        max_tokens=given(r.max_completion_tokens, given(r.max_tokens, defaults.max_tokens)),
+        temp=float(given(r.temperature, defaults.temperature)), top_p=float(given(r.top_p, defaults.top_p)),
+        top_k=given(r.top_k, defaults.top_k), min_p=float(given(r.min_p, defaults.min_p)),
+        seed=None if r.seed is None else r.seed % (1 << 63),
+        repetition_penalty=r.repetition_penalty, repetition_context_size=r.repetition_context_size,
+        xtc_probability=r.xtc_probability, xtc_threshold=r.xtc_threshold,
+        presence_context_size=r.presence_context_size, frequency_context_size=r.frequency_context_size,
+        presence_penalty=r.presence_penalty or None, frequency_penalty=r.frequency_penalty or None)
     for name in [k for k, v in sampling.items() if v is None and k != "seed"]:
         del sampling[name]
-    for name in ("xtc_probability", "xtc_threshold"):
-        if name in sampling:
-            sampling[name] = float(sampling[name])
-    if body.get("response_format") is not None:  # the shape now; the schema compiles with the tokenizer
+    if r.response_format is not None:  # the shape now; the schema compiles with the tokenizer
         try:
-            parse_response_format(body["response_format"])
+            parse_response_format(r.response_format)
         except ConfigError as e:
             raise bad(str(e), "response_format") from None
-        sampling["response_format"] = body["response_format"]
-    if body.get("logit_bias") is not None:
+        sampling["response_format"] = r.response_format
+    if r.logit_bias is not None:
         try:
-            sampling["logit_bias"] = check_logit_bias(body["logit_bias"])
+            sampling["logit_bias"] = check_logit_bias(r.logit_bias)
         except ConfigError as e:
             raise bad(str(e), "logit_bias") from None
     return sampling
 
 
-MAX_ID_CHARS = 256  # user, cache_salt
-
-
-def _short_string(body: dict, name: str) -> str | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if not isinstance(value, str) or len(value) > MAX_ID_CHARS:
-        raise bad(f"'{name}' must be a string of at most {MAX_ID_CHARS} characters", name)
-    return value
-
-
-def _stops(body: dict) -> list[str]:
-    """``stop``: none, one string or a list of at most ``MAX_STOP`` non-empty strings."""
-    stop = body.get("stop")
-    if stop is None:
-        stops: list[str] = []
-    elif isinstance(stop, str):
-        stops = [stop]
-    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= MAX_STOP:
-        stops = list(stop)
-    else:
-        raise bad(f"'stop' must be a string or a list of at most {MAX_STOP} strings", "stop")
+def _stops(r: S.ChatRequest | S.CompletionRequest) -> tuple[str, ...]:
+    """``stop``: none, one string or a list of non-empty strings."""
+    stops = [] if r.stop is None else [r.stop] if isinstance(r.stop, str) else r.stop
     if any(s == "" for s in stops):
         raise bad("'stop' strings must not be empty", "stop")
-    return stops
+    return tuple(stops)
 
 
-def _stream_options(body: dict) -> tuple[bool, bool]:
-    """``stream`` and ``stream_options.include_usage``."""
-    stream = _bool(body, "stream")
-    options = body.get("stream_options")
-    if options is not None and not isinstance(options, dict):
-        raise bad("'stream_options' must be an object", "stream_options")
-    return stream, bool(options and _bool(options, "include_usage"))
-
-
-def _logprob_fields(body: dict, kind: str) -> tuple[bool, int]:
+def _logprob_fields(r: S.ChatRequest | S.CompletionRequest, kind: str) -> tuple[bool, int]:
     """Whether to return logprobs and how many alternatives: chat's ``logprobs`` /
     ``top_logprobs``, or the legacy completions' ``logprobs: N`` (and no ``echo``)."""
     if kind == "chat":
-        logprobs = _bool(body, "logprobs")
-        top = _number(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, integer=True, default=0)
-        if top and not logprobs:
+        top = r.top_logprobs or 0
+        if top and not r.logprobs:
             raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
-        return logprobs, top
-    lp = _number(body, "logprobs", 0, MAX_TOP_LOGPROBS, integer=True)
-    if _bool(body, "echo"):
+        return bool(r.logprobs), top
+    if r.echo:
         raise bad("'echo' is not supported", "echo")
-    return lp is not None, lp or 0
+    return r.logprobs is not None, r.logprobs or 0
 
 
 def _prompt(prompt: Any, vocab_size: int | None) -> str | list[int]:
@@ -338,75 +204,67 @@ def new_id(kind: str) -> str:
     return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> S.Usage:
+    return S.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens,
+                   prompt_tokens_details=S.PromptTokensDetails(cached_tokens=cached))
 
 
 IMPOSSIBLE_LOGPROB = -9999.0  # OpenAI's stand-in for log(0): JSON has no -Infinity
 
 
-def token_logprob(tokenizer, token: int, logprob: float, top: list | None) -> dict:
-    text = tokenizer.decode([token])
-    logprob = logprob if math.isfinite(logprob) else IMPOSSIBLE_LOGPROB
-    entry = {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-    entry["top_logprobs"] = [
-        {"token": (t := tokenizer.decode([i])), "logprob": lp, "bytes": list(t.encode("utf-8"))}
-        for i, lp in (top or [])]
-    return entry
+def token_logprob(tokenizer, token: int, logprob: float, top: list | None) -> S.TokenLogprob:
+    def entry(i: int, lp: float) -> dict:
+        text = tokenizer.decode([i])
+        return {"token": text, "logprob": lp if math.isfinite(lp) else IMPOSSIBLE_LOGPROB,
+                "bytes": list(text.encode("utf-8"))}
+    return S.TokenLogprob(**entry(token, logprob), top_logprobs=[S.TopLogprob(**entry(i, lp)) for i, lp in top or []])
 
 
-def completion_logprobs(entries: list[dict]) -> dict:
+def completion_logprobs(entries: list[S.TokenLogprob]) -> S.CompletionLogprobs:
     """The legacy completions shape of per-token logprobs."""
     offsets, pos = [], 0
     for e in entries:
         offsets.append(pos)
-        pos += len(e["token"])
-    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
-            "text_offset": offsets}
+        pos += len(e.token)
+    return S.CompletionLogprobs(tokens=[e.token for e in entries], token_logprobs=[e.logprob for e in entries],
+                                top_logprobs=[{t.token: t.logprob for t in e.top_logprobs} for e in entries],
+                                text_offset=offsets)
 
 
-def response(req: GenerationRequest, rid: str, created: int, text: str, finish: str, use: dict,
-             logprobs: list[dict] | None, tool_calls: list[dict] | None = None) -> dict:
+def response(req: GenerationRequest, rid: str, created: int, text: str, finish: str, use: S.Usage,
+             logprobs: list[S.TokenLogprob] | None, tool_calls: list[dict] | None = None) -> dict:
+    """A whole answer's body."""
     if req.kind == "chat":
-        message = {"role": "assistant", "content": text if text or not tool_calls else None}
-        if tool_calls:
-            message["tool_calls"] = tool_calls
-        choice = {"index": 0, "message": message, "finish_reason": finish,
-                  "logprobs": {"content": logprobs} if logprobs is not None else None}
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": text, "finish_reason": finish,
-                  "logprobs": completion_logprobs(logprobs) if logprobs is not None else None}
-        obj = "text_completion"
-    return {"id": rid, "object": obj, "created": created, "model": req.model, "choices": [choice], "usage": use,
-            "system_fingerprint": None}
+        message = S.ChatMessage(content=text if text or not tool_calls else None,
+                                tool_calls=[S.ToolCall(**c) for c in tool_calls] if tool_calls else None)
+        choice = S.ChatChoice(index=0, message=message, finish_reason=finish,
+                              logprobs=S.ChoiceLogprobs(content=logprobs) if logprobs is not None else None)
+        return S.ChatCompletion(id=rid, created=created, model=req.model, choices=[choice], usage=use).model_dump()
+    choice = S.CompletionChoice(index=0, text=text, finish_reason=finish,
+                                logprobs=completion_logprobs(logprobs) if logprobs is not None else None)
+    return S.Completion(id=rid, created=created, model=req.model, choices=[choice], usage=use).model_dump()
 
 
 def chunk(req: GenerationRequest, rid: str, created: int, text: str | None, finish: str | None,
-          logprobs: list[dict] | None = None, *, role: bool = False, tool_calls: list[dict] | None = None) -> dict:
+          logprobs: list[S.TokenLogprob] | None = None, *, role: bool = False,
+          tool_calls: list[dict] | None = None) -> dict:
+    """A streamed event's body: the text, logprobs and tool calls one event settles."""
     if req.kind == "chat":
-        delta: dict = {"role": "assistant"} if role else {}
-        if text is not None:
-            delta["content"] = text
-        if tool_calls:
-            delta["tool_calls"] = tool_calls
-        choice = {"index": 0, "delta": delta, "finish_reason": finish,
-                  "logprobs": {"content": logprobs} if logprobs else None}
-        obj = "chat.completion.chunk"
-    else:
-        choice = {"index": 0, "text": text or "", "finish_reason": finish,
-                  "logprobs": completion_logprobs(logprobs) if logprobs else None}
-        obj = "text_completion"
-    return {"id": rid, "object": obj, "created": created, "model": req.model, "choices": [choice],
-            "system_fingerprint": None}
+        delta = S.ChunkDelta(role="assistant" if role else None, content=text,
+                             tool_calls=[S.ToolCall(**c) for c in tool_calls] if tool_calls else None)
+        choice = S.ChunkChoice(index=0, delta=delta, finish_reason=finish,
+                               logprobs=S.ChoiceLogprobs(content=logprobs) if logprobs else None)
+        return S.ChatCompletionChunk(id=rid, created=created, model=req.model, choices=[choice]).model_dump()
+    choice = S.CompletionChoice(index=0, text=text or "", finish_reason=finish,
+                                logprobs=completion_logprobs(logprobs) if logprobs else None)
+    return S.Completion(id=rid, created=created, model=req.model, choices=[choice]).model_dump()
 
 
-def usage_chunk(req: GenerationRequest, rid: str, created: int, use: dict) -> dict:
-    return {"id": rid, "object": "chat.completion.chunk" if req.kind == "chat" else "text_completion",
-            "created": created, "model": req.model, "choices": [], "usage": use}
+def usage_chunk(req: GenerationRequest, rid: str, created: int, use: S.Usage) -> dict:
+    """The last streamed event's body when ``stream_options.include_usage``: no choice, the usage."""
+    kind = S.ChatCompletionChunk if req.kind == "chat" else S.Completion
+    return kind(id=rid, created=created, model=req.model, choices=[], usage=use).model_dump()
 
 
 def now() -> int:
