@@ -16,6 +16,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "Engine": "edge0.engine", "TokenEvent": "edge0.engine", "generate": "edge0.engine",
+    "load_prompt_cache": "edge0.prompt_cache",
     "SamplingParams": "edge0.sampling", "EngineConfig": "edge0.config", "GenerationStats": "edge0.stats",
     "MoESpec": "edge0.model.spec", "SUPPORTED_MODEL_TYPES": "edge0.model.families", "load_spec": "edge0.model.open",
     **{name: "edge0.errors" for name in (

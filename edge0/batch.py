@@ -239,14 +239,16 @@ class Batcher:
             host.streaming.check_files(host.log)
             if not self.rows and not any(r.cache is not None for r in self.joining if r is not row):
                 host._begin_batch()
-            cache, cached = None, 0
+            cache, cached = row.start if row.start is not None else (None, 0)
             if self._cached(row):
                 cache, cached = host.prompt_cache.take((row.adapter, row.cache_scope), row.ids, 3 if self._has_heads() else 1)
             row.cache = cache if cache is not None else bnn.make_cache(host._step_model, row.params.max_kv_size)
-            row.pos = row.cached = cached
+            row.pos = row.cached = cached if row.start is None else 0
             row.sampler, row.processors = bnn.row_sampling(row.params, host._constraint_processors(row),
                                                            host.xtc_special)
-            stats = GenerationStats(prompt_tokens=len(row.ids), cached_tokens=cached)
+            # a given cache's tokens precede the prompt: counted as its cached part
+            stats = GenerationStats(prompt_tokens=len(row.ids) + (cached if row.start is not None else 0),
+                                    cached_tokens=cached)
             stats.heads, _ = host.streaming.describe_artifacts()
             stats.adapter = host._describe_adapter(row.adapter)
             stats.compute_dtype = host.streaming.compute_dtype
@@ -430,7 +432,7 @@ class Batcher:
         """Whether ``row`` takes its cache from the prompt cache and gives it back (not with
         a bounded KV size, a routing recording, nor a KV cache that is quantized)."""
         return (self.host.prompt_cache is not None and row.params.max_kv_size is None and row.record is None
-                and not row.kv_quant)
+                and not row.kv_quant and row.start is None)
 
     def _keep_cache(self, row: Row, i: int) -> None:
         host = self.host

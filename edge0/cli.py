@@ -102,7 +102,43 @@ def _sampling(args) -> dict:
     return values
 
 
-def _prompt_ids(engine, args) -> tuple[list[int], str | None]:
+def _add_cache_file_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompt-cache-file", default=None, metavar="FILE",
+                   help="a prompt cache that mlx_lm.cache_prompt wrote (mlx_lm.generate's flag): the prompt "
+                        "continues the prefix it holds (--model may then be left out: the file names it)")
+
+
+def _cache_file(args, model: str | None) -> tuple[str, tuple | None]:
+    """The model to open and (cache, metadata) of ``--prompt-cache-file`` (None without
+    one): the file names its model, and a ``--model`` naming another is refused."""
+    from edge0.errors import ConfigError
+
+    if getattr(args, "prompt_cache_file", None) is None:
+        if model is None:
+            raise ConfigError("--model is required (or --prompt-cache-file, whose model is used)")
+        return model, None
+    from edge0.backend import nn as bnn
+
+    cache, metadata = bnn.load_cache_file(args.prompt_cache_file)
+    made_for = metadata.get("model")
+    if model is None and not made_for:
+        raise ConfigError(f"{args.prompt_cache_file} does not name its model: give --model")
+    if model is not None and made_for and not _same_model(model, made_for):
+        raise ConfigError(f"the prompt cache {args.prompt_cache_file} was made with the model {made_for}, not {model}")
+    return model or made_for, (cache, metadata)
+
+
+def _same_model(a: str, b: str) -> bool:
+    from edge0.errors import Edge0Error
+    from edge0.hub import resolve_model
+
+    try:
+        return resolve_model(a).resolve() == resolve_model(b).resolve()
+    except Edge0Error:
+        return a == b
+
+
+def _prompt_ids(engine, args, after_cache: bool = False) -> tuple[list[int], str | None]:
     """The prompt as mlx_lm.generate builds it: escapes, '-' for stdin, the chat template.
     Returns the ids and, for a raw completion, the prompt text (to print before it)."""
     prompt = args.prompt if args.prompt is not None else DEMO_PROMPT
@@ -111,7 +147,7 @@ def _prompt_ids(engine, args) -> tuple[list[int], str | None]:
         prompt = sys.stdin.read()
     use_template = not args.ignore_chat_template and getattr(engine.tokenizer, "has_chat_template", False)
     ids = engine.prompt_ids(prompt, system_prompt=args.system_prompt, chat_template=not args.ignore_chat_template,
-                            prefill_response=args.prefill_response)
+                            prefill_response=args.prefill_response, after_cache=after_cache)
     return ids, None if use_template else prompt
 
 
@@ -127,14 +163,17 @@ def _stop_ids(engine, tokens) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _run_generation(model_dir: Path, args) -> int:
+def _run_generation(model_dir: Path, args, start: tuple | None = None) -> int:
+    """Generate and print as mlx_lm.generate does; ``start``: (a prompt cache, its
+    metadata) that the prompt continues."""
     from edge0.engine import Engine
 
     sampling = _sampling(args)
     config = _engine_config(args)
     with Engine(model_dir, config) as engine:
-        ids, prompt = _prompt_ids(engine, args)
-        sampling["stop_token_ids"] = _stop_ids(engine, args.extra_eos_token)
+        ids, prompt = _prompt_ids(engine, args, after_cache=start is not None)
+        eos = _cache_eos(start[1]) if start is not None else None
+        sampling["stop_token_ids"] = _stop_ids(engine, [*args.extra_eos_token, *([eos] if eos else [])])
         engine.validate(ids, **sampling)  # before anything is printed
         pipe = engine.streaming.pipeline
         say = print if pipe is None or pipe.rank == 0 else (lambda *a, **k: None)  # a pipeline: rank 0 prints
@@ -143,7 +182,7 @@ def _run_generation(model_dir: Path, args) -> int:
             say("=" * 10)
             say(prompt or "", end="", flush=True)
         text, stats = [], None
-        for event in engine.stream(ids, **sampling):
+        for event in engine.stream(ids, prompt_cache=start[0] if start is not None else None, **sampling):
             if verbose:
                 say(event.text, end="", flush=True)
             text.append(event.text)
@@ -154,7 +193,7 @@ def _run_generation(model_dir: Path, args) -> int:
         say()
         say("=" * 10)
         if stats is not None:  # mlx_lm.generate's three lines, as it prints them, for scripts that parse them
-            say(f"Prompt: {stats.prompt_tokens} tokens, {stats.prefill_tps:.3f} tokens-per-sec")
+            say(f"Prompt: {stats.prompt_tokens - stats.cached_tokens} tokens, {stats.prefill_tps:.3f} tokens-per-sec")
             say(f"Generation: {stats.generated_tokens} tokens, {stats.decode_tps:.3f} tokens-per-sec")
             say(f"Peak memory: {stats.peak_active_memory / 1e9:.3f} GB")
         spec = engine.spec
@@ -182,14 +221,26 @@ def cmd_record_routing(args) -> int:
     return 0
 
 
+def _cache_eos(metadata: dict) -> str | None:
+    """The end-of-sequence token mlx_lm.cache_prompt was given (its ``--eos-token``)."""
+    import json
+
+    try:
+        return json.loads(metadata.get("tokenizer_config") or "{}").get("eos_token")
+    except (ValueError, AttributeError):
+        return None
+
+
 def cmd_generate(args) -> int:
     from edge0.hub import resolve_model
 
-    return _run_generation(resolve_model(args.model), args)
+    model, start = _cache_file(args, args.model)
+    return _run_generation(resolve_model(model), args, start)
 
 
 def cmd_demo(args) -> int:
-    return _run_generation(demo_model_dir(), args)
+    model, start = _cache_file(args, str(demo_model_dir()))
+    return _run_generation(Path(model), args, start)
 
 
 def cmd_make_tiny(args) -> int:
@@ -215,10 +266,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text, streaming routed experts from disk (mlx_lm.generate's flags)")
-    g.add_argument("--model", required=True,
+    g.add_argument("--model", default=None,
                    help="an mlx-lm int4 MoE checkpoint: a directory, or a repo id (ORG/NAME) in the local Hugging "
-                        "Face cache")
+                        "Face cache (required unless --prompt-cache-file names it)")
     _add_engine_flags(g)
+    _add_cache_file_flag(g)
     g.set_defaults(func=cmd_generate)
 
     d = sub.add_parser("demo", help="generate from the built-in default model (nothing downloaded)",
@@ -226,6 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "Python standard library, int4; docs/TEACHER.md) with its prerouter heads and "
                                    "recovery adapter when they are beside it. Takes generate's flags.")
     _add_engine_flags(d)
+    _add_cache_file_flag(d)
     d.set_defaults(func=cmd_demo)
 
     r = sub.add_parser("record-routing", help="record a generation's routing (the oracle for --decode-path staged)",

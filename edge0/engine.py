@@ -33,7 +33,7 @@ from edge0.constrain import ConstraintCache
 from edge0.errors import DistributedError, ConfigError, EngineClosedError, ExpertReadError
 from edge0.exec.oracle import OracleRouting, RoutingRecorder
 from edge0.loader import StepModel, Streaming, load_streaming_model
-from edge0.prompt_cache import PromptCache
+from edge0.prompt_cache import PromptCache, check_scope
 from edge0.prompts import check_text_size, longest_token_chars
 from edge0.prompts import prompt_ids as build_prompt_ids
 from edge0.logs import configure as configure_logs
@@ -85,7 +85,8 @@ class Engine:
         self._batcher = Batcher(self, self.config.max_batch)
         # a model whose caches are not all plain KV caches (state-space, linear attention)
         # runs its generations one at a time
-        self._batchable = self._worker.call(lambda: batchable(bnn.make_cache(self._step_model)))
+        self._own_cache = self._worker.call(lambda: bnn.make_cache(self._step_model))  # the kinds a given one must be
+        self._batchable = batchable(self._own_cache)
         self.prompt_cache = PromptCache(self.config.prompt_cache_mb * 2**20) if self.config.prompt_cache_mb else None
         self._constraints = ConstraintCache(self.tokenizer, whitespace=self.config.json_whitespace)
         # what XTC sampling never drops, as mlx-lm's server has it: the newline's tokens and EOS
@@ -197,26 +198,40 @@ class Engine:
 
     def _submit(self, prompt, sampling: dict, record: RoutingRecorder | None = None,
                 adapter=None, admission: Admission | None = None, consumer_timeout: float | None = None,
-                cache_scope: str | None = None) -> Job:
+                cache_scope: str | None = None, prompt_cache: list | None = None) -> Job:
         """Validate, then queue a generation for the batch loop on the compute thread."""
         if self._closed:
             raise EngineClosedError("the engine is closed")
-        _check_cache_scope(cache_scope)
+        check_scope(cache_scope)
         ids, params = self.validate(prompt, **sampling)
+        start = None if prompt_cache is None else (prompt_cache, self._start_offset(prompt_cache, ids))
         if params.seed is None and self.streaming.pipeline is not None:  # every rank samples alike
             params = dataclasses.replace(params, seed=self.streaming.pipeline.next_seed())
         job = Job()
         job.admission = admission
         job.stall_timeout = consumer_timeout
-        self._batcher.submit(self._row(job, ids, params, record, adapter, cache_scope))
+        self._batcher.submit(self._row(job, ids, params, record, adapter, cache_scope, start))
         return job
 
+    def _start_offset(self, cache: list, ids: list[int]) -> int:
+        """The tokens a given prompt cache holds before ``ids``, checked against the model and
+        its context."""
+        if self.streaming.pipeline is not None:
+            raise ConfigError("a given prompt cache cannot start a pipeline's generation (each rank holds its layers)")
+        offset = bnn.check_start_cache(self._own_cache, cache, self.config.kv_bits, self.config.kv_group_size)
+        if self.context_length is not None and offset + len(ids) >= self.context_length:
+            raise ConfigError(f"the prompt cache's {offset} tokens and the prompt's {len(ids)} fill the model's "
+                              f"context of {self.context_length} tokens: shorten the prompt")
+        return offset
+
     def _row(self, job: Job, ids: list[int], params: SamplingParams, record, adapter,
-             cache_scope: str | None = None) -> Row:
-        """A generation for the batch loop, counted in line."""
-        ctx = self.context_length
-        max_tokens = min(params.max_tokens, ctx - len(ids)) if ctx is not None else params.max_tokens
+             cache_scope: str | None = None, start: tuple[list, int] | None = None) -> Row:
+        """A generation for the batch loop, counted in line; ``start``: (a given prompt
+        cache, the tokens it holds)."""
+        ctx, offset = self.context_length, start[1] if start is not None else 0
+        max_tokens = min(params.max_tokens, ctx - offset - len(ids)) if ctx is not None else params.max_tokens
         row = Row(job, ids, params, record, adapter, max_tokens, cache_scope)
+        row.start = start
         # its format compiled (a cache hit after validate) and its matcher copied here, on the submitting
         # thread, before the row is counted in line (a large grammar's copy took 0.18 s)
         constraint = self._constraints.get(params.response_format)
@@ -225,8 +240,9 @@ class Engine:
         # alone: a recording, a rotating cache, an oracle's step-by-step routing of one sequence, a KV
         # cache that will be quantized
         cfg = self.config
-        row.kv_quant = cfg.kv_bits is not None and len(ids) + max_tokens > cfg.quantized_kv_start
+        row.kv_quant = cfg.kv_bits is not None and offset + len(ids) + max_tokens > cfg.quantized_kv_start
         row.alone = (record is not None or params.max_kv_size is not None or not self._batchable or row.kv_quant
+                     or start is not None
                      or (stager is not None and stager.oracle is not None))
         self._jobs.add(job)
         self._line.submitted(job.admission)
@@ -239,14 +255,18 @@ class Engine:
         return self._row(DiscardingJob(), ids, params, None, spec["adapter"], spec.get("cache_scope"))
 
     def stream(self, prompt: str | Sequence[int], *, adapter=DEFAULT_ADAPTER, admission: Admission | None = None,
-               cache_scope: str | None = None, **sampling) -> Iterator[TokenEvent]:
+               cache_scope: str | None = None, prompt_cache: list | None = None,
+               **sampling) -> Iterator[TokenEvent]:
         """Synchronous token stream. Leaving the loop early stops the generation.
         ``adapter``: the name of a loaded adapter, ``None`` for the bare base; by default the
         engine's default adapter (if any). ``admission``: from ``admit()``, released when the
         generation ends. ``cache_scope``: the prompt cache shares entries only among
-        generations of the same scope (e.g. one per tenant; None is one scope of its own)."""
+        generations of the same scope (e.g. one per tenant; None is one scope of its own).
+        ``prompt_cache``: as mlx-lm's, a KV cache holding a prefix (``mlx_lm.cache_prompt``'s
+        file, ``edge0.load_prompt_cache``); ``prompt`` is what follows it. It is extended in
+        place, and the generation runs alone."""
         job = self._submit(prompt, sampling, adapter=self._adapter_for(adapter), admission=admission,
-                           cache_scope=cache_scope)
+                           cache_scope=cache_scope, prompt_cache=prompt_cache)
         wait = self._pipeline_wait()
         try:
             while (event := job.get(wait)) is not END:
@@ -260,7 +280,8 @@ class Engine:
 
     async def generate(self, prompt: str | Sequence[int], *, adapter=DEFAULT_ADAPTER, heartbeat: float | None = None,
                        admission: Admission | None = None, consumer_timeout: float | None = None,
-                       cache_scope: str | None = None, **sampling) -> AsyncIterator[TokenEvent | None]:
+                       cache_scope: str | None = None, prompt_cache: list | None = None,
+                       **sampling) -> AsyncIterator[TokenEvent | None]:
         """Async token stream; the event loop is never blocked by compute or reads.
 
         Leaving it by any route (``break``, an exception, cancellation, ``aclosing``, the
@@ -274,9 +295,9 @@ class Engine:
         connection alive. ``admission``: from ``admit()``, released when the generation ends.
         ``consumer_timeout``: when this consumer takes no token for that many seconds, the
         generation stops (``StalledConsumerError``) so that it holds the engine no longer.
-        ``cache_scope``: as ``stream``'s."""
+        ``cache_scope``, ``prompt_cache``: as ``stream``'s."""
         job = self._submit(prompt, sampling, adapter=self._adapter_for(adapter), admission=admission,
-                           consumer_timeout=consumer_timeout, cache_scope=cache_scope)
+                           consumer_timeout=consumer_timeout, cache_scope=cache_scope, prompt_cache=prompt_cache)
         wake = AsyncWaker(anyio.lowlevel.current_token())
         job.add_waker(wake)
         lost_after = self._pipeline_wait()
@@ -392,20 +413,18 @@ class Engine:
 
     # -- prompts, admission, metrics ----------------------------------------------------------
     def prompt_ids(self, prompt: str | None = None, *, messages: Sequence[dict] | None = None,
-                   system_prompt: str | None = None, chat_template: bool = True,
-                   tools: Sequence[dict] | None = None, template_kwargs: dict | None = None,
-                   role_mapping: dict | None = None, prefill_response: str | None = None) -> list[int]:
-        """Token ids of a prompt as mlx-lm builds them (``edge0.prompts.prompt_ids``): with a
-        chat template, ``prompt`` as one user message after an optional ``system_prompt``, or
-        ``messages`` (and ``tools``, OpenAI function definitions); without, the text (a base
-        model continues the messages' contents, or, with ``role_mapping``, mlx-lm's prompt of
-        them). ``template_kwargs``: the chat template's variables (``enable_thinking``);
-        ``prefill_response``: the start of the assistant's answer, which the model continues."""
+                   **options) -> list[int]:
+        """Token ids of a prompt as mlx-lm builds them (``edge0.prompts.prompt_ids``, whose
+        keywords ``options`` are): with a chat template, ``prompt`` as one user message after
+        an optional ``system_prompt``, or ``messages`` (and ``tools``, OpenAI function
+        definitions); without, the text (a base model continues the messages' contents, or,
+        with ``role_mapping``, mlx-lm's prompt of them). ``template_kwargs``: the chat
+        template's variables (``enable_thinking``); ``prefill_response``: the start of the
+        assistant's answer, which the model continues; ``after_cache``: the prompt follows a
+        prefix a given prompt cache holds (``stream(prompt_cache=)``)."""
         self._check_text_size(len(prompt or "") + sum(len(str(m.get("content") or "")) for m in messages or ()))
-        return build_prompt_ids(self.tokenizer, self.encode, prompt, messages=messages, system_prompt=system_prompt,
-                                chat_template=chat_template, tools=tools, check_chars=self._check_text_size,
-                                template_kwargs=template_kwargs, role_mapping=role_mapping,
-                                prefill_response=prefill_response)
+        return build_prompt_ids(self.tokenizer, self.encode, prompt, messages=messages,
+                                check_chars=self._check_text_size, **options)
 
     def admit(self, max_waiting: int | None = None) -> Admission:
         """Count a request in line from now (before any work for it) until its generation
@@ -455,15 +474,6 @@ def _open(model_dir: Path, config: EngineConfig, oracle, log) -> tuple[Streaming
     except BaseException:
         streaming.close()
         raise
-
-
-MAX_CACHE_SCOPE = 1024  # characters
-
-
-def _check_cache_scope(scope) -> None:
-    if scope is not None and (not isinstance(scope, str) or len(scope) > MAX_CACHE_SCOPE):
-        raise ConfigError(f"cache_scope must be None or a string of at most {MAX_CACHE_SCOPE} characters, got "
-                          f"{type(scope).__name__} {str(scope)[:40]!r}")
 
 
 def _shutdown(worker: ComputeThread, streaming: Streaming, jobs: set) -> None:

@@ -26,6 +26,17 @@ from collections import OrderedDict
 from collections.abc import Hashable
 
 from edge0.backend import nn as bnn
+from edge0.errors import ConfigError
+
+MAX_CACHE_SCOPE = 1024  # characters
+
+
+def check_scope(scope) -> None:
+    """A generation's ``cache_scope``: None or a string of at most ``MAX_CACHE_SCOPE``
+    characters."""
+    if scope is not None and (not isinstance(scope, str) or len(scope) > MAX_CACHE_SCOPE):
+        raise ConfigError(f"cache_scope must be None or a string of at most {MAX_CACHE_SCOPE} characters, got "
+                          f"{type(scope).__name__} {str(scope)[:40]!r}")
 
 
 class PromptCache:
@@ -96,3 +107,10 @@ def _common_prefix(a, b) -> int:
         n += 1
     return n
 
+
+
+def load_prompt_cache(path) -> list:
+    """A prompt cache file that ``mlx_lm.cache_prompt`` wrote, as the cache
+    ``Engine.stream(prompt, prompt_cache=...)`` continues (read on the calling thread; a
+    file that is not one is a ``ConfigError`` naming it)."""
+    return bnn.load_cache_file(path)[0]

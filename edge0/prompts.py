@@ -11,7 +11,8 @@ def prompt_ids(tok, encode: Callable[[str], list[int]], prompt: str | None = Non
                messages: Sequence[dict] | None = None, system_prompt: str | None = None,
                chat_template: bool = True, tools: Sequence[dict] | None = None,
                check_chars: Callable[[int], None] | None = None, template_kwargs: dict | None = None,
-               role_mapping: dict | None = None, prefill_response: str | None = None) -> list[int]:
+               role_mapping: dict | None = None, prefill_response: str | None = None,
+               after_cache: bool = False) -> list[int]:
     """``prompt`` (text): with a chat template (the tokenizer has one and ``chat_template``),
     one user message after an optional ``system_prompt``; without, the text with the
     tokenizer's special tokens. ``messages`` (``{"role", "content"}``): the chat template, or,
@@ -24,7 +25,11 @@ def prompt_ids(tok, encode: Callable[[str], list[int]], prompt: str | None = Non
     ``stop`` after each message) writes the messages of a model without a chat template
     instead of joining their contents. ``prefill_response``: the start of the assistant's
     answer, written into the template as its last message, which the model continues
-    (``mlx_lm.generate --prefill-response``; a prompt without a chat template refuses it)."""
+    (``mlx_lm.generate --prefill-response``; a prompt without a chat template refuses it).
+    ``after_cache``: the prompt continues a prefix a prompt cache holds (``mlx_lm.generate
+    --prompt-cache-file``): with a chat template, only the text from ``prompt``'s message on
+    (what the template writes before it is in the cache); without, the text with no special
+    tokens (a BOS belongs at the start, which the cache holds)."""
     templated = chat_template and getattr(tok, "has_chat_template", False)
     if prefill_response is not None and not templated:
         raise ConfigError("prefill_response needs the tokenizer's chat template (this prompt is plain text: put the "
@@ -35,7 +40,7 @@ def prompt_ids(tok, encode: Callable[[str], list[int]], prompt: str | None = Non
         if prompt is None:
             raise ConfigError("prompt_ids needs a prompt or messages")
         if not templated:
-            return tok.encode(prompt, add_special_tokens=True)
+            return tok.encode(prompt, add_special_tokens=not after_cache)
         messages = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
         messages.append({"role": "user", "content": prompt})
     elif not templated:
@@ -53,9 +58,17 @@ def prompt_ids(tok, encode: Callable[[str], list[int]], prompt: str | None = Non
                                        **extra)
     except TemplateError as e:  # the template's own raise_exception, e.g. roles that do not alternate
         raise ConfigError(f"the model's chat template refuses these messages: {e}") from None
+    if after_cache:  # the prompt's message on: render it with a marker for its content, cut there
+        marked = [dict(m) for m in messages]
+        marked[-2 if prefill_response is not None else -1]["content"] = QUERY_MARK
+        text = text[tok.apply_chat_template(marked, tokenize=False, add_generation_prompt=prefill_response is None,
+                                            **extra).index(QUERY_MARK):]
     if check_chars is not None:
         check_chars(len(text))
     return tok.encode(text, add_special_tokens=False)
+
+
+QUERY_MARK = "<query>"  # mlx_lm.generate's marker for where a cached prefix ends
 
 
 def mapped_roles(messages: Sequence[dict], role_mapping: dict) -> str:

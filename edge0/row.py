@@ -45,6 +45,7 @@ class Row:
         self.cache = None  # its own cache (mlx-lm's list, one per layer) until it joins the batch
         self.pos = 0  # tokens its cache holds
         self.cached = 0  # prompt tokens that came from the prompt cache
+        self.start = None  # (a given prompt cache, the tokens it holds before ids): Engine.stream(prompt_cache=)
         self.next = None  # the token its next forward pass takes
         self.pstate = None  # the prerouter's observations of this sequence (before it joins)
         self.seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1

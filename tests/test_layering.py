@@ -161,7 +161,7 @@ def test_public_surface():
         "CheckpointError", "ConfigError", "Edge0Error", "Engine", "EngineConfig", "ExpertReadError",
         "ForeignArtifactError", "GenerationStats", "HeaderError", "LayoutError", "MoESpec", "SUPPORTED_MODEL_TYPES",
         "SamplingParams", "TokenEvent", "TokenizerError", "UnsafeModelError", "UnsupportedModelError", "generate",
-        "load_spec",
+        "load_prompt_cache", "load_spec",
     }
     for name in edge0.__all__:
         assert hasattr(edge0, name), name

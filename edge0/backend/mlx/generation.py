@@ -53,6 +53,52 @@ def make_cache(model: nn.Module, max_kv_size: int | None = None) -> list:
     return make_prompt_cache(model, max_kv_size=max_kv_size)
 
 
+def load_cache_file(path) -> tuple[list, dict]:
+    """A prompt cache file (``mlx_lm.cache_prompt``'s: mlx-lm's ``save_prompt_cache``) as
+    (the cache, one entry per layer; its metadata). A file that is not one is a
+    ``ConfigError`` naming it."""
+    from mlx_lm.models.cache import load_prompt_cache
+
+    if not Path(path).is_file():
+        raise ConfigError(f"prompt cache file {path}: no such file")
+    try:
+        cache, metadata = load_prompt_cache(str(path), return_metadata=True)
+    except (Exception, RecursionError) as e:  # noqa: BLE001 - whatever a foreign file makes mlx-lm raise
+        raise ConfigError(f"prompt cache file {path} is not an mlx-lm prompt cache (mlx_lm.cache_prompt writes "
+                          f"one): {type(e).__name__}: {str(e)[:300]}") from None
+    if not isinstance(cache, list) or not cache or not isinstance(metadata, dict):
+        raise ConfigError(f"prompt cache file {path} holds no cache")
+    mx.eval([c.state for c in cache])  # read here: a lazy load is bound to this thread's stream
+    return cache, metadata
+
+
+def check_start_cache(own: list, cache, kv_bits: int | None, kv_group_size: int) -> int:
+    """The tokens a given prompt cache (a prefix's KV, e.g. ``load_cache_file``'s) holds,
+    after checking it fits the model whose own fresh cache is ``own``: one entry per layer,
+    each of the kind the model's own cache has (a plain KV cache may have been quantized: then with ``kv_bits`` and
+    ``kv_group_size`` when those are set). ``ConfigError`` naming what does not fit."""
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+    if not isinstance(cache, (list, tuple)) or len(cache) != len(own):
+        n = len(cache) if isinstance(cache, (list, tuple)) else type(cache).__name__
+        raise ConfigError(f"the prompt cache holds {n} layers; this model has {len(own)} (it was made for "
+                          "another model)")
+    for i, (c, o) in enumerate(zip(cache, own)):
+        quantized = type(c) is QuantizedKVCache and type(o) is KVCache
+        if type(c) is not type(o) and not quantized:
+            raise ConfigError(f"the prompt cache's layer {i} is a {type(c).__name__}; this model's is a "
+                              f"{type(o).__name__} (it was made for another model)")
+        if quantized and kv_bits is not None and (c.bits, c.group_size) != (kv_bits, kv_group_size):
+            raise ConfigError(f"kv_bits {kv_bits} / kv_group_size {kv_group_size} do not match the prompt cache's "
+                              f"quantization ({c.bits} bits, groups of {c.group_size})")
+    # evaluated on the caller's thread: arrays made lazily there cannot be computed on another
+    mx.eval([c.state for c in cache])
+    offsets = [c.offset for c in cache if isinstance(getattr(c, "offset", None), int)]
+    if not offsets or min(offsets) < 1 or len(set(offsets)) > 1:
+        raise ConfigError(f"the prompt cache holds no prefix, or layers of different lengths ({sorted(set(offsets))})")
+    return offsets[0]
+
+
 def row_sampling(params, extra_processors: tuple = (), xtc_special: tuple = ()) -> tuple:
     """(sampler, logits processors) of one generation, mlx-lm's, built from ``params`` (a
     SamplingParams), then ``extra_processors`` (a constraint's mask last, so nothing lifts

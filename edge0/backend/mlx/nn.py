@@ -27,8 +27,10 @@ from edge0.backend.mlx.generation import (
     is_plain_kv_cache,
     row_sampling,
     cache_trimmable,
+    check_start_cache,
     copy_prefix,
     generate_step,
+    load_cache_file,
     load_tokenizer,
     make_cache,
     trim_cache,
@@ -86,5 +88,5 @@ __all__ = [
     "module_at", "parameters_flat", "quantize_switch", "router_weight", "set_module_at", "silu",
     "rotary_dims", "split_projections", "switch_experts", "switch_layout", "switch_output_width", "token_embedding",
     "trim_cache", "value_and_grad", "copy_prefix", "batch_cache", "empty_batch_cache", "extend_batch_cache", "extract_batch_row",
-    "filter_batch_cache", "is_plain_kv_cache", "row_sampling",
+    "filter_batch_cache", "is_plain_kv_cache", "row_sampling", "check_start_cache", "load_cache_file",
 ]
