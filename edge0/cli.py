@@ -57,7 +57,7 @@ def _str2bool(text: str) -> bool:
     return text.lower() not in ("false", "f")
 
 
-def _add_engine_flags(p: argparse.ArgumentParser, *, demo: bool = False) -> None:
+def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     from edge0.config_sources.cli_flags import add_config_flags
 
     p.add_argument("--prompt", "-p", default=None,

@@ -263,9 +263,6 @@ class EngineConfig:
                 return path
         return self.decode_path if phase == "decode" else self.prefill_path
 
-    def uses(self, path: str, layers) -> bool:
-        return any(self.path_for(l, ph) == path for l in layers for ph in PHASES)
-
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in fields(cls))

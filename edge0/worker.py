@@ -226,10 +226,6 @@ class Job:
             self._items.clear()
             self._changed()
 
-    def wait_finished(self, timeout: float | None = None) -> bool:
-        with self._cond:
-            return self._cond.wait_for(lambda: self.finished, timeout)
-
 
 class DiscardingJob(Job):
     """A generation whose events nobody takes (a pipeline rank that follows rank 0, which

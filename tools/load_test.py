@@ -592,7 +592,8 @@ def concurrency_phase(url: str, pid: int | None, args: argparse.Namespace, clien
                                                       if r.get("cached_tokens") is not None]),
             "peak_rss_kib": max(sampler.rss) if sampler.rss else None, "rss_samples": len(sampler.rss),
             "expert_bytes_per_token": bytes_per_token, "decode_expert_bytes_per_token": decode_bytes_per_token,
-            "mean_batch_size": mean(sampler.batch), "batch_samples": len(sampler.batch) if edge0 else None}
+            "mean_batch_size": mean(sampler.batch), "batch_samples": len(sampler.batch) if edge0 else None,
+            "metrics_failed": sampler.metrics_failed if edge0 else None}
 
 
 def mean(values: list[float]) -> float | None:

@@ -1,12 +1,11 @@
 """The array-library facade.
 
 Core logic (spec, checkpoint index, routing, engine) reaches the array library only
-through these five modules, so another backend can implement the same surface:
+through these modules, so another backend can implement the same surface:
 
 - ``core``:  arrays, dtypes, evaluation, memory counters, the ops routing needs;
 - ``nn``:    model classes, building and loading the resident part of a model;
 - ``io``:    device buffers that reader threads can fill in place;
-- ``quant``: the quantized gather matmul and dequantization;
 - ``dist``:  the distributed group, transfers between ranks, the stand-ins of a pipeline rank;
 - ``kernels``: which kernels compute the quantized matmuls (MLX's or Edge0's own).
 
@@ -26,7 +25,7 @@ NAME = "mlx"
 
 
 def load(name: str = NAME) -> ModuleType:
-    """Return the backend package ``name`` (it has ``core``, ``nn``, ``io``, ``quant``)."""
+    """Return the backend package ``name`` (it has ``core``, ``nn``, ``io``, ``dist``, ``kernels``)."""
     if name not in BACKENDS:
         raise ConfigError(f"unknown backend {name!r}; available: {sorted(BACKENDS)}")
     return importlib.import_module(BACKENDS[name])
@@ -36,8 +35,7 @@ _default = load(NAME)
 core = _default.core
 nn = _default.nn
 io = _default.io
-quant = _default.quant
 dist = _default.dist
 kernels = _default.kernels
 
-__all__ = ["BACKENDS", "NAME", "core", "dist", "io", "kernels", "load", "nn", "quant"]
+__all__ = ["BACKENDS", "NAME", "core", "dist", "io", "kernels", "load", "nn"]

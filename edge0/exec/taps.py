@@ -38,12 +38,6 @@ from edge0.backend import nn as bnn
 from edge0.exec.plan import Executor
 
 
-def switch_params(template) -> list[tuple[str, tuple[int, ...], object]]:
-    """(name, shape, dtype) of every stacked tensor of a switch module, e.g.
-    ``gate_proj.weight``: each has the experts on axis 0."""
-    return [(name, tuple(v.shape), v.dtype) for name, v in bnn.parameters_flat(template).items()]
-
-
 def bind(template, views: dict):
     """A clone of ``template`` whose stacked tensors are ``views`` (name -> array with a
     leading axis of buffer rows): calling it computes the template's ops on those rows."""

@@ -35,7 +35,6 @@ class WholeLayerExecutor:
         self.buffers: list[ExpertRows] = []
         self.holds: list[tuple[int, Future] | None] = [None, None]  # buffer -> (layer, load)
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edge0-layer-load")
-        self.wait_seconds = 0.0
 
     def close(self) -> None:
         self._loader.shutdown(wait=True)
@@ -77,13 +76,11 @@ class WholeLayerExecutor:
         if buf is None:
             buf = next((i for i, h in enumerate(self.holds) if h is None or h[1].done()), 0)
             self._load(layer, buf)
-        t0 = time.perf_counter()
         try:
             self.holds[buf][1].result()
         except BaseException:
             self.holds[buf] = None
             raise
-        self.wait_seconds += time.perf_counter() - t0
         later = [l for l in self.layers if l > layer]
         other = 1 - buf
         if later and not (self.holds[other] and self.holds[other][0] == later[0]):

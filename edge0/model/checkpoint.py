@@ -175,9 +175,6 @@ class CheckpointIndex:
         self.layers: dict[int, LayerExperts] = {l: self._layer(l, layouts[l]) for l in spec.moe_layers}
 
     # -- queries --------------------------------------------------------------------------
-    def resident_keys(self) -> list[str]:
-        return [k for k in self.entries if not self.spec.is_expert_key(k)]
-
     @property
     def expert_bytes_total(self) -> int:
         return sum(le.expert_bytes * self.spec.num_experts for le in self.layers.values())

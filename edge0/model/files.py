@@ -24,9 +24,8 @@ from pathlib import Path
 
 from edge0.errors import ConfigError, UnsafeModelError
 
-KIB, MIB = 2**10, 2**20
+MIB = 2**20
 JSON_LIMIT = 16 * MIB  # config.json, index files, tokenizer_config.json (real ones are < 1 MiB)
-TOKENIZER_LIMIT = 512 * MIB  # tokenizer.json of the largest vocabularies is tens of MiB
 MAX_JSON_DEPTH = 64
 
 

@@ -136,12 +136,6 @@ def _configured(cfg, args):
     return cfg
 
 
-def _bars(args):
-    if args.no_progress:
-        return None
-    return lambda name: Progress(name)
-
-
 _DATA_PARALLEL = ("heads", "sft", "distill")
 
 

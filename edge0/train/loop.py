@@ -56,10 +56,6 @@ class LoopResult:
     seconds: float = 0.0
     stopped_by_budget: bool = False
 
-    def first_last(self, n: int = 10) -> tuple[float, float]:
-        k = max(1, min(n, len(self.losses) // 2))
-        return float(np.mean(self.losses[:k])), float(np.mean(self.losses[-k:]))
-
 
 def lr_at(cfg: LoopConfig, step: int) -> float:
     """Linear warm-up (``lr / warmup`` at step 0, ``lr`` at step ``warmup - 1``), then cosine

@@ -163,11 +163,6 @@ def quality_table(teacher_dir: str | Path | None, rows: list[Row], tokens: list[
             "reference": "float32 teacher" if teacher_dir is not None else results[0]["label"]}
 
 
-def recovery(table: dict, before: str, after: str, teacher: str | None = None) -> float:
-    """Share of the (before - teacher) perplexity gap that ``after`` pays back."""
-    by = {r["label"]: r["perplexity"] for r in table["rows"]}
-    t = by[teacher] if teacher else table["rows"][0]["perplexity"]
-    return (by[before] - by[after]) / (by[before] - t) if by[before] != t else float("nan")
 
 
 def markdown(table: dict) -> str:

@@ -28,7 +28,6 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 
 from edge0.adapters import AdaptedLinear, adapter_key, save_adapter, target_modules
 from edge0.model.arch import derive_spec
@@ -186,9 +185,6 @@ class StudentModel:
         for path, wrapper in self.adapted.items():
             if f"{path}.lora_a" in weights:
                 wrapper.lora_a, wrapper.lora_b = weights[f"{path}.lora_a"], weights[f"{path}.lora_b"]
-
-    def trainable(self) -> dict:
-        return dict(tree_flatten(self.model.trainable_parameters()))
 
     def logits(self, tokens, prompt_lengths):
         """tokens [B, T] int32; prompt_lengths [B]: positions >= P route by prediction."""

@@ -1,8 +1,8 @@
 """Tokenizer, token generation and the prompt cache (MLX, mlx-lm).
 
 mlx-lm's tokenizer wrapper with its streaming detokenizer (``load_tokenizer``, its
-failures turned into ``TokenizerError``), mlx-lm's token generator driven by Edge0's
-sampling parameters (``generate_step``), and the KV / state cache it runs on: making one
+failures turned into ``TokenizerError``), mlx-lm's sampler and logits processors built from
+Edge0's sampling parameters (``row_sampling``), and the KV / state cache: making one
 (``make_cache``), its size in bytes (``cache_nbytes``) and trimming tokens off its end
 where its layers allow that (``cache_trimmable``, ``trim_cache``).
 """
@@ -29,20 +29,6 @@ def load_tokenizer(model_dir: Path):
     except (Exception, RecursionError) as e:
         raise TokenizerError(f"the tokenizer does not load: {type(e).__name__}: {str(e)[:500]}",
                              file=model_dir) from None
-
-
-def generate_step(prompt, model, params, *, prefill_step_size: int, max_tokens: int | None = None,
-                  prompt_cache=None, extra_processors: tuple = ()):
-    """mlx-lm's token generator (prefill in chunks, then one token per step, one step of
-    look-ahead), with its sampler and logits processors built from ``params`` (a
-    SamplingParams), then ``extra_processors`` (a constraint's mask last, so nothing
-    lifts a token it masked); yields (token, logprobs [V])."""
-    from mlx_lm.generate import generate_step as _generate_step
-
-    sampler, processors = row_sampling(params, extra_processors)
-    return _generate_step(mx.array(prompt), model, max_tokens=max_tokens or params.max_tokens, sampler=sampler,
-                          logits_processors=processors or None, max_kv_size=params.max_kv_size,
-                          prompt_cache=prompt_cache, prefill_step_size=prefill_step_size)
 
 
 def make_cache(model: nn.Module, max_kv_size: int | None = None) -> list:

@@ -29,7 +29,6 @@ from edge0.backend.mlx.generation import (
     cache_trimmable,
     check_start_cache,
     copy_prefix,
-    generate_step,
     load_cache_file,
     load_tokenizer,
     make_cache,
@@ -82,7 +81,7 @@ def split_projections(model: Module, threads: int, min_weights: int | None = Non
 
 __all__ = [
     "Linear", "Module", "SPLIT_MIN_WEIGHTS", "SplitQuantizedLinear", "adamw", "arg_annotations", "build_model",
-    "cache_nbytes", "cache_trimmable", "quantize_kv", "kv_group_problem", "cast_model", "children", "dequantize_model", "generate_step",
+    "cache_nbytes", "cache_trimmable", "quantize_kv", "kv_group_problem", "cast_model", "children", "dequantize_model",
     "hidden_width", "intercept", "is_linear", "is_switch", "linear_dims", "linear_modules", "load_full_model", "load_teacher",
     "load_parameters_flat", "load_resident", "load_tokenizer", "log_sigmoid", "make_cache", "model_classes",
     "module_at", "parameters_flat", "quantize_switch", "router_weight", "set_module_at", "silu",
