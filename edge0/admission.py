@@ -26,7 +26,7 @@ class Admission:
         self.released = False
 
     def release(self) -> None:
-        self._line._release(self)
+        self._line.release(self)
 
     def __enter__(self) -> "Admission":
         return self
@@ -56,7 +56,7 @@ class Line:
             self._admitted.add(a)
             return a
 
-    def _release(self, a: Admission) -> None:
+    def release(self, a: Admission) -> None:
         with self._lock:
             if not a.released:
                 a.released = True

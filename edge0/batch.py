@@ -42,15 +42,16 @@ def batchable(cache: list) -> bool:
 
 class Batcher:
     """The batch loop of one engine, on its compute thread: rows waiting, prefilling and
-    decoding; ``submit`` from any thread. ``host`` is the engine (its streaming model,
-    tokenizer, prompt cache, constraints, line, log and the end-of-row hook)."""
+    decoding; ``submit`` from any thread. ``host`` is the engine's ``Runtime`` (its
+    streaming model, tokenizer, prompt cache, line, log and the hooks of a batch's start and
+    end)."""
 
     def __init__(self, host, max_batch: int):
         self.host = host
         self.max_batch = max_batch
-        self._lock = threading.Lock()
-        self._submitted = threading.Condition(self._lock)  # a row was submitted (a pipeline's followers wait on it)
-        self._waiting: deque[Row] = deque()
+        self.lock = threading.Lock()
+        self._submitted = threading.Condition(self.lock)  # a row was submitted (a pipeline's followers wait on it)
+        self.waiting: deque[Row] = deque()
         self._running = False
         self.joining: list[Row] = []  # admitted, prefilling
         self.rows: list[Row] = []  # decoding, in the batch's row order
@@ -64,28 +65,28 @@ class Batcher:
 
     # -- any thread -----------------------------------------------------------------------
     def submit(self, row: Row) -> None:
-        with self._lock:
-            self._waiting.append(row)
+        with self.lock:
+            self.waiting.append(row)
             self._submitted.notify_all()
             if self._running:
                 return
             self._running = True
-        self.host._worker.submit(self.run)
+        self.host.worker.submit(self.run)
 
     def counts(self) -> tuple[int, int]:
         """(rows decoding, rows waiting or prefilling)."""
-        with self._lock:
-            return len(self.rows), len(self._waiting) + len(self.joining)
+        with self.lock:
+            return len(self.rows), len(self.waiting) + len(self.joining)
 
     # -- the compute thread -----------------------------------------------------------------
     def run(self) -> None:
         pipe = self.host.streaming.pipeline
         while True:
-            with self._lock:
-                left = [r for r in self._waiting if r.job.cancelled]  # whose consumer left: out of line now
+            with self.lock:
+                left = [r for r in self.waiting if r.job.cancelled]  # whose consumer left: out of line now
                 if left:  # (never handed to a pipeline's other ranks, which only hear of admitted rows)
-                    self._waiting = deque(r for r in self._waiting if not r.job.cancelled)
-                done = not self._waiting and not self.joining and not self.rows
+                    self.waiting = deque(r for r in self.waiting if not r.job.cancelled)
+                done = not self.waiting and not self.joining and not self.rows
                 if done:
                     self._running = False
                 admitted = self._admit() if not done and (pipe is None or pipe.rank == 0) else []
@@ -99,10 +100,10 @@ class Batcher:
             except BaseException as e:  # a fault of the loop itself: its rows fail, the engine goes on
                 self._fail_all(e)
 
-    def follow(self) -> int:
+    def follow(self, make_row) -> int:
         """A rank after the first of a served pipeline: run every iteration of rank 0's batch
         loop, its generations made from the specs it hands over, until rank 0's engine closes.
-        Returns how many generations ran."""
+        ``make_row``: a handed-over spec -> its ``Row``. Returns how many generations ran."""
         pipe, done = self.host.streaming.pipeline, 0
         while True:
             schedule = pipe.schedule()
@@ -110,7 +111,7 @@ class Batcher:
                 return done
             try:
                 cancelled = self._cancelled(schedule, self.joining + self.rows)
-                admitted = [self.host._follower_row(spec) for spec in schedule.specs or ()]
+                admitted = [make_row(spec) for spec in schedule.specs or ()]
                 if len(admitted) != schedule.admitted:
                     raise DistributedError("rank 0 admitted generations without handing them over "
                                            "(Engine.lead() was not called on rank 0)")
@@ -130,27 +131,27 @@ class Batcher:
         if pipe.rank == 0:
             specs = [r.spec() for r in admitted] if pipe.leading and admitted else None
             flags = [r.job.cancelled for r in prior]
-            with self._lock:
+            with self.lock:
                 micro = (self.host.config.pipeline_micro_batches == 2 and not admitted and not self.joining
-                         and not self._waiting and not any(flags) and self._micro_ready())
+                         and not self.waiting and not any(flags) and self._micro_ready())
             schedule = pipe.schedule(flags, len(admitted), specs, micro=micro)
             return admitted, self._cancelled(schedule, prior), micro
         schedule = pipe.schedule()
         cancelled = self._cancelled(schedule, prior)
         bound = self.host.config.pipeline_timeout_s / 2  # within the generations' own bound, so that this says why
         with self._submitted:
-            if not self._submitted.wait_for(lambda: len(self._waiting) >= schedule.admitted, bound):
+            if not self._submitted.wait_for(lambda: len(self.waiting) >= schedule.admitted, bound):
                 error = DistributedError(
                     f"rank 0 started {schedule.admitted} generations this rank was not asked "
                     f"for within {bound:g} s: every rank must ask for the same generations "
                     "in the same order")
-                for row in self._waiting:  # what this rank was asked for no longer matches rank 0's: it fails
-                    self.host._jobs.discard(row.job)
-                    self.host._line.ended(row.job.admission, started=False)
+                for row in self.waiting:  # what this rank was asked for no longer matches rank 0's: it fails
+                    self.host.jobs.discard(row.job)
+                    self.host.line.ended(row.job.admission, started=False)
                     row.job.finish(error)
-                self._waiting.clear()
+                self.waiting.clear()
                 raise error
-            admitted = [self._waiting.popleft() for _ in range(schedule.admitted)]
+            admitted = [self.waiting.popleft() for _ in range(schedule.admitted)]
             self.joining.extend(admitted)
         return admitted, cancelled, schedule.micro
 
@@ -185,7 +186,7 @@ class Batcher:
             with self.share.timed(decoding=True):
                 self._decode_step()
 
-    def _typed(self, error: BaseException) -> BaseException:
+    def typed(self, error: BaseException) -> BaseException:
         """Under a pipeline, MLX's RuntimeError of a transfer (a rank gone, the link broken)
         as a ``DistributedError`` naming this rank's pipeline."""
         pipe = self.host.streaming.pipeline
@@ -197,11 +198,11 @@ class Batcher:
         return typed
 
     def _fail_all(self, error: BaseException) -> None:
-        error = self._typed(error)
+        error = self.typed(error)
         self.host.log.error("batch.failed", error=f"{type(error).__name__}: {error}")
         for row in self.rows + self.joining:
             row.error = row.error or error
-        with self._lock:
+        with self.lock:
             gone, self.rows, self.cache = self.rows + self.joining, [], None
         for row in gone:
             try:
@@ -210,8 +211,8 @@ class Batcher:
                 row.job.finish(row.error)
 
     def _end_unstarted(self, row: Row) -> None:
-        self.host._jobs.discard(row.job)
-        self.host._line.ended(row.job.admission, started=False)
+        self.host.jobs.discard(row.job)
+        self.host.line.ended(row.job.admission, started=False)
         row.job.finish(row.error)
 
     def _admit(self) -> list[Row]:  # under the lock
@@ -219,11 +220,11 @@ class Batcher:
         busy = self.rows + self.joining
         if any(r.alone for r in busy):
             return out
-        while self._waiting and len(busy) + len(out) < self.max_batch:
-            row = self._waiting[0]
+        while self.waiting and len(busy) + len(out) < self.max_batch:
+            row = self.waiting[0]
             if row.alone and (busy or out):
                 break
-            out.append(self._waiting.popleft())
+            out.append(self.waiting.popleft())
             if row.alone:
                 break
         self.joining.extend(out)
@@ -232,25 +233,25 @@ class Batcher:
     def _start(self, row: Row, piped: bool = False) -> None:
         host, job = self.host, row.job
         job.start()
-        host._line.started()
+        host.line.started()
         if job.cancelled and not piped:  # (a pipeline's rows start alike on every rank: dropped together next)
             return
         try:
             host.streaming.check_files(host.log)
             if not self.rows and not any(r.cache is not None for r in self.joining if r is not row):
-                host._begin_batch()
+                host.begin_batch()
             cache, cached = row.start if row.start is not None else (None, 0)
             if self._cached(row):
                 cache, cached = host.prompt_cache.take((row.adapter, row.cache_scope), row.ids, 3 if self._has_heads() else 1)
-            row.cache = cache if cache is not None else bnn.make_cache(host._step_model, row.params.max_kv_size)
+            row.cache = cache if cache is not None else bnn.make_cache(host.step_model, row.params.max_kv_size)
             row.pos = row.cached = cached if row.start is None else 0
-            row.sampler, row.processors = bnn.row_sampling(row.params, host._constraint_processors(row),
-                                                           host.xtc_special)
+            row.sampler, row.processors = bnn.row_sampling(
+                row.params, (row.constraint,) if row.constraint is not None else (), host.xtc_special)
             # a given cache's tokens precede the prompt: counted as its cached part
             stats = GenerationStats(prompt_tokens=len(row.ids) + (cached if row.start is not None else 0),
                                     cached_tokens=cached)
             stats.heads, _ = host.streaming.describe_artifacts()
-            stats.adapter = host._describe_adapter(row.adapter)
+            stats.adapter = host.describe_adapter(row.adapter)
             stats.compute_dtype = host.streaming.compute_dtype
             stats.kernels = host.streaming.kernels_label
             stats.reads = "direct" if host.reader.direct else "buffered"
@@ -270,9 +271,9 @@ class Batcher:
             self._end_row(row)
         gone = [r for r in self.rows if ends(r)]
         if gone:
-            self._leave(gone)
+            self.leave(gone)
 
-    def _join(self, row: Row) -> None:
+    def join(self, row: Row) -> None:
         self.joining.remove(row)
         row.next = row.ids[-1]
         pre = self.host.streaming.prerouter
@@ -291,7 +292,7 @@ class Batcher:
             states = ([pre.take_state()] if self.rows else []) + [row.pstate]
             pre.put_state(pre.merge_states(states))
         row.cache, row.pstate = None, None
-        with self._lock:
+        with self.lock:
             self.rows.append(row)
 
     def _has_heads(self) -> bool:
@@ -323,37 +324,37 @@ class Batcher:
         if rows and rows[0].kv_quant:  # (it runs alone) as mlx-lm quantizes after each step
             bnn.quantize_kv(self.cache, self.host.config)
         if done:
-            self._leave(done)
+            self.leave(done)
 
     def _step(self, rows: list[Row], cache) -> list[Row]:
         """One forward pass of ``rows`` (one token each) on ``cache``, each row's token
         sampled and handed to its consumer; the rows that ended (finished, left, failed)."""
         bytes0 = self.host.reader.stats.bytes
         try:
-            logits = self._forward(rows, cache)[:, -1, :]
+            logits = self.forward(rows, cache)[:, -1, :]
         except BaseException as e:  # the step itself: every row of it fails
             return self._failed(rows, e)
-        done = self._tokens(rows, logits)
+        done = self.take_tokens(rows, logits)
         self.decode_bytes += self.host.reader.stats.bytes - bytes0
         return done
 
-    def _forward(self, rows: list[Row], cache):
+    def forward(self, rows: list[Row], cache):
         """The decode pass of ``rows`` (lazy): each row's adapter, its last token."""
         bank = self.host.streaming.adapters
         if bank is not None:
             bank.activate_rows([r.adapter for r in rows])
         inputs = B.array([[r.next] for r in rows], dtype=B.int32)
-        return self.host._step_model(inputs, cache=cache, decode=True)
+        return self.host.step_model(inputs, cache=cache, decode=True)
 
     def _failed(self, rows: list[Row], e: BaseException) -> list[Row]:
-        e = self._typed(e)
+        e = self.typed(e)
         for row in rows:
             row.error = row.error or e
         if isinstance(e, ExpertReadError):
-            self.host._after_read_error(e)
+            self.host.after_read_error(e)
         return rows
 
-    def _tokens(self, rows: list[Row], logits) -> list[Row]:
+    def take_tokens(self, rows: list[Row], logits) -> list[Row]:
         """Each row's token sampled from its row of ``logits`` [rows, vocab] and handed to its
         consumer; the rows that ended (finished, left, failed)."""
         host = self.host
@@ -387,7 +388,7 @@ class Batcher:
             if not offered and row.job.error is not None:
                 host.log.warning("generation.consumer_stalled", error=str(row.job.error))
             if event.finish_reason is not None:
-                host._last_stats = event.stats
+                host.last_stats = event.stats
                 done.append(row)
             elif not offered and piped is None:  # (a pipeline's ranks drop it together, at the next boundary)
                 done.append(row)
@@ -407,7 +408,7 @@ class Batcher:
             B.seed(hash((row.seed, len(row.generated))) & (2**63 - 1))
         return row.sampler(logprobs), logprobs.squeeze(0)
 
-    def _leave(self, gone: list[Row]) -> None:
+    def leave(self, gone: list[Row]) -> None:
         """Take ``gone`` out of the batch: their caches to the prompt cache, the batch's
         cache and the prerouter's state filtered to the rows that stay."""
         host = self.host
@@ -421,7 +422,7 @@ class Batcher:
             bnn.filter_batch_cache(self.cache, keep)
             if pre is not None and pre.ready():
                 pre.put_state(pre.select_rows(pre.take_state(), keep))
-        with self._lock:
+        with self.lock:
             self.rows = [self.rows[i] for i in keep]
         if not self.rows:
             self.cache = None
@@ -451,13 +452,13 @@ class Batcher:
             self.joining.remove(row)
         row.cache = row.pstate = None  # its KV now, not when a garbage collection finds its cycles
         host = self.host
-        host._jobs.discard(row.job)
-        host._line.ended(row.job.admission, started=True)
+        host.jobs.discard(row.job)
+        host.line.ended(row.job.admission, started=True)
         try:
             if row.record is not None:
                 host.streaming.set_recorder(None)
             if not self.rows and not self.joining:
-                host._end_generation()
-                host._count_resources()
+                host.end_generation()
+                host.count_resources()
         finally:
             row.job.finish(row.error)

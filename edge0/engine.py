@@ -23,17 +23,16 @@ from typing import AsyncIterator, Iterator, Sequence
 
 import anyio
 
-from edge0.admission import Admission, EngineMetrics, Line
+from edge0.admission import Admission, EngineMetrics
 from edge0.batch import Batcher, batchable
 from edge0.row import Row, TokenEvent, sampling_of  # noqa: F401 - TokenEvent: part of this module's API
-from edge0.backend import core as B
 from edge0.backend import nn as bnn
 from edge0.config import EngineConfig
-from edge0.constrain import ConstraintCache
-from edge0.errors import DistributedError, ConfigError, EngineClosedError, ExpertReadError
+from edge0.errors import DistributedError, ConfigError, EngineClosedError
 from edge0.exec.oracle import OracleRouting, RoutingRecorder
-from edge0.loader import StepModel, Streaming, load_streaming_model
+from edge0.loader import Streaming, load_streaming_model
 from edge0.prompt_cache import PromptCache, check_scope
+from edge0.runtime import Runtime
 from edge0.prompts import check_text_size, longest_token_chars
 from edge0.prompts import prompt_ids as build_prompt_ids
 from edge0.logs import configure as configure_logs
@@ -75,30 +74,43 @@ class Engine:
         except BaseException:
             release_thread(self._worker)
             raise
-        self.model, self.spec, self.index = self.streaming.model, self.streaming.spec, self.streaming.index
-        self.reader = self.streaming.reader
-        self._step_model = StepModel(self.streaming)
+        self._rt = Runtime(self._worker, self.streaming, self.tokenizer, self.config, self.log)
         if self.config.kv_bits is not None and (problem := bnn.kv_group_problem(self.model, self.config.kv_group_size)):
             _shutdown(self._worker, self.streaming, set())
             raise ConfigError(problem)
         # under a pipeline rank 0's batch loop decides what each iteration admits; the other ranks follow it
-        self._batcher = Batcher(self, self.config.max_batch)
+        self._batcher = Batcher(self._rt, self.config.max_batch)
         # a model whose caches are not all plain KV caches (state-space, linear attention)
         # runs its generations one at a time
-        self._own_cache = self._worker.call(lambda: bnn.make_cache(self._step_model))  # the kinds a given one must be
+        self._own_cache = self._worker.call(lambda: bnn.make_cache(self._rt.step_model))  # the kinds a given one must be
         self._batchable = batchable(self._own_cache)
-        self.prompt_cache = PromptCache(self.config.prompt_cache_mb * 2**20) if self.config.prompt_cache_mb else None
-        self._constraints = ConstraintCache(self.tokenizer, whitespace=self.config.json_whitespace)
-        # what XTC sampling never drops, as mlx-lm's server has it: the newline's tokens and EOS
-        self.xtc_special = tuple(self.tokenizer.encode("\n")) + tuple(self.tokenizer.eos_token_ids)
-        self._jobs: set[Job] = set()
-        self._line = Line(self.config.max_batch)
-        self._resources: dict = {}
+        self._constraints = self._rt.constraints
         self._longest_token: int | None = None
-        self._worker.call(self._count_resources)
-        self._last_stats: GenerationStats | None = None
+        self._worker.call(self._rt.count_resources)
         # closes the engine if it is garbage collected or still open at exit
-        self._finalizer = weakref.finalize(self, _shutdown, self._worker, self.streaming, self._jobs)
+        self._finalizer = weakref.finalize(self, _shutdown, self._worker, self.streaming, self._rt.jobs)
+
+    @property
+    def model(self):
+        """The mlx-lm model, its MoE blocks streaming."""
+        return self.streaming.model
+
+    @property
+    def spec(self):
+        return self.streaming.spec
+
+    @property
+    def index(self):
+        return self.streaming.index
+
+    @property
+    def reader(self):
+        return self.streaming.reader
+
+    @property
+    def prompt_cache(self) -> PromptCache | None:
+        """The prompt cache (``prompt_cache_mb``), or None."""
+        return self._rt.prompt_cache
 
     # -- lifecycle ----------------------------------------------------------------------
     @classmethod
@@ -120,7 +132,7 @@ class Engine:
                 self._worker.call(lambda: pipe.schedule(stop=True))  # the ranks that follow stop following
             if self._lost:  # the compute thread waits on a rank that is gone: leave it
                 self._finalizer.detach()
-                for job in list(self._jobs):
+                for job in list(self._rt.jobs):
                     job.cancel()
                 return
             self._finalizer()
@@ -244,8 +256,8 @@ class Engine:
         row.alone = (record is not None or params.max_kv_size is not None or not self._batchable or row.kv_quant
                      or start is not None
                      or (stager is not None and stager.oracle is not None))
-        self._jobs.add(job)
-        self._line.submitted(job.admission)
+        self._rt.jobs.add(job)
+        self._rt.line.submitted(job.admission)
         return row
 
     def _follower_row(self, spec: dict) -> Row:
@@ -344,7 +356,7 @@ class Engine:
         pipe = self.streaming.pipeline
         if pipe is None or pipe.rank == 0:
             raise ConfigError("Engine.follow() is for the ranks after the first of a pipeline (under mlx.launch)")
-        return self._worker.call(self._batcher.follow)
+        return self._worker.call(self._batcher.follow, self._follower_row)
 
     def _pipeline_wait(self) -> float | None:
         """Under a pipeline, how long a generation waits for a token (None: alone, no bound)."""
@@ -355,36 +367,6 @@ class Engine:
         self._lost = True
         return DistributedError(f"rank {pipe.rank} of the {pipe.layout.describe()}: no token for {seconds:g} s; "
                                 "another rank stopped or the link between them broke (pipeline_timeout_s)")
-
-    def _begin_batch(self) -> None:
-        """A batch starts from nothing: what the last one left in the staged machinery and
-        the prerouter goes (slots keep their experts)."""
-        if (stager := self.streaming.stager) is not None:
-            stager.reset()
-        if self.streaming.prerouter is not None:
-            self.streaming.prerouter.reset()
-
-    def _constraint_processors(self, row) -> tuple:
-        return (row.constraint,) if row.constraint is not None else ()
-
-    def _describe_adapter(self, name: str | None) -> str | None:
-        bank = self.streaming.adapters
-        return bank.adapters[name].describe() if bank is not None and name is not None else None
-
-    def _after_read_error(self, e: ExpertReadError) -> None:
-        """What was read from a file that just failed may not match it: forget it all."""
-        self.log.warning("io.read_failed", error=str(e), action="cached experts invalidated")
-        self._end_generation()
-        self.streaming.invalidate()
-
-    def _end_generation(self) -> None:
-        """The batch is empty: cancel what it left in flight, unpin its slots, trim MLX's
-        buffer cache."""
-        if (stager := self.streaming.stager) is not None:
-            stager.reset(keep_report=True)
-        if self.streaming.recorder is not None:
-            self.streaming.set_recorder(None)
-        B.trim_buffer_cache()
 
     def record_routing(self, prompt: str | Sequence[int], **sampling) -> OracleRouting:
         """Run a generation on the exact path and return its per-step routing (the oracle).
@@ -432,16 +414,16 @@ class Engine:
         beyond the ``max_batch`` that run together (None: no bound)."""
         if self._closed:
             raise EngineClosedError("the engine is closed")
-        return self._line.admit(max_waiting)
+        return self._rt.line.admit(max_waiting)
 
     def metrics(self) -> EngineMetrics:
         """The line (requests in flight and queued), expert bytes read, the prompt cache and
         the last finished generation's stats. Any thread; never waits for the compute thread."""
-        in_flight, queued = self._line.counts()
+        in_flight, queued = self._rt.line.counts()
         cache = self.prompt_cache
         batch, stager = self._batcher, self.streaming.stager
         return EngineMetrics(in_flight, queued, self.reader.stats.bytes, cache.nbytes if cache is not None else 0,
-                             cache.hits if cache is not None else 0, self._last_stats, batch.counts()[0],
+                             cache.hits if cache is not None else 0, self._rt.last_stats, batch.counts()[0],
                              batch.steps, batch.tokens, batch.decode_bytes,
                              stager.slot_bytes() if stager is not None else 0,
                              stager.over_slot_layers if stager is not None else 0, batch.micro_turns,
@@ -454,15 +436,8 @@ class Engine:
         never waits: the live generation count, the rest as counted when the compute thread
         last finished a generation."""
         if not wait:
-            return {**self._resources, "generations": len(self._jobs)}
-        return self._worker.call(self._count_resources)
-
-    def _count_resources(self) -> dict:  # on the compute thread
-        stager = self.streaming.stager
-        self._resources = {"generations": len(self._jobs), "pinned_slots": self.streaming.pinned_slots(),
-                           "pending_reads": stager.pending_reads() if stager is not None else 0,
-                           "open_files": self.reader.open_files}
-        return self._resources
+            return {**self._rt.resources, "generations": len(self._rt.jobs)}
+        return self._worker.call(self._rt.count_resources)
 
 
 def _open(model_dir: Path, config: EngineConfig, oracle, log) -> tuple[Streaming, object]:

@@ -98,6 +98,10 @@ class Streaming:
             self._embed = bnn.token_embedding(self.model)
         return self._embed
 
+    @embed.setter
+    def embed(self, value) -> None:  # a pipeline rank's: the rows the first rank relays
+        self._embed = value
+
     @property
     def embed_dim(self) -> int:
         """Width of the token embedding's rows (0 when the model has none)."""
@@ -153,25 +157,25 @@ class StepModel:
     """The model as mlx-lm's generation loop sees it, with Edge0's step hook in front."""
 
     def __init__(self, streaming: Streaming):
-        self._streaming = streaming
+        self.streaming = streaming
 
     def __call__(self, inputs, cache=None, decode: bool | None = None, **kwargs):
         """``inputs`` [rows, tokens]: one sequence's prompt chunk, or a decode step of one
         token for each row of a batch. ``decode``: which it is (None: a pass on one token per
         row is a decode step, as mlx-lm's generation loop makes them)."""
         decode = inputs.shape[-1] == 1 if decode is None else decode
-        phase = getattr(self._streaming, "phase", None)
+        phase = getattr(self.streaming, "phase", None)
         if phase is not None:
             phase.decode = decode
-        self._streaming.begin_step(inputs, decode)
+        self.streaming.begin_step(inputs, decode)
         try:
-            return self._streaming.model(inputs, cache=cache, **kwargs)
+            return self.streaming.model(inputs, cache=cache, **kwargs)
         finally:
             if phase is not None:
                 phase.decode = None
 
     def __getattr__(self, name):
-        return getattr(self._streaming.model, name)
+        return getattr(self.streaming.model, name)
 
 
 def resolve_compute_dtype(name: str, config: dict) -> str:
@@ -325,7 +329,7 @@ def _wired(streaming: Streaming, prerouter, stager, heads, routing: str, extra: 
     boundaries wired (its heads that see the token take the rows the first rank sends)."""
     pipe = streaming.pipeline
     if pipe is not None and pipe.rank > 0 and heads is not None and heads.sees_token:
-        streaming._embed = pipe.relayed_embedding(heads.token_dim)
+        streaming.embed = pipe.relayed_embedding(heads.token_dim)
     try:
         if prerouter is not None:
             _check_prerouter_fits(streaming, prerouter, routing, extra)

@@ -61,7 +61,7 @@ def run_phase(batch) -> None:
                 pipe.prereceive(len(halves[h]))
             if pending is not None:
                 ph, logits = pending
-                ended += batch._tokens(halves[ph], pipe.share(logits)[:, -1, :])
+                ended += batch.take_tokens(halves[ph], pipe.share(logits)[:, -1, :])
             if not go:
                 break
             if pipe.rank != 0:
@@ -69,8 +69,8 @@ def run_phase(batch) -> None:
             pending, turn = (h, local), turn + 1
     except BaseException as e:
         if isinstance(e, ExpertReadError):
-            host._after_read_error(e)
-        typed = batch._typed(e)
+            host.after_read_error(e)
+        typed = batch.typed(e)
         if typed is e:
             raise
         raise typed from e
@@ -85,13 +85,13 @@ def run_phase(batch) -> None:
     batch.decode_bytes += host.reader.stats.bytes - bytes0
     ended = [r for r in rows if r in ended]  # (once each, in the batch's order)
     if ended:
-        batch._leave(ended)
+        batch.leave(ended)
 
 
 def _go(batch, rows: list, ended: list) -> bool:
     """Rank 0: whether the next turn runs (no row ended or cancelled, none waiting)."""
-    with batch._lock:
-        waiting = bool(batch._waiting)
+    with batch.lock:
+        waiting = bool(batch.waiting)
     return not ended and not waiting and not any(r.job.cancelled for r in rows)
 
 
@@ -102,7 +102,7 @@ def _pass(batch, rows: list, cache, states: list, h: int):
     if pre is not None:
         pre.put_state(states[h])
     try:
-        local = batch._forward(rows, cache)
+        local = batch.forward(rows, cache)
         B.eval(local)
     finally:
         if pre is not None:

@@ -114,7 +114,7 @@ def together(batcher, budget: int) -> int:
             bank.activate_rows([r.adapter for r in rows])
         if pre is not None:
             pre.sequences = len(rows)
-        host._step_model(inputs, cache=cache, decode=False)
+        host.step_model(inputs, cache=cache, decode=False)
         B.eval([(c.keys, c.values) for c in cache])
         if pre is not None:
             state = pre.take_state()
@@ -143,7 +143,7 @@ def _join(batcher, rows: list[Row], lengths: list[int], cache, state) -> None:
     if pre is not None:
         states = ([pre.take_state()] if batcher.rows else []) + [state]
         pre.put_state(pre.merge_states(states))
-    with batcher._lock:
+    with batcher.lock:
         batcher.rows.extend(rows)
 
 
@@ -161,7 +161,7 @@ def chunk(batcher, row: Row) -> int:
                 # a row's chunks are the same whatever runs beside it
                 if host.streaming.adapters is not None:
                     host.streaming.adapters.activate(row.adapter)
-                host._step_model(B.array([rest[:n]]), cache=row.cache, decode=False)
+                host.step_model(B.array([rest[:n]]), cache=row.cache, decode=False)
                 if row.kv_quant:
                     bnn.quantize_kv(row.cache, host.config)
                 B.eval([c.state for c in row.cache])
@@ -170,7 +170,7 @@ def chunk(batcher, row: Row) -> int:
     except BaseException as e:
         row.error = e
     if row.error is None and len(row.ids) - row.pos <= 1:
-        batcher._join(row)
+        batcher.join(row)
     return max(n, 1)
 
 

@@ -32,30 +32,38 @@ class TokenEvent:
 _ARRIVALS = itertools.count()
 
 
+@dataclass(eq=False)  # a row is itself: compared by identity
 class Row:
     """One generation: its prompt, sampling, cache, what it generated and its consumer."""
 
-    def __init__(self, job, ids: list[int], params: SamplingParams, record, adapter, max_tokens: int,
-                 cache_scope: str | None = None):
-        self.job, self.ids, self.params, self.record, self.adapter = job, ids, params, record, adapter
-        self.cache_scope = cache_scope  # the prompt cache shares entries within one scope only
-        self.constraint = None  # its response_format's logits processor (None: none), made where it is submitted
-        self.max_tokens = max_tokens
-        self.generated: list[int] = []
-        self.cache = None  # its own cache (mlx-lm's list, one per layer) until it joins the batch
-        self.pos = 0  # tokens its cache holds
-        self.cached = 0  # prompt tokens that came from the prompt cache
-        self.start = None  # (a given prompt cache, the tokens it holds before ids): Engine.stream(prompt_cache=)
-        self.next = None  # the token its next forward pass takes
-        self.pstate = None  # the prerouter's observations of this sequence (before it joins)
-        self.seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
-        self.sampler = self.processors = None
-        self.events = None  # its RowEvents, from the first token on
-        self.error: BaseException | None = None
-        self.alone = False  # runs alone: nothing joins while it runs
-        self.kv_quant = False  # its KV cache is quantized once it holds quantized_kv_start tokens (it runs alone)
-        self.passed_over = 0  # iterations with prefill budget in which its prompt got none
-        self.arrival = next(_ARRIVALS)  # the order rows were made in (edge0.prefill.order)
+    job: object
+    ids: list[int]
+    params: SamplingParams
+    record: object  # a RoutingRecorder (a routing recording), or None
+    adapter: str | None
+    max_tokens: int
+    cache_scope: str | None = None  # the prompt cache shares entries within one scope only
+    constraint: object = None  # its response_format's logits processor (None: none), made where it is submitted
+    generated: list[int] = field(default_factory=list)
+    cache: object = None  # its own cache (mlx-lm's list, one per layer) until it joins the batch
+    pos: int = 0  # tokens its cache holds
+    cached: int = 0  # prompt tokens that came from the prompt cache
+    start: tuple | None = None  # (a given prompt cache, the tokens it holds before ids): Engine.stream(prompt_cache=)
+    next: int | None = None  # the token its next forward pass takes
+    pstate: object = None  # the prerouter's observations of this sequence (before it joins)
+    seed: int | None = None  # its random stream's seed (params.seed, else drawn)
+    sampler: object = None
+    processors: list | None = None
+    events: object = None  # its RowEvents, from the first token on
+    error: BaseException | None = None
+    alone: bool = False  # runs alone: nothing joins while it runs
+    kv_quant: bool = False  # its KV cache is quantized once it holds quantized_kv_start tokens (it runs alone)
+    passed_over: int = 0  # iterations with prefill budget in which its prompt got none
+    arrival: int = field(default_factory=lambda: next(_ARRIVALS))  # the order rows were made in (edge0.prefill.order)
+
+    def __post_init__(self):
+        if self.seed is None:
+            self.seed = self.params.seed if self.params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
 
     def spec(self) -> dict:
         """What another rank needs to run this generation as this one runs (a served

@@ -64,6 +64,10 @@ class ComputeThread:
             return fn(*args)
         return self.submit(fn, *args).result()
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def close(self, timeout: float | None = None) -> None:
         if self._closed:
             return
@@ -97,7 +101,7 @@ def acquire() -> ComputeThread:
 
 def release(thread: ComputeThread) -> None:
     """Give a compute thread back to the pool once its engine is closed."""
-    if thread.alive and not thread._closed:
+    if thread.alive and not thread.closed:
         thread.rename("edge0-idle")
         with _POOL_LOCK:
             _POOL.append(thread)

@@ -158,7 +158,7 @@ def compute_only(model_dir: str, settings: dict) -> Loaded:
     """The staged computation with reads switched off (slots keep whatever they hold):
     the compute floor of a staged step, measured in the same run."""
     loaded = _streaming(model_dir, settings, oracle=_oracle(settings), decode_path="staged")
-    stager = loaded.model._streaming.stager
+    stager = loaded.model.streaming.stager
     stager.scheduler.store = _NoReads()
     stager.check_routing = False  # unread slots give other activations, hence other routing
     loaded.info["reads"] = "off"
@@ -173,7 +173,7 @@ def read_only(model_dir: str, settings: dict) -> Loaded:
 
 
 def _read_only_step(model) -> None:
-    stager = model._streaming.stager
+    stager = model.streaming.stager
     stager.advance_step()
     for layer in stager.layers:
         stager.portal.call(stager.scheduler.ready, stager.step, layer)

@@ -47,7 +47,7 @@ def _make_room(new, max_connections: int | None, max_per_client: int | None, gat
     if max_per_client is not None and len(mine) >= max_per_client:
         if gate is not None:
             gate.over_share(_host(new), new.loop)
-        idle = sorted((p for p in mine if _idle(p)), key=lambda p: p._opened)
+        idle = sorted((p for p in mine if _idle(p)), key=lambda p: p.opened_at)
         if not idle:
             get_logger("edge0.server").warning("server.client_connections", client=_host(new),
                                                action="connection refused", limit=max_per_client)
@@ -61,7 +61,7 @@ def _make_room(new, max_connections: int | None, max_per_client: int | None, gat
             counts[_host(p)] = counts.get(_host(p), 0) + 1
         idle = [p for p in others if _idle(p)]
         if idle:  # the most-connected client's oldest idle connection
-            victim = min(idle, key=lambda p: (-counts[_host(p)], p._opened))
+            victim = min(idle, key=lambda p: (-counts[_host(p)], p.opened_at))
             get_logger("edge0.server").info("server.connections_full", action="idle connection closed",
                                             client=_host(victim))
             victim.transport.abort()
@@ -84,7 +84,7 @@ def bounded_protocol(header_timeout_s: float, send_timeout_s: float | None = Non
             super().connection_made(transport)
             self._head_timer = self.loop.call_later(header_timeout_s, self._head_timeout)
             self._send_timer = None
-            self._opened = self.loop.time()
+            self.opened_at = self.loop.time()
             if not _make_room(self, max_connections, max_per_client, gate):
                 return
             sock = transport.get_extra_info("socket")
