@@ -92,14 +92,15 @@ class EngineMetrics:
     """What an engine reports about itself (``Engine.metrics()``): the line (``in_flight``
     requests admitted or generating, ``queued`` of them not running), expert bytes read
     from the checkpoint so far, the prompt cache, and the last finished generation's
-    ``GenerationStats`` (None before the first)."""
+    ``GenerationStats`` (None before the first). Every field has its zero: ``EngineMetrics()``
+    is an engine that has done nothing (or none loaded yet)."""
 
-    in_flight: int
-    queued: int
-    expert_bytes: int
-    prompt_cache_bytes: int
-    prompt_cache_hits: int
-    last_generation: object | None
+    in_flight: int = 0
+    queued: int = 0
+    expert_bytes: int = 0  # read from the checkpoint so far
+    prompt_cache_bytes: int = 0
+    prompt_cache_hits: int = 0
+    last_generation: object | None = None
     batch_size: int = 0  # generations decoding together now
     decode_steps: int = 0  # decode forward passes so far (one per step, for every row of it)
     decode_tokens: int = 0  # tokens those steps generated, every row

@@ -422,12 +422,14 @@ class Engine:
         in_flight, queued = self._rt.line.counts()
         cache = self.prompt_cache
         batch, stager = self._batcher, self.streaming.stager
-        return EngineMetrics(in_flight, queued, self.reader.stats.bytes, cache.nbytes if cache is not None else 0,
-                             cache.hits if cache is not None else 0, self._rt.last_stats, batch.counts()[0],
-                             batch.steps, batch.tokens, batch.decode_bytes,
-                             stager.slot_bytes() if stager is not None else 0,
-                             stager.over_slot_layers if stager is not None else 0, batch.micro_turns,
-                             batch.prefill_passes, self._constraints.nbytes)
+        return EngineMetrics(
+            in_flight=in_flight, queued=queued, expert_bytes=self.reader.stats.bytes,
+            prompt_cache_bytes=cache.nbytes if cache is not None else 0,
+            prompt_cache_hits=cache.hits if cache is not None else 0, last_generation=self._rt.last_stats,
+            batch_size=batch.counts()[0], decode_steps=batch.steps, decode_tokens=batch.tokens,
+            decode_expert_bytes=batch.decode_bytes, slot_bytes=stager.slot_bytes() if stager is not None else 0,
+            over_slot_layers=stager.over_slot_layers if stager is not None else 0, micro_turns=batch.micro_turns,
+            prefill_passes=batch.prefill_passes, constraint_cache_bytes=self._constraints.nbytes)
 
     # -- introspection (tests, the server's leak checks) ----------------------------------
     def resources(self, wait: bool = True) -> dict:

@@ -34,6 +34,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import Route
 
 from edge0.errors import ConfigError, Edge0Error, EngineBusyError, FormatTooCostlyError, StalledConsumerError
+from edge0.admission import EngineMetrics
 from edge0.server import protocol as P
 from edge0.server import schema as S
 from edge0.server.api_error import MAX_DEPTH
@@ -152,15 +153,8 @@ def _metrics(state: ServerState):
         # as of the last generation's end, with the live number of generations
         resources = engine.resources(wait=False) if engine is not None else None
         m = engine.metrics() if engine is not None else None
-        text = state.metrics.render(
-            in_flight=m.in_flight if m else 0, queued=m.queued if m else 0, expert_bytes=m.expert_bytes if m else 0,
-            cache_bytes=m.prompt_cache_bytes if m else 0, cache_hits=m.prompt_cache_hits if m else 0,
-            loaded=engine is not None, resources=resources, process=_process(),
-            batch_size=m.batch_size if m else 0, decode_steps=m.decode_steps if m else 0,
-            decode_tokens=m.decode_tokens if m else 0, bytes_per_token=m.expert_bytes_per_token if m else 0.0,
-            slot_bytes=m.slot_bytes if m else 0, over_slot_layers=m.over_slot_layers if m else 0,
-            micro_turns=m.micro_turns if m else 0, prefill_passes=m.prefill_passes if m else 0,
-            constraint_cache_bytes=m.constraint_cache_bytes if m else 0)
+        text = state.metrics.render(m or EngineMetrics(), loaded=engine is not None, resources=resources,
+                                    process=_process())
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
     return handler
 

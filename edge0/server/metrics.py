@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+from edge0.admission import EngineMetrics
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -37,11 +38,10 @@ class Metrics:
         if stats.guard_recall:
             self.guard_recall = sum(stats.guard_recall.values()) / len(stats.guard_recall)
 
-    def render(self, *, in_flight: int, queued: int, expert_bytes: int, cache_bytes: int, cache_hits: int,
-               loaded: bool, resources: dict | None = None, process: dict | None = None, batch_size: int = 0,
-               decode_steps: int = 0, decode_tokens: int = 0, bytes_per_token: float = 0.0,
-               slot_bytes: int = 0, over_slot_layers: int = 0, micro_turns: int = 0, prefill_passes: int = 0,
-               constraint_cache_bytes: int = 0) -> str:
+    def render(self, m: EngineMetrics, *, loaded: bool, resources: dict | None = None,
+               process: dict | None = None) -> str:
+        """The text format of the server's counters, the engine's ``m`` (``EngineMetrics()``
+        before it loads), its ``resources`` and the ``process``'s figures."""
         families: list = []
 
         def metric(name: str, kind: str, help_: str, samples: list[tuple[tuple, float]], labels=()):
@@ -73,30 +73,30 @@ class Metrics:
         if self.guard_recall is not None:
             metric("guard_recall", "gauge", "Prerouter recall@k measured by the quality guard (last generation).",
                    [((), round(self.guard_recall, 4))])
-        metric("expert_bytes_read_total", "counter", "Expert bytes read from the checkpoint.", [((), expert_bytes)])
+        metric("expert_bytes_read_total", "counter", "Expert bytes read from the checkpoint.", [((), m.expert_bytes)])
         metric("in_flight_requests", "gauge", "Generations admitted and not finished (running + queued).",
-               [((), in_flight)])
-        metric("queue_depth", "gauge", "Generations waiting for their turn.", [((), queued)])
+               [((), m.in_flight)])
+        metric("queue_depth", "gauge", "Generations waiting for their turn.", [((), m.queued)])
         metric("batch_size", "gauge", "Generations decoding together now (one forward pass per step).",
-               [((), batch_size)])
+               [((), m.batch_size)])
         metric("decode_steps_total", "counter", "Decode forward passes (one per step, whatever the batch).",
-               [((), decode_steps)])
+               [((), m.decode_steps)])
         metric("decode_tokens_total", "counter", "Tokens the decode steps generated, every generation.",
-               [((), decode_tokens)])
+               [((), m.decode_tokens)])
         metric("decode_micro_turns_total", "counter", "Of the decode passes, those of one half of a batch "
-               "(micro-batches under a two-rank pipeline).", [((), micro_turns)])
+               "(micro-batches under a two-rank pipeline).", [((), m.micro_turns)])
         metric("expert_bytes_per_token", "gauge", "Expert bytes read per generated token at decode, since start.",
-               [((), round(bytes_per_token, 1))])
+               [((), round(m.expert_bytes_per_token, 1))])
         metric("slot_bytes", "gauge", "Bytes the staged layers' expert slots hold now (they grow while a batch's "
-               "union of experts needs more, within slot_budget_mb).", [((), slot_bytes)])
+               "union of experts needs more, within slot_budget_mb).", [((), m.slot_bytes)])
         metric("over_slot_layers_total", "counter", "Staged layer-steps run exact because a batch's union of "
-               "experts did not fit the layer's slots.", [((), over_slot_layers)])
-        metric("prompt_cache_bytes", "gauge", "Bytes held by the prompt cache.", [((), cache_bytes)])
-        metric("prompt_cache_hits_total", "counter", "Prompts that reused a cached KV prefix.", [((), cache_hits)])
+               "experts did not fit the layer's slots.", [((), m.over_slot_layers)])
+        metric("prompt_cache_bytes", "gauge", "Bytes held by the prompt cache.", [((), m.prompt_cache_bytes)])
+        metric("prompt_cache_hits_total", "counter", "Prompts that reused a cached KV prefix.", [((), m.prompt_cache_hits)])
         metric("prefill_passes_total", "counter", "Prompt forward passes (a chunk of one prompt, or short prompts "
-               "arriving together prefilled in one pass).", [((), prefill_passes)])
+               "arriving together prefilled in one pass).", [((), m.prefill_passes)])
         metric("constraint_cache_bytes", "gauge", "Heap held by the compiled response formats kept for reuse "
-               "(estimated when each was compiled; within 64 MiB).", [((), constraint_cache_bytes)])
+               "(estimated when each was compiled; within 64 MiB).", [((), m.constraint_cache_bytes)])
         metric("model_loaded", "gauge", "1 once the model is loaded and the server answers requests.",
                [((), int(loaded))])
         if resources is not None:  # live generations; the rest as of the last generation's end
