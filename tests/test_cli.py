@@ -195,3 +195,24 @@ def test_prefill_response_is_written_as_mlx_lm_writes_it(tiny_model_factory):
     r = run_cli("generate", "--model", str(d), "--prompt", "write f", "--prefill-response", "def f(x):",
                 "--max-tokens", "4")
     assert r.returncode == 0 and "Generation: 4 tokens" in r.stdout, r.stderr[-1000:]
+
+
+def test_train_heads_says_when_the_adapter_beside_is_superseded(tmp_path):
+    """New heads beside the demo's adapter (trained under the shipped heads): the engine
+    refuses that adapter with them, and `train heads` says so, with what to do."""
+    import shutil
+
+    from edge0.cli import PACKAGED_DEMO
+
+    d = tmp_path / "demo"
+    shutil.copytree(PACKAGED_DEMO, d)
+    r = run_cli("train", "heads", "--model", str(d), "--data", "model", "--tokens", "1500", "--heldout-tokens", "300",
+                "--steps", "4", "--no-progress")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"note: {d / 'adapter'} was trained under the heads these replace" in r.stderr + r.stdout
+    refused = run_cli("generate", "--model", str(d), "--max-tokens", "2")
+    assert refused.returncode != 0 and "trained under other prerouter heads" in refused.stderr
+    assert run_cli("generate", "--model", str(d), "--max-tokens", "2", "--adapter", "off").returncode == 0
+    aside = run_cli("train", "heads", "--model", str(d), "--data", "model", "--tokens", "1500", "--heldout-tokens",
+                    "300", "--steps", "4", "--no-progress", "--out", str(tmp_path / "h.safetensors"))
+    assert aside.returncode == 0 and "note:" not in aside.stderr + aside.stdout  # nothing beside it changed

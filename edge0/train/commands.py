@@ -375,6 +375,7 @@ def add_heads_parser(trs) -> None:
     h.add_argument("--width", type=int, default=512, help="MLP hidden width (default 512)")
     h.add_argument("--owners", default=None, help="owner layers, e.g. 6-38 (default: every eligible layer)")
     h.add_argument("--out", default=None, help="heads file (default: MODEL/prerouter.safetensors)")
+    h.add_argument("--no-progress", action="store_true", help="no progress bars")
     h.add_argument("--seed", type=int, default=0, help="seed (default 0)")
     h.add_argument("--inputs", choices=("token", "base"), default="token",
                    help="what a head sees: 'token' (default) adds the embedding of the token the next step decodes "
@@ -435,7 +436,25 @@ def cmd_heads(args) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1, default=str))
     print(heads_report_table(report))
+    _say_adapter_superseded(args)
     return 0
+
+
+def _say_adapter_superseded(args) -> None:
+    """New heads beside a checkpoint whose adapter was trained under the ones they replace:
+    the engine refuses that adapter from now on; say so, and what to do."""
+    from edge0.adapters import ADAPTER_DIRNAME, WEIGHTS_FILE, artifact_identity
+    from edge0.model.safetensors_header import read_header
+    from edge0.prerouter.files import HEADS_FILENAME
+
+    model, heads = Path(args.model), Path(args.out) if args.out else Path(args.model) / HEADS_FILENAME
+    weights = model / ADAPTER_DIRNAME / WEIGHTS_FILE
+    if heads != model / HEADS_FILENAME or not weights.is_file():
+        return
+    trained_under = read_header(weights).metadata.get("heads_identity")
+    if trained_under and trained_under != artifact_identity(heads):
+        say(f"note: {weights.parent} was trained under the heads these replace, and the engine refuses it with "
+            "these: generate with --adapter off, or retrain it on them (edge0 train sft)")
 
 
 def heads_report_table(report: dict) -> str:

@@ -94,7 +94,8 @@ def run_recipe(model_dir: str | Path, teacher_dir: str | Path, cfg: RecipeConfig
                             steps=h.steps, batch=h.batch, lr=h.lr, width=h.width, out=heads_file,
                             streams=(train, held, desc), experts_per_token=k, token_input=h.token_input,
                             serving={"routing": h.routing, "stage_extra": h.stage_extra},
-                            progress=progress("heads") if progress else None)
+                            progress=progress("heads") if progress else None,
+                            trace_say=say if progress else None)
         mean = lambda d: float(np.mean([v["recall_at_k"] for v in d.values()]))
         report["phases"]["heads"] = {"path": str(heads_file), "recall_before": mean(heads["before"]),
                                      "recall_after": mean(heads["after"]), "per_head": {
