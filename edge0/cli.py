@@ -197,12 +197,21 @@ def _run_generation(model_dir: Path, args, start: tuple | None = None) -> int:
             say(f"Generation: {stats.generated_tokens} tokens, {stats.decode_tps:.3f} tokens-per-sec")
             say(f"Peak memory: {stats.peak_active_memory / 1e9:.3f} GB")
         spec = engine.spec
-        say(f"model: {model_dir} ({spec.model_type}, {len(spec.moe_layers)} MoE layers x "
+        say(f"model: {_shown(model_dir)} ({spec.model_type}, {len(spec.moe_layers)} MoE layers x "
             f"{spec.num_experts} experts, k={spec.k}; experts on disk "
             f"{engine.index.expert_bytes_total / 2**20:.1f} MiB of {engine.index.total_bytes / 2**20:.1f} MiB)")
         if stats is not None:
             say(stats.line())
     return 0
+
+
+def _shown(path: Path) -> str:
+    """A path as the user would type it here: relative to the working directory when it is
+    inside it."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
 
 
 def cmd_record_routing(args) -> int:
