@@ -154,7 +154,8 @@ class Streaming:
 
 
 class StepModel:
-    """The model as mlx-lm's generation loop sees it, with Edge0's step hook in front."""
+    """The model's forward pass with Edge0's step hook in front: what the batch loop
+    (``edge0.batch``, ``edge0.prefill``) calls."""
 
     def __init__(self, streaming: Streaming):
         self.streaming = streaming
@@ -162,7 +163,7 @@ class StepModel:
     def __call__(self, inputs, cache=None, decode: bool | None = None, **kwargs):
         """``inputs`` [rows, tokens]: one sequence's prompt chunk, or a decode step of one
         token for each row of a batch. ``decode``: which it is (None: a pass on one token per
-        row is a decode step, as mlx-lm's generation loop makes them)."""
+        row is a decode step)."""
         decode = inputs.shape[-1] == 1 if decode is None else decode
         phase = getattr(self.streaming, "phase", None)
         if phase is not None:
