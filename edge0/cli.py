@@ -344,7 +344,25 @@ def main(argv: list[str] | None = None) -> int:
         # caught here, and then exits by re-raising SIGINT instead of returning 130. The
         # next string eval clears the mark; this one cannot fail.
         eval("None")
+        _leave_now(130)
         return 130
+
+
+def _leave_now(status: int) -> None:
+    """After Ctrl-C with other threads alive (an engine's compute thread may be inside the
+    array library): flush what was printed and exit at once. The interpreter's own exit
+    would run the native libraries' static destructors while that thread still runs in
+    them, which can abort the process (SIGABRT) instead of exiting with ``status``."""
+    import threading
+
+    if threading.active_count() == 1:
+        return
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(status)
 
 
 def _main(argv: list[str]) -> int:

@@ -405,7 +405,7 @@ def test_validation_error_names_field_and_source(tmp_path):
                                           r"\(field bundle_capacity set by environment variable EDGE0_BUNDLE_CAPACITY\)"):
         resolve_config(environ={"EDGE0_BUNDLE_CAPACITY": "0"})
     path = write(tmp_path, 'compute_dtype = "int8"\n')
-    with pytest.raises(ConfigError, match=r"compute_dtype must be one of .* got 'int8' "
+    with pytest.raises(ConfigError, match=r"compute_dtype must be auto, float32, bfloat16 or float16, got 'int8' "
                                           r"\(field compute_dtype set by TOML file .*edge0\.toml\)"):
         resolve_config(environ={}, toml_path=path)
     with pytest.raises(ConfigError, match=r"slots_per_layer must be 0 .* got -1 "
@@ -466,3 +466,24 @@ def test_prefill_share_is_a_whole_percentage(value):
     with pytest.raises(ConfigError, match=r"prefill_share must be a whole percentage from 1 to 100, got"):
         EngineConfig(prefill_share=value)
     assert EngineConfig(prefill_share=1).prefill_share == 1 and EngineConfig().prefill_share == 100
+
+
+FREE_FORM = {"layer_paths", "oracle_file", "prerouter_file", "adapter", "extra_adapters", "pipeline_layers"}
+
+
+def test_every_field_states_its_rule_and_the_one_loop_enforces_it():
+    """Each field's doc, choices and bounds are its metadata: every field but the free-form
+    ones has choices or an integer lower bound, and a value outside them is refused naming
+    the field, what it must be and the value."""
+    for f in fields(EngineConfig):
+        m = f.metadata
+        assert m["doc"], f.name
+        if f.name in FREE_FORM:
+            continue
+        assert m["choices"] or m["lo"] is not None, f.name
+        bad = [max((c for c in m["choices"] if isinstance(c, int)), default=0) + 99] \
+            if m["choices"] and isinstance(m["choices"][0], int) else ["nonsense"] if m["choices"] else \
+            [m["lo"] - 1, True, "3"] + ([m["hi"] + 1] if m["hi"] is not None else [])
+        for value in bad:
+            with pytest.raises(ConfigError, match=rf"^{f.name} must be .*, got {re.escape(repr(value))}$"):
+                EngineConfig(**{f.name: value})

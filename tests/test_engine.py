@@ -175,7 +175,7 @@ def test_a_closed_engine_says_so_with_its_own_error(qwen):
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(compute_dtype="int8"), "compute_dtype must be one of"),
+    (dict(compute_dtype="int8"), "compute_dtype must be auto, float32, bfloat16 or float16, got .int8."),
     (dict(bundle_capacity=0), "bundle_capacity must be a positive integer, got 0"),
     (dict(reader_threads=-1), "reader_threads must be a positive integer, got -1"),
 ])

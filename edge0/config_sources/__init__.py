@@ -23,7 +23,7 @@ Syntaxes (``docs/CONFIG.md`` has the table of every field):
 
 The modules of this package, by responsibility:
 
-- ``fields``: the fields' names, kinds, defaults, comments, environment variables and flags.
+- ``fields``: the fields' names, kinds, defaults, docs and choices (their metadata), environment variables and flags.
 - ``values``: checking typed values, parsing text, the ``LAYER:PHASE=PATH`` spec.
 - ``toml_env``: the TOML file and ``EDGE0_*`` environment sources.
 - ``cli_flags``: the argparse flags and reading the given ones back.

@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from edge0 import config as _config_module
 from edge0.config_sources.fields import (
     CONFIG_ENV,
     INT,
@@ -19,6 +18,7 @@ from edge0.config_sources.fields import (
     OPT_STR,
     STR,
     STRS,
+    choices,
     default,
     env_var,
     field_docs,
@@ -28,24 +28,6 @@ from edge0.config_sources.fields import (
     show,
 )
 from edge0.config_sources.values import check_native, parse_layer_paths
-
-# Fields whose CLI flag gets argparse ``choices``: field -> name of the tuple in edge0.config.
-_CHOICES = {
-    "compute_dtype": "COMPUTE_DTYPES",
-    "decode_path": "PATHS",
-    "prefill_path": "PREFILL_PATHS",
-    "log_format": "LOG_FORMATS",
-    "log_level": "LOG_LEVELS",
-    "staged_source": "STAGED_SOURCES",
-    "prerouter": "PREROUTER_MODES",
-    "routing": "ROUTINGS",
-    "direct_io": "AUTO_ON_OFF",
-    "prerouter_dtype": "PREROUTER_DTYPES",
-    "prerouter_flush": "PREROUTER_FLUSHES",
-    "pipeline": "PIPELINES",
-    "kernels": "KERNELS",
-    "json_whitespace": "JSON_WHITESPACES",
-}
 
 # Fields that also answer to mlx-lm's name for the same setting.
 _ALIASES = {"max_batch": "--decode-concurrency", "adapter": "--adapter-path"}
@@ -142,8 +124,8 @@ def _add_field_flag(group, f: dataclasses.Field, kind: str, doc: str) -> None:
         kwargs.update(type=_int_or_none, metavar="N|none")
     elif kind == OPT_STR:
         kwargs.update(type=_str_or_none, metavar="TEXT|none")
-    if name in _CHOICES and hasattr(_config_module, _CHOICES[name]):
-        kwargs["choices"] = tuple(getattr(_config_module, _CHOICES[name]))
+    if kind == STR and choices(name):
+        kwargs["choices"] = tuple(choices(name))
         if name == "log_level":  # mlx-lm's spelling, --log-level INFO, too
             kwargs["type"] = str.lower
     elif kind == STR:

@@ -1,15 +1,14 @@
 """EngineConfig's fields as the config sources see them: the names, the kind of value each
-field takes (what its text is parsed as), its default as the docs show it, its ``#`` comment
-in ``edge0/config.py``, and its environment variable and CLI flag; plus the constants every
+field takes (what its text is parsed as), its default as the docs show it, its doc and
+choices (the ``setting``'s metadata in ``edge0/config.py``), and its environment variable
+and CLI flag; plus the constants every
 source shares (``EDGE0_`` prefix, ``EDGE0_CONFIG``, the ``[engine]`` table, ``--layer-path``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import json
-import re
 import types
 import typing
 
@@ -82,40 +81,13 @@ def valid_names() -> str:
 
 
 def field_docs() -> dict[str, str]:
-    """Field name -> the ``#`` comment above it in ``edge0/config.py`` (lines joined).
+    """Field name -> its doc (the ``setting``'s, in ``edge0/config.py``)."""
+    return {f.name: f.metadata["doc"] for f in fields()}
 
-    A field with no comment of its own directly after another field shares that field's
-    comment (``decode_path``/``prefill_path``, ``log_format``/``log_level``).
-    """
-    names = set(field_names())
-    docs: dict[str, str] = {}
-    pending: list[str] = []
-    last_text = ""
-    previous_was_field = False
-    field_re = re.compile(r"\s*([A-Za-z_]\w*)\s*:")
-    try:
-        source = inspect.getsource(EngineConfig)
-    except (OSError, TypeError):  # no source (frozen/zipped install): no comments
-        source = ""
-    for line in source.splitlines():
-        stripped = line.strip()
-        if stripped.startswith(("def ", "async def ")):
-            break  # the fields are over
-        if stripped.startswith("#"):
-            pending.append(stripped.lstrip("#").strip())
-            previous_was_field = False
-            continue
-        m = field_re.match(line)
-        if m and m.group(1) in names and m.group(1) not in docs:
-            if pending:
-                text = " ".join(p for p in pending if p)
-            else:
-                text = last_text if previous_was_field else ""
-            docs[m.group(1)] = text
-            last_text, pending, previous_was_field = text, [], True
-            continue
-        pending, previous_was_field = [], False
-    return {name: docs.get(name, "") for name in field_names()}
+
+def choices(name: str) -> tuple:
+    """The values a field takes when it has a fixed set (else empty)."""
+    return next(f.metadata["choices"] for f in fields() if f.name == name)
 
 
 def env_var(name: str) -> str:
