@@ -80,7 +80,7 @@ class Batcher:
 
     # -- the compute thread -----------------------------------------------------------------
     def run(self) -> None:
-        pipe = self.host.streaming.pipeline
+        coord = self.host.coord
         while True:
             with self.lock:
                 left = [r for r in self.waiting if r.job.cancelled]  # whose consumer left: out of line now
@@ -89,13 +89,13 @@ class Batcher:
                 done = not self.waiting and not self.joining and not self.rows
                 if done:
                     self._running = False
-                admitted = self._admit() if not done and (pipe is None or pipe.rank == 0) else []
+                admitted = self._admit() if not done and coord.leads else []
             for row in left:
                 self._end_unstarted(row)
             if done:
                 return
             try:
-                admitted, cancelled, micro = self._agree(pipe, admitted) if pipe is not None else (admitted, None, False)
+                admitted, cancelled, micro = coord.agree(self, admitted)
                 self._iteration(admitted, cancelled, micro)
             except BaseException as e:  # a fault of the loop itself: its rows fail, the engine goes on
                 self._fail_all(e)
@@ -104,13 +104,14 @@ class Batcher:
         """A rank after the first of a served pipeline: run every iteration of rank 0's batch
         loop, its generations made from the specs it hands over, until rank 0's engine closes.
         ``make_row``: a handed-over spec -> its ``Row``. Returns how many generations ran."""
-        pipe, done = self.host.streaming.pipeline, 0
+        coord, done = self.host.coord, 0
+        pipe = coord.pipeline
         while True:
             schedule = pipe.schedule()
             if schedule.stop:
                 return done
             try:
-                cancelled = self._cancelled(schedule, self.joining + self.rows)
+                cancelled = coord.cancelled(schedule, self.joining + self.rows)
                 admitted = [make_row(spec) for spec in schedule.specs or ()]
                 if len(admitted) != schedule.admitted:
                     raise DistributedError("rank 0 admitted generations without handing them over "
@@ -120,51 +121,6 @@ class Batcher:
                 self._iteration(admitted, cancelled, schedule.micro)
             except BaseException as e:  # noqa: BLE001 - as run()
                 self._fail_all(e)
-
-    def _agree(self, pipe, admitted: list[Row]) -> tuple[list[Row], dict[int, bool], bool]:
-        """Rank 0 tells the other ranks what this iteration admits (``admitted``, its own) and
-        which of the rows already in the batch it cancelled; the others admit the same
-        generations (the next ones submitted to them, waiting for them where they are not
-        submitted yet) and whether the batch decodes in micro-batches. Returns (this rank's
-        admitted rows, whether each earlier row was cancelled on rank 0, by ``id``, micro)."""
-        prior = [r for r in self.joining if r not in admitted] + self.rows
-        if pipe.rank == 0:
-            specs = [r.spec() for r in admitted] if pipe.leading and admitted else None
-            flags = [r.job.cancelled for r in prior]
-            with self.lock:
-                micro = (self.host.config.pipeline_micro_batches == 2 and not admitted and not self.joining
-                         and not self.waiting and not any(flags) and self._micro_ready())
-            schedule = pipe.schedule(flags, len(admitted), specs, micro=micro)
-            return admitted, self._cancelled(schedule, prior), micro
-        schedule = pipe.schedule()
-        cancelled = self._cancelled(schedule, prior)
-        bound = self.host.config.pipeline_timeout_s / 2  # within the generations' own bound, so that this says why
-        with self._submitted:
-            if not self._submitted.wait_for(lambda: len(self.waiting) >= schedule.admitted, bound):
-                error = DistributedError(
-                    f"rank 0 started {schedule.admitted} generations this rank was not asked "
-                    f"for within {bound:g} s: every rank must ask for the same generations "
-                    "in the same order")
-                for row in self.waiting:  # what this rank was asked for no longer matches rank 0's: it fails
-                    self.host.jobs.discard(row.job)
-                    self.host.line.ended(row.job.admission, started=False)
-                    row.job.finish(error)
-                self.waiting.clear()
-                raise error
-            admitted = [self.waiting.popleft() for _ in range(schedule.admitted)]
-            self.joining.extend(admitted)
-        return admitted, cancelled, schedule.micro
-
-    def _cancelled(self, schedule, prior: list[Row]) -> dict[int, bool]:
-        """The schedule's cancel flags by row of ``prior`` (the rows before this iteration's
-        admissions); a row rank 0 cancelled is cancelled here too."""
-        if len(schedule.cancelled) != len(prior):
-            raise DistributedError(f"rank 0's batch holds {len(schedule.cancelled)} generations, this rank's "
-                                   f"{len(prior)}: every rank must ask for the same generations in the same order")
-        for row, flag in zip(prior, schedule.cancelled):
-            if flag and not row.job.cancelled:
-                row.job.cancel()
-        return {id(r): flag for r, flag in zip(prior, schedule.cancelled)}
 
     def _iteration(self, admitted: list[Row], cancelled: dict[int, bool] | None, micro: bool = False) -> None:
         """Start the admitted rows, drop the cancelled ones (under a pipeline: those rank 0
@@ -178,7 +134,7 @@ class Batcher:
         with self.share.timed(decoding=False):
             prefill.run(self, budget)
         if self.rows and micro:
-            if not self._micro_ready():
+            if not self.micro_ready():
                 raise DistributedError(f"rank 0 decodes {len(self.rows)} generations in micro-batches, which this "
                                        "rank cannot: every rank must ask for the same generations in the same order")
             micro_batches.run_phase(self)
@@ -187,15 +143,33 @@ class Batcher:
                 self._decode_step()
 
     def typed(self, error: BaseException) -> BaseException:
-        """Under a pipeline, MLX's RuntimeError of a transfer (a rank gone, the link broken)
-        as a ``DistributedError`` naming this rank's pipeline."""
-        pipe = self.host.streaming.pipeline
-        if pipe is None or not isinstance(error, RuntimeError):
-            return error
-        typed = DistributedError(f"rank {pipe.rank} of the {pipe.layout.describe()}: {error} (another rank stopped "
-                                 "or the link between them broke)")
-        typed.__cause__ = error
-        return typed
+        """``error`` as the coordinator names it (under a pipeline, a failed transfer is a
+        ``DistributedError`` naming this rank's pipeline)."""
+        return self.host.coord.typed(error)
+
+    # -- what a pipeline's other ranks do while rank 0 decides (edge0.coordinator) -----------
+    def wait_submitted(self, n: int, timeout: float) -> bool:
+        """Wait until ``n`` rows wait (False: not within ``timeout`` seconds)."""
+        with self._submitted:
+            return self._submitted.wait_for(lambda: len(self.waiting) >= n, timeout)
+
+    def admit_next(self, n: int) -> list[Row]:
+        """The next ``n`` waiting rows, now joining."""
+        with self.lock:
+            admitted = [self.waiting.popleft() for _ in range(n)]
+            self.joining.extend(admitted)
+        return admitted
+
+    def fail_waiting(self, error: BaseException) -> BaseException:
+        """Every waiting row fails with ``error`` (what this rank was asked for no longer
+        matches rank 0's); returns ``error``."""
+        with self.lock:
+            waiting, self.waiting = list(self.waiting), deque()
+        for row in waiting:
+            self.host.jobs.discard(row.job)
+            self.host.line.ended(row.job.admission, started=False)
+            row.job.finish(error)
+        return error
 
     def _fail_all(self, error: BaseException) -> None:
         error = self.typed(error)
@@ -256,7 +230,7 @@ class Batcher:
             stats.kernels = host.streaming.kernels_label
             stats.reads = "direct" if host.reader.direct else "buffered"
             row.events = RowEvents(row, host.tokenizer, stats, host.reader, host.streaming.stager,
-                                   host.streaming.pipeline)
+                                   host.coord)
             if row.record is not None:
                 host.streaming.set_recorder(row.record)
         except BaseException as e:
@@ -297,18 +271,14 @@ class Batcher:
 
     def _has_heads(self) -> bool:
         """Whether prerouter heads run (on any rank of a pipeline)."""
-        pipe = self.host.streaming.pipeline
-        return (pipe.heads if pipe is not None else self.host.streaming.prerouter) is not None
+        return self.host.coord.has_heads(self.host.streaming)
 
     def _unseen(self, row: Row) -> bool:
         """Whether the prerouter heads have observed nothing of ``row``'s sequence. Under a
         pipeline every rank must decide alike, also one that runs no head: there, whether
         the model has heads and none of the row's prompt was forwarded (what the heads
         observe)."""
-        pipe, pre = self.host.streaming.pipeline, self.host.streaming.prerouter
-        if pipe is not None:
-            return self._has_heads() and row.pos == row.cached
-        return pre is not None and not pre.seen(row.pstate)
+        return self.host.coord.unseen(self.host.streaming, row)
 
     def _solo_step(self, row: Row) -> bool:
         """``row``'s next token from a forward pass of its own; False when it ended there."""
@@ -374,7 +344,6 @@ class Batcher:
             return self._failed(rows, e)
         self.steps += 1
         done = []
-        piped = host.streaming.pipeline
         for row, token, lp in zip(rows, sampled, logprobs):
             if row.error is not None:
                 done.append(row)
@@ -390,12 +359,12 @@ class Batcher:
             if event.finish_reason is not None:
                 host.last_stats = event.stats
                 done.append(row)
-            elif not offered and piped is None:  # (a pipeline's ranks drop it together, at the next boundary)
+            elif not offered and host.coord.ends_unread():
                 done.append(row)
         return done
 
     # -- micro-batches (a two-rank pipeline: edge0.micro) -----------------------------------------
-    def _micro_ready(self) -> bool:
+    def micro_ready(self) -> bool:
         return micro_batches.ready(self)
 
     def _sample(self, row: Row, logits):
@@ -442,9 +411,7 @@ class Batcher:
         covered = (row.ids + row.generated)[: row.pos]
         cache = self.cache if row.alone else bnn.extract_batch_row(self.cache, i)
         if cache is not None and len(covered) == row.pos:
-            size, pipe = bnn.cache_nbytes(cache), host.streaming.pipeline
-            if pipe is not None:  # counted as the whole pipeline's bytes: every rank keeps and evicts alike
-                size = sum(v for (v,) in pipe.gather([size]))
+            size = host.coord.whole(bnn.cache_nbytes(cache))
             host.prompt_cache.put((row.adapter, row.cache_scope), covered, cache, size)
 
     def _end_row(self, row: Row) -> None:

@@ -175,8 +175,7 @@ def _run_generation(model_dir: Path, args, start: tuple | None = None) -> int:
         eos = _cache_eos(start[1]) if start is not None else None
         sampling["stop_token_ids"] = _stop_ids(engine, [*args.extra_eos_token, *([eos] if eos else [])])
         engine.validate(ids, **sampling)  # before anything is printed
-        pipe = engine.streaming.pipeline
-        say = print if pipe is None or pipe.rank == 0 else (lambda *a, **k: None)  # a pipeline: rank 0 prints
+        say = print if engine.coordinator.leads else (lambda *a, **k: None)  # a pipeline: rank 0 prints
         verbose = args.verbose
         if verbose:
             say("=" * 10)

@@ -14,7 +14,6 @@ embedding Edge0 is never blocked by compute or reads.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import weakref
 from contextlib import asynccontextmanager
@@ -108,6 +107,12 @@ class Engine:
         return self.streaming.reader
 
     @property
+    def coordinator(self):
+        """Who decides what the batch loop does (``edge0.coordinator``: this process alone, or
+        a pipeline's ranks in step); ``coordinator.leads``: this process answers."""
+        return self._rt.coord
+
+    @property
     def prompt_cache(self) -> PromptCache | None:
         """The prompt cache (``prompt_cache_mb``), or None."""
         return self._rt.prompt_cache
@@ -127,9 +132,7 @@ class Engine:
         """Stop every generation, release the slots, threads and file descriptors."""
         if not self._closed:
             self._closed = True
-            pipe = self.streaming.pipeline
-            if pipe is not None and pipe.leading and not self._lost and self._worker.alive:
-                self._worker.call(lambda: pipe.schedule(stop=True))  # the ranks that follow stop following
+            self._rt.coord.close(self._worker, self._lost)
             if self._lost:  # the compute thread waits on a rank that is gone: leave it
                 self._finalizer.detach()
                 for job in list(self._rt.jobs):
@@ -217,8 +220,7 @@ class Engine:
         check_scope(cache_scope)
         ids, params = self.validate(prompt, **sampling)
         start = None if prompt_cache is None else (prompt_cache, self._start_offset(prompt_cache, ids))
-        if params.seed is None and self.streaming.pipeline is not None:  # every rank samples alike
-            params = dataclasses.replace(params, seed=self.streaming.pipeline.next_seed())
+        params = self._rt.coord.params(params)
         job = Job()
         job.admission = admission
         job.stall_timeout = consumer_timeout
@@ -228,8 +230,7 @@ class Engine:
     def _start_offset(self, cache: list, ids: list[int]) -> int:
         """The tokens a given prompt cache holds before ``ids``, checked against the model and
         its context."""
-        if self.streaming.pipeline is not None:
-            raise ConfigError("a given prompt cache cannot start a pipeline's generation (each rank holds its layers)")
+        self._rt.coord.refuse_given_cache()
         offset = bnn.check_start_cache(self._own_cache, cache, self.config.kv_bits, self.config.kv_group_size)
         if self.context_length is not None and offset + len(ids) >= self.context_length:
             raise ConfigError(f"the prompt cache's {offset} tokens and the prompt's {len(ids)} fill the model's "
@@ -346,27 +347,21 @@ class Engine:
     def lead(self) -> None:
         """Rank 0 of a pipeline that serves requests only it receives (``edge0 serve``): from
         now on each generation it starts is handed to the other ranks, which ``follow``."""
-        if self.streaming.pipeline is None or self.streaming.pipeline.rank != 0:
-            raise ConfigError("Engine.lead() is for rank 0 of a pipeline (under mlx.launch)")
-        self.streaming.pipeline.leading = True
+        self._rt.coord.lead()
 
     def follow(self) -> int:
         """The other ranks of a served pipeline: run every generation rank 0 hands over, in
         the batches rank 0 runs them in, until rank 0's engine closes. Returns how many ran."""
-        pipe = self.streaming.pipeline
-        if pipe is None or pipe.rank == 0:
-            raise ConfigError("Engine.follow() is for the ranks after the first of a pipeline (under mlx.launch)")
+        self._rt.coord.check_follows()
         return self._worker.call(self._batcher.follow, self._follower_row)
 
     def _pipeline_wait(self) -> float | None:
         """Under a pipeline, how long a generation waits for a token (None: alone, no bound)."""
-        return self.config.pipeline_timeout_s if self.streaming.pipeline is not None else None
+        return self._rt.coord.token_wait_s
 
     def _pipeline_lost(self, seconds: float) -> DistributedError:
-        pipe = self.streaming.pipeline
         self._lost = True
-        return DistributedError(f"rank {pipe.rank} of the {pipe.layout.describe()}: no token for {seconds:g} s; "
-                                "another rank stopped or the link between them broke (pipeline_timeout_s)")
+        return self._rt.coord.lost(seconds)
 
     def record_routing(self, prompt: str | Sequence[int], **sampling) -> OracleRouting:
         """Run a generation on the exact path and return its per-step routing (the oracle).

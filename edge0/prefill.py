@@ -77,7 +77,7 @@ def order(batcher) -> None:
 def group(batcher, budget: int) -> list[Row]:
     """The joining rows to prefill in one pass (none, or at least two), in their order."""
     host = batcher.host
-    if host.streaming.pipeline is not None or budget <= 0:
+    if not host.coord.prefill_together or budget <= 0:
         return []
     chunk = host.config.prefill_step_size
     out, longest = [], 0
@@ -208,7 +208,7 @@ class Share:
         self.share, self.credit = percent / 100.0, 0.0
 
     def allows(self, batcher) -> bool:
-        if self.share >= 1.0 or not batcher.rows or batcher.host.streaming.pipeline is not None:
+        if self.share >= 1.0 or not batcher.rows or not batcher.host.coord.prefill_together:
             self.credit = 0.0
             return True
         if not batcher.joining:

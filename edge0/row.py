@@ -87,8 +87,8 @@ class RowEvents:
     """Turns a row's sampled tokens into its ``TokenEvent``s: the streaming detokenizer,
     EOS and stop ids, stop strings, the length bound, logprobs, and its stats."""
 
-    def __init__(self, row: Row, tokenizer, stats: GenerationStats, reads, stage=None, pipeline=None):
-        self.row, self.stats, self.reads, self.stage, self.pipeline = row, stats, reads, stage, pipeline
+    def __init__(self, row: Row, tokenizer, stats: GenerationStats, reads, stage=None, coord=None):
+        self.row, self.stats, self.reads, self.stage, self.coord = row, stats, reads, stage, coord
         self.detok = tokenizer.detokenizer
         self.detok.reset()
         self.eos = set(tokenizer.eos_token_ids) | set(row.params.stop_token_ids)
@@ -128,12 +128,8 @@ class RowEvents:
             stats.add_stage(self.stage0, self.stage.stats())
         stats.peak_active_memory = B.peak_memory()
         stats.peak_rss = peak_rss_bytes()
-        if self.pipeline is not None:  # every rank ends the generation at this token: one exchange
-            stats.pipeline = self.pipeline.layout.describe()
-            per_rank = self.pipeline.gather([stats.prefill_expert_bytes, stats.decode_expert_bytes])
-            stats.rank_expert_bytes = [d for _, d in per_rank]
-            stats.prefill_expert_bytes = sum(p for p, _ in per_rank)
-            stats.decode_expert_bytes = sum(stats.rank_expert_bytes)
+        if self.coord is not None:
+            self.coord.finish_stats(stats)
         return TokenEvent(token, text, finish, stats, **lp)
 
 

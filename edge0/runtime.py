@@ -1,6 +1,6 @@
 """What an engine's batch loop runs on: its compute thread, the streaming model and the
 step model, the tokenizer, the generations in flight and the line they wait in, the prompt
-cache and the compiled output formats, and what a batch's start and end and a failed read
+cache and the compiled output formats, who decides (``coordinator``), and what a batch's start and end and a failed read
 do. ``Engine`` is the public face; the batch loop (``edge0.batch``) and the passes it
 makes (``edge0.prefill``, ``edge0.micro``) use this object and nothing private of the
 engine."""
@@ -10,6 +10,7 @@ from __future__ import annotations
 from edge0.admission import Line
 from edge0.backend import core as B
 from edge0.constrain import ConstraintCache
+from edge0.coordinator import coordinator
 from edge0.errors import ExpertReadError
 from edge0.loader import StepModel, Streaming
 from edge0.prompt_cache import PromptCache
@@ -21,6 +22,7 @@ class Runtime:
     def __init__(self, worker: ComputeThread, streaming: Streaming, tokenizer, config, log):
         self.worker, self.streaming, self.tokenizer, self.config, self.log = worker, streaming, tokenizer, config, log
         self.step_model = StepModel(streaming)  # the forward pass every batch and prefill makes
+        self.coord = coordinator(streaming, config)  # one process alone, or a pipeline's ranks in step
         self.jobs: set[Job] = set()  # the generations submitted and not ended
         self.line = Line(config.max_batch)  # requests in flight and waiting
         self.prompt_cache = PromptCache(config.prompt_cache_mb * 2**20) if config.prompt_cache_mb else None

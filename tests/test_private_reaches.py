@@ -73,3 +73,27 @@ def test_no_class_sets_more_than_15_attributes_in_init():
     assert {k: v for k, v in over.items() if k not in NOT_YET_SPLIT} == {}
     for k, n in NOT_YET_SPLIT.items():  # the ones not split yet may not grow
         assert over.get(k, 0) <= n, (k, over.get(k))
+
+
+PIPELINE_WIRING = {  # where a pipeline is wired when the model opens: the coordinator is chosen from it
+    "loader.py": "opens the model: a rank's layers, heads and adapters, and the relayed embedding",
+    "exec/budget.py": "the memory a rank's own tensors take, when the model opens",
+    "coordinator.py": "the one place that knows",
+}
+
+
+def test_no_pipeline_checks_outside_the_coordinator():
+    """The batch loop, the prefill, the rows, the engine and the commands ask the coordinator
+    (``edge0.coordinator``) instead of checking whether there is a pipeline."""
+    import re
+
+    pattern = re.compile(r"\b(pipe|pipeline)\s+is\s+(not\s+)?None\b")
+    found = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel in PIPELINE_WIRING:
+            continue
+        lines = [n for n, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
+        if lines:
+            found[rel] = lines
+    assert found == {}, found
