@@ -9,12 +9,28 @@ The Stager (``edge0.exec.staged``) asks its planner for each step's plan and run
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from edge0.backend import core as B
 from edge0.exec.oracle import OracleRouting
 from edge0.exec.plan import DecodePlan, LayerRoute
 
 
+class Planner(Protocol):
+    """What the Stager asks of a planner. ``ahead``: the plans are known before the step
+    runs (an oracle: the Stager submits this step's plan and the next one's as soon as it
+    can); otherwise each step is planned when it begins, from what the step's input shows
+    (the prerouter's flush). ``reset``: forget the generation that ended."""
+
+    ahead: bool
+    layers: list[int]
+
+    def reset(self) -> None: ...
+
+
 class PrerouterPlanner:
+    ahead = False  # planned when the step begins: one flush of the heads on the step's input
+
     def __init__(self, prerouter, layers: list[int], routing: str):
         self.prerouter, self.layers, self.routing = prerouter, list(layers), routing
 
@@ -44,8 +60,13 @@ class PrerouterPlanner:
 
 
 class OraclePlanner:
+    ahead = True  # every step's plan is recorded
+
     def __init__(self, oracle: OracleRouting, layers: list[int]):
         self.oracle, self.layers = oracle, list(layers)
+
+    def reset(self) -> None:
+        """Nothing to forget: the recording is the same for every run of its prompt."""
 
     def covers(self, step: int) -> bool:
         return step < len(self.oracle)

@@ -29,7 +29,7 @@ from edge0.errors import ConfigError, RoutingMismatchError
 from edge0.exec.guard import QualityGuard
 from edge0.exec.oracle import OracleRouting
 from edge0.exec.plan import DecodePlan, LayerRoute, StageStats
-from edge0.exec.planner import OraclePlanner, PrerouterPlanner
+from edge0.exec.planner import OraclePlanner, Planner, PrerouterPlanner
 from edge0.exec.rows import ExpertRows, lookup_table
 from edge0.io_sched.loop_thread import EventLoopThread
 from edge0.io_sched.plan import LayerPlan, StepPlan
@@ -78,7 +78,7 @@ class Stager:
         self.prerouter = prerouter
         self.fallback = fallback
         self.routing = routing
-        self.planner = (PrerouterPlanner(prerouter, self.layers, routing) if prerouter is not None
+        self.planner: Planner | None = (PrerouterPlanner(prerouter, self.layers, routing) if prerouter is not None
                         else OraclePlanner(oracle, self.layers) if oracle is not None else None)
         self._ahead: dict[int, DecodePlan] = {}  # oracle plans submitted ahead of their step
         self._staged: dict[int, set] = {}  # submitted step -> its layers that fit their slots
@@ -124,7 +124,7 @@ class Stager:
         self._submitted.clear()
         self._staged.clear()
         self._ahead.clear()
-        if isinstance(self.planner, PrerouterPlanner):
+        if self.planner is not None:
             self.planner.reset()
         self._set_plan(None, {})
         self.guard.reset(keep_report)
@@ -240,7 +240,7 @@ class Stager:
         # input does not depend on them: teacher forcing), so its slots may be unpinned
         B.eval(inputs, *self._outputs)
         self._outputs = []
-        if isinstance(self.planner, PrerouterPlanner):
+        if not self.planner.ahead:
             self._predict_and_plan(inputs)
             return
         self._check_misses(int(B.to_host(self._misses)))
@@ -258,7 +258,7 @@ class Stager:
         self._step_t0, self._step_stall = time.perf_counter(), 0.0
         self._io0 = (self.scheduler.stats.reads, self.scheduler.stats.bytes, self.scheduler.stats.hits,
                      self.scheduler.stats.misses)
-        if not plan or not isinstance(self.planner, OraclePlanner):
+        if not plan or self.planner is None or not self.planner.ahead:
             return
         self._ahead.pop(self.step - 1, None)
         for s in (self.step, self.step + 1):  # this step, and the next one ahead of time
