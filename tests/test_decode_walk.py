@@ -27,7 +27,7 @@ def test_the_documented_modules_are_the_ones_a_staged_decode_step_enters(monkeyp
     entered: set[str] = set()
     tracing = threading.Event()
 
-    def profile(frame, event, arg):
+    def profile(frame, event, *_):
         if event == "call" and tracing.is_set():
             name = frame.f_globals.get("__name__", "")
             if name.startswith("edge0"):

@@ -1,10 +1,11 @@
 """The staged path: routing known before the step, experts read ahead into sticky slots.
 
-Each staged layer owns S slots (one row buffer of S experts per stacked tensor). Before a
-decode step the ``Stager`` makes the step's ``DecodePlan`` (edge0.exec.plan) from its
-planner (the prerouter's heads, or an oracle file), hands the plan's expert sets to the
-async ``PrefetchScheduler``, which reads the misses into free slots while the step runs,
-and the plan's routes to the staged layers' routers. A staged layer then:
+Each staged layer owns S slots (one row buffer of S experts per stacked tensor; the
+``SlotPool`` holds them and the scheduler that fills them). Before a decode step the
+``Stager`` makes the step's ``DecodePlan`` (edge0.exec.plan) from its planner (the
+prerouter's heads, or an oracle file), hands the plan's expert sets to the async
+``PrefetchScheduler``, which reads the misses into free slots while the step runs, and the
+plan's routes to the staged layers' routers. A staged layer then:
 
 1. starts computing everything below it (``async_eval`` of its input: not a host sync),
 2. waits until its slots are READY (the only wait; logged as ``stage.wait``): on a
@@ -38,6 +39,71 @@ from edge0.io_sched.scheduler import PrefetchScheduler
 from edge0.io_sched.store import SlotStore
 
 
+class SlotPool:
+    """The staged layers' slots and the scheduler that fills them: each layer's S slots (an
+    ``ExpertRows``), read into by the ``PrefetchScheduler`` on its own event-loop thread
+    (``portal`` calls into it from the compute thread). A layer's slots grow, doubling up to
+    ``max_slots``, while a batch's union of experts needs more, and go back to S when the
+    batch empties. The Stager plans the steps and computes on them."""
+
+    def __init__(self, index: CheckpointIndex, layers: list[int], slots: int, reader: ExpertReader, *,
+                 readers: int, prefetch_depth: int, max_slots: int | None = None, log=None):
+        self.index, self.log = index, log
+        self.slots = slots  # per layer, at open and after a batch empties
+        self.max_slots = max(slots, min(max_slots or slots, index.spec.num_experts))
+        self.rows = {l: ExpertRows(index.layers[l], slots) for l in layers}
+        self.loop = EventLoopThread(name="edge0-io")
+        self.portal = self.loop.portal
+        self.scheduler = PrefetchScheduler(SlotStore(reader, {l: r.buffers for l, r in self.rows.items()}),
+                                           {l: slots for l in layers}, readers=readers,
+                                           prefetch_depth=prefetch_depth, log=log)
+        self._entered = self.portal.wrap_async_context_manager(self.scheduler)
+        self._entered.__enter__()
+
+    def nbytes(self) -> int:
+        """Bytes the slots hold now (more than at open while a batch grew them)."""
+        return sum(r.nbytes for r in self.rows.values())
+
+    def resize(self, layer: int, n: int) -> bool:
+        """Give ``layer`` ``n`` slots, keeping the experts of those kept; False (nothing
+        changed) while a step still uses its slots."""
+        if not self.portal.call(self.scheduler.idle, layer):
+            return False
+        old = self.rows[layer]
+        new = ExpertRows(self.index.layers[layer], n)
+        keep = min(n, old.capacity)
+        for src, dst in zip(old.buffers, new.buffers):
+            dst.host[:keep] = src.host[:keep]
+        self.portal.call(self.scheduler.resize, layer, n, new.buffers)
+        self.rows[layer] = new
+        if self.log is not None:
+            self.log.info("stage.slots", layer=layer, slots=n, was=old.capacity, mib=round(new.nbytes / 2**20, 1))
+        return True
+
+    def fits(self, layer: int, need: int) -> bool:
+        """Whether ``need`` experts fit ``layer``'s slots, growing them (doubling, at most
+        ``max_slots``) when they do not and the layer is idle."""
+        have = self.rows[layer].capacity
+        if need > have and have < self.max_slots:
+            self.resize(layer, min(self.max_slots, max(need, 2 * have)))
+        return need <= self.rows[layer].capacity
+
+    def shrink(self) -> None:
+        """Grown slots go back to ``slots``: memory follows the batch."""
+        for layer, rows in self.rows.items():
+            if rows.capacity > self.slots:
+                self.resize(layer, self.slots)
+
+    def close(self) -> None:
+        if self.portal is None:
+            return
+        try:
+            self._entered.__exit__(None, None, None)
+        finally:
+            self.loop.close()
+            self.portal = None
+
+
 class Stager:
     """Owns the staged layers' slots, the scheduler (on its own event-loop thread), the
     step's plan and the step bookkeeping. One per engine."""
@@ -45,30 +111,24 @@ class Stager:
     def __init__(self, index: CheckpointIndex, layers: list[int], slots: int, reader: ExpertReader,
                  oracle: OracleRouting | None, *, readers: int, prefetch_depth: int, log=None,
                  prerouter=None, fallback=None, guard_every: int = 0, routing: str = "replace",
-                 max_slots: int | None = None):
+                 max_slots: int | None = None, pool: SlotPool | None = None):
         """``routing`` (with a prerouter): "replace", the prediction is the staged layers'
         routing; "select", the prerouter stages candidates (its ``width``) and each staged
         layer's own router chooses among them (``LayerRoute``). ``max_slots``: how far a
         layer's ``slots`` may grow when a step's set outgrows them (a batch's union; back to
-        ``slots`` at ``reset``); None = never."""
+        ``slots`` at ``reset``); None = never. ``pool``: the slots and their scheduler, when
+        the caller made them (``edge0.exec.slot_pool``)."""
         spec = index.spec
         if slots < spec.k:
             raise ConfigError(f"slots_per_layer must be >= k = {spec.k}, got {slots}")
         self.index = index
         self.layers = list(layers)
-        self.num_experts = spec.num_experts
-        self.slots = slots
-        self.max_slots = max(slots, min(max_slots or slots, spec.num_experts))
         self.oracle = oracle
         self.log = log
-        self.rows = {l: ExpertRows(index.layers[l], slots) for l in self.layers}
-        self._loop = EventLoopThread(name="edge0-io")
-        self.portal = self._loop.portal
-        self.scheduler = PrefetchScheduler(SlotStore(reader, {l: r.buffers for l, r in self.rows.items()}),
-                                           {l: slots for l in self.layers}, readers=readers,
-                                           prefetch_depth=prefetch_depth, log=log)
-        self._sched_cm = self.portal.wrap_async_context_manager(self.scheduler)
-        self._sched_cm.__enter__()
+        # the slots and the scheduler that fills them (given, or made for these layers)
+        self.pool = pool if pool is not None else SlotPool(index, self.layers, slots, reader, readers=readers,
+                                                           prefetch_depth=prefetch_depth, max_slots=max_slots,
+                                                           log=log)
         self.step = -1
         self._submitted: set[int] = set()
         self._misses = self._zero_misses()
@@ -91,6 +151,12 @@ class Stager:
         self._step_stall = 0.0
         self._outputs: list = []  # this step's staged outputs: evaluated before their slots are reused
         self.over_slot_layers = 0  # layer-steps run on the fallback: the set did not fit max_slots
+
+    # the pool's, for whoever reads them through the Stager
+    rows = property(lambda self: self.pool.rows)
+    slots = property(lambda self: self.pool.slots)
+    portal = property(lambda self: self.pool.portal)
+    scheduler = property(lambda self: self.pool.scheduler)
 
     def _route_of(self, layer: int, logits):
         return self.prerouter.route(layer, logits)
@@ -131,9 +197,7 @@ class Stager:
         self.step = -1
         self._outputs = []
         self._misses = self._zero_misses()  # a mismatch raised last time must not poison the next run
-        for layer in self.layers:  # grown slots go back: memory follows the batch
-            if self.rows[layer].capacity > self.slots:
-                self._resize(layer, self.slots)
+        self.pool.shrink()
 
     @staticmethod
     def _zero_misses():
@@ -163,41 +227,17 @@ class Stager:
 
     def slot_bytes(self) -> int:
         """Bytes the staged layers' slots hold now (more than at open while a batch grew them)."""
-        return sum(r.nbytes for r in self.rows.values())
-
-    def _resize(self, layer: int, n: int) -> bool:
-        """Give ``layer`` ``n`` slots, keeping the experts of those kept; False (nothing
-        changed) while a step still uses its slots."""
-        if not self.portal.call(self.scheduler.idle, layer):
-            return False
-        old = self.rows[layer]
-        new = ExpertRows(self.index.layers[layer], n)
-        keep = min(n, old.capacity)
-        for src, dst in zip(old.buffers, new.buffers):
-            dst.host[:keep] = src.host[:keep]
-        self.portal.call(self.scheduler.resize, layer, n, new.buffers)
-        self.rows[layer] = new
-        if self.log is not None:
-            self.log.info("stage.slots", layer=layer, slots=n, was=old.capacity, mib=round(new.nbytes / 2**20, 1))
-        return True
-
-    def _fits(self, layer: int, need: int) -> bool:
-        """Whether ``need`` experts fit ``layer``'s slots, growing them (doubling, at most
-        ``max_slots``) when they do not and the layer is idle."""
-        have = self.rows[layer].capacity
-        if need > have and have < self.max_slots:
-            self._resize(layer, min(self.max_slots, max(need, 2 * have)))
-        return need <= self.rows[layer].capacity
+        return self.pool.nbytes()
 
     def _submit(self, plan: DecodePlan) -> None:
         """Hand ``plan``'s expert sets to the scheduler, layers in execution order. A layer
         whose set does not fit its slots (a batch's union of many rows' sets), even grown
         to ``max_slots``, is not staged at that step: it computes on its fallback path,
         routed by the same plan."""
-        fits = [l for l in self.layers if self._fits(l, len(plan.experts[l]))]
+        fits = [l for l in self.layers if self.pool.fits(l, len(plan.experts[l]))]
         self.over_slot_layers += len(self.layers) - len(fits)
         if len(fits) < len(self.layers) and self.log is not None:
-            self.log.info("stage.over_slots", step=plan.step, max_slots=self.max_slots,
+            self.log.info("stage.over_slots", step=plan.step, max_slots=self.pool.max_slots,
                           layers={l: len(plan.experts[l]) for l in self.layers if l not in fits})
         self.portal.call(self.scheduler.submit, StepPlan(plan.step, tuple(LayerPlan(l, plan.experts[l])
                                                                           for l in fits)))
@@ -283,11 +323,7 @@ class Stager:
         try:
             self.reset()
         finally:
-            try:
-                self._sched_cm.__exit__(None, None, None)
-            finally:
-                self._loop.close()
-                self.portal = None
+            self.pool.close()
 
     # -- the layer computation --------------------------------------------------------------
     def compute(self, layer: int, x, inds):
@@ -295,13 +331,13 @@ class Stager:
             return self.fallback(layer, x, inds)  # yet), or a batch's union over the layer's slots
         B.async_eval(x)  # let the layers below run while this layer's reads finish
         t0 = time.perf_counter()
-        slot_map = self.scheduler.wait_ready(self.step, layer, self._loop.post)
+        slot_map = self.scheduler.wait_ready(self.step, layer, self.pool.loop.post)
         waited = time.perf_counter() - t0
         self._step_stall += waited
         if self.log is not None:
             self.log.debug("stage.wait", step=self.step, layer=layer, ms=round(1e3 * waited, 3),
                            hits=slot_map.hits, misses=slot_map.misses)
-        raw = B.take(lookup_table(self.num_experts, slot_map.slot_of, slot_map.slot_of.values(), missing=-1), inds)
+        raw = B.take(lookup_table(self.index.spec.num_experts, slot_map.slot_of, slot_map.slot_of.values(), missing=-1), inds)
         self._misses = self._misses + (raw < 0).sum()
         out = self.rows[layer].run(self.fallback.split, self.fallback.templates[layer], x, B.maximum(raw, 0))
         self._outputs.append(out)
