@@ -89,7 +89,7 @@ def record_staging(engine, prompt, max_tokens: int):
     switches = s.switches()
 
     def observe(layer, inds, previous):
-        if inds.size == inds.shape[-1] and layer in stager.layers and stager.step in stager._submitted:
+        if inds.size == inds.shape[-1] and layer in stager.layers and stager.step in stager.now.submitted:
             used.setdefault(stager.step, {})[layer] = set(np.array(inds).reshape(-1).tolist())
         if previous is not None:
             previous(layer, inds)

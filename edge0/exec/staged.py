@@ -22,6 +22,7 @@ is checked once per step and a mismatch raises (never silently wrong output).
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
 
 from edge0.backend import core as B
@@ -104,6 +105,26 @@ class SlotPool:
             self.portal = None
 
 
+@dataclass
+class StepState:
+    """The Stager's current step: its number, the plan it runs, the steps submitted to the
+    scheduler and their staged layers, the oracle's plans submitted ahead, the staged outputs
+    to evaluate before their slots are reused, the routing-miss count on device, and the
+    step's clock (start, stall, the scheduler's counters at its start)."""
+
+    misses: object  # staged routing indices that found no slot, counted on device
+    step: int = -1
+    plan: DecodePlan | None = None  # the current step's, when it was planned
+    predicted: dict = field(default_factory=dict)  # the plan's flush: layer -> (indices, logits)
+    submitted: set = field(default_factory=set)
+    staged: dict = field(default_factory=dict)  # submitted step -> its layers that fit their slots
+    ahead: dict = field(default_factory=dict)  # oracle plans submitted ahead of their step
+    outputs: list = field(default_factory=list)  # staged outputs, evaluated before their slots are reused
+    t0: float | None = None
+    stall: float = 0.0
+    io0: tuple = ()
+
+
 class Stager:
     """Owns the staged layers' slots, the scheduler (on its own event-loop thread), the
     step's plan and the step bookkeeping. One per engine."""
@@ -129,9 +150,7 @@ class Stager:
         self.pool = pool if pool is not None else SlotPool(index, self.layers, slots, reader, readers=readers,
                                                            prefetch_depth=prefetch_depth, max_slots=max_slots,
                                                            log=log)
-        self.step = -1
-        self._submitted: set[int] = set()
-        self._misses = self._zero_misses()
+        self.now = StepState(misses=self._zero_misses())  # the step being run and what it submitted
         self.check_routing = True  # off only for timing runs that compute on unread slots
         # prediction as routing: the prerouter plans each step, and its prediction is the
         # staged layers' routing; a step it cannot plan (no state yet) runs on ``fallback``
@@ -140,19 +159,15 @@ class Stager:
         self.routing = routing
         self.planner: Planner | None = (PrerouterPlanner(prerouter, self.layers, routing) if prerouter is not None
                         else OraclePlanner(oracle, self.layers) if oracle is not None else None)
-        self._ahead: dict[int, DecodePlan] = {}  # oracle plans submitted ahead of their step
-        self._staged: dict[int, set] = {}  # submitted step -> its layers that fit their slots
         self.routers: dict = {}  # staged layer -> its RouterTap, which gets each step's route
-        self.plan: DecodePlan | None = None  # the current step's, when the prerouter planned it
-        self.predicted: dict[int, tuple] = {}  # the plan's flush: layer -> (indices, logits)
         self.guard = QualityGuard(self.layers, guard_every, self._route_of, log=log)
         self._stats = StageStats()
-        self._step_t0 = None
-        self._step_stall = 0.0
-        self._outputs: list = []  # this step's staged outputs: evaluated before their slots are reused
         self.over_slot_layers = 0  # layer-steps run on the fallback: the set did not fit max_slots
 
-    # the pool's, for whoever reads them through the Stager
+    # the step's and the pool's, for whoever reads them through the Stager
+    step = property(lambda self: self.now.step)
+    plan = property(lambda self: self.now.plan)
+    predicted = property(lambda self: self.now.predicted)
     rows = property(lambda self: self.pool.rows)
     slots = property(lambda self: self.pool.slots)
     portal = property(lambda self: self.pool.portal)
@@ -172,12 +187,12 @@ class Stager:
 
     def layer_route(self, layer: int) -> LayerRoute | None:
         """What ``layer``'s router does at this step (None: it was not planned)."""
-        return self.plan.route(layer) if self.plan is not None else None
+        return self.now.plan.route(layer) if self.now.plan is not None else None
 
     def planned_logits(self, layer: int):
         """The predicted router logits of ``layer`` for this step, or None when this step
         was not planned."""
-        pred = self.predicted.get(layer)
+        pred = self.now.predicted.get(layer)
         return pred[1] if pred is not None else None
 
     # -- step boundaries (called by the engine's step hook) ------------------------------
@@ -185,18 +200,18 @@ class Stager:
         """Forget the previous generation: cancel its reads, unpin its slots (slots keep
         their experts: sticky across generations). ``keep_report`` keeps the quality guard's
         per-layer recall of the generation that just ended, for whoever reads it next."""
-        for step in sorted(self._submitted):
+        for step in sorted(self.now.submitted):
             self.portal.call(self.scheduler.cancel, step)
-        self._submitted.clear()
-        self._staged.clear()
-        self._ahead.clear()
+        self.now.submitted.clear()
+        self.now.staged.clear()
+        self.now.ahead.clear()
         if self.planner is not None:
             self.planner.reset()
         self._set_plan(None, {})
         self.guard.reset(keep_report)
-        self.step = -1
-        self._outputs = []
-        self._misses = self._zero_misses()  # a mismatch raised last time must not poison the next run
+        self.now.step = -1
+        self.now.outputs = []
+        self.now.misses = self._zero_misses()  # a mismatch raised last time must not poison the next run
         self.pool.shrink()
 
     @staticmethod
@@ -221,7 +236,7 @@ class Stager:
 
     def _set_plan(self, plan: DecodePlan | None, predicted: dict) -> None:
         """Make ``plan`` the current step's and hand each staged router its route."""
-        self.plan, self.predicted = plan, predicted
+        self.now.plan, self.now.predicted = plan, predicted
         for layer, tap in self.routers.items():
             tap.route = plan.route(layer) if plan is not None else None
 
@@ -241,33 +256,33 @@ class Stager:
                           layers={l: len(plan.experts[l]) for l in self.layers if l not in fits})
         self.portal.call(self.scheduler.submit, StepPlan(plan.step, tuple(LayerPlan(l, plan.experts[l])
                                                                           for l in fits)))
-        self._submitted.add(plan.step)
-        self._staged[plan.step] = set(fits)
+        self.now.submitted.add(plan.step)
+        self.now.staged[plan.step] = set(fits)
 
     def _predict_and_plan(self, inputs) -> None:
         """One batched flush of every head, one host read of all predicted sets (with the
         miss count and the guard's counts of the step before), one plan."""
         planner = self.planner
         preds = planner.flush(inputs)
-        parts = [self._misses.reshape(1), *self.guard.device_counts()]
+        parts = [self.now.misses.reshape(1), *self.guard.device_counts()]
         if preds is not None:
             parts += planner.device_parts(preds)
         host = B.to_host(B.concat([p.astype(B.int32) for p in parts]))
         self._check_misses(int(host[0]))
-        pos = 1 + self.guard.collect(host[1:], self.step)
+        pos = 1 + self.guard.collect(host[1:], self.now.step)
         self.advance_step(plan=False)
         self._set_plan(None, {})
         if preds is None:
             return  # nothing observed yet: this step runs on the fallback path
-        observe = self.guard.observer({l: preds[l][0] for l in self.layers}) if self.guard.arm(self.step) else None
-        plan = planner.plan(self.step, host[pos:].reshape(len(self.layers), -1), preds, observe)
+        observe = self.guard.observer({l: preds[l][0] for l in self.layers}) if self.guard.arm(self.now.step) else None
+        plan = planner.plan(self.now.step, host[pos:].reshape(len(self.layers), -1), preds, observe)
         self._submit(plan)
         self._set_plan(plan, preds)
 
     def _check_misses(self, misses: int) -> None:
         if self.check_routing and misses:
             raise RoutingMismatchError(
-                f"step {self.step}: a staged layer routed to an expert its plan did not stage; the oracle "
+                f"step {self.now.step}: a staged layer routed to an expert its plan did not stage; the oracle "
                 "routing does not belong to this prompt, model and sampling")
 
     def begin_step(self, inputs) -> None:
@@ -278,43 +293,43 @@ class Stager:
                               "(`edge0 train heads`) or an oracle_file (`edge0 record-routing`)")
         # the previous step is done (its staged layers' outputs too, even when this step's
         # input does not depend on them: teacher forcing), so its slots may be unpinned
-        B.eval(inputs, *self._outputs)
-        self._outputs = []
+        B.eval(inputs, *self.now.outputs)
+        self.now.outputs = []
         if not self.planner.ahead:
             self._predict_and_plan(inputs)
             return
-        self._check_misses(int(B.to_host(self._misses)))
+        self._check_misses(int(B.to_host(self.now.misses)))
         self.advance_step()
 
     def advance_step(self, plan: bool = True) -> None:
         """Close the previous step (unpin its slots) and, with an oracle (``plan``), submit
         this step's plan and the next one's so its reads can start as soon as slots are free."""
-        if self.step >= 0:
+        if self.now.step >= 0:
             self._end_step()
-            self.portal.call(self.scheduler.release, self.step)
-            self._submitted.discard(self.step)
-            self._staged.pop(self.step, None)
-        self.step += 1
-        self._step_t0, self._step_stall = time.perf_counter(), 0.0
-        self._io0 = (self.scheduler.stats.reads, self.scheduler.stats.bytes, self.scheduler.stats.hits,
+            self.portal.call(self.scheduler.release, self.now.step)
+            self.now.submitted.discard(self.now.step)
+            self.now.staged.pop(self.now.step, None)
+        self.now.step += 1
+        self.now.t0, self.now.stall = time.perf_counter(), 0.0
+        self.now.io0 = (self.scheduler.stats.reads, self.scheduler.stats.bytes, self.scheduler.stats.hits,
                      self.scheduler.stats.misses)
         if not plan or self.planner is None or not self.planner.ahead:
             return
-        self._ahead.pop(self.step - 1, None)
-        for s in (self.step, self.step + 1):  # this step, and the next one ahead of time
-            if s not in self._submitted and self.planner.covers(s):
-                self._ahead[s] = self.planner.plan(s)
-                self._submit(self._ahead[s])
-        if self.step not in self._submitted:
-            self.planner.refuse(self.step)  # raises the "covers N steps" error
-        self._set_plan(self._ahead.get(self.step), {})
+        self.now.ahead.pop(self.now.step - 1, None)
+        for s in (self.now.step, self.now.step + 1):  # this step, and the next one ahead of time
+            if s not in self.now.submitted and self.planner.covers(s):
+                self.now.ahead[s] = self.planner.plan(s)
+                self._submit(self.now.ahead[s])
+        if self.now.step not in self.now.submitted:
+            self.planner.refuse(self.now.step)  # raises the "covers N steps" error
+        self._set_plan(self.now.ahead.get(self.now.step), {})
 
     def _end_step(self) -> None:
-        self._stats = StageStats(self._stats.steps_run + 1, self._stats.stall_seconds + self._step_stall)
-        if self.log is not None and self._step_t0 is not None:
+        self._stats = StageStats(self._stats.steps_run + 1, self._stats.stall_seconds + self.now.stall)
+        if self.log is not None and self.now.t0 is not None:
             st = self.scheduler.stats
-            r0, b0, h0, m0 = self._io0
-            self.log.info("step", step=self.step, stall_ms=round(1e3 * self._step_stall, 3),
+            r0, b0, h0, m0 = self.now.io0
+            self.log.info("step", step=self.now.step, stall_ms=round(1e3 * self.now.stall, 3),
                           reads=st.reads - r0, bytes=st.bytes - b0, hits=st.hits - h0, misses=st.misses - m0)
 
     def close(self) -> None:
@@ -327,20 +342,20 @@ class Stager:
 
     # -- the layer computation --------------------------------------------------------------
     def compute(self, layer: int, x, inds):
-        if layer not in self._staged.get(self.step, ()):  # an unplanned step (no prerouter state
+        if layer not in self.now.staged.get(self.now.step, ()):  # an unplanned step (no prerouter state
             return self.fallback(layer, x, inds)  # yet), or a batch's union over the layer's slots
         B.async_eval(x)  # let the layers below run while this layer's reads finish
         t0 = time.perf_counter()
-        slot_map = self.scheduler.wait_ready(self.step, layer, self.pool.loop.post)
+        slot_map = self.scheduler.wait_ready(self.now.step, layer, self.pool.loop.post)
         waited = time.perf_counter() - t0
-        self._step_stall += waited
+        self.now.stall += waited
         if self.log is not None:
-            self.log.debug("stage.wait", step=self.step, layer=layer, ms=round(1e3 * waited, 3),
+            self.log.debug("stage.wait", step=self.now.step, layer=layer, ms=round(1e3 * waited, 3),
                            hits=slot_map.hits, misses=slot_map.misses)
         raw = B.take(lookup_table(self.index.spec.num_experts, slot_map.slot_of, slot_map.slot_of.values(), missing=-1), inds)
-        self._misses = self._misses + (raw < 0).sum()
+        self.now.misses = self.now.misses + (raw < 0).sum()
         out = self.rows[layer].run(self.fallback.split, self.fallback.templates[layer], x, B.maximum(raw, 0))
-        self._outputs.append(out)
+        self.now.outputs.append(out)
         return out
 
 
