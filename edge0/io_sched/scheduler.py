@@ -57,6 +57,21 @@ class _Job:
     done: anyio.Event = field(default_factory=anyio.Event)
 
 
+@dataclass(eq=False)
+class _Reads:
+    """The reads the scheduler owes: queued (a heap by priority), in flight per step (and
+    the events of steps being cancelled, set once their reads have drained), the cancelled
+    steps, and the reader threads' limiter and how many hold a share."""
+
+    limiter: anyio.CapacityLimiter
+    heap: list = field(default_factory=list)  # (priority, seq, ReadRequest)
+    seq: itertools.count = field(default_factory=itertools.count)
+    in_flight: dict = field(default_factory=dict)  # step -> reads in flight
+    drained: dict = field(default_factory=dict)  # step -> anyio.Event, set when its reads drained
+    cancelled: set = field(default_factory=set)
+    busy: int = 0  # reader threads holding a share of reads
+
+
 READY_TIMEOUT_S = 120.0  # a layer waiting this long for its slots: an error, not a hang
 
 
@@ -73,13 +88,7 @@ class PrefetchScheduler:
         self.stats = SchedulerStats()
         self._log = log
         self._jobs: list[_Job] = []  # unconsumed, in priority order
-        self._heap: list[tuple[tuple, int, ReadRequest]] = []
-        self._seq = itertools.count()
-        self._in_flight: dict[int, int] = {}  # step -> reads in flight
-        self._drained: dict[int, anyio.Event] = {}
-        self._cancelled: set[int] = set()
-        self._limiter = anyio.CapacityLimiter(readers)
-        self._busy = 0  # reader threads holding a share of reads
+        self._reads = _Reads(limiter=anyio.CapacityLimiter(readers))
         self._tg = None
         # the board other threads wait on: (step, layer) -> None while its job is pending,
         # the job once it is done; written by the loop under the condition's lock
@@ -166,7 +175,7 @@ class PrefetchScheduler:
         self._pump()
 
     async def cancel(self, step: int) -> None:
-        self._cancelled.add(step)
+        self._reads.cancelled.add(step)
         dropped = [j for j in self._jobs if j.step == step]
         for job in dropped:
             self._jobs.remove(job)
@@ -177,13 +186,13 @@ class PrefetchScheduler:
                 del self._board[key]
             self._board_cond.notify_all()
         self.stats.cancelled += len(dropped)
-        if self._in_flight.get(step):
-            event = self._drained.setdefault(step, anyio.Event())
+        if self._reads.in_flight.get(step):
+            event = self._reads.drained.setdefault(step, anyio.Event())
             with anyio.CancelScope(shield=True):
                 await event.wait()
         for table in self.tables.values():
             table.release(step)
-        self._cancelled.discard(step)
+        self._reads.cancelled.discard(step)
         self._emit("io.cancel", step=step, jobs=len(dropped))
         self._pump()
 
@@ -203,7 +212,7 @@ class PrefetchScheduler:
         self._emit("io.resize", layer=layer, slots=num_slots)
 
     def pending_reads(self) -> int:
-        return len(self._heap) + sum(self._in_flight.values())
+        return len(self._reads.heap) + sum(self._reads.in_flight.values())
 
     # -- internals ----------------------------------------------------------------------
     def _emit(self, event: str, **kw) -> None:
@@ -216,13 +225,13 @@ class PrefetchScheduler:
         for job in window:
             if job.unclaimed:
                 self._claim(job)
-        while self._heap and self._busy < self.readers and self._tg is not None:
+        while self._reads.heap and self._reads.busy < self.readers and self._tg is not None:
             share = self._next_share()
             if not share:
                 continue
             for req in share:
-                self._in_flight[req.step] = self._in_flight.get(req.step, 0) + 1
-            self._busy += 1
+                self._reads.in_flight[req.step] = self._reads.in_flight.get(req.step, 0) + 1
+            self._reads.busy += 1
             self._tg.start_soon(self._read, share)
         for job in window:
             self._check(job)
@@ -243,7 +252,7 @@ class PrefetchScheduler:
                 layer_stats["misses"] += 1
                 self.stats.misses += 1
                 req = ReadRequest(job.step, job.layer, expert, slot, (job.step, job.order, expert))
-                heapq.heappush(self._heap, (req.priority, next(self._seq), req))
+                heapq.heappush(self._reads.heap, (req.priority, next(self._reads.seq), req))
             else:
                 job.hits += 1
                 layer_stats["hits"] += 1
@@ -273,15 +282,15 @@ class PrefetchScheduler:
         """The next reads for one reader thread: the top of the queue and the rest of its
         layer's queued reads, split evenly over the free readers (a cancelled step's reads
         are dropped here)."""
-        _, _, top = heapq.heappop(self._heap)
-        if top.step in self._cancelled:
+        _, _, top = heapq.heappop(self._reads.heap)
+        if top.step in self._reads.cancelled:
             self.tables[top.layer].complete(top.slot, False)
             return []
-        same = sum(1 for _, _, r in self._heap if (r.step, r.layer) == (top.step, top.layer))
-        size = -(-(same + 1) // (self.readers - self._busy))
+        same = sum(1 for _, _, r in self._reads.heap if (r.step, r.layer) == (top.step, top.layer))
+        size = -(-(same + 1) // (self.readers - self._reads.busy))
         share = [top]
-        while len(share) < size and self._heap and (self._heap[0][2].step, self._heap[0][2].layer) == (top.step, top.layer):
-            share.append(heapq.heappop(self._heap)[2])
+        while len(share) < size and self._reads.heap and (self._reads.heap[0][2].step, self._reads.heap[0][2].layer) == (top.step, top.layer):
+            share.append(heapq.heappop(self._reads.heap)[2])
         return share
 
     def _read_share(self, share: list[ReadRequest]) -> list[tuple]:
@@ -291,7 +300,7 @@ class PrefetchScheduler:
         for req in share:
             nbytes, errors, t0 = None, [], time.perf_counter()
             for _ in range(self.retries + 1):
-                if req.step in self._cancelled:
+                if req.step in self._reads.cancelled:
                     break
                 try:
                     nbytes = self.store.read(req.layer, req.expert, req.slot)
@@ -305,9 +314,9 @@ class PrefetchScheduler:
     async def _read(self, share: list[ReadRequest]) -> None:
         results = []
         try:
-            results = await anyio.to_thread.run_sync(self._read_share, share, limiter=self._limiter)
+            results = await anyio.to_thread.run_sync(self._read_share, share, limiter=self._reads.limiter)
         finally:
-            self._busy -= 1
+            self._reads.busy -= 1
             for i, req in enumerate(share):
                 nbytes, errors, seconds = results[i] if i < len(results) else (None, [], 0.0)
                 self.stats.read_seconds += seconds
@@ -320,19 +329,19 @@ class PrefetchScheduler:
                     self.stats.bytes += nbytes
                     self._emit("io.read", step=req.step, layer=req.layer, expert=req.expert, slot=req.slot,
                                bytes=nbytes, ms=round(1e3 * seconds, 3))
-                self._finish(req, nbytes is not None and req.step not in self._cancelled,
+                self._finish(req, nbytes is not None and req.step not in self._reads.cancelled,
                              errors[-1] if errors else None)
 
     def _finish(self, req: ReadRequest, ok: bool, error: BaseException | None) -> None:
         table = self.tables[req.layer]
         if table.expert_of[req.slot] == req.expert:
             table.complete(req.slot, ok)
-        self._in_flight[req.step] -= 1
-        if not self._in_flight[req.step]:
-            del self._in_flight[req.step]
-            if req.step in self._drained:
-                self._drained.pop(req.step).set()
-        if not ok and error is not None and req.step not in self._cancelled:
+        self._reads.in_flight[req.step] -= 1
+        if not self._reads.in_flight[req.step]:
+            del self._reads.in_flight[req.step]
+            if req.step in self._reads.drained:
+                self._reads.drained.pop(req.step).set()
+        if not ok and error is not None and req.step not in self._reads.cancelled:
             self.stats.failures += 1
             if self._log is not None:
                 self._log.warning("io.read_error", step=req.step, layer=req.layer, expert=req.expert,
