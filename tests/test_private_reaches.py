@@ -1,7 +1,7 @@
 """Modules talk through public names: no module reaches another object's private attribute
 (``other._name``), but for third-party objects that have no public way, each listed here
-with its reason; no class sets more than 15 attributes in ``__init__`` (dataclasses aside),
-but those listed as not yet split."""
+with its reason; no class sets more than 15 attributes in ``__init__`` (dataclasses of plain
+fields aside)."""
 
 from __future__ import annotations
 
@@ -36,11 +36,6 @@ def test_no_module_reaches_another_objects_private_attribute():
     assert set(THIRD_PARTY) <= set(_reaches()), "a listed reach is gone: take it off the list"
 
 
-NOT_YET_SPLIT = {  # class: attributes its __init__ sets today (to come down to 15)
-    ("exec/pipeline.py", "Pipeline"): 20,
-}
-
-
 def _is_dataclass(cls: ast.ClassDef) -> bool:
     return any((isinstance(d, ast.Name) and d.id == "dataclass")
                or (isinstance(d, ast.Call) and getattr(d.func, "id", "") == "dataclass") for d in cls.decorator_list)
@@ -68,9 +63,7 @@ def test_no_class_sets_more_than_15_attributes_in_init():
             n = len(_init_attributes(cls))
             if not _is_dataclass(cls) and n > 15:
                 over[(rel, cls.name)] = n
-    assert {k: v for k, v in over.items() if k not in NOT_YET_SPLIT} == {}
-    for k, n in NOT_YET_SPLIT.items():  # the ones not split yet may not grow
-        assert over.get(k, 0) <= n, (k, over.get(k))
+    assert over == {}
 
 
 PIPELINE_WIRING = {  # where a pipeline is wired when the model opens: the coordinator is chosen from it

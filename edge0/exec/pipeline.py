@@ -135,6 +135,40 @@ def resolve_layout(pipeline_layers: str | None, index, spec, group) -> Layout | 
     return Layout(ranges, group.rank())
 
 
+@dataclass
+class _ModelParts:
+    """Where a model keeps what a pipeline splits (the names mlx-lm's model files give
+    them): the decoder's inner module and its path, the final norm, the head, and the
+    model's own caches (hybrid models' state-space or rotating caches beside KV caches),
+    learnt before another rank's layers are replaced by stubs its make_cache cannot read."""
+
+    model: object
+    inner: object
+    inner_path: str | None
+    norm_name: str | None
+    head_path: str
+    caches: list | None
+
+    @classmethod
+    def of(cls, model, spec) -> "_ModelParts":
+        inner_path = spec.layer_prefix[:-len(".layers.")] if spec.layer_prefix.endswith(".layers.") else None
+        inner = bnn.module_at(model, inner_path) if inner_path else None
+        outer = inner_path.rpartition(".")[0] if inner_path else ""
+        norm_name = next((n for n in FINAL_NORMS if inner is not None and n in inner), None)
+        head_path = f"{outer}.lm_head" if outer else "lm_head"
+        missing = [what for what, there in (("decoder layers", inner is not None),
+                                            ("embed_tokens", inner is not None and "embed_tokens" in inner),
+                                            ("a final norm", norm_name is not None),
+                                            ("an untied lm_head", bnn.module_at(model, head_path) is not None))
+                   if not there]
+        if missing:
+            raise ConfigError(f"{spec.model_type}: pipeline parallelism needs the decoder layers, embed_tokens, a final "
+                              f"norm and an untied lm_head where mlx-lm's model files keep them (no "
+                              f"{', '.join(missing)})")
+        return cls(model, inner, inner_path, norm_name, head_path,
+                   model.make_cache() if hasattr(model, "make_cache") else None)
+
+
 class Pipeline:
     """This rank's part of a pipeline over ``model`` (mlx-lm's, Edge0's stages in place)."""
 
@@ -145,25 +179,7 @@ class Pipeline:
                               "for are listed in the README's table of architectures)")
         self.layout, self.group, self.spec = layout, group, spec
         self.rank, self.size = layout.rank, layout.size
-        inner_path = spec.layer_prefix[:-len(".layers.")] if spec.layer_prefix.endswith(".layers.") else None
-        self.inner = bnn.module_at(model, inner_path) if inner_path else None
-        outer = inner_path.rpartition(".")[0] if inner_path else ""
-        # the final norm and the head under the names mlx-lm's model files give them
-        self.norm_name = next((n for n in FINAL_NORMS if self.inner is not None and n in self.inner), None)
-        self.head_path = f"{outer}.lm_head" if outer else "lm_head"
-        missing = [what for what, there in (("decoder layers", self.inner is not None),
-                                            ("embed_tokens", self.inner is not None and "embed_tokens" in self.inner),
-                                            ("a final norm", self.norm_name is not None),
-                                            ("an untied lm_head", bnn.module_at(model, self.head_path) is not None))
-                   if not there]
-        if missing:
-            raise ConfigError(f"{spec.model_type}: pipeline parallelism needs the decoder layers, embed_tokens, a final "
-                              f"norm and an untied lm_head where mlx-lm's model files keep them (no "
-                              f"{', '.join(missing)})")
-        self.inner_path, self.model = inner_path, model
-        # the model's own caches (hybrid models: state-space or rotating caches beside KV caches), learnt
-        # before another rank's layers are replaced by stubs its make_cache cannot read
-        self._caches = model.make_cache() if hasattr(model, "make_cache") else None
+        self.parts = _ModelParts.of(model, spec)
         self.heads = heads
         self.crossing = self._crossing(heads)  # owner layer on this rank whose head's consumer is on the next
         self.incoming = self._incoming(heads)  # owner layer on the previous rank whose head runs here
@@ -208,10 +224,10 @@ class Pipeline:
         if key.startswith(prefix):
             head = key[len(prefix):].split(".", 1)[0]
             return head.isdigit() and not self.layout.holds(int(head))
-        ip = self.inner_path + "."
+        ip = self.parts.inner_path + "."
         if key.startswith(ip + "embed_tokens."):
             return self.rank != 0
-        if key.startswith(ip + self.norm_name + ".") or key.startswith(self.head_path + "."):
+        if key.startswith(ip + self.parts.norm_name + ".") or key.startswith(self.parts.head_path + "."):
             return self.rank != self.size - 1
         return False
 
@@ -220,20 +236,20 @@ class Pipeline:
 
     def strip(self, dtype) -> None:
         """Replace what this rank does not hold (before the resident weights load)."""
-        vocab, embed_dim = bnn.module_at(self.model, self.head_path).weight.shape
-        layers = self.inner.layers
+        vocab, embed_dim = bnn.module_at(self.parts.model, self.parts.head_path).weight.shape
+        layers = self.parts.inner.layers
         lo, hi = self.layout.ranges[self.rank]
         for i in range(len(layers)):
             if not self.layout.holds(i):
                 layers[i] = D.LayerStub(sent=(lambda: self._sent) if i >= hi else None, like=layers[i])
         self._dim = embed_dim
-        if self._caches is not None:  # make_cache reads the layers: it hands out fresh copies of what it made
-            self.model.make_cache = D.cache_maker(self._caches)
+        if self.parts.caches is not None:  # make_cache reads the layers: it hands out fresh copies of what it made
+            self.parts.model.make_cache = D.cache_maker(self.parts.caches)
         if self.rank != 0:
-            self.inner.embed_tokens = D.EmbedStub(embed_dim, dtype)
+            self.parts.inner.embed_tokens = D.EmbedStub(embed_dim, dtype)
         if self.rank != self.size - 1:
-            setattr(self.inner, self.norm_name, D.Identity())
-            bnn.set_module_at(self.model, self.head_path, D.HeadStub(vocab, dtype, self.group, lambda: self._sent,
+            setattr(self.parts.inner, self.parts.norm_name, D.Identity())
+            bnn.set_module_at(self.parts.model, self.parts.head_path, D.HeadStub(vocab, dtype, self.group, lambda: self._sent,
                                                                       shares=lambda: not self.deferred))
 
     def wire(self, streaming, prerouter) -> None:
@@ -241,13 +257,13 @@ class Pipeline:
         its logits, the crossing owner's inputs are captured, the relayed token rows are the
         local heads' embedding."""
         lo, hi = self.layout.ranges[self.rank]
-        layers = self.inner.layers
+        layers = self.parts.inner.layers
         if self.rank > 0:
             D.wrap_call(layers[lo], before=lambda x: self._receive(x, streaming, prerouter))
         if self.rank < self.size - 1:
             D.wrap_call(layers[hi - 1], after=self._send)
         else:
-            D.head_that_shares(bnn.module_at(self.model, self.head_path), self.group, shares=lambda: not self.deferred)
+            D.head_that_shares(bnn.module_at(self.parts.model, self.parts.head_path), self.group, shares=lambda: not self.deferred)
         self._seeds = _shared_random(self.group)
         if self.crossing is not None:
             o = self.crossing
