@@ -14,8 +14,9 @@ Contract (the tests drive it with a fake store, no MLX, no model):
 - ``await ready(step, layer)`` returns the layer's ``SlotMap`` once every planned expert
   sits in a READY slot, or raises the typed read error. Consuming a job slides the window.
   ``wait_ready(step, layer, post)`` is the same for a thread other than the loop's (the
-  compute thread): it waits on a condition the loop signals when the job is done, and
-  hands the consumption back to the loop through ``post`` without waiting for it. No
+  compute thread): each job has one readiness, a future the loop resolves when the job is
+  done, awaited on the loop and blocked on by other threads; the consumption goes back to
+  the loop through ``post`` without waiting for it. No
   round trip through the loop per layer: on a machine whose cores are busy computing,
   every wake-up of another thread the compute thread waits for can cost a time slice.
 - ``release(step)`` unpins the step's slots once its computation has been evaluated.
@@ -29,10 +30,13 @@ All state lives on the scheduler's event loop; only ``store.read`` runs in threa
 
 from __future__ import annotations
 
+import asyncio
 import heapq
 import itertools
 import threading
 import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
 import anyio
@@ -54,7 +58,14 @@ class _Job:
     hits: int = 0
     misses: int = 0
     error: BaseException | None = None
-    done: anyio.Event = field(default_factory=anyio.Event)
+    # its one readiness: set by the loop when every slot is READY, the job failed or its step
+    # was cancelled (``error`` says which); awaited on the loop (``ready``), blocked on by
+    # the compute thread (``wait_ready``)
+    done: Future = field(default_factory=Future)
+
+    def finish(self) -> None:
+        if not self.done.done():
+            self.done.set_result(None)
 
 
 @dataclass(eq=False)
@@ -90,10 +101,10 @@ class PrefetchScheduler:
         self._jobs: list[_Job] = []  # unconsumed, in priority order
         self._reads = _Reads(limiter=anyio.CapacityLimiter(readers))
         self._tg = None
-        # the board other threads wait on: (step, layer) -> None while its job is pending,
-        # the job once it is done; written by the loop under the condition's lock
-        self._board: dict[tuple[int, int], _Job | None] = {}
-        self._board_cond = threading.Condition()
+        # the pending jobs by (step, layer), for a thread other than the loop's to find its
+        # job's future; written by the loop under the lock
+        self._pending: dict[tuple[int, int], _Job] = {}
+        self._pending_lock = threading.Lock()
 
     # -- lifecycle ----------------------------------------------------------------------
     async def __aenter__(self) -> "PrefetchScheduler":
@@ -117,9 +128,10 @@ class PrefetchScheduler:
             if len(experts) > self.tables[lp.layer].num_slots:
                 raise SchedulerError(f"step {plan.step} layer {lp.layer}: {len(experts)} experts do not fit in "
                                      f"{self.tables[lp.layer].num_slots} slots")
-            self._jobs.append(_Job(plan.step, lp.layer, order, experts, unclaimed=list(experts)))
-            with self._board_cond:
-                self._board[(plan.step, lp.layer)] = None
+            job = _Job(plan.step, lp.layer, order, experts, unclaimed=list(experts))
+            self._jobs.append(job)
+            with self._pending_lock:
+                self._pending[(plan.step, lp.layer)] = job
         self._jobs.sort(key=lambda j: (j.step, j.order))
         self._emit("io.plan", step=plan.step, layers=len(plan.layers),
                    experts=sum(len(lp.experts) for lp in plan.layers))
@@ -130,8 +142,8 @@ class PrefetchScheduler:
         if job is None:
             raise SchedulerError(f"no pending plan for step {step}, layer {layer}")
         with anyio.move_on_after(READY_TIMEOUT_S):
-            await job.done.wait()
-        if not job.done.is_set():  # never in a sound state: say so rather than hang the engine
+            await asyncio.shield(asyncio.wrap_future(job.done))
+        if not job.done.done():  # never in a sound state: say so rather than hang the engine
             pinned = {l: t.pinned() for l, t in self.tables.items()}
             raise SchedulerError(f"step {step}, layer {layer}: its slots were not ready after {READY_TIMEOUT_S:g} s "
                                  f"(slots pinned per layer: {pinned})")
@@ -144,18 +156,18 @@ class PrefetchScheduler:
         """``ready`` for a thread other than the loop's: blocks until the job is done, then
         has the loop consume it through ``post(fn, *args)`` (a thread-safe call-soon that
         does not wait). Raises what ``ready`` raises."""
-        key = (step, layer)
-        with self._board_cond:
-            if key not in self._board:
-                raise SchedulerError(f"no pending plan for step {step}, layer {layer}")
-            self._board_cond.wait_for(lambda: self._board.get(key, False) is not None, READY_TIMEOUT_S)
-            if key not in self._board:
-                raise SchedulerError(f"step {step} was cancelled")
-            job = self._board[key]
-            if job is None:  # never in a sound state: say so rather than hang the engine
-                raise SchedulerError(f"step {step}, layer {layer}: its slots were not ready after "
-                                     f"{READY_TIMEOUT_S:g} s")
-            del self._board[key]
+        with self._pending_lock:
+            job = self._pending.get((step, layer))
+        if job is None:
+            raise SchedulerError(f"no pending plan for step {step}, layer {layer}")
+        try:
+            job.done.result(READY_TIMEOUT_S)
+        except FutureTimeout:  # never in a sound state: say so rather than hang the engine
+            raise SchedulerError(f"step {step}, layer {layer}: its slots were not ready after "
+                                 f"{READY_TIMEOUT_S:g} s") from None
+        with self._pending_lock:  # taken: waited for once (the loop consumes it when it gets to it)
+            if self._pending.get((step, layer)) is job:
+                del self._pending[(step, layer)]
         post(self._consume, job)
         if job.error is not None:
             raise job.error
@@ -164,9 +176,9 @@ class PrefetchScheduler:
     def _consume(self, job: _Job) -> None:
         if job in self._jobs:
             self._jobs.remove(job)
-        with self._board_cond:
-            if self._board.get((job.step, job.layer)) is job:
-                del self._board[(job.step, job.layer)]
+        with self._pending_lock:
+            if self._pending.get((job.step, job.layer)) is job:
+                del self._pending[(job.step, job.layer)]
         self._pump()
 
     def release(self, step: int) -> None:
@@ -180,11 +192,10 @@ class PrefetchScheduler:
         for job in dropped:
             self._jobs.remove(job)
             job.error = job.error or SchedulerError(f"step {step} was cancelled")
-            job.done.set()
-        with self._board_cond:
-            for key in [k for k in self._board if k[0] == step]:
-                del self._board[key]
-            self._board_cond.notify_all()
+            job.finish()
+        with self._pending_lock:
+            for key in [k for k in self._pending if k[0] == step]:
+                del self._pending[key]
         self.stats.cancelled += len(dropped)
         if self._reads.in_flight.get(step):
             event = self._reads.drained.setdefault(step, anyio.Event())
@@ -260,14 +271,10 @@ class PrefetchScheduler:
         job.unclaimed = still
 
     def _done(self, job: _Job) -> None:
-        job.done.set()
-        with self._board_cond:
-            if (job.step, job.layer) in self._board:
-                self._board[(job.step, job.layer)] = job
-                self._board_cond.notify_all()
+        job.finish()
 
     def _check(self, job: _Job) -> None:
-        if job.done.is_set() or job.unclaimed:
+        if job.done.done() or job.unclaimed:
             return
         table = self.tables[job.layer]
         states = [table.state[s] if table.expert_of[s] == e else None for e, s in job.slots.items()]
@@ -347,7 +354,7 @@ class PrefetchScheduler:
                 self._log.warning("io.read_error", step=req.step, layer=req.layer, expert=req.expert,
                                   error=str(error))
             for job in self._jobs:
-                if job.layer == req.layer and job.slots.get(req.expert) == req.slot and not job.done.is_set():
+                if job.layer == req.layer and job.slots.get(req.expert) == req.slot and not job.done.done():
                     job.error = error
                     self._done(job)
         if self._tg is not None:
