@@ -9,7 +9,7 @@ plan's routes to the staged layers' routers. A staged layer then:
 
 1. starts computing everything below it (``async_eval`` of its input: not a host sync),
 2. waits until its slots are READY (the only wait; logged as ``stage.wait``): on a
-   condition the scheduler's loop signals, with no round trip through the loop,
+   future the scheduler's loop resolves, with no round trip through the loop,
 3. maps its routing indices to slots with ``take`` through a table built on the host from
    the plan (the indices never leave the device), and runs the same gather matmul as exact.
 
