@@ -132,13 +132,12 @@ class Stager:
     def __init__(self, index: CheckpointIndex, layers: list[int], slots: int, reader: ExpertReader,
                  oracle: OracleRouting | None, *, readers: int, prefetch_depth: int, log=None,
                  prerouter=None, fallback=None, guard_every: int = 0, routing: str = "replace",
-                 max_slots: int | None = None, pool: SlotPool | None = None):
+                 max_slots: int | None = None):
         """``routing`` (with a prerouter): "replace", the prediction is the staged layers'
         routing; "select", the prerouter stages candidates (its ``width``) and each staged
         layer's own router chooses among them (``LayerRoute``). ``max_slots``: how far a
         layer's ``slots`` may grow when a step's set outgrows them (a batch's union; back to
-        ``slots`` at ``reset``); None = never. ``pool``: the slots and their scheduler, when
-        the caller made them (``edge0.exec.slot_pool``)."""
+        ``slots`` at ``reset``); None = never."""
         spec = index.spec
         if slots < spec.k:
             raise ConfigError(f"slots_per_layer must be >= k = {spec.k}, got {slots}")
@@ -146,10 +145,8 @@ class Stager:
         self.layers = list(layers)
         self.oracle = oracle
         self.log = log
-        # the slots and the scheduler that fills them (given, or made for these layers)
-        self.pool = pool if pool is not None else SlotPool(index, self.layers, slots, reader, readers=readers,
-                                                           prefetch_depth=prefetch_depth, max_slots=max_slots,
-                                                           log=log)
+        self.pool = SlotPool(index, self.layers, slots, reader, readers=readers, prefetch_depth=prefetch_depth,
+                             max_slots=max_slots, log=log)  # the slots and the scheduler that fills them
         self.now = StepState(misses=self._zero_misses())  # the step being run and what it submitted
         self.check_routing = True  # off only for timing runs that compute on unread slots
         # prediction as routing: the prerouter plans each step, and its prediction is the

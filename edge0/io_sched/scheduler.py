@@ -16,9 +16,9 @@ Contract (the tests drive it with a fake store, no MLX, no model):
   ``wait_ready(step, layer, post)`` is the same for a thread other than the loop's (the
   compute thread): each job has one readiness, a future the loop resolves when the job is
   done, awaited on the loop and blocked on by other threads; the consumption goes back to
-  the loop through ``post`` without waiting for it. No
-  round trip through the loop per layer: on a machine whose cores are busy computing,
-  every wake-up of another thread the compute thread waits for can cost a time slice.
+  the loop through ``post`` without waiting for it. No round trip through the loop per
+  layer: on a machine whose cores are busy computing, every wake-up of another thread the
+  compute thread waits for can cost a time slice.
 - ``release(step)`` unpins the step's slots once its computation has been evaluated.
 - ``await cancel(step)`` drops the step's queued reads, waits for its in-flight ones, leaves
   their slots EMPTY and unpins everything the step held. Nothing half-written is READY.
