@@ -29,7 +29,8 @@ from edge0.backend import nn as bnn
 from edge0.config import EngineConfig
 from edge0.errors import DistributedError, ConfigError, EngineClosedError
 from edge0.exec.oracle import OracleRouting, RoutingRecorder
-from edge0.loader import Streaming, load_streaming_model
+from edge0.loader import load_streaming_model
+from edge0.streaming import Streaming
 from edge0.prompt_cache import PromptCache, check_scope
 from edge0.runtime import Runtime
 from edge0.prompts import check_text_size, longest_token_chars

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from edge0.adapters import AdapterBank, load_adapters
+from edge0.adapters import load_adapters
 from edge0.backend import core as B
 from edge0.backend import kernels as bk
 from edge0.backend import nn as bnn
@@ -24,7 +24,6 @@ from edge0.exec.exact import ExactExecutor
 from edge0.exec.hot import HotExecutor
 from edge0.exec.oracle import OracleRouting, RoutingRecorder
 from edge0.exec.pipeline import pipeline_part
-from edge0.exec.plan import LayerRoute
 from edge0.exec.split import Split, resolve_threads
 from edge0.exec.staged import StagedExecutor, Stager
 from edge0.exec.whole_layer import WholeLayerExecutor
@@ -36,147 +35,7 @@ from edge0.prerouter.files import HEADS_FILENAME, load_heads, serving_of
 from edge0.prerouter.host import blas_threads_controllable
 from edge0.prerouter.runtime import Prerouter
 from edge0.exec.taps import RouterTap, StepPhase, StreamingSwitch
-
-
-class Streaming:
-    """A loaded streaming model and the machinery behind its MoE layers."""
-
-    pipeline = None  # this rank's part of a pipeline (edge0.exec.pipeline), or None: one process
-    layers = None  # the MoE layers held here (None: every one)
-
-    def __init__(self, model, spec, index, reader, exact, hot, whole, stager, recorder, prerouter=None,
-                 heads_path=None, adapters=None):
-        self.model, self.spec, self.index, self.reader = model, spec, index, reader
-        self.exact, self.hot, self.whole, self.stager, self.recorder = exact, hot, whole, stager, recorder
-        self.prerouter, self.heads_path = prerouter, heads_path
-        self.adapters: AdapterBank | None = adapters
-
-    def describe_artifacts(self) -> tuple[str | None, str | None]:
-        """(heads, adapter) as the stats line names them: what changes the output."""
-        heads = None
-        pipe = self.pipeline
-        if self.prerouter is not None or (pipe is not None and pipe.heads is not None):
-            h = pipe.heads if pipe is not None and pipe.heads is not None else self.prerouter.heads  # all ranks' heads
-            mode, extra = getattr(self, "routing", None) or ("replace", 0)
-            how = f"select k+{extra}" if mode == "select" else "replace"
-            seen = ", token" if h.sees_token else ""
-            heads = f"{Path(self.heads_path).name} ({len(h.owners)} heads, k={h.k}{seen}, {how})"
-        adapter = None
-        if self.adapters is not None and self.adapters.active in self.adapters.adapters:
-            adapter = self.adapters.adapters[self.adapters.active].describe()
-        return heads, adapter
-
-    def blocks(self) -> dict:
-        """MoE layer -> its block (mlx-lm's own module, running unchanged)."""
-        return {l: bnn.module_at(self.model, self.spec.block_path(l)) for l in self.held_layers()}
-
-    def switches(self) -> dict:
-        """MoE layer -> the StreamingSwitch standing in its expert stack's place."""
-        return {l: bnn.module_at(self.model, self.spec.switch_path(l)) for l in self.held_layers()}
-
-    def routers(self) -> dict:
-        """MoE layer -> the RouterTap standing in its router's place (layers with a router)."""
-        held = set(self.held_layers())
-        return {l: bnn.module_at(self.model, m.router_path) for l, m in self.spec.layers.items()
-                if m.router_path and l in held}
-
-    def held_layers(self) -> list[int]:
-        """The MoE layers this process holds: every one, or a pipeline rank's."""
-        return list(self.spec.moe_layers if self.layers is None else self.layers)
-
-    def route(self, layer: int, logits, width: int | None = None):
-        """The routing layer ``layer``'s own block code makes of router ``logits`` [N, E]:
-        the expert indices [N, k] its switch stack would receive (no expert runs); with
-        ``width``, the same routing code choosing ``width`` experts instead of k (the
-        candidates select routing stages)."""
-        return probe_routing(self, layer, logits, width)
-
-    @property
-    def embed(self):
-        """The model's token embedding (ids -> rows), or None."""
-        if not hasattr(self, "_embed"):
-            self._embed = bnn.token_embedding(self.model)
-        return self._embed
-
-    @embed.setter
-    def embed(self, value) -> None:  # a pipeline rank's: the rows the first rank relays
-        self._embed = value
-
-    @property
-    def embed_dim(self) -> int:
-        """Width of the token embedding's rows (0 when the model has none)."""
-        if self.embed is None:
-            return 0
-        return int(self.embed(B.array([0])).shape[-1])
-
-    def set_recorder(self, recorder) -> None:
-        """Record the exact path's routing into ``recorder`` (None: stop recording)."""
-        self.recorder = self.exact.recorder = recorder
-
-    def begin_step(self, inputs, decode: bool | None = None) -> None:
-        """Called before every forward pass (the step hook); ``decode`` False: a prompt
-        chunk (of any length), which the staged layers do not plan."""
-        if decode is None:
-            decode = inputs.shape[-1] == 1
-        if self.recorder is not None:
-            self.recorder.begin_step(decode)
-        if self.pipeline is not None and decode:
-            self.pipeline.begin_step(inputs, self.embed)
-        if self.stager is not None and decode:
-            self.stager.begin_step(inputs)
-
-    def invalidate(self) -> None:
-        """Forget every expert cached in slots, hot sets and whole-layer buffers."""
-        for cache in (self.stager, self.hot, self.whole):
-            if cache is not None:
-                cache.invalidate()
-
-    def check_files(self, log=None) -> None:
-        """Before a generation: a shard changed in place since the last one (size or
-        modification time) invalidates what was cached from it; a changed header raises."""
-        changed = self.reader.changed_files()
-        if changed:
-            if log is not None:
-                log.warning("checkpoint.changed", files=changed, action="cached experts invalidated")
-            self.invalidate()
-
-    def pinned_slots(self) -> int:
-        return sum(c.pinned_slots() for c in (self.stager, self.hot) if c is not None)
-
-    def close(self) -> None:
-        try:
-            if self.stager is not None:
-                self.stager.close()
-            if self.whole is not None:
-                self.whole.close()
-        finally:
-            self.reader.close()
-
-
-class StepModel:
-    """The model's forward pass with Edge0's step hook in front: what the batch loop
-    (``edge0.batch``, ``edge0.prefill``) calls."""
-
-    def __init__(self, streaming: Streaming):
-        self.streaming = streaming
-
-    def __call__(self, inputs, cache=None, decode: bool | None = None, **kwargs):
-        """``inputs`` [rows, tokens]: one sequence's prompt chunk, or a decode step of one
-        token for each row of a batch. ``decode``: which it is (None: a pass on one token per
-        row is a decode step)."""
-        decode = inputs.shape[-1] == 1 if decode is None else decode
-        phase = getattr(self.streaming, "phase", None)
-        if phase is not None:
-            phase.decode = decode
-        self.streaming.begin_step(inputs, decode)
-        try:
-            return self.streaming.model(inputs, cache=cache, **kwargs)
-        finally:
-            if phase is not None:
-                phase.decode = None
-
-    def __getattr__(self, name):
-        return getattr(self.streaming.model, name)
+from edge0.streaming import WIDTH_ATTRIBUTES, Streaming, width_attributes, wire_prerouter
 
 
 def resolve_compute_dtype(name: str, config: dict) -> str:
@@ -329,12 +188,16 @@ def _wired(streaming: Streaming, prerouter, stager, heads, routing: str, extra: 
     """The prerouter checked and wired to its owners and the Stager; a pipeline rank's
     boundaries wired (its heads that see the token take the rows the first rank sends)."""
     pipe = streaming.pipeline
+    # what the stats line names: all ranks' heads
+    streaming.shown_heads = pipe.heads if pipe is not None and pipe.heads is not None else getattr(prerouter, "heads", None)
+    streaming.decode_hooks = ([lambda inputs: pipe.begin_step(inputs, streaming.embed)] if pipe is not None else []) + \
+        ([stager.begin_step] if stager is not None else [])  # a pipeline's relay first, then the plan
     if pipe is not None and pipe.rank > 0 and heads is not None and heads.sees_token:
         streaming.embed = pipe.relayed_embedding(heads.token_dim)
     try:
         if prerouter is not None:
             _check_prerouter_fits(streaming, prerouter, routing, extra)
-            _wire_prerouter(streaming, prerouter, stager)
+            wire_prerouter(streaming, prerouter, stager)
         if pipe is not None:
             pipe.wire(streaming, prerouter)
     except BaseException:
@@ -390,95 +253,6 @@ def _check_prerouter_fits(streaming: Streaming, prerouter, routing: str, extra: 
             if room < spec.k + extra < spec.num_experts:  # every expert staged: the mask changes nothing
                 raise ConfigError(f"stage_extra={extra}: layer {layer} keeps {kept} of {groups} expert groups, room "
                                   f"for {room} experts; k + stage_extra = {spec.k + extra}")
-
-
-def _wire_prerouter(streaming: Streaming, prerouter, stager) -> None:
-    """Owners feed the prerouter (their router's input, then the experts their block routed
-    to); the prerouter routes its predictions through the consumers' own blocks and embeds
-    the step's token; the Stager hands each staged router its route of every step's plan."""
-    prerouter.connect(route=streaming.route, embed=lambda ids: streaming.embed(ids))
-    routers = streaming.routers()
-    watch = _watcher(prerouter)
-    for l, switch in streaming.switches().items():
-        if l in prerouter.owners:
-            routers[l].watch = watch
-            switch.observer = _observer(prerouter, switch.phase)
-    if stager is not None:
-        stager.routers = {l: routers[l] for l in stager.layers}
-
-
-def _observer(prerouter, phase: StepPhase):
-    def observe(layer: int, inds) -> None:
-        prerouter.on_experts(layer, inds, phase.decode)
-    return observe
-
-
-def _watcher(prerouter):
-    def watch(layer: int, x, tap) -> None:
-        prerouter.on_router_input(layer, x)
-    return watch
-
-
-# the names mlx-lm's blocks and gates give their routing width
-WIDTH_ATTRIBUTES = ("top_k", "num_experts_per_tok", "num_experts_per_token", "n_activated_experts",
-                    "experts_per_token", "moe_topk", "k")
-
-
-def width_attributes(streaming: Streaming, layer: int) -> list[tuple[object, str]]:
-    """(module, attribute) pairs holding layer ``layer``'s routing width k in its block and
-    router (and the router's original module): what ``probe_routing`` widens. Empty when
-    the block keeps k where Edge0 cannot find it. Found once per layer (the flush widens
-    every consumer at every step)."""
-    cache = streaming.__dict__.setdefault("_width_attributes", {})
-    if layer not in cache:
-        cache[layer] = _find_width_attributes(streaming, layer)
-    return cache[layer]
-
-
-def _find_width_attributes(streaming, layer: int) -> list[tuple[object, str]]:
-    spec = streaming.spec
-    block = bnn.module_at(streaming.model, spec.block_path(layer))
-    router = bnn.module_at(streaming.model, spec.layers[layer].router_path)
-    found = []
-    for module in (block, router, getattr(router, "original", None)):
-        for name in WIDTH_ATTRIBUTES:
-            value = getattr(module, name, None) if module is not None else None
-            if isinstance(value, int) and not isinstance(value, bool) and value == spec.k:
-                found.append((module, name))
-    return found
-
-
-def probe_routing(streaming: Streaming, layer: int, logits, width: int | None = None):
-    """Run layer ``layer``'s block on a dummy input with its router returning ``logits``
-    [N, E] and its switch capturing instead of computing: the indices [N, k] the block's own
-    routing code makes of those logits (or [N, width] with the block's width set to
-    ``width`` for the call)."""
-    spec = streaming.spec
-    if spec.prerouter_problem:
-        raise ConfigError(f"{spec.model_type}: {spec.prerouter_problem}")
-    block = bnn.module_at(streaming.model, spec.block_path(layer))
-    router = bnn.module_at(streaming.model, spec.layers[layer].router_path)
-    switch = bnn.module_at(streaming.model, spec.switch_path(layer))
-    widened = []
-    if width is not None and width != spec.k:
-        widened = width_attributes(streaming, layer)
-        if not widened:
-            raise ConfigError(f"{spec.model_type}: the routing width of layer {layer} is kept where Edge0 cannot "
-                              f"change it (none of {WIDTH_ATTRIBUTES} on its block or gate), so select routing "
-                              "cannot choose its candidates; use routing 'replace'")
-    n = logits.shape[0]
-    captured: list = []
-    previous = router.route
-    router.route, switch.capture = LayerRoute("replace", logits, scope="probe"), captured
-    for module, name in widened:
-        setattr(module, name, width)
-    try:
-        block(B.zeros((n, 1, spec.block_input), dtype=logits.dtype))
-    finally:
-        router.route, switch.capture = previous, None
-        for module, name in widened:
-            setattr(module, name, spec.k)
-    return captured[0].reshape(n, -1)
 
 
 def _load_heads(model_dir: Path, config: EngineConfig, oracle, spec):

@@ -12,7 +12,7 @@ from edge0.backend import core as B
 from edge0.constrain import ConstraintCache
 from edge0.coordinator import coordinator
 from edge0.errors import ExpertReadError
-from edge0.loader import StepModel, Streaming
+from edge0.streaming import StepModel, Streaming
 from edge0.prompt_cache import PromptCache
 from edge0.stats import GenerationStats
 from edge0.worker import ComputeThread, Job
@@ -21,6 +21,7 @@ from edge0.worker import ComputeThread, Job
 class Runtime:
     def __init__(self, worker: ComputeThread, streaming: Streaming, tokenizer, config, log):
         self.worker, self.streaming, self.tokenizer, self.config, self.log = worker, streaming, tokenizer, config, log
+        self.reader = streaming.reader  # the checkpoint's reader (its stats are the batch's reads)
         self.step_model = StepModel(streaming)  # the forward pass every batch and prefill makes
         self.coord = coordinator(streaming, config)  # one process alone, or a pipeline's ranks in step
         self.jobs: set[Job] = set()  # the generations submitted and not ended
@@ -31,10 +32,6 @@ class Runtime:
         self.xtc_special = tuple(tokenizer.encode("\n")) + tuple(tokenizer.eos_token_ids)
         self.last_stats: GenerationStats | None = None  # the last finished generation's
         self.resources: dict = {}  # as counted when the compute thread last finished a generation
-
-    @property
-    def reader(self):
-        return self.streaming.reader
 
     def begin_batch(self) -> None:
         """A batch starts from nothing: what the last one left in the staged machinery and

@@ -24,7 +24,8 @@ from edge0 import Engine, EngineConfig
 from edge0.model.families import SUPPORTED_MODEL_TYPES
 from edge0.backend import nn as bnn
 from edge0.errors import ConfigError
-from edge0.loader import StepModel, load_streaming_model
+from edge0.loader import load_streaming_model
+from edge0.streaming import StepModel
 
 PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n"
 NO_PREROUTER = {"gemma4_text", "gemma4", "gemma4_unified"}  # the decoder layer owns its experts: no block routes on its own input

@@ -1,6 +1,9 @@
 """docs/ARCHITECTURE.md names every Edge0 module one batched staged decode step enters: a
 real step (the demo, two rows, staged with its heads and adapter) is traced on every thread
-and its modules compared with the list. The trace runs in a fresh process, so that every
+the engine runs it on (the compute thread, the scheduler's loop, the readers) and its
+modules compared with the list. The application's own thread, here the main thread whose
+event loop consumes the tokens, is not the step: what it does with a token handed out is
+its own, and runs whenever it gets to it. The trace runs in a fresh process, so that every
 thread the engine uses (its compute thread too, which a process reuses across engines)
 starts under the profiler."""
 
@@ -23,7 +26,7 @@ from edge0.cli import PACKAGED_DEMO
 entered, tracing, seen = set(), threading.Event(), []
 
 def profile(frame, event, *_):
-    if event == "call" and tracing.is_set():
+    if event == "call" and tracing.is_set() and threading.current_thread() is not threading.main_thread():
         name = frame.f_globals.get("__name__", "")
         if name.startswith("edge0"):
             entered.add(name)

@@ -9,7 +9,8 @@ import pytest
 
 from edge0 import ConfigError, Engine, EngineConfig
 from edge0.backend import core as B
-from edge0.loader import StepModel, load_streaming_model
+from edge0.loader import load_streaming_model
+from edge0.streaming import StepModel
 from edge0.exec.oracle import OracleRouting
 from edge0.errors import RoutingMismatchError
 

@@ -9,7 +9,8 @@ import pytest
 from edge0 import ConfigError, Engine, EngineConfig, HeaderError
 from edge0.backend import core as B
 from edge0.backend import nn as bnn
-from edge0.loader import StepModel, load_streaming_model
+from edge0.loader import load_streaming_model
+from edge0.streaming import StepModel
 from edge0.prerouter.files import ForeignArtifactError, checkpoint_identity, load_heads, save_heads
 from edge0.train.heads import train_heads
 from tests.reference import record_staging

@@ -25,7 +25,8 @@ def model_with_heads(tiny_model_factory, tmp_path_factory):
 def served_logits(model_dir, config, prompt: list[int], continuation: list[int]):
     """Prefill the prompt, then feed the continuation one token per step (as served)."""
     from edge0.backend import nn as bnn
-    from edge0.loader import StepModel, load_streaming_model
+    from edge0.loader import load_streaming_model
+    from edge0.streaming import StepModel
 
     s = load_streaming_model(model_dir, config)
     try:

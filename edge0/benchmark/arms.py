@@ -86,7 +86,8 @@ def _engine_config(settings: dict, **paths):
 
 
 def _streaming(model_dir: str, settings: dict, oracle=None, **paths) -> Loaded:
-    from edge0.loader import StepModel, load_streaming_model
+    from edge0.loader import load_streaming_model
+    from edge0.streaming import StepModel
 
     cfg = _engine_config(settings, **paths)
     s = load_streaming_model(model_dir, cfg, oracle=oracle)
@@ -185,7 +186,8 @@ def record_oracle(model_dir: str, prompt: list[int], continuation: list[int], pa
     from edge0.backend import core as B
     from edge0.backend import nn as bnn
     from edge0.config import EngineConfig
-    from edge0.loader import StepModel, load_streaming_model
+    from edge0.loader import load_streaming_model
+    from edge0.streaming import StepModel
 
     s = load_streaming_model(model_dir, EngineConfig(), record=True)
     try:

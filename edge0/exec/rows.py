@@ -56,7 +56,9 @@ class ExpertRows:
         What the rows held is not kept: call before reading ``layer``'s experts into them,
         with no pending graph reading them (``settle``)."""
         for buf, t in zip(self.buffers, layer.tensors):
-            buf.set_phase(row_phase(t))
+            phase = row_phase(t)
+            if phase is not None and phase != buf.phase:
+                buf.set_phase(phase)
         self._lay_out()
         return self
 

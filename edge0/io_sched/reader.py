@@ -149,7 +149,7 @@ class ExpertReader:
     def _read_one(self, loc: TensorLocation, expert: int, view, layer: int, count: int = 1) -> int:
         """Experts ``expert`` .. ``expert + count - 1`` of one stacked tensor (adjacent in the
         file) into ``view`` (as many adjacent rows)."""
-        start, _ = loc.expert_range(expert)
+        start = loc.offset + expert * loc.row_bytes
         done, want = 0, loc.row_bytes * count
         mv = memoryview(view).cast("B")
         failures = in_place_reads = 0

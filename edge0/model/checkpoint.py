@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 from edge0.errors import LayoutError, UnsafeModelError
@@ -55,7 +56,7 @@ class LayerExperts:
     def expert_bytes(self) -> int:
         return sum(t.row_bytes for t in self.tensors)
 
-    @property
+    @cached_property
     def layout(self) -> tuple:
         """What two layers must share to use the same row buffers."""
         return tuple((n, t.dtype, t.row_shape, t.row_bytes) for n, t in zip(self.names, self.tensors))

@@ -125,7 +125,7 @@ class Prerouter:
         prev = B.concat([self.prev[o].reshape(1, rows, -1) if self.prev.get(o) is not None
                          else B.full((1, rows, k), -1, B.int32) for o in owners])
         tok = None
-        if self.heads.sees_token:
+        if self.heads.token_dim:  # these heads see the token
             if tokens is None:
                 raise ValueError("these heads see the token being decoded: flush(tokens) needs it")
             tok = self.embed(tokens.reshape(rows, 1)).reshape(1, rows, -1)

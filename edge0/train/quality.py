@@ -33,7 +33,8 @@ def _windows(tokens: list[int], window: int):
 def served_logprobs(model_dir: str | Path, tokens: list[int], config: EngineConfig, window: int = 256) -> dict:
     """Log-probabilities [n, V] of every position after a window's first token, decoded one
     token per step through the served path, and the targets they predict."""
-    from edge0.loader import StepModel, load_streaming_model
+    from edge0.loader import load_streaming_model
+    from edge0.streaming import StepModel
 
     s = load_streaming_model(Path(model_dir), config)
     rows, targets = [], []

@@ -36,7 +36,8 @@ from edge0.backend import nn as bnn
 from edge0.exec.plan import LayerRoute
 from edge0.exec.taps import RouterTap
 from edge0.config import EngineConfig
-from edge0.loader import probe_routing, resolve_routing
+from edge0.loader import resolve_routing
+from edge0.streaming import probe_routing
 from edge0.prerouter.files import HEADS_FILENAME, load_heads
 from edge0.model.spec import load_config, with_experts_per_token
 from edge0.train.adapter_init import lora_init

@@ -24,9 +24,15 @@ GROUP_SIZES = (32, 64, 128)
 CHOICES = ("auto", "edge0", "mlx")
 
 
+_qmm = None  # the extension's entry point, looked up once
+
+
 def _call(x, w, scales, biases, indices, bits, group_size, x_repeat=1):
+    global _qmm
+    if _qmm is None:
+        _qmm = K.ext().qmm
     try:
-        return K.ext().qmm(x, w, scales, biases, indices, bits, group_size, x_repeat)
+        return _qmm(x, w, scales, biases, indices, bits, group_size, x_repeat)
     except ValueError as e:
         raise KernelError(str(e)) from None
 
