@@ -20,11 +20,10 @@ from edge0.backend import nn as bnn
 from edge0.config import PATHS, PHASES, EngineConfig
 from edge0.errors import ConfigError
 from edge0.exec.budget import check_budget, check_resident, slot_ceiling, staged_slots
-from edge0.exec.exact import ExactExecutor
 from edge0.exec.hot import HotExecutor
 from edge0.exec.oracle import OracleRouting, RoutingRecorder
 from edge0.exec.pipeline import pipeline_part
-from edge0.exec.split import Split, resolve_threads
+from edge0.exec.rows import ExactExecutor, Split, resolve_threads
 from edge0.exec.staged import StagedExecutor, Stager
 from edge0.exec.whole_layer import WholeLayerExecutor
 from edge0.io_sched.direct import wants_direct
@@ -32,8 +31,7 @@ from edge0.io_sched.reader import ExpertReader
 from edge0.model.files import check_entry
 from edge0.model.open import open_model
 from edge0.prerouter.files import HEADS_FILENAME, load_heads, serving_of
-from edge0.prerouter.host import blas_threads_controllable
-from edge0.prerouter.runtime import Prerouter
+from edge0.prerouter.runtime import Prerouter, blas_threads_controllable
 from edge0.exec.taps import RouterTap, StepPhase, StreamingSwitch
 from edge0.streaming import WIDTH_ATTRIBUTES, Streaming, width_attributes, wire_prerouter
 

@@ -6,10 +6,8 @@ import numpy as np
 import pytest
 
 from edge0.exec.rows import ExpertRows
-from edge0.io_sched.plan import LayerPlan, StepPlan
-from edge0.io_sched.reader import ExpertReader
-from edge0.io_sched.scheduler import PrefetchScheduler
-from edge0.io_sched.store import SlotStore
+from edge0.io_sched.scheduler import LayerPlan, PrefetchScheduler, StepPlan
+from edge0.io_sched.reader import ExpertReader, SlotStore
 from edge0.model.open import open_checkpoint
 
 pytestmark = pytest.mark.asyncio

@@ -10,10 +10,8 @@ import anyio
 import pytest
 
 from edge0.errors import ExpertReadError
-from edge0.io_sched.plan import LayerPlan, StepPlan
+from edge0.io_sched.scheduler import EMPTY, READY, LayerPlan, PrefetchScheduler, StepPlan
 from edge0.errors import SchedulerError
-from edge0.io_sched.scheduler import PrefetchScheduler
-from edge0.io_sched.slots import EMPTY, READY
 
 pytestmark = pytest.mark.asyncio
 

@@ -379,7 +379,7 @@ def test_on_the_cpu_backend_the_default_flush_is_numpys_on_one_blas_thread(heads
     """prerouter_flush auto: on the CPU backend the heads flush in float32 NumPy, and every
     flush holds NumPy's BLAS to the calling thread (its threads would compete with MLX's
     compute threads and the readers for the cores), the count before put back after."""
-    from edge0.prerouter import host
+    from edge0.prerouter import runtime as host
 
     if not host.blas_threads_controllable():
         pytest.skip("NumPy's OpenBLAS thread count cannot be set here")

@@ -19,7 +19,7 @@ import numpy as np
 from _timing import median_ms
 
 from edge0.prerouter.heads import PrerouterHeads
-from edge0.prerouter.host import HostHeads
+from edge0.prerouter.runtime import HostHeads
 
 
 def main() -> None:

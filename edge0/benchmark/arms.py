@@ -52,7 +52,7 @@ def resident(model_dir: str, settings: dict) -> Loaded:
     from edge0.backend import nn as bnn
 
     from edge0.backend import kernels as bk
-    from edge0.exec.split import resolve_threads
+    from edge0.exec.rows import resolve_threads
 
     model = bnn.load_full_model(model_dir)
     bnn.cast_model(model, B.dtype(settings["compute_dtype"]))

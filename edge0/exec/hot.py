@@ -13,10 +13,9 @@ import numpy as np
 
 from edge0.backend import core as B
 from edge0.model.checkpoint import CheckpointIndex
-from edge0.exec.exact import ExactExecutor
-from edge0.exec.rows import ExpertRows, lookup_table
+from edge0.exec.rows import ExactExecutor, ExpertRows, lookup_table
 from edge0.io_sched.reader import ExpertReader
-from edge0.io_sched.slots import SlotTable
+from edge0.io_sched.scheduler import SlotTable
 
 
 class HotExecutor:

@@ -6,12 +6,26 @@ slots) and its ``LayerRoute`` (what the layer's router does at that step). The p
 handed to the routers (``RouterTap.route``) and to the staged executor; nothing else
 decides routing during the step. The same ``LayerRoute`` carries a training sequence's
 routing (``where``: the positions that route by prediction) and a probe's (``scope="probe"``).
+
+Where the plan comes from: ``PrerouterPlanner``, the prerouter's heads, one batched flush
+per step; their prediction is the staged layers' routing (replace) or the candidates the
+layers' own routers choose among (select). ``OraclePlanner``: a recorded routing (``edge0
+record-routing``), step by step; the layers route on their own gates and the plan only
+stages what they will pick. The Stager (``edge0.exec.staged``) asks its planner for each
+step's plan and runs it.
+
+``QualityGuard``: every ``every``-th planned decode step, each staged layer's router also
+computes its own logits, and the guard counts (on the device) how many of the router's own
+top-k experts the plan staged; the counts come back with the next step's one host read.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Protocol
+
+from edge0.backend import core as B
+from edge0.exec.oracle import OracleRouting
 
 
 class Executor(Protocol):
@@ -74,3 +88,119 @@ class StageStats:
     steps_run: int = 0
     stall_seconds: float = 0.0
     guard_recall: Mapping[int, tuple[float, ...]] = field(default_factory=dict)
+
+
+class Planner(Protocol):
+    """What the Stager asks of a planner. ``ahead``: the plans are known before the step
+    runs (an oracle: the Stager submits this step's plan and the next one's as soon as it
+    can); otherwise each step is planned when it begins, from what the step's input shows
+    (the prerouter's flush). ``reset``: forget the generation that ended."""
+
+    ahead: bool
+    layers: list[int]
+
+    def reset(self) -> None: ...
+
+
+class PrerouterPlanner:
+    ahead = False  # planned when the step begins: one flush of the heads on the step's input
+
+    def __init__(self, prerouter, layers: list[int], routing: str):
+        self.prerouter, self.layers, self.routing = prerouter, list(layers), routing
+
+    def reset(self) -> None:
+        self.prerouter.reset()
+
+    def flush(self, inputs) -> dict | None:
+        """consumer layer -> (predicted experts, predicted logits), lazy; None before the
+        heads have seen a step (the step then runs on the fallback path)."""
+        return self.prerouter.flush(inputs) if self.prerouter.ready() else None
+
+    def device_parts(self, preds: dict) -> list:
+        """The predicted expert ids, one flat int32 row per staged layer, for the step's one
+        host read."""
+        return [preds[l][0].reshape(-1).astype(B.int32) for l in self.layers]
+
+    def plan(self, step: int, host_rows, preds: dict, observe=None) -> DecodePlan:
+        """The step's plan from the host copy of ``device_parts`` (``host_rows``: one row per
+        layer) and the lazy ``preds``; ``observe``: the quality guard's, on guarded steps."""
+        experts = {l: tuple(sorted(set(host_rows[i].tolist()))) for i, l in enumerate(self.layers)}
+        routes = {}
+        for l in self.layers:
+            inds, logits = preds[l]
+            staged = B.one_hot_k(inds, logits.shape[-1], B.int32) > 0 if self.routing == "select" else None
+            routes[l] = LayerRoute(self.routing, logits, staged, observe=observe)
+        return DecodePlan(step, experts, routes)
+
+
+class OraclePlanner:
+    ahead = True  # every step's plan is recorded
+
+    def __init__(self, oracle: OracleRouting, layers: list[int]):
+        self.oracle, self.layers = oracle, list(layers)
+
+    def reset(self) -> None:
+        """Nothing to forget: the recording is the same for every run of its prompt."""
+
+    def covers(self, step: int) -> bool:
+        return step < len(self.oracle)
+
+    def plan(self, step: int) -> DecodePlan:
+        """The recorded experts of ``step``; the routers route on their own (no routes)."""
+        return DecodePlan(step, {l: tuple(self.oracle.experts(step, l)) for l in self.layers})
+
+    def refuse(self, step: int) -> None:
+        """Raise the oracle's own error for a step it does not cover."""
+        self.oracle.experts(step, self.layers[0])
+
+
+class QualityGuard:
+    def __init__(self, layers: list[int], every: int, route, log=None):
+        """``route`` (layer, logits [N, E]) -> the indices [N, k] the layer's own routing
+        code makes of ``logits``."""
+        self.layers, self.every, self._route, self.log = list(layers), every, route, log
+        self._sums = None  # layer -> hit count of the current step (on device), when guarded
+        self._per = 1
+        self.recall: dict[int, list[float]] = {}
+
+    def reset(self, keep_report: bool = False) -> None:
+        self._sums = None
+        if not keep_report:
+            self.recall = {}
+
+    def arm(self, step: int) -> bool:
+        """Start counting for ``step`` when it is a guarded step; whether it is."""
+        self._sums = None
+        if self.every and step % self.every == 0:
+            self._sums = {l: B.zeros((), dtype=B.float32) for l in self.layers}
+        return self._sums is not None
+
+    def observer(self, staged_of: dict):
+        """(layer, own logits) -> None for this step's routes: counts the router's own k
+        experts that ``staged_of[layer]`` (predicted indices [.., n]) holds."""
+        def observe(layer: int, own_logits) -> None:
+            if self._sums is None or layer not in self._sums:
+                return
+            true = self._route(layer, own_logits.reshape(-1, own_logits.shape[-1]))
+            k = true.shape[-1]
+            hit = (B.expand_dims(staged_of[layer], -1) == B.expand_dims(true, -2)).any(axis=-1).sum()
+            self._sums[layer] = self._sums[layer] + hit.astype(B.float32)
+            self._per = k * max(1, true.size // k)
+        return observe
+
+    def device_counts(self) -> list:
+        """The current step's counts, to read with the next step's host read ([] when the
+        step is not guarded)."""
+        return [self._sums[l].reshape(1) for l in self.layers] if self._sums is not None else []
+
+    def collect(self, host, step: int) -> int:
+        """Take the counts ``device_counts`` put at the front of ``host``; how many values
+        were taken."""
+        if self._sums is None:
+            return 0
+        for i, l in enumerate(self.layers):
+            self.recall.setdefault(l, []).append(float(host[i]) / self._per)
+        if self.log is not None:
+            self.log.info("guard", step=step, recall={l: round(v[-1], 4) for l, v in self.recall.items()})
+        self._sums = None
+        return len(self.layers)

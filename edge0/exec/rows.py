@@ -1,20 +1,40 @@
-"""Row buffers of expert weights, and mapping routing indices onto them.
+"""Row buffers of expert weights, the computation every path shares, and the exact path.
 
 Every executor path computes a layer's routed experts the same way: the experts it needs
 are rows of an ``ExpertRows`` buffer (one row buffer per stacked tensor), a table built on
 the host maps each expert id to its row (``lookup_table``), ``take`` maps the routing
 indices through it on the device, and the layer's own switch module, bound to the rows,
 computes (``ExpertRows.run``).
+
+Both cores on one MoE layer (``Split``): a single MLX op runs on one core, and the expert
+stack is most of a decode step. The stack's output has one row per (token, expert slot),
+each computed from its own expert's weights alone, so the call can be cut along the expert
+slots (or, for single-slot calls, along the tokens) into groups that run on different
+streams (MLX gives each CPU stream its own thread) and be put back together in order: every
+row is the same computation on the same inputs, and the result is bit-identical to one
+call. The graph stays lazy: nothing waits.
+
+The exact path (``ExactExecutor``), the oracle the others are checked against: for the
+current tokens the distinct experts are read into a bundle (``capacity`` rows, shared by
+the layers with the same layout), the routing indices are mapped to bundle rows, and the
+block's own switch module runs on the bundle. When a prefill needs more distinct experts
+than the bundle holds, the (token, expert) pairs are processed in expert chunks, each pair
+exactly once. The computation is the switch module's own code on the same rows, so outputs
+are bit-identical to the resident model.
 """
 
 from __future__ import annotations
+
+import os
+import time
 
 import numpy as np
 
 from edge0.backend import core as B
 from edge0.backend import io as bio
-from edge0.model.checkpoint import LayerExperts
+from edge0.model.checkpoint import CheckpointIndex, LayerExperts
 from edge0.exec.taps import bind
+from edge0.io_sched.reader import ExpertReader
 
 
 def row_phase(loc) -> int | None:
@@ -94,3 +114,128 @@ def lookup_table(num_experts: int, experts, rows, missing: int = 0):
     table = np.full(num_experts, missing, dtype=np.int32)
     table[np.asarray(list(experts), dtype=np.int64)] = np.asarray(list(rows), dtype=np.int32)
     return B.array(table)
+
+
+def resolve_threads(n: int) -> int:
+    """``compute_threads`` 0 (auto): every core this process may run on (its CPU affinity:
+    ``taskset``, a cpuset) on the CPU backend, 1 elsewhere."""
+    if n:
+        return n
+    if not B.is_cpu():
+        return 1
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # no affinity on this platform (macOS)
+        return max(1, os.cpu_count() or 1)
+
+
+class Split:
+    """Runs ``kernel(x, inds)`` over ``threads`` streams of the thread that builds the graph
+    (streams belong to their thread, so each calling thread uses its own)."""
+
+    def __init__(self, threads: int):
+        self.threads = threads
+
+    @property
+    def streams(self) -> list:
+        return B.compute_streams(self.threads)
+
+    def __call__(self, kernel, x, inds):
+        n = self.threads
+        k = inds.shape[-1]
+        if n == 1:
+            return kernel(x, inds)
+        streams = self.streams
+        if k >= 2:  # groups of expert slots: output [..., k, D]
+            parts = min(n, k)
+            bounds = [k * i // parts for i in range(parts + 1)]
+            outs = []
+            for i in range(parts):
+                with B.on_stream(streams[i]):
+                    outs.append(kernel(x, inds[..., bounds[i]:bounds[i + 1]]))
+            return B.concatenate(outs, axis=-2)
+        rows = inds.shape[0]  # one slot per row (chunked prefill): groups of rows
+        if inds.ndim != 2 or x.ndim != 2 or rows < n:
+            return kernel(x, inds)
+        bounds = [rows * i // n for i in range(n + 1)]
+        outs = []
+        for i in range(n):
+            with B.on_stream(streams[i]):
+                outs.append(kernel(x[bounds[i]:bounds[i + 1]], inds[bounds[i]:bounds[i + 1]]))
+        return B.concatenate(outs, axis=0)
+
+
+class ExactExecutor:
+    """On-demand, deduplicated expert execution over a shared bundle (host sync per layer)."""
+
+    def __init__(self, index: CheckpointIndex, reader: ExpertReader, capacity: int, templates: dict, log=None):
+        self.index = index
+        self.reader = reader
+        self.num_experts = index.spec.num_experts
+        self.capacity = max(capacity, index.spec.k)
+        self._bundles: dict[tuple, ExpertRows] = {}
+        self.templates = templates  # layer -> its switch module (the kernel's code)
+        self.recorder = None  # a RoutingRecorder while an oracle is being recorded
+        self.log = log
+        self.split = Split(1)  # the loader sets the engine's
+
+    def bundle_for(self, layer: LayerExperts) -> ExpertRows:
+        key = layer.layout
+        if key not in self._bundles:
+            self._bundles[key] = ExpertRows(layer, self.capacity)
+        return self._bundles[key].use(layer)  # one bundle for the layers of a layout, in place for each
+
+    @property
+    def resident_bytes(self) -> int:
+        return sum(b.nbytes for b in self._bundles.values())
+
+    def _load(self, bundle: ExpertRows, layer: int, experts: np.ndarray) -> None:
+        t0 = time.perf_counter()
+        bundle.settle()
+        t1 = time.perf_counter()
+        n = self.reader.read_experts(layer, experts, range(len(experts)), bundle.buffers)
+        if self.log is not None:
+            self.log.debug("exact.read", layer=layer, experts=len(experts), bytes=n,
+                           ms=round(1e3 * (time.perf_counter() - t1), 3), settle_ms=round(1e3 * (t1 - t0), 3))
+
+    def __call__(self, layer_id: int, x, inds):
+        layer = self.index.layers[layer_id]
+        bundle = self.bundle_for(layer)
+        ids = B.to_host(inds)  # the host sync the exact path pays per layer
+        if self.recorder is not None:
+            self.recorder.record(layer_id, ids)
+        distinct = np.unique(ids)
+        if len(distinct) <= bundle.capacity:
+            self._load(bundle, layer_id, distinct)
+            table = lookup_table(self.num_experts, distinct, np.arange(len(distinct)))
+            out = bundle.run(self.split, self.templates[layer_id], x, B.take(table, inds))
+            bundle.pending = out
+            return out
+        return self._chunked(bundle, layer, x, ids, distinct)
+
+    def _chunked(self, bundle: ExpertRows, layer: LayerExperts, x, ids: np.ndarray, distinct: np.ndarray):
+        """Pairs grouped by expert, one bundle-full of experts at a time. Each chunk runs the
+        switch module on its pairs as rows of one expert each (k = 1): per pair, the same
+        computation the whole call would do."""
+        k = ids.shape[-1]
+        flat = ids.reshape(-1)
+        order = np.argsort(flat, kind="stable")  # pair positions grouped by expert, ascending
+        sorted_ids = flat[order]
+        x_rows = x.reshape(-1, x.shape[-1])  # [tokens, D]
+        kernel = bundle.kernel(self.templates[layer.layer])
+        outs, positions = [], []
+        for start in range(0, len(distinct), bundle.capacity):
+            chunk = distinct[start:start + bundle.capacity]
+            lo = np.searchsorted(sorted_ids, chunk[0], side="left")
+            hi = np.searchsorted(sorted_ids, chunk[-1], side="right")
+            pos = order[lo:hi]
+            self._load(bundle, layer.layer, chunk)
+            local = np.searchsorted(chunk, sorted_ids[lo:hi]).astype(np.int32)
+            xs = x_rows[B.array((pos // k).astype(np.int32))]
+            out = self.split(kernel, xs, B.array(local[:, None]))[:, 0]  # [pairs, D]
+            B.eval(out)  # the next chunk overwrites the bundle
+            outs.append(out)
+            positions.append(pos)
+        inverse = np.argsort(np.concatenate(positions), kind="stable").astype(np.int32)
+        y = B.concatenate(outs, axis=0)[B.array(inverse)]
+        return y.reshape(*ids.shape, y.shape[-1])

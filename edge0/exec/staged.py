@@ -28,16 +28,11 @@ from dataclasses import dataclass, field
 from edge0.backend import core as B
 from edge0.model.checkpoint import CheckpointIndex
 from edge0.errors import ConfigError, RoutingMismatchError
-from edge0.exec.guard import QualityGuard
 from edge0.exec.oracle import OracleRouting
-from edge0.exec.plan import DecodePlan, LayerRoute, StageStats
-from edge0.exec.planner import OraclePlanner, Planner, PrerouterPlanner
+from edge0.exec.plan import DecodePlan, LayerRoute, OraclePlanner, Planner, PrerouterPlanner, QualityGuard, StageStats
 from edge0.exec.rows import ExpertRows, lookup_table
-from edge0.io_sched.loop_thread import EventLoopThread
-from edge0.io_sched.plan import LayerPlan, StepPlan
-from edge0.io_sched.reader import ExpertReader
-from edge0.io_sched.scheduler import PrefetchScheduler
-from edge0.io_sched.store import SlotStore
+from edge0.io_sched.reader import EventLoopThread, ExpertReader, SlotStore
+from edge0.io_sched.scheduler import LayerPlan, PrefetchScheduler, StepPlan
 
 
 class SlotPool:

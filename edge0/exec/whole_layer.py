@@ -14,8 +14,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from edge0.backend import core as B
 from edge0.model.checkpoint import CheckpointIndex
 from edge0.errors import ConfigError
-from edge0.exec.rows import ExpertRows
-from edge0.exec.split import Split
+from edge0.exec.rows import ExpertRows, Split
 from edge0.io_sched.reader import ExpertReader
 
 

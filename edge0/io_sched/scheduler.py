@@ -1,33 +1,35 @@
 """The async prefetch scheduler: step plans in, byte-range reads out, readiness per layer.
 
-Contract (the tests drive it with a fake store, no MLX, no model):
+Its data is plain (the tests drive it with a fake store, no MLX, no model): ``StepPlan`` /
+``LayerPlan`` in, ``ReadRequest``s to a ``Store`` (``read(layer, expert, slot)``, in a reader
+thread), ``SlotMap``s out. A layer's ``SlotTable`` says what each slot holds: EMPTY, LOADING
+(being read) or READY. Steps *pin* the slots they compute with; a pinned slot is never a
+victim (the least recently used unpinned one is), so nothing a pending computation reads is
+overwritten (with 2k slots the next step's misses land in the other half: double buffering).
+A READY expert is a hit, not read again (sticky slots); a failed or cancelled read leaves
+its slot EMPTY, never READY.
 
-- ``submit(plan)`` queues one job per staged layer of a step. Jobs are served in priority
-  order (earlier step, then earlier layer), at most ``prefetch_depth`` unconsumed jobs at
-  a time: a job entering that window claims its slots (``SlotTable.claim``): resident
-  experts are hits, misses become ``ReadRequest``s.
-- A bounded pool of reader threads (``anyio.to_thread`` behind a ``CapacityLimiter`` of
-  ``readers``) performs the reads, highest priority first. A reader thread takes a share
-  of one layer's reads at a time (the layer's queued reads split over the free readers),
-  so the loop wakes once per share rather than once per expert; a share skips the reads
-  of a step cancelled while it runs.
-- ``await ready(step, layer)`` returns the layer's ``SlotMap`` once every planned expert
-  sits in a READY slot, or raises the typed read error. Consuming a job slides the window.
-  ``wait_ready(step, layer, post)`` is the same for a thread other than the loop's (the
-  compute thread): each job has one readiness, a future the loop resolves when the job is
-  done, awaited on the loop and blocked on by other threads; the consumption goes back to
-  the loop through ``post`` without waiting for it. No round trip through the loop per
-  layer: on a machine whose cores are busy computing, every wake-up of another thread the
-  compute thread waits for can cost a time slice.
-- ``release(step)`` unpins the step's slots once its computation has been evaluated.
-- ``await cancel(step)`` drops the step's queued reads, waits for its in-flight ones, leaves
-  their slots EMPTY and unpins everything the step held. Nothing half-written is READY.
+- ``submit(plan)`` queues one job per staged layer of a step, served in priority order
+  (earlier step, then earlier layer), at most ``prefetch_depth`` unconsumed jobs at a time:
+  a job entering that window claims its slots; its misses become ``ReadRequest``s.
+- Reader threads (``anyio.to_thread`` behind a ``CapacityLimiter`` of ``readers``) read,
+  highest priority first, each a share of one layer's queued reads at a time (so the loop
+  wakes once per share, not per expert); a share skips the reads of a cancelled step.
+- ``await ready(step, layer)`` returns the layer's ``SlotMap`` once every planned expert is
+  READY, or raises the typed read error; consuming a job slides the window. ``wait_ready(step,
+  layer, post)`` is the same for another thread (the compute thread): each job has one
+  readiness, a future the loop resolves, awaited on the loop and blocked on elsewhere; the
+  consumption goes back to the loop through ``post`` without waiting (on busy cores every
+  wake-up of a thread the compute thread waits for can cost a time slice).
+- ``release(step)`` unpins the step's slots once its computation has been evaluated;
+  ``await cancel(step)`` drops its queued reads, waits for those in flight, leaves their
+  slots EMPTY and unpins all it held.
 - Transient read errors are retried ``retries`` times, then fail that job with an
-  ``ExpertReadError``; the scheduler keeps serving later steps.
+  ``ExpertReadError``; later steps are served.
 
-All state lives on the scheduler's event loop; only ``store.read`` runs in threads.
+State lives on the event loop, except each job's future (resolved by the loop) and the
+pending jobs' index (written by the loop under a lock); ``store.read`` runs in threads.
 """
-
 from __future__ import annotations
 
 import asyncio
@@ -42,9 +44,146 @@ from dataclasses import dataclass, field
 import anyio
 
 from edge0.errors import ExpertReadError, SchedulerError
-from edge0.io_sched.plan import ReadRequest, SchedulerStats, SlotMap, StepPlan
-from edge0.io_sched.slots import LOADING, READY, SlotTable
-from edge0.io_sched.store import Store
+from edge0.io_sched.reader import Store
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """One staged layer's routed experts for one step."""
+    layer: int
+    experts: tuple[int, ...]  # distinct expert ids, any order
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What one step will route to, known before the step runs."""
+    step: int  # increasing step id; earlier steps have priority
+    layers: tuple[LayerPlan, ...]  # in execution order: earlier layers are read first
+
+
+@dataclass(frozen=True)
+class ReadRequest:
+    """Read one expert's rows into one slot of one layer."""
+    step: int
+    layer: int
+    expert: int
+    slot: int
+    priority: tuple  # (step, position of the layer in its plan, expert)
+
+
+@dataclass(frozen=True)
+class SlotMap:
+    """A layer ready for compute: every planned expert is in a READY slot."""
+    step: int
+    layer: int
+    slot_of: dict[int, int]  # expert -> slot
+    hits: int  # experts already resident (sticky slots), not read again
+    misses: int  # experts read for this step
+
+
+@dataclass
+class SchedulerStats:
+    reads: int = 0
+    bytes: int = 0
+    read_seconds: float = 0.0  # summed time inside the store's read calls
+    retries: int = 0
+    failures: int = 0
+    hits: int = 0
+    misses: int = 0
+    cancelled: int = 0
+    per_layer: dict = field(default_factory=dict)  # layer -> {"hits": n, "misses": n}
+
+
+EMPTY, LOADING, READY = "empty", "loading", "ready"
+
+
+class SlotTable:
+    def __init__(self, layer: int, num_slots: int):
+        if num_slots < 1:
+            raise ValueError(f"layer {layer}: a slot table needs at least one slot, got {num_slots}")
+        self.layer = layer
+        self.num_slots = num_slots
+        self.expert_of: list[int | None] = [None] * num_slots
+        self.state: list[str] = [EMPTY] * num_slots
+        self.pins: list[set[int]] = [set() for _ in range(num_slots)]
+        self.last_used: list[int] = [-1] * num_slots
+        self.slot_of: dict[int, int] = {}
+        self._clock = 0
+
+    def lookup(self, expert: int) -> int | None:
+        slot = self.slot_of.get(expert)
+        return slot if slot is not None and self.state[slot] == READY else None
+
+    def _victim(self) -> int | None:
+        free = [s for s in range(self.num_slots) if not self.pins[s] and self.state[s] != LOADING]
+        if not free:
+            return None
+        empty = [s for s in free if self.state[s] == EMPTY]
+        return empty[0] if empty else min(free, key=lambda s: self.last_used[s])
+
+    def claim(self, expert: int, step: int) -> tuple[int, bool] | None:
+        """Pin a slot holding (or about to hold) ``expert`` for ``step``.
+
+        Returns (slot, needs_read), or None when every slot is pinned by other steps."""
+        self._clock += 1
+        slot = self.slot_of.get(expert)
+        if slot is not None and self.state[slot] in (READY, LOADING):
+            self.pins[slot].add(step)
+            self.last_used[slot] = self._clock
+            return slot, False
+        slot = self._victim()
+        if slot is None:
+            return None
+        old = self.expert_of[slot]
+        if old is not None:
+            self.slot_of.pop(old, None)
+        self.expert_of[slot] = expert
+        self.slot_of[expert] = slot
+        self.state[slot] = LOADING
+        self.pins[slot] = {step}
+        self.last_used[slot] = self._clock
+        return slot, True
+
+    def complete(self, slot: int, ok: bool) -> None:
+        if ok:
+            self.state[slot] = READY
+            return
+        self.state[slot] = EMPTY
+        expert = self.expert_of[slot]
+        if expert is not None:
+            self.slot_of.pop(expert, None)
+        self.expert_of[slot] = None
+
+    def invalidate(self) -> None:
+        """Every unpinned slot becomes EMPTY: its bytes may no longer match the file."""
+        for slot in range(self.num_slots):
+            if not self.pins[slot] and self.state[slot] != LOADING:
+                self.complete(slot, False)
+
+    def release(self, step: int) -> None:
+        for pins in self.pins:
+            pins.discard(step)
+
+    def resize(self, num_slots: int) -> None:
+        """Grow to ``num_slots`` (new slots EMPTY) or shrink to it (the experts of the slots
+        cut off are forgotten). Only while nothing is pinned or loading: the caller has
+        moved the slots' bytes to buffers of the new size."""
+        if num_slots < 1 or self.pinned() or self.loading():
+            raise ValueError(f"layer {self.layer}: cannot resize to {num_slots} slots with slots pinned or loading")
+        for slot in range(num_slots, self.num_slots):
+            self.complete(slot, False)
+        extra = max(0, num_slots - self.num_slots)
+        self.expert_of = self.expert_of[:num_slots] + [None] * extra
+        self.state = self.state[:num_slots] + [EMPTY] * extra
+        self.pins = self.pins[:num_slots] + [set() for _ in range(extra)]
+        self.last_used = self.last_used[:num_slots] + [-1] * extra
+        self.num_slots = num_slots
+
+    def pinned(self) -> int:
+        return sum(1 for p in self.pins if p)
+
+    def loading(self) -> int:
+        return sum(1 for s in self.state if s == LOADING)
 
 
 @dataclass(eq=False)
@@ -66,6 +205,11 @@ class _Job:
     def finish(self) -> None:
         if not self.done.done():
             self.done.set_result(None)
+
+    def slot_map(self) -> SlotMap:  # once done: what ``ready`` answers, or the error it raises
+        if self.error is not None:
+            raise self.error
+        return SlotMap(self.step, self.layer, dict(self.slots), self.hits, self.misses)
 
 
 @dataclass(eq=False)
@@ -148,9 +292,7 @@ class PrefetchScheduler:
             raise SchedulerError(f"step {step}, layer {layer}: its slots were not ready after {READY_TIMEOUT_S:g} s "
                                  f"(slots pinned per layer: {pinned})")
         self._consume(job)
-        if job.error is not None:
-            raise job.error
-        return SlotMap(step, layer, dict(job.slots), job.hits, job.misses)
+        return job.slot_map()
 
     def wait_ready(self, step: int, layer: int, post) -> SlotMap:
         """``ready`` for a thread other than the loop's: blocks until the job is done, then
@@ -169,9 +311,7 @@ class PrefetchScheduler:
             if self._pending.get((step, layer)) is job:
                 del self._pending[(step, layer)]
         post(self._consume, job)
-        if job.error is not None:
-            raise job.error
-        return SlotMap(step, layer, dict(job.slots), job.hits, job.misses)
+        return job.slot_map()
 
     def _consume(self, job: _Job) -> None:
         if job in self._jobs:
@@ -270,20 +410,17 @@ class PrefetchScheduler:
                 self.stats.hits += 1
         job.unclaimed = still
 
-    def _done(self, job: _Job) -> None:
-        job.finish()
-
     def _check(self, job: _Job) -> None:
         if job.done.done() or job.unclaimed:
             return
         table = self.tables[job.layer]
         states = [table.state[s] if table.expert_of[s] == e else None for e, s in job.slots.items()]
         if all(s == READY for s in states):
-            self._done(job)
+            job.finish()
         elif any(s not in (READY, LOADING) for s in states):
             job.error = job.error or ExpertReadError("a slot this layer depends on failed to load",
                                                      layer=job.layer)
-            self._done(job)
+            job.finish()
 
     def _next_share(self) -> list[ReadRequest]:
         """The next reads for one reader thread: the top of the queue and the rest of its
@@ -356,6 +493,6 @@ class PrefetchScheduler:
             for job in self._jobs:
                 if job.layer == req.layer and job.slots.get(req.expert) == req.slot and not job.done.done():
                     job.error = error
-                    self._done(job)
+                    job.finish()
         if self._tg is not None:
             self._pump()
