@@ -34,6 +34,7 @@ from edge0.errors import CheckpointError, ConfigError, ForeignArtifactError
 from edge0.model.files import atomic_write, check_entry, parse_json, read_bytes
 from edge0.model.safetensors_header import read_header
 from edge0.model.spec import MoESpec
+from edge0.exec.taps import AdaptedLinear, AdapterBank
 
 ADAPTER_DIRNAME = "adapter"  # discovered beside the checkpoint, like prerouter.safetensors
 WEIGHTS_FILE = "adapters.safetensors"
@@ -234,109 +235,6 @@ def save_adapter(tensors: dict[str, tuple[object, object]], out_dir: str | Path,
               "lora_parameters": {"rank": rank, "scale": scale, "dropout": dropout, "keys": sorted(keys)}}
     atomic_write(out / CONFIG_FILE, lambda tmp: Path(tmp).write_text(json.dumps(config, indent=2) + "\n"))
     return out
-
-
-class AdaptedLinear(bnn.Module):
-    """A projection with an optional low-rank delta: ``linear`` is the untouched base;
-    ``lora_a`` / ``lora_b`` (present while an adapter is active) are mlx-lm's names, so a
-    trainer sees exactly mlx-lm's parameter tree."""
-
-    def __init__(self, linear):
-        super().__init__()
-        self.linear = linear
-        self.scale = 0.0
-        object.__setattr__(self, "row_deltas", None)  # a batch of mixed adapters: [(a, b, scale, rows)]
-
-    def set_delta(self, a, b, scale: float) -> None:
-        if a is None:
-            for leaf in ("lora_a", "lora_b"):
-                if leaf in self:
-                    del self[leaf]
-            self.scale = 0.0
-        else:
-            self.lora_a, self.lora_b, self.scale = a, b, scale
-
-    def set_row_deltas(self, deltas) -> None:
-        """A batch whose rows use different adapters: ``deltas`` [(a, b, scale, rows)],
-        ``rows`` a bool mask over the batch's rows (the rows that apply that delta; rows in
-        no mask apply none); None: the one delta of ``set_delta`` for every row."""
-        object.__setattr__(self, "row_deltas", deltas)
-
-    def __call__(self, x):
-        y = self.linear(x)
-        if self.row_deltas is not None:
-            out = y
-            for a, b, scale, rows in self.row_deltas:  # each row: exactly its own adapter's sum
-                mask = rows.reshape(-1, *(1,) * (x.ndim - 1))
-                out = B.where(mask, y + (scale * ((x @ a) @ b)).astype(x.dtype), out)
-            return out
-        if "lora_a" not in self:
-            return y
-        z = (x @ self.lora_a) @ self.lora_b
-        return y + (self.scale * z).astype(x.dtype)
-
-
-class AdapterBank:
-    """Adapters resident on one model, and which one is active."""
-
-    def __init__(self, model, spec: MoESpec):
-        self.model, self.spec = model, spec
-        self.adapters: dict[str, Adapter] = {}
-        self.wrapped: dict[str, AdaptedLinear] = {}
-        self.active: str | None = None
-
-    def add(self, adapter: Adapter) -> None:
-        if adapter.name in self.adapters:
-            raise ConfigError(f"two adapters are named {adapter.name!r}; give each a distinct directory name")
-        for module in adapter.tensors:
-            if module not in self.wrapped:
-                base = bnn.module_at(self.model, module)
-                wrapper = AdaptedLinear(base)
-                bnn.set_module_at(self.model, module, wrapper)
-                self.wrapped[module] = wrapper
-        self.adapters[adapter.name] = adapter
-
-    def activate(self, name: str | None) -> None:
-        """Make ``name`` (or no adapter) the one every wrapped projection applies."""
-        if self.active == "<mixed>":
-            for wrapper in self.wrapped.values():
-                wrapper.set_row_deltas(None)
-            self.active = None
-        if name == self.active:
-            return
-        if name is not None and name not in self.adapters:
-            raise ConfigError(f"no adapter named {name!r}; loaded: {sorted(self.adapters) or 'none'}")
-        adapter = self.adapters.get(name) if name is not None else None
-        for module, wrapper in self.wrapped.items():
-            pair = adapter.tensors.get(module) if adapter is not None else None
-            wrapper.set_delta(*(pair or (None, None)), adapter.scale if pair else 0.0)
-        self.active = name
-
-    def activate_rows(self, names: list) -> None:
-        """A batch's adapters, one name (or None) per row, applied in one forward pass:
-        each row gets exactly the sum it would get alone with its adapter."""
-        if len(set(names)) <= 1:
-            self.activate(names[0] if names else None)
-            for wrapper in self.wrapped.values():
-                wrapper.set_row_deltas(None)
-            return
-        for name in set(names):
-            if name is not None and name not in self.adapters:
-                raise ConfigError(f"no adapter named {name!r}; loaded: {sorted(self.adapters) or 'none'}")
-        self.activate(None)
-        for module, wrapper in self.wrapped.items():
-            deltas = []
-            for name in dict.fromkeys(n for n in names if n is not None):
-                pair = self.adapters[name].tensors.get(module)
-                if pair is not None:
-                    rows = B.array([n == name for n in names])
-                    deltas.append((*pair, self.adapters[name].scale, rows))
-            wrapper.set_row_deltas(deltas)
-        self.active = "<mixed>"
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.adapters.values())
 
 
 def adapter_dirs(model_dir: Path, config) -> list[tuple[str, Path]]:

@@ -24,7 +24,7 @@ import anyio
 
 from edge0.admission import Admission, EngineMetrics
 from edge0.batch import Batcher, batchable
-from edge0.row import Row, TokenEvent, sampling_of  # noqa: F401 - TokenEvent: part of this module's API
+from edge0.row import END, TIMEOUT, AsyncWaker, DiscardingJob, Job, Row, TokenEvent, sampling_of  # noqa: F401 - TokenEvent: part of this module's API
 from edge0.backend import nn as bnn
 from edge0.config import EngineConfig
 from edge0.errors import DistributedError, ConfigError, EngineClosedError
@@ -39,7 +39,7 @@ from edge0.logs import configure as configure_logs
 from edge0.logs import get_logger
 from edge0.sampling import SamplingParams
 from edge0.stats import GenerationStats
-from edge0.worker import END, TIMEOUT, AsyncWaker, ComputeThread, DiscardingJob, Job
+from edge0.worker import ComputeThread
 from edge0.worker import acquire as acquire_thread
 from edge0.worker import release as release_thread
 

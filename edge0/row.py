@@ -1,19 +1,33 @@
 """One generation in the batch loop: its ``Row`` (prompt, sampling, cache, what it
-generated), the ``TokenEvent``s it hands its consumer, and ``RowEvents``, which turns its
-sampled tokens into those events (detokenizer, stops, logprobs, stats)."""
+generated), the ``TokenEvent``s it hands its consumer, ``RowEvents``, which turns its
+sampled tokens into those events (detokenizer, stops as ``StopMatcher`` finds them,
+logprobs, stats), and its ``Job``, through which they reach the consumer.
+
+A ``Job`` hands its events to one consumer through its buffer (``offer``: the compute
+thread never waits on a consumer; one that leaves ``ahead`` events untaken for
+``stall_timeout`` seconds is stopped). The consumer may leave at any
+time from any thread or task: ``cancel()`` only sets a flag and wakes the producer, which
+then closes the generation on the compute thread by itself. Nothing is released by the
+consumer, so a consumer that is cancelled, breaks out of its loop or is garbage collected
+in another task cannot leave a lock held or work half done.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
 import os
+import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
+import anyio
 import numpy as np
 
 from edge0.backend import core as B
-from edge0.sampling import SamplingParams, StopMatcher
+from edge0.errors import StalledConsumerError
+from edge0.sampling import SamplingParams
 from edge0.stats import GenerationStats, peak_rss_bytes
 
 
@@ -144,3 +158,187 @@ def _logprobs(token: int, logprobs, params: SamplingParams) -> dict:
         # tokens a constraint or logit_bias rules out (-inf) are no alternatives
         out["top_logprobs"] = [(int(i), float(row[i])) for i in top if np.isfinite(row[i])]
     return out
+
+
+def open_tail(text: str, markers) -> int:
+    """How many characters at the end of ``text`` begin one of ``markers`` without
+    completing it: the part of a streamed text to hold back while it may still grow into
+    a marker (a stop string, a tool call's start)."""
+    keep = 0
+    for m in markers:
+        for n in range(min(len(m) - 1, len(text)), keep, -1):
+            if text.endswith(m[:n]):
+                keep = n
+                break
+    return keep
+
+
+class StopMatcher:
+    """Stop strings over streamed text: ``feed`` returns the text safe to emit (a tail that
+    may still grow into a stop string is held back) and whether a stop string was reached
+    (the text is then cut where it begins)."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops = stops
+        self.pending = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        if not self.stops:
+            return text, False
+        self.pending += text
+        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            out, self.pending = self.pending[: min(hits)], ""
+            return out, True
+        cut = len(self.pending) - open_tail(self.pending, self.stops)
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+END = object()  # the last item a job hands out
+TIMEOUT = object()  # Job.get's answer when nothing came within its timeout
+
+
+class Job:
+    """One generation's hand-off from the compute thread to its consumer."""
+
+    def __init__(self, ahead: int = 2):
+        self.ahead = ahead
+        self._items: deque = deque()
+        self._cond = threading.Condition()
+        self.cancelled = False
+        self.started = False  # the compute thread has begun it (it is no longer queued)
+        self.finished = False
+        self.error: BaseException | None = None
+        self.admission = None  # the engine's Admission this generation was started with, if any
+        self.stall_timeout: float | None = None  # longest wait for the consumer in put (None: no bound)
+        self._wakers: list = []  # called (without arguments, any thread) whenever the job changes
+        self._behind_since: float | None = None  # offer: since when ``ahead`` items wait for the consumer
+
+    def add_waker(self, fn) -> None:
+        """Call ``fn`` whenever an item, the start, the end or a cancellation happens: an
+        async consumer's way to wait without holding a thread. ``fn`` must not block."""
+        with self._cond:
+            self._wakers.append(fn)
+
+    def remove_waker(self, fn) -> None:
+        with self._cond:
+            if fn in self._wakers:
+                self._wakers.remove(fn)
+
+    def _changed(self) -> None:  # under the condition's lock
+        self._cond.notify_all()
+        for fn in self._wakers:
+            fn()
+
+    # -- producer (compute thread) --------------------------------------------------------
+    def offer(self, item) -> bool:
+        """Hand ``item`` to the consumer without waiting (a batch's step must not wait for
+        one consumer): False when the consumer has left, or has taken nothing for
+        ``stall_timeout`` seconds while ``ahead`` items waited for it (the job is then
+        cancelled with ``StalledConsumerError``)."""
+        with self._cond:
+            if self.cancelled:
+                return False
+            now = time.monotonic()
+            if len(self._items) < self.ahead:
+                self._behind_since = None
+            elif self._behind_since is None:
+                self._behind_since = now
+            elif self.stall_timeout is not None and now - self._behind_since >= self.stall_timeout:
+                self.error = StalledConsumerError(
+                    f"the consumer took no token for {self.stall_timeout:g} s; the generation was stopped")
+                self.cancelled = True
+                self._items.clear()
+                self._changed()
+                return False
+            self._items.append(item)
+            self._changed()
+            return True
+
+    def _took(self) -> None:  # under the condition's lock: the consumer took an item
+        self._behind_since = None
+        self._cond.notify_all()
+
+    def start(self) -> None:
+        with self._cond:
+            self.started = True
+            self._changed()
+
+    def finish(self, error: BaseException | None = None) -> None:
+        with self._cond:
+            self.error = error or self.error
+            self.finished = True
+            self._changed()
+
+    # -- consumer (any thread) --------------------------------------------------------------
+    def get(self, timeout: float | None = None):
+        """The next item, waiting for it; ``END`` once the job finished or was cancelled
+        (then ``error`` holds what stopped it, if anything); ``TIMEOUT`` when ``timeout``
+        seconds passed without either (nothing is consumed then)."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._items or self.finished or self.cancelled, timeout):
+                return TIMEOUT
+            if self._items and not self.cancelled:
+                item = self._items.popleft()
+                self._took()
+                return item
+            return END
+
+    def poll(self):
+        """The next item if one is waiting, ``END`` if none will come, else None."""
+        with self._cond:
+            if self._items and not self.cancelled:
+                item = self._items.popleft()
+                self._took()
+                return item
+            return END if (self.finished or self.cancelled) else None
+
+    def cancel(self) -> None:
+        with self._cond:
+            self.cancelled = True
+            self._items.clear()
+            self._changed()
+
+
+class DiscardingJob(Job):
+    """A generation whose events nobody takes (a pipeline rank that follows rank 0, which
+    answers the client): each is dropped as it comes."""
+
+    def offer(self, item) -> bool:
+        return not self.cancelled
+
+
+class AsyncWaker:
+    """An async consumer's wait for its job to change (``job.add_waker(waker)``): the
+    compute thread schedules the event's ``set`` on the consumer's event loop (asyncio or
+    trio, ``anyio.lowlevel.current_token()``), never blocking itself."""
+
+    def __init__(self, token):
+        self._token = token
+        self._event = anyio.Event()
+
+    def __call__(self) -> None:  # any thread
+        try:
+            self._token.backend_class.run_sync_soon(self._set, (), self._token.native_token)
+        except Exception:  # noqa: BLE001 - the loop is gone: nobody is waiting
+            pass
+
+    def _set(self) -> None:
+        self._event.set()
+
+    async def wait(self, job: Job, timeout: float | None):
+        """The job's next item or END, or TIMEOUT after ``timeout`` seconds."""
+        while True:
+            self._event = anyio.Event()  # armed before the check: a change after it sets this one
+            event = job.poll()
+            if event is not None:
+                return event
+            with anyio.move_on_after(timeout):
+                await self._event.wait()
+                continue
+            return TIMEOUT

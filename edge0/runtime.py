@@ -15,7 +15,8 @@ from edge0.errors import ExpertReadError
 from edge0.streaming import StepModel, Streaming
 from edge0.prompt_cache import PromptCache
 from edge0.stats import GenerationStats
-from edge0.worker import ComputeThread, Job
+from edge0.row import Job
+from edge0.worker import ComputeThread
 
 
 class Runtime:

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from edge0.adapters import AdapterBank
 from edge0.backend import core as B
 from edge0.backend import nn as bnn
 from edge0.errors import ConfigError
 from edge0.exec.plan import LayerRoute
-from edge0.exec.taps import StepPhase
+from edge0.exec.taps import AdapterBank, StepPhase
 
 
 class Streaming:

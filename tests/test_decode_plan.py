@@ -14,7 +14,7 @@ from edge0 import Engine, EngineConfig
 from edge0.errors import EngineBusyError
 from edge0.exec.plan import DecodePlan, LayerRoute
 from edge0.train.heads import make_warm_heads
-from edge0.worker import Job
+from edge0.row import Job
 
 PROMPT = "def add(a, b):"
 

@@ -1,4 +1,4 @@
-"""The two modules Edge0 puts inside an mlx-lm MoE block, which otherwise runs unchanged.
+"""What Edge0 puts inside an mlx-lm model, which otherwise runs unchanged.
 
 A block keeps its own routing code, combine and shared experts, so every architecture's
 math is mlx-lm's, bit for bit. Edge0 replaces only:
@@ -27,6 +27,11 @@ math is mlx-lm's, bit for bit. Edge0 replaces only:
     experts loses the group ranking to every group holding two, and the combine weights
     (the unbiased sigmoid scores of the chosen experts) are untouched. With every expert
     staged the mask changes no bit.
+
+Outside the MoE blocks, a projection a recovery adapter targets (``edge0.adapters``: files,
+checks, loading) becomes an ``AdaptedLinear``, the base untouched plus the active adapter's
+low-rank delta, or each row's own in a batch of mixed adapters; an ``AdapterBank`` holds the
+adapters resident on the model and which one each row applies.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import copy
 
 from edge0.backend import core as B
 from edge0.backend import nn as bnn
+from edge0.errors import ConfigError
 from edge0.exec.plan import Executor
 
 
@@ -190,3 +196,106 @@ class RouterTap(bnn.Module):
             return gate(logits.astype(weight.dtype))
         finally:
             gate.weight = weight
+
+
+class AdaptedLinear(bnn.Module):
+    """A projection with an optional low-rank delta: ``linear`` is the untouched base;
+    ``lora_a`` / ``lora_b`` (present while an adapter is active) are mlx-lm's names, so a
+    trainer sees exactly mlx-lm's parameter tree."""
+
+    def __init__(self, linear):
+        super().__init__()
+        self.linear = linear
+        self.scale = 0.0
+        object.__setattr__(self, "row_deltas", None)  # a batch of mixed adapters: [(a, b, scale, rows)]
+
+    def set_delta(self, a, b, scale: float) -> None:
+        if a is None:
+            for leaf in ("lora_a", "lora_b"):
+                if leaf in self:
+                    del self[leaf]
+            self.scale = 0.0
+        else:
+            self.lora_a, self.lora_b, self.scale = a, b, scale
+
+    def set_row_deltas(self, deltas) -> None:
+        """A batch whose rows use different adapters: ``deltas`` [(a, b, scale, rows)],
+        ``rows`` a bool mask over the batch's rows (the rows that apply that delta; rows in
+        no mask apply none); None: the one delta of ``set_delta`` for every row."""
+        object.__setattr__(self, "row_deltas", deltas)
+
+    def __call__(self, x):
+        y = self.linear(x)
+        if self.row_deltas is not None:
+            out = y
+            for a, b, scale, rows in self.row_deltas:  # each row: exactly its own adapter's sum
+                mask = rows.reshape(-1, *(1,) * (x.ndim - 1))
+                out = B.where(mask, y + (scale * ((x @ a) @ b)).astype(x.dtype), out)
+            return out
+        if "lora_a" not in self:
+            return y
+        z = (x @ self.lora_a) @ self.lora_b
+        return y + (self.scale * z).astype(x.dtype)
+
+
+class AdapterBank:
+    """Adapters resident on one model, and which one is active."""
+
+    def __init__(self, model, spec):
+        self.model, self.spec = model, spec
+        self.adapters: dict = {}  # name -> its edge0.adapters.Adapter
+        self.wrapped: dict[str, AdaptedLinear] = {}
+        self.active: str | None = None
+
+    def add(self, adapter) -> None:
+        if adapter.name in self.adapters:
+            raise ConfigError(f"two adapters are named {adapter.name!r}; give each a distinct directory name")
+        for module in adapter.tensors:
+            if module not in self.wrapped:
+                base = bnn.module_at(self.model, module)
+                wrapper = AdaptedLinear(base)
+                bnn.set_module_at(self.model, module, wrapper)
+                self.wrapped[module] = wrapper
+        self.adapters[adapter.name] = adapter
+
+    def activate(self, name: str | None) -> None:
+        """Make ``name`` (or no adapter) the one every wrapped projection applies."""
+        if self.active == "<mixed>":
+            for wrapper in self.wrapped.values():
+                wrapper.set_row_deltas(None)
+            self.active = None
+        if name == self.active:
+            return
+        if name is not None and name not in self.adapters:
+            raise ConfigError(f"no adapter named {name!r}; loaded: {sorted(self.adapters) or 'none'}")
+        adapter = self.adapters.get(name) if name is not None else None
+        for module, wrapper in self.wrapped.items():
+            pair = adapter.tensors.get(module) if adapter is not None else None
+            wrapper.set_delta(*(pair or (None, None)), adapter.scale if pair else 0.0)
+        self.active = name
+
+    def activate_rows(self, names: list) -> None:
+        """A batch's adapters, one name (or None) per row, applied in one forward pass:
+        each row gets exactly the sum it would get alone with its adapter."""
+        if len(set(names)) <= 1:
+            self.activate(names[0] if names else None)
+            for wrapper in self.wrapped.values():
+                wrapper.set_row_deltas(None)
+            return
+        for name in set(names):
+            if name is not None and name not in self.adapters:
+                raise ConfigError(f"no adapter named {name!r}; loaded: {sorted(self.adapters) or 'none'}")
+        self.activate(None)
+        for module, wrapper in self.wrapped.items():
+            deltas = []
+            for name in dict.fromkeys(n for n in names if n is not None):
+                pair = self.adapters[name].tensors.get(module)
+                if pair is not None:
+                    rows = B.array([n == name for n in names])
+                    deltas.append((*pair, self.adapters[name].scale, rows))
+            wrapper.set_row_deltas(deltas)
+        self.active = "<mixed>"
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.adapters.values())

@@ -29,12 +29,12 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from edge0.adapters import AdaptedLinear, adapter_key, save_adapter, target_modules
+from edge0.adapters import adapter_key, save_adapter, target_modules
 from edge0.model.arch import derive_spec
 from edge0.backend import core as B
 from edge0.backend import nn as bnn
 from edge0.exec.plan import LayerRoute
-from edge0.exec.taps import RouterTap
+from edge0.exec.taps import AdaptedLinear, RouterTap
 from edge0.config import EngineConfig
 from edge0.loader import resolve_routing
 from edge0.streaming import probe_routing
