@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -52,7 +53,8 @@ def add_parser(sub) -> None:
                                                    "can override it)")
     b.add_argument("--arm-option", action="append", default=[], metavar="ARM:KEY=VALUE[,KEY=VALUE]",
                    help="engine settings of one arm, e.g. staged+prerouter@narrow:experts_per_token=3,"
-                        "prerouter_file=H,adapter=D (repeatable; ARM@label runs ARM as a variant)")
+                        "prerouter_file=H,adapter=D (repeatable; ARM@label runs ARM as a variant; source=DIR runs the "
+                        "arm on the Edge0 of another source tree, its kernels built: two versions in one run)")
     b.add_argument("--memory-limit", default=None, metavar="SIZE",
                    help="run each arm in a memory cgroup capped at SIZE (e.g. 8G), anonymous memory and page cache "
                         "together, so a checkpoint larger than SIZE cannot stay in RAM (root; cgroup v2 or v1)")
@@ -138,7 +140,8 @@ def _extra(args) -> dict:
 
 def arm_options(items: list[str], arms: tuple[str, ...]) -> dict:
     """``ARM:KEY=VALUE,KEY=VALUE`` -> {ARM: {KEY: typed VALUE}}, each checked as an
-    EngineConfig value."""
+    EngineConfig value, but ``source``: the Edge0 source tree the arm runs on (a checkout of
+    another version, with its kernels built), checked to hold one."""
     from edge0.config_sources.resolve import resolve_config
     from edge0.config_sources.settings_list import parse_settings
     from edge0.errors import ConfigError
@@ -148,8 +151,16 @@ def arm_options(items: list[str], arms: tuple[str, ...]) -> dict:
         arm, sep, rest = item.partition(":")
         if not sep or arm not in arms:
             raise ConfigError(f"--arm-option {item!r}: expected ARM:KEY=VALUE with ARM one of {list(arms)}")
-        values = parse_settings(rest, f"--arm-option {item!r}")
+        pairs = re.split(r",(?=\s*[a-z_]+=)", rest)
+        sources = [p.partition("=")[2].strip() for p in pairs if p.strip().startswith("source=")]
+        rest = ",".join(p for p in pairs if not p.strip().startswith("source="))
+        values = parse_settings(rest, f"--arm-option {item!r}") if rest.strip() else {}
         resolve_config(environ={}, **values)  # typed checks now, not in a child process later
+        for source in sources[-1:]:
+            if not (Path(source) / "edge0" / "benchmark" / "arms.py").is_file():
+                raise ConfigError(f"--arm-option {item!r}: source {source} is not an Edge0 source tree "
+                                  "(no edge0/benchmark/arms.py in it)")
+            values["source"] = str(Path(source).resolve())
         out.setdefault(arm, {}).update(values)
     return out
 

@@ -153,10 +153,11 @@ def _gguf_for(model_dir: Path, arm_settings: dict, progress) -> Path:
 _CAPS = iter(range(1 << 30))
 
 
-def _child(job: dict, memory_limit: int | None = None) -> dict:
+def _child(job: dict, memory_limit: int | None = None, source: str | None = None) -> dict:
     """Run one job in its own process (in a memory cgroup capped at ``memory_limit``
-    bytes, if given). An arm the kernel kills for memory is a result:
-    ``{"out_of_memory": True, "memory_cap": {...}}``."""
+    bytes, if given), on the Edge0 of the source tree ``source`` when given (another
+    checkout: an A/B of two versions in one run). An arm the kernel kills for memory is a
+    result: ``{"out_of_memory": True, "memory_cap": {...}}``."""
     cap = None
     if memory_limit is not None:
         from edge0.benchmark.cgroup import MemoryCap
@@ -167,8 +168,9 @@ def _child(job: dict, memory_limit: int | None = None) -> dict:
     returncode, info = 0, None
     try:
         join = cap.prepare() if cap is not None else None
-        out = subprocess.run([sys.executable, "-m", "edge0.benchmark.arms", f.name], capture_output=True, text=True,
-                             preexec_fn=join)
+        command = [sys.executable, "-m", "edge0.benchmark.arms", f.name] if source is None else \
+            [sys.executable, "-c", SOURCE_RUNNER, source, f.name]
+        out = subprocess.run(command, capture_output=True, text=True, preexec_fn=join)
         returncode = out.returncode
     finally:
         os.unlink(f.name)
@@ -190,9 +192,20 @@ def record_oracle(model_dir: Path, replay: dict, path: Path) -> int:
                    "continuation": replay["continuation"]})["oracle_steps"]
 
 
+# an arm's process on another source tree: that tree's edge0 first on the path, then its arm runner
+SOURCE_RUNNER = ("import runpy, sys; sys.path.insert(0, sys.argv.pop(1)); "
+                 "runpy.run_module('edge0.benchmark.arms', run_name='__main__', alter_sys=True)")
+
+
 def run_arm_process(name: str, model_dir: Path, replay: dict, settings: dict, memory_limit: int | None = None) -> dict:
+    """One run of arm ``name``; the arm's ``source`` option (not an engine setting) names the
+    source tree it runs on."""
+    options = dict(settings.get("arm_options", {}).get(name, {}))
+    source = options.pop("source", None)
+    if source is not None:
+        settings = {**settings, "arm_options": {**settings["arm_options"], name: options}}
     return _child({"arm": name, "model": str(model_dir), "prompt": replay["prompt"],
-                   "continuation": replay["continuation"], "settings": settings}, memory_limit)
+                   "continuation": replay["continuation"], "settings": settings}, memory_limit, source)
 
 
 def summarize(values: list[float]) -> dict:
@@ -257,7 +270,7 @@ def _rounds(model_dir, files, settings, replay, arm_settings, progress, runner, 
     return runs, orders
 
 
-PATH_KEYS = ("adapter", "extra_adapters")  # engine settings that name files, besides the *_file ones
+PATH_KEYS = ("adapter", "extra_adapters", "source")  # settings that name files, besides the *_file ones
 
 
 def _portable(settings: dict) -> dict:
