@@ -266,3 +266,29 @@ def test_the_command_shows_a_bar_per_run_and_charts_when_it_can(bench_model, tmp
         assert insisted.returncode == 2 and "pip install 'edge0[plot]'" in insisted.stderr
     quiet = bench("--no-progress", "--no-chart")
     assert quiet.returncode == 0 and "[bench] round 1/2: exact (warm)" in quiet.stderr
+
+
+def test_an_arm_with_a_source_runs_on_that_trees_edge0(tmp_path):
+    """``--arm-option ARM@label:source=DIR``: the arm's process imports Edge0 from DIR (an A/B
+    of two versions in one run), is handed the arm's engine settings without ``source``, and
+    a directory that holds no Edge0 is refused naming it."""
+    from edge0.benchmark.command import arm_options
+
+    tree = tmp_path / "other"
+    (tree / "edge0" / "benchmark").mkdir(parents=True)
+    (tree / "edge0" / "__init__.py").write_text("")
+    (tree / "edge0" / "benchmark" / "__init__.py").write_text("")
+    (tree / "edge0" / "benchmark" / "arms.py").write_text(
+        "import json, sys\nimport edge0\n"
+        "job = json.load(open(sys.argv[1]))\n"
+        "print(json.dumps({'edge0_from': edge0.__file__, 'options': job['settings']['arm_options']}))\n")
+    options = arm_options([f"exact@old:source={tree},compute_threads=1", "exact:compute_threads=2"], ("exact", "exact@old"))
+    assert options == {"exact@old": {"compute_threads": 1, "source": str(tree.resolve())},
+                       "exact": {"compute_threads": 2}}
+    replay = {"prompt": [1], "continuation": [2]}
+    out = harness.run_arm_process("exact@old", tmp_path, replay, {"arm_options": options})
+    assert out["edge0_from"] == str(tree / "edge0" / "__init__.py")
+    assert out["options"] == {"exact@old": {"compute_threads": 1}, "exact": {"compute_threads": 2}}
+    with pytest.raises(ConfigError, match=f"source {tmp_path} is not an Edge0 source tree"):
+        arm_options([f"exact@old:source={tmp_path}"], ("exact@old",))
+    assert harness._portable({"arm_options": options})["arm_options"]["exact@old"]["source"] == "other"
