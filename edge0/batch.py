@@ -373,9 +373,8 @@ class Batcher:
             for proc in row.processors:
                 logits = proc(history, logits)
         logprobs = logits - B.logsumexp(logits, keepdims=True)
-        if row.params.temp > 0:  # each row's random stream is its own: (seed, step) -> key
-            B.seed(hash((row.seed, len(row.generated))) & (2**63 - 1))
-        return row.sampler(logprobs), logprobs.squeeze(0)
+        key = bnn.draw_key(row.seed, len(row.generated))  # the row's own random stream, passed as a key
+        return row.sampler(logprobs, key), logprobs.squeeze(0)
 
     def leave(self, gone: list[Row]) -> None:
         """Take ``gone`` out of the batch: their caches to the prompt cache, the batch's
