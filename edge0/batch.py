@@ -309,12 +309,14 @@ class Batcher:
         return done
 
     def forward(self, rows: list[Row], cache):
-        """The decode pass of ``rows`` (lazy): each row's adapter, its last token."""
+        """The decode pass of ``rows`` (lazy): each row's adapter, its last token; the step's
+        plan first (the Stager's: its reads start before the forward pass)."""
         bank = self.host.streaming.adapters
         if bank is not None:
             bank.activate_rows([r.adapter for r in rows])
         inputs = B.array([[r.next] for r in rows], dtype=B.int32)
-        return self.host.step_model(inputs, cache=cache, decode=True)
+        self.host.step_model.plan(inputs, decode=True)
+        return self.host.step_model.forward(inputs, cache=cache, decode=True)
 
     def _failed(self, rows: list[Row], e: BaseException) -> list[Row]:
         e = self.typed(e)
@@ -373,7 +375,7 @@ class Batcher:
             for proc in row.processors:
                 logits = proc(history, logits)
         logprobs = logits - B.logsumexp(logits, keepdims=True)
-        key = bnn.draw_key(row.seed, len(row.generated))  # the row's own random stream, passed as a key
+        key = B.draw_key(row.seed, len(row.generated))  # the row's own random stream, passed as a key
         return row.sampler(logprobs, key), logprobs.squeeze(0)
 
     def leave(self, gone: list[Row]) -> None:

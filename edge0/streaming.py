@@ -6,6 +6,7 @@ layer's own routing code on given logits (the prerouter's predictions become exp
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 from edge0.backend import core as B
@@ -131,22 +132,39 @@ class Streaming:
 
 class StepModel:
     """The model's forward pass with Edge0's step hook in front: what the batch loop
-    (``edge0.batch``, ``edge0.prefill``) calls."""
+    (``edge0.batch``, ``edge0.prefill``) calls. ``inputs`` [rows, tokens]: one sequence's
+    prompt chunk, or a decode step of one token for each row of a batch; ``decode``: which it
+    is (None: a pass on one token per row is a decode step), which every tap and switch is
+    told for the call (``StepPhase``). A step is ``plan`` then ``forward``; calling the model
+    does both."""
 
     def __init__(self, streaming: Streaming):
         self.streaming = streaming
 
     def __call__(self, inputs, cache=None, decode: bool | None = None, **kwargs):
-        """``inputs`` [rows, tokens]: one sequence's prompt chunk, or a decode step of one
-        token for each row of a batch. ``decode``: which it is (None: a pass on one token per
-        row is a decode step)."""
         decode = inputs.shape[-1] == 1 if decode is None else decode
+        self.plan(inputs, decode)
+        return self.forward(inputs, cache, decode, **kwargs)
+
+    def plan(self, inputs, decode: bool) -> None:
+        """Before the step's forward pass: the decode hooks (a pipeline's relay, then the
+        Stager's plan: one flush of the heads, the step's reads submitted); a recording
+        oracle's step."""
+        with self._phase(decode):
+            self.streaming.begin_step(inputs, decode)
+
+    def forward(self, inputs, cache=None, decode: bool = True, **kwargs):
+        """The model's own forward pass (lazy), its staged layers on the plan."""
+        with self._phase(decode):
+            return self.streaming.model(inputs, cache=cache, **kwargs)
+
+    @contextmanager
+    def _phase(self, decode: bool):
         phase = getattr(self.streaming, "phase", None)
         if phase is not None:
             phase.decode = decode
-        self.streaming.begin_step(inputs, decode)
         try:
-            return self.streaming.model(inputs, cache=cache, **kwargs)
+            yield
         finally:
             if phase is not None:
                 phase.decode = None

@@ -148,6 +148,46 @@ def seed(value: int) -> None:
     mx.random.seed(value)
 
 
+def draw_key(seed: int, step: int):
+    """The random key of a row's draw at ``step``: the row's own stream, (seed, step) -> key,
+    the same whichever rows share its batch and wherever it runs (every rank of a pipeline
+    draws alike). MLX's random state (the thread's) is neither read nor changed."""
+    return mx.random.key(hash((seed, step)) & (2**63 - 1))
+
+
+def sample(logprobs, key, *, temp: float, before: tuple = (), xtc: tuple | None = None, top_k: tuple | None = None):
+    """One token of each row of ``logprobs`` [1, V], mlx-lm's ``make_sampler`` chain (built by
+    ``nn.row_sampling``: ``before``, its deterministic filters as (function, arguments); XTC's
+    (probability, threshold, special tokens); top-k's (function, k); then a categorical draw
+    at ``temp``, or greedy at 0) with every random draw from ``key`` instead of MLX's random
+    state: with ``key`` the one ``mx.random.seed(s)`` sets, the token is ``make_sampler``'s
+    right after that seed, bit for bit (XTC's draw takes the key's first split, the
+    categorical draw the next, as the seeded stream would)."""
+    if temp == 0:
+        return mx.argmax(logprobs, axis=-1)
+    for f, args in before:
+        logprobs = f(logprobs, *args)
+    if xtc is not None:
+        key, sub = mx.random.split(key)
+        logprobs = _xtc(logprobs, *xtc, sub)
+    if top_k is not None:
+        logprobs = top_k[0](logprobs, top_k[1])
+    _, sub = mx.random.split(key)
+    return mx.random.categorical(logprobs * (1.0 / temp), key=sub)
+
+
+def _xtc(logits, probability: float, threshold: float, special: list, key):
+    """XTC ("exclude top choices"): with ``probability`` (one draw from ``key`` per step),
+    every token whose probability is above ``threshold`` is masked out except the least
+    likely of them; the ``special`` tokens are never masked."""
+    probs = mx.softmax(logits, -1)
+    least_over = mx.where(probs > threshold, probs, mx.inf).min(axis=-1, keepdims=True)
+    drop = probs > least_over
+    if special:
+        drop[..., special] = False
+    return mx.where(mx.random.uniform(0, 1, key=key) > probability, logits, mx.where(drop, -mx.inf, logits))
+
+
 def one_hot_k(inds, num: int, dtype=mx.float32):
     """[..., k] expert indices -> [..., num] multi-hot."""
     return (mx.expand_dims(inds, -1) == mx.arange(num)).any(axis=-2).astype(dtype)

@@ -9,6 +9,7 @@ where its layers allow that (``cache_trimmable``, ``trim_cache``).
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import mlx.core as mx
@@ -90,7 +91,7 @@ def row_sampling(params, extra_processors: tuple = (), xtc_special: tuple = ()) 
     SamplingParams), then ``extra_processors`` (a constraint's mask last, so nothing lifts
     a token it masked); ``xtc_special``: the tokens XTC never drops (mlx-lm's server: the
     newline's and the EOS ids). The sampler takes log-probabilities [1, V] and the row's
-    random key for this draw (``draw_key``) and returns [1]."""
+    random key for this draw (``core.draw_key``) and returns [1]."""
     from mlx_lm.sample_utils import make_logits_processors
 
     processors = make_logits_processors(logit_bias=params.logit_bias, repetition_penalty=params.repetition_penalty,
@@ -102,57 +103,23 @@ def row_sampling(params, extra_processors: tuple = (), xtc_special: tuple = ()) 
     return _keyed_sampler(params, tuple(xtc_special)), list(processors) + list(extra_processors)
 
 
-def draw_key(seed: int, step: int):
-    """The random key of a row's draw at ``step``: the row's own stream, (seed, step) -> key,
-    the same whichever rows share its batch and wherever it runs (every rank of a pipeline
-    draws alike). MLX's random state (the thread's) is neither read nor changed."""
-    return mx.random.key(hash((seed, step)) & (2**63 - 1))
-
-
 def _keyed_sampler(params, xtc_special: tuple):
     """mlx-lm's ``make_sampler`` chain (top-p, min-p, XTC, top-k, then a categorical draw at
-    the temperature; greedy at 0) with its random draws taken from the key it is given
-    instead of MLX's random state: with ``key`` the one ``mx.random.seed(s)`` sets, the
-    token is ``make_sampler``'s right after that seed, bit for bit (XTC's draw takes the
-    first split of the key, the categorical draw the next, as the global stream would)."""
-    from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, greedy_sampler
+    the temperature; greedy at 0), its filters mlx-lm's own, its random draws from the key
+    the sampler is given (``core.sample``)."""
+    from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
-    temp = params.temp
-    if temp == 0:
-        return lambda logprobs, key: greedy_sampler(logprobs)
+    from edge0.backend.mlx.core import sample
+
     top_p = params.top_p if params.top_p < 1.0 else 0.0
-    before = []  # the filters ahead of XTC, deterministic (mlx-lm's own)
+    before = []  # the filters ahead of XTC, deterministic: (function, its arguments after the log-probabilities)
     if 0 < top_p < 1.0:
-        before.append(lambda x: apply_top_p(x, top_p))
+        before.append((apply_top_p, (top_p,)))
     if params.min_p != 0.0:
-        before.append(lambda x: apply_min_p(x, params.min_p, params.min_tokens_to_keep))
-    xtc = params.xtc_probability > 0.0
-    special = list(xtc_special)
-
-    def sample(logprobs, key):
-        for f in before:
-            logprobs = f(logprobs)
-        if xtc:
-            key, sub = mx.random.split(key)
-            logprobs = _xtc(logprobs, params.xtc_probability, params.xtc_threshold, special, sub)
-        if params.top_k > 0:
-            logprobs = apply_top_k(logprobs, params.top_k)
-        _, sub = mx.random.split(key)
-        return mx.random.categorical(logprobs * (1.0 / temp), key=sub)
-
-    return sample
-
-
-def _xtc(logits, probability: float, threshold: float, special: list, key):
-    """XTC ("exclude top choices"): with ``probability`` (one draw from ``key`` per step),
-    every token whose probability is above ``threshold`` is masked out except the least
-    likely of them; the ``special`` tokens are never masked."""
-    probs = mx.softmax(logits, -1)
-    least_over = mx.where(probs > threshold, probs, mx.inf).min(axis=-1, keepdims=True)
-    drop = probs > least_over
-    if special:
-        drop[..., special] = False
-    return mx.where(mx.random.uniform(0, 1, key=key) > probability, logits, mx.where(drop, -mx.inf, logits))
+        before.append((apply_min_p, (params.min_p, params.min_tokens_to_keep)))
+    xtc = (params.xtc_probability, params.xtc_threshold, list(xtc_special)) if params.xtc_probability > 0.0 else None
+    top_k = (apply_top_k, params.top_k) if params.top_k > 0 else None
+    return functools.partial(sample, temp=params.temp, before=tuple(before), xtc=xtc, top_k=top_k)
 
 
 def is_plain_kv_cache(c) -> bool:

@@ -25,7 +25,6 @@ from edge0.backend.mlx.generation import (
     extract_batch_row,
     filter_batch_cache,
     is_plain_kv_cache,
-    draw_key,
     row_sampling,
     cache_trimmable,
     check_start_cache,
@@ -88,5 +87,5 @@ __all__ = [
     "module_at", "parameters_flat", "quantize_switch", "router_weight", "set_module_at", "silu",
     "rotary_dims", "split_projections", "switch_experts", "switch_layout", "switch_output_width", "token_embedding",
     "trim_cache", "value_and_grad", "copy_prefix", "batch_cache", "empty_batch_cache", "extend_batch_cache", "extract_batch_row",
-    "filter_batch_cache", "is_plain_kv_cache", "row_sampling", "draw_key", "check_start_cache", "load_cache_file",
+    "filter_batch_cache", "is_plain_kv_cache", "row_sampling", "check_start_cache", "load_cache_file",
 ]
