@@ -1,5 +1,6 @@
-"""Threads an engine computes on. (The generations they run hand their events to their
-consumers through a ``Job``: ``edge0.row``.)
+"""Threads an engine computes on, and the thread its prefetch scheduler's event loop runs
+on. (The generations they run hand their events to their consumers through a ``Job``:
+``edge0.row``.)
 
 MLX binds lazy arrays to the stream of the thread that built them, and one engine's
 state (KV caches, slots, the prerouter's observations) must see one generation at a time.
@@ -12,14 +13,27 @@ keeps an OS thread for every Python thread that ever used it (its stream worker)
 after that Python thread ends, so a thread per engine would leak one OS thread per
 engine opened; and a thread that used MLX and ended can make the process abort at exit.
 A closed engine's thread goes back to the pool, named ``edge0-idle``.
+
+``EventLoopThread`` is the thread the scheduler's event loop runs on, driven from the
+compute thread: a daemon thread (``anyio.from_thread.start_blocking_portal`` runs its loop
+in a non-daemon pool thread, which the interpreter joins at exit: an engine nobody closed
+kept Python from exiting), which ``close`` stops cleanly. Its ``post(fn, *args)`` has the
+loop call ``fn`` soon and returns at once, not waiting for the loop thread to be scheduled
+(``portal.call`` waits twice: for the task to start, then for its result).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
+import functools
 import queue
 import threading
 from concurrent.futures import Future
 from typing import Any, Callable
+
+import anyio
+from anyio.from_thread import BlockingPortal
 
 
 class ComputeThread:
@@ -111,3 +125,40 @@ def _serve(q: queue.SimpleQueue) -> None:
         else:
             future.set_result(result)
         del item, future, fn, args
+
+
+class EventLoopThread:
+    def __init__(self, name: str = "edge0-io"):
+        handoff: queue.SimpleQueue = queue.SimpleQueue()
+
+        def run() -> None:
+            async def main() -> None:
+                async with BlockingPortal() as portal:
+                    handoff.put((portal, asyncio.get_running_loop(), contextvars.copy_context()))
+                    await portal.sleep_until_stopped()
+
+            try:
+                anyio.run(main)
+            except BaseException as e:  # reported to the creator, who is waiting
+                handoff.put(e)
+
+        self._thread = threading.Thread(target=run, name=name, daemon=True)
+        self._thread.start()
+        got = handoff.get()
+        if isinstance(got, BaseException):
+            raise got
+        self.portal: BlockingPortal | None = got[0]
+        # ``post(fn, *args)``: the loop calls ``fn`` soon, in the loop's (anyio's) context, so
+        # that what ``fn`` calls knows its event loop; what it raises is the loop's exception
+        # handler's to log. The loop's own method: no call of Edge0's on the way.
+        self.post = functools.partial(got[1].call_soon_threadsafe, context=got[2])
+
+    def close(self, timeout: float = 10.0) -> None:
+        portal, self.portal = self.portal, None
+        if portal is None:
+            return
+        try:
+            portal.call(portal.stop, True)
+        except RuntimeError:  # the loop is already gone
+            pass
+        self._thread.join(timeout)

@@ -12,7 +12,7 @@ import pytest
 
 from edge0.errors import ExpertReadError, SchedulerError
 from edge0.io_sched import scheduler as sched_mod
-from edge0.io_sched.reader import EventLoopThread
+from edge0.worker import EventLoopThread
 from edge0.io_sched.scheduler import LayerPlan, PrefetchScheduler, StepPlan
 from tests.test_scheduler import FakeStore
 

@@ -31,7 +31,8 @@ from edge0.errors import ConfigError, RoutingMismatchError
 from edge0.exec.oracle import OracleRouting
 from edge0.exec.plan import DecodePlan, LayerRoute, OraclePlanner, Planner, PrerouterPlanner, QualityGuard, StageStats
 from edge0.exec.rows import ExpertRows, lookup_table
-from edge0.io_sched.reader import EventLoopThread, ExpertReader, SlotStore
+from edge0.io_sched.reader import ExpertReader, SlotStore
+from edge0.worker import EventLoopThread
 from edge0.io_sched.scheduler import LayerPlan, PrefetchScheduler, StepPlan
 
 
