@@ -98,6 +98,9 @@ class EngineMetrics:
     in_flight: int = 0
     queued: int = 0
     expert_bytes: int = 0  # read from the checkpoint so far
+    expert_cache_bytes: int = 0  # the expert cache holds now
+    expert_cache_hits: int = 0  # experts it served so far (memory copies, not reads)
+    expert_cache_served_bytes: int = 0  # their bytes
     prompt_cache_bytes: int = 0
     prompt_cache_hits: int = 0
     last_generation: object | None = None

@@ -125,6 +125,20 @@ class EngineConfig:
         "open, within a quarter of the memory the process may use (physical or its cgroup's limit); 0 = never "
         "grow (a layer whose union does not fit runs exact for that step).",
         lo=0, why="None (4 x the slots at open), 0 (never grow) or a positive number of MiB")
+    cache_mb: int | None = setting(
+        None,
+        "The expert cache: MiB of expert bytes kept in memory beside the slots, filled by the reads the slots, "
+        "bundles and hot sets make anyway; an expert it holds is a memory copy, not a read. None (\"auto\"): with "
+        "direct reads (the page cache bypassed), what the process may use (physical memory or its cgroup's limit) "
+        "less the resident weights, the expert buffers at their ceiling and a margin for KV caches, activations "
+        "and the batch's growth (a quarter of that memory, at least 2 GiB); with buffered reads off (the page "
+        "cache keeps what was read). 0 = off. Never past its budget.",
+        lo=0, none="auto")
+    cache_policy: str = setting(
+        "lfu",
+        "What the expert cache evicts first: \"lfu\" (least frequently used, with dynamic aging: what was used "
+        "often long ago ages out) or \"lru\" (least recently used).",
+        choices=("lfu", "lru"))
     prefetch_depth: int = setting(
         4,
         "Staged layers: how many layer reads the scheduler may run ahead of compute.",

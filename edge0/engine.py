@@ -420,6 +420,8 @@ class Engine:
         batch, stager = self._batcher, self.streaming.stager
         return EngineMetrics(
             in_flight=in_flight, queued=queued, expert_bytes=self.reader.stats.bytes,
+            expert_cache_bytes=self.reader.cache.nbytes if self.reader.cache is not None else 0,
+            expert_cache_hits=self.reader.stats.cache_hits, expert_cache_served_bytes=self.reader.stats.cache_bytes,
             prompt_cache_bytes=cache.nbytes if cache is not None else 0,
             prompt_cache_hits=cache.hits if cache is not None else 0, last_generation=self._rt.last_stats,
             batch_size=batch.counts()[0], decode_steps=batch.steps, decode_tokens=batch.tokens,

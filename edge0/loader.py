@@ -19,7 +19,7 @@ from edge0.backend import kernels as bk
 from edge0.backend import nn as bnn
 from edge0.config import PATHS, PHASES, EngineConfig
 from edge0.errors import ConfigError
-from edge0.exec.budget import check_budget, check_resident, slot_ceiling, staged_slots
+from edge0.exec.budget import cache_budget, check_budget, check_resident, slot_ceiling, staged_slots
 from edge0.exec.hot import HotExecutor
 from edge0.exec.oracle import OracleRouting, RoutingRecorder
 from edge0.exec.pipeline import pipeline_part
@@ -27,13 +27,25 @@ from edge0.exec.rows import ExactExecutor, Split, resolve_threads
 from edge0.exec.staged import StagedExecutor, Stager
 from edge0.exec.whole_layer import WholeLayerExecutor
 from edge0.io_sched.direct import wants_direct
-from edge0.io_sched.reader import ExpertReader
+from edge0.io_sched.reader import ExpertCache, ExpertReader
 from edge0.model.files import check_entry
 from edge0.model.open import open_model
 from edge0.prerouter.files import HEADS_FILENAME, load_heads, serving_of
 from edge0.prerouter.runtime import Prerouter, blas_threads_controllable
 from edge0.exec.taps import RouterTap, StepPhase, StreamingSwitch
 from edge0.streaming import WIDTH_ATTRIBUTES, Streaming, width_attributes, wire_prerouter
+
+
+def _expert_cache(config: EngineConfig, index, spec, pipe, layers, staged, slots: int, others: int, direct: bool):
+    """The reader's expert cache (None when its budget is 0, or auto with buffered reads: the
+    page cache keeps what was read): beside the expert buffers at their ceiling (the staged
+    slots grown as far as they may)."""
+    if config.cache_mb == 0 or (config.cache_mb is None and not direct):
+        return None
+    ceiling = len(staged) * slot_ceiling(config, index, staged, slots, others) * (
+        max(index.layers[l].expert_bytes for l in staged) if staged else 0)
+    budget = cache_budget(config, index, spec, pipe, layers, others + ceiling)
+    return ExpertCache(budget, config.cache_policy) if budget > 0 else None
 
 
 def resolve_compute_dtype(name: str, config: dict) -> str:
@@ -125,14 +137,14 @@ def load_streaming_model(model_dir: str | Path, config: EngineConfig, *, oracle:
     others = check_budget(spec, index, config, on["staged"], on["hot"], on["whole_layer"], slots)
     check_resident(model_dir, index, spec, pipe, others)
     reader = ExpertReader(index, config.reader_threads, log=log, direct=wants_direct(config.direct_io, index.files))
+    reader.cache = _expert_cache(config, index, spec, pipe, layers, on["staged"], slots, others, reader.direct)
     phase, stager = StepPhase(), None  # the step hook says whether each forward pass decodes or prefills
     compute_dtype = resolve_compute_dtype(config.compute_dtype, raw)
     try:
         kernels, split = _kernels(config, compute_dtype, [templates[layer] for layer in layers])
         exact = ExactExecutor(index, reader, config.bundle_capacity, templates, log=log)
         exact.split = split
-        recorder = RoutingRecorder() if record else None
-        exact.recorder = recorder
+        recorder = exact.recorder = RoutingRecorder() if record else None
         hot = HotExecutor(index, reader, config.hot_experts, exact, log=log) if on["hot"] else None
         whole = (WholeLayerExecutor(index, reader, on["whole_layer"], templates, log=log, split=exact.split)
                  if on["whole_layer"] else None)

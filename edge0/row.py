@@ -110,7 +110,7 @@ class RowEvents:
         self.t0 = time.perf_counter()
         self.bytes0, self.wait0 = reads.stats.bytes, reads.stats.seconds
         self.stage0 = stage.stats() if stage is not None else None
-        self.t_first = self.bytes_first = None
+        self.t_first = self.bytes_first = self.cache_first = None
 
     def event(self, token: int, logprobs) -> TokenEvent:
         row, stats, reads = self.row, self.stats, self.reads.stats
@@ -119,11 +119,14 @@ class RowEvents:
         now = time.perf_counter()
         if n == 0:
             self.t_first, self.bytes_first = now, reads.bytes
+            self.cache_first = (reads.cache_hits, reads.cache_bytes)
             stats.prefill_seconds = now - self.t0
             stats.prefill_expert_bytes = self.bytes_first - self.bytes0
         stats.generated_tokens = n + 1
         stats.decode_seconds = now - self.t_first
         stats.decode_expert_bytes = reads.bytes - self.bytes_first
+        stats.decode_cache_hits = reads.cache_hits - self.cache_first[0]
+        stats.decode_cache_bytes = reads.cache_bytes - self.cache_first[1]
         finish = "stop" if token in self.eos else "length" if n + 1 == row.max_tokens else None
         lp = _logprobs(token, logprobs, row.params)
         if finish != "stop":  # an end-of-generation token's text is not part of the answer

@@ -45,6 +45,9 @@ class GenerationStats:
     reads: str = "buffered"  # how experts were read: "direct" (O_DIRECT) or "buffered" (page cache)
     pipeline: str | None = None  # the pipeline's ranks and their layers, or None (one process)
     rank_expert_bytes: list | None = None  # a pipeline: each rank's decode expert bytes (the totals above sum them)
+    expert_cache: str | None = None  # the expert cache ("lfu, 512 MiB"), or None (off)
+    decode_cache_hits: int = 0  # experts the cache served at decode (memory copies, not reads)
+    decode_cache_bytes: int = 0  # their bytes (decode_expert_bytes counts what came from the disk)
 
     @property
     def prefill_tps(self) -> float:
@@ -68,6 +71,13 @@ class GenerationStats:
                  expert_bytes_per_token=self.expert_bytes_per_token)
         return d
 
+    def _cache_part(self) -> str:
+        if not self.expert_cache:
+            return ""
+        steps = max(self.generated_tokens - 1, 1)
+        return (f" | expert cache {self.decode_cache_hits / steps:.1f} hits, "
+                f"{self.decode_cache_bytes / steps / 2**20:.2f} MiB/token ({self.expert_cache})")
+
     def add_stage(self, before, after) -> None:
         """The staged layers' share of a generation (``before``/``after``: the Stager's
         ``StageStats`` at its start and end): stall per decode step, and the quality guard's
@@ -84,7 +94,7 @@ class GenerationStats:
                 f"decode {self.decode_tps:.1f} tok/s ({self.generated_tokens} tok) | "
                 f"peak MLX active {self.peak_active_memory / mib:.1f} MiB | "
                 f"peak RSS {self.peak_rss / mib:.1f} MiB | "
-                f"expert reads {self.expert_bytes_per_token / mib:.2f} MiB/token | "
+                f"expert reads {self.expert_bytes_per_token / mib:.2f} MiB/token" + self._cache_part() + " | "
                 f"stall {self.stall_ms_per_step:.1f} ms/step"
                 + (f" | guard recall@k {sum(self.guard_recall.values()) / len(self.guard_recall):.3f}"
                    if self.guard_recall else "")

@@ -103,10 +103,12 @@ class Streaming:
                 hook(inputs)
 
     def invalidate(self) -> None:
-        """Forget every expert cached in slots, hot sets and whole-layer buffers."""
+        """Forget every expert cached in slots, hot sets, whole-layer buffers and the expert cache."""
         for cache in (self.stager, self.hot, self.whole):
             if cache is not None:
                 cache.invalidate()
+        if self.reader.cache is not None:
+            self.reader.cache.clear()
 
     def check_files(self, log=None) -> None:
         """Before a generation: a shard changed in place since the last one (size or

@@ -110,7 +110,7 @@ RESULT_KEYS = {"schema", "overlap", "model", "checkpoint_bytes", "settings", "re
 ARM_KEYS = {"runs", "consumed_digest", "argmax_digest", "ratio_to_resident", *harness.FIGURES}
 RUN_KEYS = {"arm", "settings", "info", "load_seconds", "prompt_tokens", "decode_tokens", "consumed_digest",
             "argmax_digest", "prefill_tps", "decode_tps", "step_ms", "step_ms_median", "read_wait_ms_per_step",
-            "expert_bytes_per_token", "prefill_expert_bytes", "peak_active_memory", "peak_rss", "total_wait_ms"}
+            "expert_bytes_per_token", "disk_bytes_per_token", "prefill_expert_bytes", "peak_active_memory", "peak_rss", "total_wait_ms"}
 
 
 def test_real_arms_replay_the_same_tokens(bench_model, tmp_path):

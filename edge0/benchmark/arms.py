@@ -31,6 +31,7 @@ class Loaded:
     read_seconds: Callable[[], float] = lambda: 0.0
     close: Callable[[], None] = lambda: None
     info: dict = field(default_factory=dict)
+    disk_bytes: Callable[[], int] | None = None  # of read_bytes, those read from the disk (None: all)
 
 
 def arm(name: str):
@@ -77,6 +78,8 @@ def _engine_config(settings: dict, **paths):
     from edge0.config import EngineConfig
 
     keys = ("bundle_capacity", "reader_threads", "slots_per_layer", "prefetch_depth", "hot_experts")
+    if settings.get("cache_budget_mb") is not None:  # bench --cache-budget-mb: every Edge0 arm's expert cache
+        paths.setdefault("cache_mb", settings["cache_budget_mb"])
     paths.setdefault("prerouter", "off")  # only the prerouter arm uses heads, even if the model has them
     paths.setdefault("adapter", "off")  # likewise adapters: an arm names its own (--arm-option ARM:adapter=DIR)
     paths.setdefault("kernels", settings.get("kernels", "auto"))  # bench --kernels; an arm may name its own
@@ -101,7 +104,11 @@ def _streaming(model_dir: str, settings: dict, oracle=None, **paths) -> Loaded:
     info["direct_reads"] = s.reader.direct  # direct_io's outcome (auto: on under a cap below the checkpoint)
     bank = s.adapters
     info["adapter_bytes"] = bank.nbytes if bank is not None and bank.active is not None else 0
-    return Loaded(StepModel(s), lambda: s.reader.stats.bytes, stall, s.close, info=info)
+    cache = s.reader.cache
+    info["expert_cache"] = f"{cache.name}, {cache.budget / 2**20:.0f} MiB" if cache is not None else None
+    stats = s.reader.stats  # the expert bytes put into buffers: read from the disk, or copied from the cache
+    return Loaded(StepModel(s), lambda: stats.bytes + stats.cache_bytes, stall, s.close, info=info,
+                  disk_bytes=lambda: stats.bytes)
 
 
 def _oracle(settings: dict):
@@ -234,10 +241,11 @@ def replay(name: str, model_dir: str, prompt: list[int], continuation: list[int]
         prefill_seconds = time.perf_counter() - t0
         prefill_bytes = loaded.read_bytes() - bytes0
         argmax = [int(logits[0, -1].argmax().item())]
-        steps, step_bytes, step_waits = [], [], []
+        steps, step_bytes, step_waits, step_disk = [], [], [], []
+        disk = loaded.disk_bytes or loaded.read_bytes
         usage0 = resource.getrusage(resource.RUSAGE_SELF)
         for token in continuation:
-            b, w = loaded.read_bytes(), loaded.read_seconds()
+            b, w, d = loaded.read_bytes(), loaded.read_seconds(), disk()
             t0 = time.perf_counter()
             if base_arm(name) == "read-only":
                 _read_only_step(model)
@@ -247,6 +255,7 @@ def replay(name: str, model_dir: str, prompt: list[int], continuation: list[int]
             steps.append(time.perf_counter() - t0)
             step_bytes.append(loaded.read_bytes() - b)
             step_waits.append(loaded.read_seconds() - w)
+            step_disk.append(disk() - d)
             if base_arm(name) not in ("read-only", "compute-only"):
                 argmax.append(int(logits[0, -1].argmax().item()))
         decode_seconds = sum(steps)
@@ -260,7 +269,8 @@ def replay(name: str, model_dir: str, prompt: list[int], continuation: list[int]
             prefill_tps=len(prompt) / prefill_seconds, decode_tps=len(continuation) / decode_seconds,
             step_ms=[s * 1e3 for s in steps], step_ms_median=1e3 * sorted(steps)[len(steps) // 2],
             read_wait_ms_per_step=1e3 * sum(step_waits) / len(steps),
-            expert_bytes_per_token=sum(step_bytes) / len(steps), prefill_expert_bytes=prefill_bytes,
+            expert_bytes_per_token=sum(step_bytes) / len(steps), disk_bytes_per_token=sum(step_disk) / len(steps),
+            prefill_expert_bytes=prefill_bytes,
             peak_active_memory=B.peak_memory(), peak_rss=peak_rss_bytes(),
             total_wait_ms=1e3 * (loaded.read_seconds() - wait0),
         )

@@ -46,7 +46,8 @@ def add_parser(sub) -> None:
     b.add_argument("--kernels", choices=["auto", "edge0", "mlx"], default="auto",
                    help="kernels of every arm that runs Edge0 (default auto: Edge0's own on the CPU; "
                         "--arm-option ARM:kernels=mlx for one arm); the resident arm is mlx-lm's, on MLX's")
-    b.add_argument("--cache-budget-mb", type=int, default=None, help="expert cache of arms that have one")
+    b.add_argument("--cache-budget-mb", type=int, default=None,
+                   help="the expert cache of every Edge0 arm, MiB (cache_mb; default: each arm's own, auto)")
     b.add_argument("--heads", default=None, help="prerouter heads for the staged+prerouter arm (default: "
                                                  "warm-start heads written for the run)")
     b.add_argument("--adapter", default=None, help="an adapter every prerouter arm applies (ARM@label variants "

@@ -25,7 +25,7 @@ from edge0.errors import ConfigError
 
 SCHEMA_VERSION = 1
 FIGURES = ("decode_tps", "step_ms_median", "prefill_tps", "peak_active_memory", "peak_rss", "expert_bytes_per_token",
-           "read_wait_ms_per_step", "load_seconds")
+           "disk_bytes_per_token", "read_wait_ms_per_step", "load_seconds")
 CACHE_MODES = ("cold", "warm")
 PROMPT_TEXT = ("import os\nimport sys\n\n\ndef read_config(path):\n    \"\"\"Read a JSON config file.\"\"\"\n"
                "    with open(path) as f:\n        return json.load(f)\n\n\nclass Cache:\n    def __init__(self):\n")

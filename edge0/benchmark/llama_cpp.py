@@ -106,6 +106,7 @@ def replay(name: str, prompt: list[int], continuation: list[int], settings: dict
         prefill_tps=len(prompt) / prefill_seconds, decode_tps=len(continuation) / sum(steps),
         step_ms=[s * 1e3 for s in steps], step_ms_median=1e3 * sorted(steps)[len(steps) // 2],
         read_wait_ms_per_step=None, expert_bytes_per_token=sum(step_bytes) / len(steps),
+        disk_bytes_per_token=sum(step_bytes) / len(steps),
         prefill_expert_bytes=prefill_bytes, peak_active_memory=None,
         peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, total_wait_ms=None,
     )

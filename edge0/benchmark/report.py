@@ -26,13 +26,13 @@ def markdown(doc: dict) -> str:
         "Median [min–max] over rounds.",
         "",
         "| arm | decode tok/s | prefill tok/s | peak MLX active (MiB) | peak RSS (MiB) | expert MiB/token "
-        "| read wait ms/step | load s | decode vs resident | active mem vs resident |"
+        "| disk MiB/token | read wait ms/step | load s | decode vs resident | active mem vs resident |"
         + (" peak cgroup (MiB) |" if limit else ""),
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if limit else ""),
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if limit else ""),
     ]
     for name, a in doc["arms"].items():
         if "decode_tps" not in a:
-            lines.append(f"| {name} | did not run: {a.get('did_not_run')} |" + " |" * (9 + bool(limit)))
+            lines.append(f"| {name} | did not run: {a.get('did_not_run')} |" + " |" * (10 + bool(limit)))
             continue
         ratio = a.get("ratio_to_resident") or {}
         dec = ratio.get("decode_tps")
@@ -40,7 +40,8 @@ def markdown(doc: dict) -> str:
         lines.append(
             f"| {name} | {_fmt(a['decode_tps'], digits=2)} | {_fmt(a['prefill_tps'], digits=2)} "
             f"| {_fmt(a.get('peak_active_memory'), MIB, 0)} | {_fmt(a['peak_rss'], MIB, 0)} "
-            f"| {_fmt(a['expert_bytes_per_token'], MIB, 1)} | {_fmt(a.get('read_wait_ms_per_step'), digits=1)} "
+            f"| {_fmt(a['expert_bytes_per_token'], MIB, 1)} | {_fmt(a.get('disk_bytes_per_token'), MIB, 1)} "
+            f"| {_fmt(a.get('read_wait_ms_per_step'), digits=1)} "
             f"| {_fmt(a['load_seconds'], digits=1)} "
             f"| {'' if dec is None else f'{dec:.2f}x'} | {'' if mem is None else f'{mem:.1%}'} |"
             + (f" {_fmt(a['cgroup_peak_bytes'], MIB, 0)} |" if limit and "cgroup_peak_bytes" in a else

@@ -21,6 +21,7 @@ from edge0.config_sources.fields import (
     choices,
     default,
     env_var,
+    none_word,
     field_docs,
     fields,
     flag,
@@ -80,6 +81,14 @@ def _int_or_none(text: str):
 _int_or_none.__name__ = "integer-or-none"  # argparse: "invalid integer-or-none value: 'x'"
 
 
+def _int_or_word(word: str):
+    """An integer, or ``none`` / ``word`` (what None means for the field: ``auto``, ``off``)."""
+    def parse(text: str):
+        return None if text.strip().lower() == word else _int_or_none(text)
+    parse.__name__ = f"integer-or-{word}"
+    return parse
+
+
 def _str_or_none(text: str):
     return None if text.strip().lower() == "none" else text
 
@@ -121,7 +130,8 @@ def _add_field_flag(group, f: dataclasses.Field, kind: str, doc: str) -> None:
     if kind == INT:
         kwargs.update(type=int, metavar="N")
     elif kind == OPT_INT:
-        kwargs.update(type=_int_or_none, metavar="N|none")
+        word = none_word(name)
+        kwargs.update(type=_int_or_word(word) if word else _int_or_none, metavar=f"N|{word or 'none'}")
     elif kind == OPT_STR:
         kwargs.update(type=_str_or_none, metavar="TEXT|none")
     if kind == STR and choices(name):

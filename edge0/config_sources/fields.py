@@ -38,6 +38,13 @@ def kinds() -> dict[str, str]:
     return {f.name: _kind(f.name, hints[f.name]) for f in fields()}
 
 
+def none_word(name: str) -> str | None:
+    """The word that stands for None in field ``name``'s text (``auto``, ``off``), where its
+    ``setting`` names None by one word; else None."""
+    word = next(f for f in fields() if f.name == name).metadata.get("none")
+    return word if isinstance(word, str) and word.isalpha() else None
+
+
 def _kind(name: str, hint) -> str:
     if hint is int:
         return INT

@@ -16,6 +16,7 @@ from edge0.config_sources.fields import (
     OPT_STR,
     STR,
     STRS,
+    none_word,
 )
 from edge0.errors import ConfigError
 
@@ -36,7 +37,7 @@ def check_native(name: str, kind: str, value, source: str):
     def bad():
         return ConfigError(f"{source}: field {name} expects {expects(kind)}, got {value!r}")
 
-    if value is None and kind in (OPT_INT, OPT_STR):
+    if kind in (OPT_INT, OPT_STR) and (value is None or (value == none_word(name) and value is not None)):
         return None
     if kind in (INT, OPT_INT):
         if isinstance(value, bool) or not isinstance(value, int):
@@ -90,7 +91,7 @@ def parse_layer_paths(text: str, where: str) -> tuple[tuple[int, str, str], ...]
 
 def parse_text(name: str, kind: str, text: str, source: str):
     """A value given as text (environment): parse it strictly for the field's type."""
-    if kind in (OPT_INT, OPT_STR) and text.strip().lower() in _NONE_WORDS:
+    if kind in (OPT_INT, OPT_STR) and text.strip().lower() in (*_NONE_WORDS, none_word(name)):
         return None
     if kind in (INT, OPT_INT):
         if not _INT_RE.fullmatch(text.strip()):

@@ -56,15 +56,37 @@ def check_budget(spec, index, config: EngineConfig, staged, hot, whole, slots: i
     return total - parts.get("staged slots", 0)
 
 
+def resident_bytes(index, spec, pipe) -> int:
+    """The bytes of every tensor the headers declare but the routed experts (a pipeline rank:
+    its own)."""
+    return sum(e.nbytes for h in index.headers for name, e in h.tensors.items()
+               if not spec.is_expert_key(name) and (pipe is None or not pipe.remote_key(name)))
+
+
 def check_resident(model_dir, index, spec, pipe, buffers: int) -> None:
     """The resident weights the headers declare, with the expert buffers, within the memory
     this process may use: checked before one byte is read (a sparse file can declare
     gigabytes it does not hold)."""
-    resident = sum(e.nbytes for h in index.headers for name, e in h.tensors.items()
-                   if not spec.is_expert_key(name) and (pipe is None or not pipe.remote_key(name)))
+    resident = resident_bytes(index, spec, pipe)
     limit = memory_limit()
     if resident + buffers > limit:
         raise CheckpointError(f"the resident weights (every tensor but the routed experts) declare "
                               f"{resident / 2**30:.2f} GiB and the expert buffers need {buffers / 2**30:.2f} GiB: "
                               f"more than the {limit / 2**30:.2f} GiB this process may use (physical memory, "
                               "cgroup and rlimits)", file=model_dir)
+
+
+CACHE_MARGIN = 2 * 2**30  # at least this much is left beside an automatic expert cache
+
+
+def cache_budget(config: EngineConfig, index, spec, pipe, layers: list[int], buffers: int) -> int:
+    """The expert cache's bytes: ``cache_mb``, or (None, auto) the memory the process may use
+    less the resident weights, the expert ``buffers`` at their ceiling and a margin for KV
+    caches, activations and the batch's growth (a quarter of that memory, at least
+    ``CACHE_MARGIN``); never more than the experts of ``layers`` (this process's)."""
+    if config.cache_mb is not None:
+        return config.cache_mb * 2**20
+    limit = memory_limit()
+    free = limit - resident_bytes(index, spec, pipe) - buffers - max(limit // 4, CACHE_MARGIN)
+    held = sum(index.layers[l].expert_bytes * spec.num_experts for l in layers)
+    return max(0, min(free, held))

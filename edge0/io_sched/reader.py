@@ -9,18 +9,28 @@ bounce buffer per thread; a file whose filesystem refuses O_DIRECT is read buffe
 ``io.direct_unavailable`` log line).
 
 ``SlotStore`` is the ``Store`` the scheduler reads through: an expert's rows into a slot.
+
+``ExpertCache``: expert bytes kept in the process's memory beside the slots, keyed by
+(layer, expert) and filled by the reads the buffers make anyway; the reader serves a cached
+expert as a memory copy, not a read. It never holds more than its budget, only an expert
+whose read completed enters it, and its policy (``POLICIES``: LFU with dynamic aging, or
+LRU) chooses what leaves.
 """
 
 from __future__ import annotations
 
 import errno
 import hashlib
+import heapq
+import itertools
 import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
+
+import numpy as np
 
 from edge0.io_sched import direct as dio
 from edge0.model.checkpoint import CheckpointIndex, TensorLocation
@@ -34,9 +44,12 @@ class ReadStats:
     seconds: float = 0.0  # wall time the caller spent waiting on reads
     in_place_reads: int = 0  # direct reads that landed in the rows' memory (no bounce copy)
     layer_bytes: dict = field(default_factory=dict)  # MoE layer -> bytes read of its experts
+    cache_hits: int = 0  # experts served from the expert cache (memory copies, not reads)
+    cache_bytes: int = 0  # their bytes (``bytes`` counts what came from the disk)
 
     def snapshot(self) -> "ReadStats":
-        return ReadStats(self.bytes, self.reads, self.seconds, self.in_place_reads, dict(self.layer_bytes))
+        return ReadStats(self.bytes, self.reads, self.seconds, self.in_place_reads, dict(self.layer_bytes),
+                         self.cache_hits, self.cache_bytes)
 
     def count(self, layer: int, nbytes: int, reads: int, seconds: float) -> None:
         self.bytes += nbytes
@@ -80,6 +93,7 @@ class ExpertReader:
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="edge0-read") if threads > 1 else None
         self._threads = threads
         self.stats = ReadStats()
+        self.cache: ExpertCache | None = None  # set when the engine keeps an expert cache
 
     def close(self) -> None:
         if self._pool is not None:
@@ -214,7 +228,8 @@ class ExpertReader:
 
     def read_experts(self, layer: int, experts, rows, buffers, parallel: bool = True) -> int:
         """Read each expert ``experts[i]`` of ``layer`` into row ``rows[i]`` of ``buffers``
-        (one buffer per stacked tensor, in the index's order). Returns bytes read.
+        (one buffer per stacked tensor, in the index's order). Returns the bytes put into the
+        rows: read, or copied from the expert cache (``stats.cache_bytes``).
         ``parallel=False`` reads in the calling thread (callers that are reader threads)."""
         locs = self.index.layers[layer].tensors
         experts = [int(e) for e in experts]
@@ -222,8 +237,12 @@ class ExpertReader:
         if bad:  # never read bytes that belong to another tensor
             raise ExpertReadError(f"expert ids {bad[:4]} are outside [0, {self.index.spec.num_experts})",
                                   layer=layer, expert=bad[0])
+        rows = [int(r) for r in rows]
+        cached = 0
+        if self.cache is not None:  # what the cache holds is copied, the rest read
+            experts, rows, cached = self.cache.serve(layer, experts, rows, buffers)
         jobs = [(loc, e, buf.host[r:r + n], layer, n)  # adjacent experts into adjacent rows: one read
-                for e, r, n in _runs(experts, [int(r) for r in rows]) for loc, buf in zip(locs, buffers)]
+                for e, r, n in _runs(experts, rows) for loc, buf in zip(locs, buffers)]
         t0 = time.perf_counter()
         if self._pool is None or not parallel or len(jobs) < 4:
             total = sum(self._read_one(*job) for job in jobs)
@@ -231,9 +250,122 @@ class ExpertReader:
             jobs.sort(key=lambda job: -job[0].row_bytes * job[4])
             parts = [jobs[i::self._threads] for i in range(self._threads)]
             total = sum(self._pool.map(lambda part: sum(self._read_one(*job) for job in part), parts))
+        if self.cache is not None:
+            self.cache.keep(layer, experts, rows, buffers)  # read whole: each may enter the cache
         with self._lock:
             self.stats.count(layer, total, len(jobs), time.perf_counter() - t0)
-        return total
+            if cached:
+                self.stats.cache_hits += cached
+                self.stats.cache_bytes += cached * sum(loc.row_bytes for loc in locs)
+        return total + cached * sum(loc.row_bytes for loc in locs)
+
+
+class LRU:
+    """Least recently used first out."""
+
+    def __init__(self):
+        self._order: dict = {}  # key -> None, least recent first (a dict keeps insertion order)
+
+    def touch(self, key) -> None:
+        self._order.pop(key, None)
+        self._order[key] = None
+
+    def remove(self, key) -> None:
+        self._order.pop(key, None)
+
+    def victim(self):
+        """The key to evict next (None when empty)."""
+        return next(iter(self._order), None)
+
+
+class LFUAging:
+    """LFU with dynamic aging (LFU-DA): a key's priority is the cache's age when it was last
+    used plus how often it was used since it entered; the least is evicted and the age rises
+    to its priority, so what was used often long ago ages out. Ties: the least recently used."""
+
+    def __init__(self):
+        self.age = 0
+        self._count: dict = {}
+        self._priority: dict = {}
+        self._heap: list = []  # (priority, tick, key); an entry whose priority changed since is stale
+        self._tick = itertools.count()
+
+    def touch(self, key) -> None:
+        self._count[key] = self._count.get(key, 0) + 1
+        self._priority[key] = self.age + self._count[key]
+        heapq.heappush(self._heap, (self._priority[key], next(self._tick), key))
+
+    def remove(self, key) -> None:
+        if self._count.pop(key, None) is not None:
+            self.age = max(self.age, self._priority.pop(key))
+
+    def victim(self):
+        while self._heap and self._priority.get(self._heap[0][2]) != self._heap[0][0]:
+            heapq.heappop(self._heap)  # stale
+        return self._heap[0][2] if self._heap else None
+
+
+POLICIES = {"lfu": LFUAging, "lru": LRU}
+
+
+class ExpertCache:
+    """Expert bytes (every stacked tensor's row of an expert) kept in memory, keyed by
+    (layer, expert), never more than ``budget`` bytes. Safe from several reader threads."""
+
+    def __init__(self, budget: int, policy: str = "lfu"):
+        if policy not in POLICIES:
+            raise ValueError(f"cache policy {policy!r} is not one of {sorted(POLICIES)}")
+        self.budget = int(budget)
+        self.name = policy
+        self.policy = POLICIES[policy]()
+        self.entries: dict = {}  # (layer, expert) -> one host array per stacked tensor
+        self.nbytes = 0
+        self.evictions = 0
+        self._lock = threading.Lock()
+
+    def serve(self, layer: int, experts: list[int], rows: list[int], buffers) -> tuple[list, list, int]:
+        """Copy each cached expert of ``experts`` into its row of ``buffers``; returns the
+        experts and rows left to read, and how many were served."""
+        left_e, left_r, hits = [], [], []
+        with self._lock:
+            for e, r in zip(experts, rows):
+                got = self.entries.get((layer, e))
+                if got is None:
+                    left_e.append(e)
+                    left_r.append(r)
+                else:
+                    self.policy.touch((layer, e))
+                    hits.append((r, got))
+        for r, got in hits:  # an entry evicted meanwhile is still whole here
+            for buf, row in zip(buffers, got):
+                buf.host[r] = row
+        return left_e, left_r, len(hits)
+
+    def keep(self, layer: int, experts: list[int], rows: list[int], buffers) -> None:
+        """Copies of the experts just read into ``rows`` of ``buffers``, each kept if it fits
+        the budget once the policy's victims are gone."""
+        for e, r in zip(experts, rows):
+            size = sum(buf.host[r].nbytes for buf in buffers)
+            with self._lock:
+                key = (layer, e)
+                if key in self.entries or size > self.budget:
+                    continue
+                while self.nbytes + size > self.budget:
+                    victim = self.policy.victim()
+                    self.nbytes -= sum(a.nbytes for a in self.entries.pop(victim))
+                    self.policy.remove(victim)
+                    self.evictions += 1
+                self.entries[key] = [np.array(buf.host[r]) for buf in buffers]  # under the lock: never past budget
+                self.nbytes += size
+                self.policy.touch(key)
+
+    def clear(self) -> None:
+        """Forget everything (the checkpoint's files changed)."""
+        with self._lock:
+            for key in list(self.entries):
+                self.policy.remove(key)
+            self.entries.clear()
+            self.nbytes = 0
 
 
 DESCRIPTOR_MARGIN = 64  # left for sockets, logs, the tokenizer, other engines' files

@@ -87,6 +87,12 @@ class Metrics:
                "(micro-batches under a two-rank pipeline).", [((), m.micro_turns)])
         metric("expert_bytes_per_token", "gauge", "Expert bytes read per generated token at decode, since start.",
                [((), round(m.expert_bytes_per_token, 1))])
+        metric("expert_cache_bytes", "gauge", "Bytes the expert cache holds now (cache_mb; 0 when off).",
+               [((), m.expert_cache_bytes)])
+        metric("expert_cache_hits_total", "counter", "Experts the expert cache served (memory copies, not reads).",
+               [((), m.expert_cache_hits)])
+        metric("expert_cache_served_bytes_total", "counter", "Bytes the expert cache served.",
+               [((), m.expert_cache_served_bytes)])
         metric("slot_bytes", "gauge", "Bytes the staged layers' expert slots hold now (they grow while a batch's "
                "union of experts needs more, within slot_budget_mb).", [((), m.slot_bytes)])
         metric("over_slot_layers_total", "counter", "Staged layer-steps run exact because a batch's union of "

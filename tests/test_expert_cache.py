@@ -1,0 +1,153 @@
+"""The expert cache: expert bytes kept beside the slots, filled by the reads they make anyway.
+
+Through the engine on every path (exact, hot, whole-layer, staged with heads under replace
+and select, staged on an oracle), sync and async: the tokens equal the cache-off tokens, and
+a second generation is served from the cache. The cache never holds more than its budget;
+its bytes are the file's; a failed read never enters it; a changed checkpoint empties it;
+its policies evict what they say."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import numpy as np
+import pytest
+
+from edge0 import Engine, EngineConfig, ExpertReadError
+from edge0.io_sched.reader import LRU, ExpertCache, LFUAging
+from tests.test_async_misuse import CONFIGS, N, PROMPT, setups  # noqa: F401
+from tests.test_read_faults import Faults
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_tokens_equal_with_the_cache_on_and_off_and_the_second_generation_is_served_from_it(setups, config):
+    d, cfg, oracle, expected = setups[config]
+    with Engine(d, EngineConfig(**{**cfg.__dict__, "cache_mb": 0}), oracle=oracle) as off:
+        assert off.streaming.reader.cache is None
+        assert [e.token for e in off.stream(PROMPT, max_tokens=N)] == expected
+    with Engine(d, EngineConfig(**{**cfg.__dict__, "cache_mb": 64}), oracle=oracle) as on:
+        stats = on.streaming.reader.stats
+        assert [e.token for e in on.stream(PROMPT, max_tokens=N)] == expected
+        disk, hits = stats.bytes, stats.cache_hits
+        assert disk > 0
+
+        async def again():
+            return [e.token async for e in on.generate(PROMPT, max_tokens=N) if e is not None]
+
+        assert asyncio.run(again()) == expected
+        if config != "whole_layer":  # whole-layer reads whole tensors: not through the cache
+            assert stats.cache_hits > hits and stats.bytes - disk < disk
+        m = on.metrics()
+        assert m.expert_cache_hits == stats.cache_hits and m.expert_cache_bytes == on.streaming.reader.cache.nbytes
+
+
+def test_a_small_cache_never_holds_more_than_its_budget_and_serves_the_files_bytes(setups):
+    d, _, _, expected = setups["exact"]
+    with Engine(d, EngineConfig(cache_mb=1, cache_policy="lru")) as engine:
+        reader = engine.streaming.reader
+        assert reader.cache.budget == 2**20
+        cache = reader.cache = ExpertCache(2**18, "lru")  # a quarter of the experts this tiny model reads
+        seen = []
+        keep = cache.keep
+
+        def watched(*args):
+            keep(*args)
+            seen.append(cache.nbytes)
+
+        cache.keep = watched
+        assert [e.token for e in engine.stream(PROMPT, max_tokens=N)] == expected
+        assert seen and max(seen) <= cache.budget and cache.evictions > 0
+        index = engine.streaming.index
+        for (layer, expert), rows in list(cache.entries.items())[:8]:
+            for loc, row in zip(index.layers[layer].tensors, rows):
+                with open(loc.file, "rb") as f:
+                    f.seek(loc.offset + expert * loc.row_bytes)
+                    assert row.tobytes() == f.read(loc.row_bytes)
+        assert reader.stats.cache_hits > 0
+
+
+def test_a_failed_read_is_not_cached_and_a_changed_checkpoint_empties_the_cache(setups, tmp_path):
+    from tests.ckpt_tools import copy_model
+
+    d, _, _, expected = setups["exact"]
+    model = copy_model(d, tmp_path / "m")
+    with Engine(model, EngineConfig(cache_mb=64)) as engine:
+        cache, reader = engine.streaming.reader.cache, engine.streaming.reader
+        reader.pread = Faults("persistent_eio")
+        with pytest.raises(ExpertReadError):
+            list(engine.stream(PROMPT, max_tokens=N))
+        assert cache.entries == {} and cache.nbytes == 0
+        reader.pread = os.preadv
+        assert [e.token for e in engine.stream(PROMPT, max_tokens=N)] == expected
+        assert cache.entries
+        shard = engine.streaming.index.files[0]
+        st = os.stat(shard)
+        os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # changed in place, as far as Edge0 can tell
+        disk = reader.stats.bytes
+        assert [e.token for e in engine.stream(PROMPT, max_tokens=N)] == expected
+        assert reader.stats.bytes > disk  # read again from the disk: nothing kept from before the change
+
+
+def test_the_stats_line_and_metrics_name_the_cache(setups):
+    d, _, _, _ = setups["exact"]
+    with Engine(d, EngineConfig(cache_mb=64, cache_policy="lru")) as engine:
+        list(engine.stream(PROMPT, max_tokens=N))
+        _, stats = engine.generate_text(PROMPT, max_tokens=N)
+        assert "| expert cache " in stats.line() and "(lru, 64 MiB)" in stats.line()
+        assert stats.decode_cache_hits > 0 and stats.decode_cache_bytes > 0
+        from edge0.server.metrics import Metrics
+
+        text = Metrics().render(engine.metrics(), loaded=True)
+        assert f"expert_cache_hits_total {float(engine.metrics().expert_cache_hits)}" in text
+    with Engine(d, EngineConfig(cache_mb=0)) as engine:
+        _, stats = engine.generate_text(PROMPT, max_tokens=N)
+        assert "expert cache" not in stats.line() and stats.expert_cache is None
+
+
+class _Rows:
+    def __init__(self, n: int, width: int):
+        self.host = np.zeros((n, width), dtype=np.uint8)
+
+
+def _fill(cache: ExpertCache, layer: int, experts: list[int], width: int = 100) -> None:
+    bufs = [_Rows(len(experts), width)]
+    for i, e in enumerate(experts):
+        bufs[0].host[i] = e
+    cache.keep(layer, experts, list(range(len(experts))), bufs)
+
+
+def test_the_budget_holds_and_each_policy_evicts_what_it_says():
+    lru = ExpertCache(300, "lru")  # three experts of 100 bytes
+    _fill(lru, 0, [1, 2, 3])
+    out = [_Rows(1, 100)]
+    assert lru.serve(0, [1], [0], out)[2] == 1 and out[0].host[0, 0] == 1  # 1 is now the most recent
+    _fill(lru, 0, [4])
+    assert sorted(lru.entries) == [(0, 1), (0, 3), (0, 4)] and lru.nbytes == 300
+    lfu = ExpertCache(300, "lfu")
+    _fill(lfu, 0, [1, 2, 3])
+    for _ in range(3):
+        lfu.serve(0, [1, 3], [0, 0], [_Rows(1, 100)])
+    _fill(lfu, 0, [4])  # 2 was used least
+    assert sorted(lfu.entries) == [(0, 1), (0, 3), (0, 4)] and lfu.nbytes <= 300
+    assert ExpertCache(50, "lfu").keep(0, [1], [0], [_Rows(1, 100)]) is None  # larger than the budget: not kept
+    with pytest.raises(ValueError, match="cache policy 'fifo'"):
+        ExpertCache(10, "fifo")
+
+
+def test_lfu_with_aging_lets_what_was_used_often_long_ago_go():
+    p = LFUAging()
+    for _ in range(5):
+        p.touch("old")
+    for step in range(20):  # a stream of new keys, each used twice, evicted in turn
+        p.touch(f"k{step}")
+        p.touch(f"k{step}")
+        if step:
+            victim = p.victim()
+            p.remove(victim)
+    assert "old" not in p._priority  # aged out: the age rose past its five uses
+    q = LRU()
+    for k in "abc":
+        q.touch(k)
+    q.touch("a")
+    assert q.victim() == "b"
