@@ -151,3 +151,17 @@ def test_lfu_with_aging_lets_what_was_used_often_long_ago_go():
         q.touch(k)
     q.touch("a")
     assert q.victim() == "b"
+
+
+@pytest.mark.parametrize("direct_io", ["on", "off"])
+def test_auto_keeps_a_cache_where_reads_bypass_the_page_cache(setups, direct_io):
+    """cache_mb auto: a cache with direct reads (the page cache bypassed), within the memory the
+    process may use; none with buffered reads (the page cache keeps what was read)."""
+    from edge0.io_sched.direct import memory_limit
+
+    d, _, _, _ = setups["exact"]
+    with Engine(d, EngineConfig(direct_io=direct_io)) as engine:
+        reader = engine.streaming.reader
+        assert (reader.cache is not None) == reader.direct  # a filesystem refusing O_DIRECT reads buffered
+        if reader.cache is not None:
+            assert 0 < reader.cache.budget <= memory_limit() * 3 // 4

@@ -1,0 +1,52 @@
+"""tools/cache_policy.py: the slots in front of the cache, each policy's replay, and Belady's
+optimum (never more misses than any policy, on any trace)."""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+
+import cache_policy as cp  # noqa: E402
+
+from edge0.exec.oracle import OracleRouting  # noqa: E402
+
+
+def test_the_slots_take_what_the_last_steps_used_and_pass_the_rest_to_the_cache():
+    trace = OracleRouting([{0: (1, 2)}, {0: (2, 3)}, {0: (1, 4)}, {0: (3, 1)}])
+    # two slots: step 0 reads 1, 2; step 1 holds 2, reads 3 (evicting 1); step 2 reads 1 and 4;
+    # step 3 holds 1, reads 3 again (evicting 4)
+    assert cp.cache_accesses(trace, 2) == [[(0, 1), (0, 2)], [(0, 3)], [(0, 1), (0, 4)], [(0, 3)]]
+
+
+def test_known_misses_of_each_policy():
+    a, b, c = (0, 1), (0, 2), (0, 3)
+    steps = [[a], [b], [a], [c], [b], [a]]
+    assert cp.replay(steps, 2, "lru") == 5  # a b a c(evicts b) b(evicts a) a(evicts c)
+    assert cp.replay(steps, 2, "belady") == 3  # c is never used again: not kept, a and b stay
+    assert cp.replay(steps, 0, "lru") == 6 and cp.replay(steps, 3, "lfu") == 3
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_belady_is_never_beaten(seed):
+    rng = random.Random(seed)
+    hot = [rng.randrange(64) for _ in range(8)]
+    steps = [[(l, rng.choice(hot) if rng.random() < 0.6 else rng.randrange(64)) for l in range(4)] for _ in range(300)]
+    routed = [set(s) for s in steps]
+    for capacity in (4, 16, 64):
+        best = cp.replay(steps, capacity, "belady")
+        for policy in ("lru", "lfu", "lfu+next"):
+            assert best <= cp.replay(steps, capacity, policy, routed)
+
+
+def test_the_tool_prints_a_table_per_trace(tmp_path, capsys):
+    path = tmp_path / "t.json"
+    rng = random.Random(1)
+    OracleRouting([{l: tuple(sorted(rng.sample(range(16), 2))) for l in range(3)} for _ in range(50)]).save(path)
+    assert cp.main([str(path), "--sizes", "0.25,0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "t.json: 50 decode steps, 3 MoE layers" in out and "| 25% (12 experts) |" in out and "belady" in out
