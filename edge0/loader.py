@@ -45,7 +45,8 @@ def _expert_cache(config: EngineConfig, index, spec, pipe, layers, staged, slots
     ceiling = len(staged) * slot_ceiling(config, index, staged, slots, others) * (
         max(index.layers[l].expert_bytes for l in staged) if staged else 0)
     budget = cache_budget(config, index, spec, pipe, layers, others + ceiling)
-    return ExpertCache(budget, config.cache_policy) if budget > 0 else None
+    expert_bytes = max(index.layers[l].expert_bytes for l in layers)
+    return ExpertCache(budget, config.cache_policy, expert_bytes) if budget >= expert_bytes else None
 
 
 def resolve_compute_dtype(name: str, config: dict) -> str:

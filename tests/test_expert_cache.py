@@ -47,7 +47,8 @@ def test_a_small_cache_never_holds_more_than_its_budget_and_serves_the_files_byt
     with Engine(d, EngineConfig(cache_mb=1, cache_policy="lru")) as engine:
         reader = engine.streaming.reader
         assert reader.cache.budget == 2**20
-        cache = reader.cache = ExpertCache(2**18, "lru")  # a quarter of the experts this tiny model reads
+        per = max(layer.expert_bytes for layer in engine.streaming.index.layers.values())
+        cache = reader.cache = ExpertCache(2**18, "lru", per)  # a quarter of the experts this tiny model reads
         seen = []
         keep = cache.keep
 
@@ -59,11 +60,13 @@ def test_a_small_cache_never_holds_more_than_its_budget_and_serves_the_files_byt
         assert [e.token for e in engine.stream(PROMPT, max_tokens=N)] == expected
         assert seen and max(seen) <= cache.budget and cache.evictions > 0
         index = engine.streaming.index
-        for (layer, expert), rows in list(cache.entries.items())[:8]:
-            for loc, row in zip(index.layers[layer].tensors, rows):
+        for layer, expert in list(cache.entries)[:8]:
+            want = b""
+            for loc in index.layers[layer].tensors:
                 with open(loc.file, "rb") as f:
                     f.seek(loc.offset + expert * loc.row_bytes)
-                    assert row.tobytes() == f.read(loc.row_bytes)
+                    want += f.read(loc.row_bytes)
+            assert cache.row(layer, expert).tobytes()[:len(want)] == want
         assert reader.stats.cache_hits > 0
 
 
@@ -118,21 +121,23 @@ def _fill(cache: ExpertCache, layer: int, experts: list[int], width: int = 100) 
 
 
 def test_the_budget_holds_and_each_policy_evicts_what_it_says():
-    lru = ExpertCache(300, "lru")  # three experts of 100 bytes
+    lru = ExpertCache(300, "lru", 100)  # three experts of 100 bytes
     _fill(lru, 0, [1, 2, 3])
     out = [_Rows(1, 100)]
     assert lru.serve(0, [1], [0], out)[2] == 1 and out[0].host[0, 0] == 1  # 1 is now the most recent
     _fill(lru, 0, [4])
     assert sorted(lru.entries) == [(0, 1), (0, 3), (0, 4)] and lru.nbytes == 300
-    lfu = ExpertCache(300, "lfu")
+    lfu = ExpertCache(300, "lfu", 100)
     _fill(lfu, 0, [1, 2, 3])
     for _ in range(3):
         lfu.serve(0, [1, 3], [0, 0], [_Rows(1, 100)])
     _fill(lfu, 0, [4])  # 2 was used least
     assert sorted(lfu.entries) == [(0, 1), (0, 3), (0, 4)] and lfu.nbytes <= 300
-    assert ExpertCache(50, "lfu").keep(0, [1], [0], [_Rows(1, 100)]) is None  # larger than the budget: not kept
+    small = ExpertCache(50, "lfu", 100)  # less than one expert: nothing is kept
+    small.keep(0, [1], [0], [_Rows(1, 100)])
+    assert small.entries == {} and small.nbytes == 0
     with pytest.raises(ValueError, match="cache policy 'fifo'"):
-        ExpertCache(10, "fifo")
+        ExpertCache(10, "fifo", 1)
 
 
 def test_lfu_with_aging_lets_what_was_used_often_long_ago_go():

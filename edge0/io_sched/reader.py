@@ -309,61 +309,85 @@ POLICIES = {"lfu": LFUAging, "lru": LRU}
 
 
 class ExpertCache:
-    """Expert bytes (every stacked tensor's row of an expert) kept in memory, keyed by
-    (layer, expert), never more than ``budget`` bytes. Safe from several reader threads."""
+    """Expert bytes (every stacked tensor's row of an expert, one after the other) kept in
+    memory, keyed by (layer, expert): ``budget // expert_bytes`` entries of ``expert_bytes``
+    (the largest expert) in one array allocated at once, so that what is evicted is reused in
+    place (no allocation per expert: a freed copy in a reader thread's heap is not memory given
+    back) and the budget holds by construction. Safe from several reader threads (copies under
+    its lock: a copy holds the interpreter's lock anyway)."""
 
-    def __init__(self, budget: int, policy: str = "lfu"):
+    def __init__(self, budget: int, policy: str, expert_bytes: int):
         if policy not in POLICIES:
             raise ValueError(f"cache policy {policy!r} is not one of {sorted(POLICIES)}")
-        self.budget = int(budget)
-        self.name = policy
+        self.budget, self.name = int(budget), policy
         self.policy = POLICIES[policy]()
-        self.entries: dict = {}  # (layer, expert) -> one host array per stacked tensor
-        self.nbytes = 0
+        self.capacity = max(0, self.budget // max(1, expert_bytes))  # entries
+        self._store = np.empty((self.capacity, expert_bytes), dtype=np.uint8)  # pages touched as filled
+        self._free = list(range(self.capacity - 1, -1, -1))
+        self.entries: dict = {}  # (layer, expert) -> its row of the store
+        self.nbytes = 0  # the bytes of the entries held
         self.evictions = 0
         self._lock = threading.Lock()
 
     def serve(self, layer: int, experts: list[int], rows: list[int], buffers) -> tuple[list, list, int]:
         """Copy each cached expert of ``experts`` into its row of ``buffers``; returns the
         experts and rows left to read, and how many were served."""
-        left_e, left_r, hits = [], [], []
+        left_e, left_r, hits = [], [], 0
         with self._lock:
             for e, r in zip(experts, rows):
-                got = self.entries.get((layer, e))
-                if got is None:
+                slot = self.entries.get((layer, e))
+                if slot is None:
                     left_e.append(e)
                     left_r.append(r)
-                else:
-                    self.policy.touch((layer, e))
-                    hits.append((r, got))
-        for r, got in hits:  # an entry evicted meanwhile is still whole here
-            for buf, row in zip(buffers, got):
-                buf.host[r] = row
-        return left_e, left_r, len(hits)
+                    continue
+                self.policy.touch((layer, e))
+                at = 0
+                for buf in buffers:
+                    n = buf.host.shape[1]
+                    buf.host[r] = self._store[slot, at:at + n]
+                    at += n
+                hits += 1
+        return left_e, left_r, hits
 
     def keep(self, layer: int, experts: list[int], rows: list[int], buffers) -> None:
-        """Copies of the experts just read into ``rows`` of ``buffers``, each kept if it fits
-        the budget once the policy's victims are gone."""
-        for e, r in zip(experts, rows):
-            size = sum(buf.host[r].nbytes for buf in buffers)
-            with self._lock:
+        """Copies of the experts just read into ``rows`` of ``buffers``, each in the entry the
+        policy's victim leaves when the cache is full."""
+        size = sum(buf.host.shape[1] for buf in buffers)
+        if size > self._store.shape[1] or not self.capacity:
+            return
+        with self._lock:
+            for e, r in zip(experts, rows):
                 key = (layer, e)
-                if key in self.entries or size > self.budget:
+                if key in self.entries:
                     continue
-                while self.nbytes + size > self.budget:
+                if not self._free:
                     victim = self.policy.victim()
-                    self.nbytes -= sum(a.nbytes for a in self.entries.pop(victim))
+                    self._free.append(self.entries.pop(victim))
                     self.policy.remove(victim)
+                    self.nbytes -= size
                     self.evictions += 1
-                self.entries[key] = [np.array(buf.host[r]) for buf in buffers]  # under the lock: never past budget
+                slot = self._free.pop()
+                at = 0
+                for buf in buffers:
+                    n = buf.host.shape[1]
+                    self._store[slot, at:at + n] = buf.host[r]
+                    at += n
+                self.entries[key] = slot
                 self.nbytes += size
                 self.policy.touch(key)
+
+    def row(self, layer: int, expert: int):
+        """The cached bytes of an expert (its tensors' rows one after the other), or None."""
+        with self._lock:
+            slot = self.entries.get((layer, expert))
+            return None if slot is None else self._store[slot].copy()
 
     def clear(self) -> None:
         """Forget everything (the checkpoint's files changed)."""
         with self._lock:
-            for key in list(self.entries):
+            for key, slot in self.entries.items():
                 self.policy.remove(key)
+                self._free.append(slot)
             self.entries.clear()
             self.nbytes = 0
 
