@@ -114,10 +114,12 @@ class _Rows:
 
 
 def _fill(cache: ExpertCache, layer: int, experts: list[int], width: int = 100) -> None:
+    """A read of ``experts`` as the reader makes it: asked of the cache, then kept."""
     bufs = [_Rows(len(experts), width)]
+    left, rows, _ = cache.serve(layer, experts, list(range(len(experts))), bufs)
     for i, e in enumerate(experts):
         bufs[0].host[i] = e
-    cache.keep(layer, experts, list(range(len(experts))), bufs)
+    cache.keep(layer, left, rows, bufs)
 
 
 def test_the_budget_holds_and_each_policy_evicts_what_it_says():
@@ -133,6 +135,9 @@ def test_the_budget_holds_and_each_policy_evicts_what_it_says():
         lfu.serve(0, [1, 3], [0, 0], [_Rows(1, 100)])
     _fill(lfu, 0, [4])  # 2 was used least
     assert sorted(lfu.entries) == [(0, 1), (0, 3), (0, 4)] and lfu.nbytes <= 300
+    lfu.serve(0, [4, 4, 4], [0, 0, 0], [_Rows(1, 100)])  # 4 asked for again: the victim is now 1 or 3
+    _fill(lfu, 0, [5])  # asked for once, against four times for the victim: not copied
+    assert (0, 5) not in lfu.entries and lfu.refused == 1
     small = ExpertCache(50, "lfu", 100)  # less than one expert: nothing is kept
     small.keep(0, [1], [0], [_Rows(1, 100)])
     assert small.entries == {} and small.nbytes == 0

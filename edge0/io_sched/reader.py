@@ -329,8 +329,9 @@ class ExpertCache:
         if self.capacity:
             _populate(self._store)
         self.entries: dict = {}  # (layer, expert) -> its row of the store
+        self.uses: dict = {}  # (layer, expert) -> how often a read asked for it, held or not
         self.nbytes = 0  # the bytes of the entries held
-        self.evictions = 0
+        self.evictions = self.refused = 0
         self._lock = threading.Lock()
 
     def serve(self, layer: int, experts: list[int], rows: list[int], buffers) -> tuple[list, list, int]:
@@ -339,6 +340,7 @@ class ExpertCache:
         left_e, left_r, hits = [], [], 0
         with self._lock:
             for e, r in zip(experts, rows):
+                self.uses[layer, e] = self.uses.get((layer, e), 0) + 1
                 slot = self.entries.get((layer, e))
                 if slot is None:
                     left_e.append(e)
@@ -354,8 +356,10 @@ class ExpertCache:
         return left_e, left_r, hits
 
     def keep(self, layer: int, experts: list[int], rows: list[int], buffers) -> None:
-        """Copies of the experts just read into ``rows`` of ``buffers``, each in the entry the
-        policy's victim leaves when the cache is full."""
+        """Copies of the experts just read into ``rows`` of ``buffers``; when the cache is
+        full, each in the entry the policy's victim leaves, unless reads asked for it less
+        often than for the victim (a copy costs the step its time: what is needed less than what
+        the cache holds is not copied)."""
         size = sum(buf.host.shape[1] for buf in buffers)
         if size > self._store.shape[1] or not self.capacity:
             return
@@ -366,6 +370,9 @@ class ExpertCache:
                     continue
                 if not self._free:
                     victim = self.policy.victim()
+                    if self.uses.get(key, 0) < self.uses.get(victim, 0):
+                        self.refused += 1  # asked for less often than what it would push out: not copied
+                        continue
                     self._free.append(self.entries.pop(victim))
                     self.policy.remove(victim)
                     self.nbytes -= size
