@@ -131,8 +131,9 @@ class EngineConfig:
         "bundles and hot sets make anyway; an expert it holds is a memory copy, not a read. None (\"auto\"): with "
         "direct reads (the page cache bypassed), what the process may use (physical memory or its cgroup's limit) "
         "less the resident weights, the expert buffers at their ceiling and a margin for KV caches, activations "
-        "and the batch's growth (a quarter of that memory, at least 2 GiB); with buffered reads off (the page "
-        "cache keeps what was read). 0 = off. Never past its budget.",
+        "and the batch's growth (a quarter of that memory, at least 2 GiB), none when that is under a tenth of "
+        "the experts; with buffered reads off (the page cache keeps what was read). 0 = off. Never past its "
+        "budget.",
         lo=0, none="auto")
     cache_policy: str = setting(
         "lfu",

@@ -175,3 +175,20 @@ def test_auto_keeps_a_cache_where_reads_bypass_the_page_cache(setups, direct_io)
         assert (reader.cache is not None) == reader.direct  # a filesystem refusing O_DIRECT reads buffered
         if reader.cache is not None:
             assert 0 < reader.cache.budget <= memory_limit() * 3 // 4
+
+
+def test_an_automatic_cache_is_within_the_memory_left_and_none_when_too_small_to_pay(setups, monkeypatch):
+    import edge0.exec.budget as budget
+
+    d, _, _, _ = setups["exact"]
+    with Engine(d, EngineConfig(cache_mb=0)) as engine:
+        index, spec = engine.streaming.index, engine.spec
+    layers = list(spec.moe_layers)
+    held = sum(index.layers[l].expert_bytes * spec.num_experts for l in layers)
+    resident = budget.resident_bytes(index, spec, None)
+    auto = EngineConfig()
+    for free, expected in ((held // 2, held // 2), (held * 3, held), (held // 20, 0)):  # half, all, a twentieth
+        limit = resident + 2**20 + free + budget.CACHE_MARGIN  # (a quarter of it is under the margin here)
+        monkeypatch.setattr(budget, "memory_limit", lambda limit=limit: limit)
+        assert budget.cache_budget(auto, index, spec, None, layers, 2**20) == expected
+    assert budget.cache_budget(EngineConfig(cache_mb=3), index, spec, None, layers, 2**20) == 3 * 2**20

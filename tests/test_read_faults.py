@@ -84,7 +84,7 @@ def test_persistent_fault_fails_the_request_not_the_engine(setups, config):
 
 def test_latency_is_logged_and_never_deadlocks(setups, capsys):
     d, _, _, expected = setups["staged+heads"]
-    cfg = EngineConfig(log_format="json", log_level="debug", cache_mb=0)  # every expert from the slow disk
+    cfg = EngineConfig(log_format="json", log_level="debug")
     with Engine(d, cfg) as engine:
         engine.reader.pread = Faults("none", delay=0.02)
         t0 = time.perf_counter()

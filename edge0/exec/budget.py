@@ -77,16 +77,20 @@ def check_resident(model_dir, index, spec, pipe, buffers: int) -> None:
 
 
 CACHE_MARGIN = 2 * 2**30  # at least this much is left beside an automatic expert cache
+CACHE_MIN_SHARE = 0.10  # an automatic cache smaller than this share of the experts is none
 
 
 def cache_budget(config: EngineConfig, index, spec, pipe, layers: list[int], buffers: int) -> int:
     """The expert cache's bytes: ``cache_mb``, or (None, auto) the memory the process may use
     less the resident weights, the expert ``buffers`` at their ceiling and a margin for KV
     caches, activations and the batch's growth (a quarter of that memory, at least
-    ``CACHE_MARGIN``); never more than the experts of ``layers`` (this process's)."""
+    ``CACHE_MARGIN``); never more than the experts of ``layers`` (this process's), and none
+    when that is less than ``CACHE_MIN_SHARE`` of them (on the 40-layer bench checkpoint a
+    cache of 4% of its experts decoded at 0.98x no cache, 13% at 1.15x, 21% at 1.31x)."""
     if config.cache_mb is not None:
         return config.cache_mb * 2**20
     limit = memory_limit()
     free = limit - resident_bytes(index, spec, pipe) - buffers - max(limit // 4, CACHE_MARGIN)
     held = sum(index.layers[l].expert_bytes * spec.num_experts for l in layers)
-    return max(0, min(free, held))
+    budget = min(free, held)
+    return budget if budget >= CACHE_MIN_SHARE * held else 0
