@@ -10,10 +10,11 @@ that its layer's slots hold is no cache access; one they miss is a cache hit or 
 The stream of cache accesses is the same for every policy, so each policy is replayed on it
 at each cache size (a fraction of all the experts of the traced layers):
 
-- ``lru``, ``lfu`` (LFU with dynamic aging): the engine's own classes
-  (``edge0.io_sched.reader.POLICIES``);
-- ``lfu+next``: LFU with aging that never evicts an expert the next step routes to (the
-  prerouter's prediction, taken from the trace itself: its best case);
+- ``lru``, ``lfu`` (LFU with dynamic aging): the engine's own cache
+  (``edge0.io_sched.reader.ExpertCache``, its admission rule included: a read expert enters
+  only if reads asked for it at least as often as for the entry it would replace);
+- ``lfu+next``: LFU with aging, every read expert entering, that never evicts an expert the
+  next step routes to (the prerouter's prediction, taken from the trace itself: its best case);
 - ``belady``: evict the expert whose next access is farthest away (the optimum, offline).
 
 Printed: one table per trace, the miss rate of each policy and each size, and each policy's
@@ -29,7 +30,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from edge0.exec.oracle import OracleRouting  # noqa: E402
-from edge0.io_sched.reader import POLICIES  # noqa: E402
+import numpy as np  # noqa: E402
+
+from edge0.io_sched.reader import ExpertCache  # noqa: E402
 
 
 def cache_accesses(trace: OracleRouting, slots: int) -> list[list[tuple[int, int]]]:
@@ -59,24 +62,20 @@ def replay(steps: list[list[tuple[int, int]]], capacity: int, policy: str, route
         return _belady(steps, capacity)
     if policy == "lfu+next":
         return _lfu_next(steps, capacity, routed)
-    p = POLICIES[policy]()
-    held: set = set()
+    cache = ExpertCache(capacity, policy, 1)  # the engine's own cache, one byte an expert
+    rows = [_Row()]
     misses = 0
     for accesses in steps:
-        for key in accesses:
-            if key in held:
-                p.touch(key)
-                continue
-            misses += 1
-            if capacity == 0:
-                continue
-            if len(held) >= capacity:
-                victim = p.victim()
-                held.discard(victim)
-                p.remove(victim)
-            held.add(key)
-            p.touch(key)
+        for layer, expert in accesses:
+            left, _, _ = cache.serve(layer, [expert], [0], rows)
+            if left:
+                misses += 1
+                cache.keep(layer, left, [0], rows)
     return misses
+
+
+class _Row:
+    host = np.zeros((1, 1), dtype=np.uint8)
 
 
 def _lfu_next(steps, capacity: int, routed) -> int:
