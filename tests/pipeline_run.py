@@ -1,5 +1,6 @@
 """Run under ``mlx.launch`` (or alone, for the reference): greedy generations of one model
-in several configurations, one JSON line per rank on standard output.
+in several configurations, one JSON line per rank on standard output (or, with
+``EDGE0_TEST_RESULTS`` set to a directory, one file per rank there).
 
 argv[1]: a JSON object {"model": DIR, "prompt": [ids], "max_tokens": N,
 "configs": {name: EngineConfig keywords, "temp" the sampling temperature (default 0)}, "die": rank that exits after loading (optional),
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 
 
 def main() -> None:
@@ -59,7 +61,11 @@ def main() -> None:
                 "micro_turns": engine.metrics().micro_turns,
                 "prompt_cache": [len(engine.prompt_cache), engine.prompt_cache.nbytes] if engine.prompt_cache else None,
             }
-    print("RESULT " + json.dumps(out), flush=True)
+    where = os.environ.get("EDGE0_TEST_RESULTS")
+    if where:  # a file per rank: two ranks' long lines on one pipe can interleave
+        Path(where, f"rank{rank}.json").write_text(json.dumps(out))
+    else:
+        print("RESULT " + json.dumps(out), flush=True)
 
 
 def _together(engine, prompts: list, max_tokens: int, temp: float) -> list:

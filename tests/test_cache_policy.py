@@ -39,7 +39,7 @@ def test_belady_is_never_beaten(seed):
     routed = [set(s) for s in steps]
     for capacity in (4, 16, 64):
         best = cp.replay(steps, capacity, "belady")
-        for policy in ("lru", "lfu", "lfu+next"):
+        for policy in ("lru", "lfu", "lru-all", "lfu-all", "lfu+next"):
             assert best <= cp.replay(steps, capacity, policy, routed)
 
 

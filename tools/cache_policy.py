@@ -13,6 +13,7 @@ at each cache size (a fraction of all the experts of the traced layers):
 - ``lru``, ``lfu`` (LFU with dynamic aging): the engine's own cache
   (``edge0.io_sched.reader.ExpertCache``, its admission rule included: a read expert enters
   only if reads asked for it at least as often as for the entry it would replace);
+- ``lru-all``, ``lfu-all``: the same policies (their classes) with every read expert copied in;
 - ``lfu+next``: LFU with aging, every read expert entering, that never evicts an expert the
   next step routes to (the prerouter's prediction, taken from the trace itself: its best case);
 - ``belady``: evict the expert whose next access is farthest away (the optimum, offline).
@@ -32,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from edge0.exec.oracle import OracleRouting  # noqa: E402
 import numpy as np  # noqa: E402
 
-from edge0.io_sched.reader import ExpertCache  # noqa: E402
+from edge0.io_sched.reader import POLICIES, ExpertCache  # noqa: E402
 
 
 def cache_accesses(trace: OracleRouting, slots: int) -> list[list[tuple[int, int]]]:
@@ -62,6 +63,8 @@ def replay(steps: list[list[tuple[int, int]]], capacity: int, policy: str, route
         return _belady(steps, capacity)
     if policy == "lfu+next":
         return _lfu_next(steps, capacity, routed)
+    if policy.endswith("-all"):
+        return _every_read_in(steps, capacity, policy[:-4])
     cache = ExpertCache(capacity, policy, 1)  # the engine's own cache, one byte an expert
     rows = [_Row()]
     misses = 0
@@ -71,6 +74,27 @@ def replay(steps: list[list[tuple[int, int]]], capacity: int, policy: str, route
             if left:
                 misses += 1
                 cache.keep(layer, left, [0], rows)
+    return misses
+
+
+def _every_read_in(steps, capacity: int, name: str) -> int:
+    """The engine's policy ``name`` (its own class) with every read expert copied in: the
+    cache without its admission rule."""
+    p, held, misses = POLICIES[name](), set(), 0
+    for accesses in steps:
+        for key in accesses:
+            if key in held:
+                p.touch(key)
+                continue
+            misses += 1
+            if not capacity:
+                continue
+            if len(held) >= capacity:
+                victim = p.victim()
+                held.discard(victim)
+                p.remove(victim)
+            held.add(key)
+            p.touch(key)
     return misses
 
 
@@ -129,7 +153,7 @@ def _belady(steps: list[list[tuple[int, int]]], capacity: int) -> int:
     return misses
 
 
-POLICY_ORDER = ("lru", "lfu", "lfu+next", "belady")
+POLICY_ORDER = ("lru", "lfu", "lru-all", "lfu-all", "lfu+next", "belady")
 
 
 def table(path: Path, slots: int | None, sizes: list[float]) -> str:

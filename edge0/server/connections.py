@@ -39,6 +39,15 @@ def _host(p) -> str:
     return p.client[0] if getattr(p, "client", None) else ""
 
 
+def _close(p) -> None:
+    """Abort connection ``p`` and take it out of the server's count now: uvicorn drops it only
+    when its loss is processed, a loop iteration later, and counts it against
+    ``max_connections`` meanwhile (a flood whose excess connections are closed as they come
+    would otherwise turn other clients' requests into 503s)."""
+    p.transport.abort()
+    p.connections.discard(p)
+
+
 def _make_room(new, max_connections: int | None, max_per_client: int | None, gate=None) -> bool:
     """Connection ``new``'s client within its share and the server within its bound, by
     closing idle connections; False when ``new`` itself was refused."""
@@ -51,9 +60,9 @@ def _make_room(new, max_connections: int | None, max_per_client: int | None, gat
         if not idle:
             get_logger("edge0.server").warning("server.client_connections", client=_host(new),
                                                action="connection refused", limit=max_per_client)
-            new.transport.abort()
+            _close(new)
             return False
-        idle[0].transport.abort()
+        _close(idle[0])
         others.remove(idle[0])
     if max_connections is not None and len(others) + 1 >= max_connections:
         counts: dict[str, int] = {}
@@ -64,7 +73,7 @@ def _make_room(new, max_connections: int | None, max_per_client: int | None, gat
             victim = min(idle, key=lambda p: (-counts[_host(p)], p.opened_at))
             get_logger("edge0.server").info("server.connections_full", action="idle connection closed",
                                             client=_host(victim))
-            victim.transport.abort()
+            _close(victim)
     return True
 
 
