@@ -192,3 +192,34 @@ def test_an_automatic_cache_is_within_the_memory_left_and_none_when_too_small_to
         monkeypatch.setattr(budget, "memory_limit", lambda limit=limit: limit)
         assert budget.cache_budget(auto, index, spec, None, layers, 2**20) == expected
     assert budget.cache_budget(EngineConfig(cache_mb=3), index, spec, None, layers, 2**20) == 3 * 2**20
+
+
+@pytest.mark.parametrize("config", ["staged+heads", "exact"])
+def test_a_generation_cancelled_while_it_generates_leaves_the_cache_whole_and_the_resources_at_baseline(setups, config):
+    d, cfg, oracle, expected = setups[config]
+    with Engine(d, EngineConfig(**{**cfg.__dict__, "cache_mb": 64}), oracle=oracle) as engine:
+        baseline = engine.resources()
+        cache = engine.streaming.reader.cache
+
+        async def cancelled():
+            async def consume():
+                async for e in engine.generate(PROMPT, max_tokens=N):
+                    if e is not None:
+                        await asyncio.sleep(0.2)  # the next steps run meanwhile
+            task = asyncio.ensure_future(consume())
+            await asyncio.sleep(0.3)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+        asyncio.run(cancelled())
+        assert engine.resources() == baseline and cache.nbytes <= cache.budget
+        index = engine.streaming.index
+        for layer, expert in list(cache.entries):  # every entry whole: the file's bytes
+            want = b""
+            for loc in index.layers[layer].tensors:
+                with open(loc.file, "rb") as f:
+                    f.seek(loc.offset + expert * loc.row_bytes)
+                    want += f.read(loc.row_bytes)
+            assert cache.row(layer, expert).tobytes()[:len(want)] == want
+        assert [e.token for e in engine.stream(PROMPT, max_tokens=N)] == expected
