@@ -24,7 +24,8 @@ import anyio
 
 from edge0.admission import Admission, EngineMetrics
 from edge0.batch import Batcher, batchable
-from edge0.row import END, TIMEOUT, AsyncWaker, DiscardingJob, Job, Row, TokenEvent, sampling_of  # noqa: F401 - TokenEvent: part of this module's API
+from edge0.row import END, TIMEOUT, AsyncWaker, DiscardingJob, Job, Row, sampling_of
+from edge0.row import TokenEvent  # noqa: F401 - part of this module's API
 from edge0.backend import nn as bnn
 from edge0.config import EngineConfig
 from edge0.errors import DistributedError, ConfigError, EngineClosedError

@@ -201,8 +201,8 @@ def _wired(streaming: Streaming, prerouter, stager, heads, routing: str, extra: 
     pipe = streaming.pipeline
     # what the stats line names: all ranks' heads
     streaming.shown_heads = pipe.heads if pipe is not None and pipe.heads is not None else getattr(prerouter, "heads", None)
-    streaming.decode_hooks = ([lambda inputs: pipe.begin_step(inputs, streaming.embed)] if pipe is not None else []) + \
-        ([stager.begin_step] if stager is not None else [])  # a pipeline's relay first, then the plan
+    streaming.decode_hooks = ((lambda inputs: pipe.begin_step(inputs, streaming.embed),) if pipe is not None else ()) + \
+        ((stager.begin_step,) if stager is not None else ())  # a pipeline's relay first, then the plan
     if pipe is not None and pipe.rank > 0 and heads is not None and heads.sees_token:
         streaming.embed = pipe.relayed_embedding(heads.token_dim)
     try:

@@ -22,7 +22,7 @@ class Streaming:
     pipeline = None  # this rank's part of a pipeline (edge0.exec.pipeline), or None: one process
     layers = None  # the MoE layers held here (None: every one)
     shown_heads = None  # the heads the stats line names (a pipeline's: all ranks')
-    decode_hooks: list = []  # called with the inputs before each decode step, in order (set when wired)
+    decode_hooks: tuple = ()  # called with the inputs before each decode step, in order (set when wired)
 
     def __init__(self, model, spec, index, reader, exact, hot, whole, stager, recorder, prerouter=None,
                  heads_path=None, adapters=None):

@@ -20,6 +20,17 @@ from tests.test_async_misuse import CONFIGS, N, PROMPT, setups  # noqa: F401
 from tests.test_read_faults import Faults
 
 
+def _assert_entries_are_the_files(cache: ExpertCache, index, limit: int | None = None) -> None:
+    """Each cached expert's bytes (its tensors' rows one after the other) are the file's."""
+    for layer, expert in list(cache.entries)[:limit]:
+        want = b""
+        for loc in index.layers[layer].tensors:
+            with open(loc.file, "rb") as f:
+                f.seek(loc.offset + expert * loc.row_bytes)
+                want += f.read(loc.row_bytes)
+        assert cache.row(layer, expert).tobytes()[:len(want)] == want
+
+
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_tokens_equal_with_the_cache_on_and_off_and_the_second_generation_is_served_from_it(setups, config):
     d, cfg, oracle, expected = setups[config]
@@ -59,14 +70,7 @@ def test_a_small_cache_never_holds_more_than_its_budget_and_serves_the_files_byt
         cache.keep = watched
         assert [e.token for e in engine.stream(PROMPT, max_tokens=N)] == expected
         assert seen and max(seen) <= cache.budget and cache.evictions > 0
-        index = engine.streaming.index
-        for layer, expert in list(cache.entries)[:8]:
-            want = b""
-            for loc in index.layers[layer].tensors:
-                with open(loc.file, "rb") as f:
-                    f.seek(loc.offset + expert * loc.row_bytes)
-                    want += f.read(loc.row_bytes)
-            assert cache.row(layer, expert).tobytes()[:len(want)] == want
+        _assert_entries_are_the_files(cache, engine.streaming.index, limit=8)
         assert reader.stats.cache_hits > 0
 
 
@@ -214,12 +218,27 @@ def test_a_generation_cancelled_while_it_generates_leaves_the_cache_whole_and_th
 
         asyncio.run(cancelled())
         assert engine.resources() == baseline and cache.nbytes <= cache.budget
-        index = engine.streaming.index
-        for layer, expert in list(cache.entries):  # every entry whole: the file's bytes
-            want = b""
-            for loc in index.layers[layer].tensors:
-                with open(loc.file, "rb") as f:
-                    f.seek(loc.offset + expert * loc.row_bytes)
-                    want += f.read(loc.row_bytes)
-            assert cache.row(layer, expert).tobytes()[:len(want)] == want
+        _assert_entries_are_the_files(cache, engine.streaming.index)  # every entry whole
         assert [e.token for e in engine.stream(PROMPT, max_tokens=N)] == expected
+
+
+def test_the_cache_memory_is_mapped_when_the_cache_is_made():
+    """Its pages are mapped at once (one madvise), not faulted in one by one during a step."""
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("MADV_POPULATE_WRITE is Linux's")
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    probe = np.empty(3 * 4096, dtype=np.uint8)
+    if libc.madvise(-(-probe.ctypes.data // 4096) * 4096, 4096, 23) != 0:
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE")
+
+    def rss() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
+
+    before = rss()
+    cache = ExpertCache(64 * 2**20, "lfu", 2**20)
+    assert cache.capacity == 64 and rss() - before >= 60 * 2**20

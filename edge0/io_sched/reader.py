@@ -256,10 +256,10 @@ class ExpertReader:
             self.cache.keep(layer, experts, rows, buffers)  # read whole: each may enter the cache
         with self._lock:
             self.stats.count(layer, total, len(jobs), time.perf_counter() - t0)
-            if cached:
-                self.stats.cache_hits += cached
-                self.stats.cache_bytes += cached * sum(loc.row_bytes for loc in locs)
-        return total + cached * sum(loc.row_bytes for loc in locs)
+            copied = cached * sum(loc.row_bytes for loc in locs)
+            self.stats.cache_hits += cached
+            self.stats.cache_bytes += copied
+        return total + copied
 
 
 class LRU:
