@@ -487,3 +487,26 @@ def test_every_field_states_its_rule_and_the_one_loop_enforces_it():
         for value in bad:
             with pytest.raises(ConfigError, match=rf"^{f.name} must be .*, got {re.escape(repr(value))}$"):
                 EngineConfig(**{f.name: value})
+
+
+def test_an_optional_setting_takes_its_word_for_none_everywhere(tmp_path):
+    """``--kv-bits off`` / ``--cache-mb auto``: a setting whose None has a one-word name takes
+    that word on the command line, in the environment and in TOML (and ``none`` still)."""
+    from edge0.config_sources.resolve import resolve_config
+
+    p = argparse.ArgumentParser()
+    add_config_flags(p)
+    for argv in (["--cache-mb", "auto", "--kv-bits", "off"], ["--cache-mb", "none", "--kv-bits", "none"]):
+        cfg = resolve_config(p.parse_args(argv), environ={"EDGE0_CACHE_MB": "7", "EDGE0_KV_BITS": "4"})
+        assert cfg.cache_mb is None and cfg.kv_bits is None, argv  # the flags win over the environment
+    env = resolve_config(environ={"EDGE0_CACHE_MB": "auto", "EDGE0_KV_BITS": "off"})
+    assert env.cache_mb is None and env.kv_bits is None
+    toml = tmp_path / "e.toml"
+    toml.write_text('cache_mb = "auto"\nkv_bits = "off"\n')
+    assert resolve_config(toml_path=toml, environ={}).cache_mb is None
+    assert resolve_config(toml_path=toml, environ={}).kv_bits is None
+    assert resolve_config(p.parse_args(["--cache-mb", "64"]), environ={}).cache_mb == 64
+    with pytest.raises(SystemExit):  # another word is no integer
+        p.parse_args(["--cache-mb", "off"])
+    with pytest.raises(ConfigError, match="cache_mb"):
+        resolve_config(environ={"EDGE0_CACHE_MB": "off"})
