@@ -20,6 +20,7 @@ from edge0 import Engine, EngineConfig
 
 PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n"
 N = 10
+LONG = 200  # the generations a misuse leaves early; the oracle covers them all
 
 CONFIGS = {
     "exact": dict(),
@@ -46,7 +47,7 @@ def setups(tiny_model_factory, tmp_path_factory):
     with_heads = copy_model(base, tmp_path_factory.mktemp("heads") / "m")
     make_warm_heads(with_heads, with_heads / "prerouter.safetensors", width=32)
     with Engine(base) as e:
-        oracle = e.record_routing(PROMPT, max_tokens=N)
+        oracle = e.record_routing(PROMPT, max_tokens=LONG)
     out = {}
     for name, kwargs in CONFIGS.items():
         d = with_heads if name in ("staged+heads", "staged+select") else base
@@ -105,15 +106,15 @@ async def leave_by_aclosing(engine):
 async def leave_by_fail_after(engine):
     with pytest.raises(TimeoutError):
         with anyio.fail_after(0.05):
-            async for _ in engine.generate(PROMPT, max_tokens=200):
-                pass
+            async for _ in engine.generate(PROMPT, max_tokens=LONG):
+                await anyio.sleep(0.01)  # a slow consumer: the deadline falls mid-generation on any machine
 
 
 async def leave_by_task_cancellation(engine):
     started = anyio.Event()
 
     async def consume():
-        async for i, _ in aenumerate(engine.generate(PROMPT, max_tokens=200)):
+        async for i, _ in aenumerate(engine.generate(PROMPT, max_tokens=LONG)):
             if i == 1:
                 started.set()
 
