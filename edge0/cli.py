@@ -293,7 +293,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Runs the generation on the exact path (prerouter heads beside the model "
                                    "unused: the oracle is the router's own routing) and writes, per decode step and "
                                    "MoE layer, the experts it routed to. A staged run of the same model, prompt and "
-                                   "sampling replays it with --decode-path staged --oracle-file FILE.")
+                                   "sampling replays it with --decode-path staged --oracle-file FILE; saved as "
+                                   "routing-trace.json beside the checkpoint, `edge0 plan` forecasts the disk's "
+                                   "bytes per token from it.")
     r.add_argument("--model", required=True, help="an mlx-lm int4 MoE checkpoint directory")
     r.add_argument("--out", required=True, help="the routing file to write (JSON)")
     _add_engine_flags(r)
@@ -328,8 +330,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=cmd_make_tiny)
 
     from edge0.benchmark.command import add_parser as add_bench_parser
+    from edge0.plan import add_parser as add_plan_parser
 
     add_bench_parser(sub)
+    add_plan_parser(sub)
     return parser
 
 

@@ -130,11 +130,21 @@ class EngineConfig:
         "The expert cache: MiB of expert bytes kept in memory beside the slots, filled by the reads the slots, "
         "bundles and hot sets make anyway; an expert it holds is a memory copy, not a read. None (\"auto\"): with "
         "direct reads (the page cache bypassed), what the process may use (physical memory or its cgroup's limit) "
-        "less the resident weights, the expert buffers at their ceiling and a margin for KV caches, activations "
-        "and the batch's growth (a quarter of that memory, at least 2 GiB), none when that is under a tenth of "
-        "the experts; with buffered reads off (the page cache keeps what was read). 0 = off. Never past its "
-        "budget.",
+        "less what the memory plan holds for the rest (the process itself, the resident weights, the expert "
+        "buffers at their ceiling, the KV budget of plan_context and plan_batch) and a margin (an eighth of that "
+        "memory, at least 1 GiB), none when that is under a tenth of the experts; with buffered reads off (the "
+        "page cache keeps what was read). 0 = off. Never past its budget. `edge0 plan` prints the plan.",
         lo=0, none="auto")
+    plan_context: int = setting(
+        4096,
+        "Tokens of context a generation is planned for: the memory plan (`edge0 plan`) keeps room for the KV "
+        "caches of plan_batch generations this long before it gives the rest to the automatic expert cache, "
+        "and refuses to open where they do not fit.",
+        lo=1)
+    plan_batch: int = setting(
+        1,
+        "Generations the memory plan keeps KV cache room for, each plan_context tokens long (see plan_context).",
+        lo=1)
     cache_policy: str = setting(
         "lfu",
         "What the expert cache evicts first: \"lfu\" (least frequently used, with dynamic aging: what was used "

@@ -11,6 +11,7 @@ engine (``edge0.engine``) runs it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from edge0.adapters import load_adapters
@@ -19,14 +20,14 @@ from edge0.backend import kernels as bk
 from edge0.backend import nn as bnn
 from edge0.config import PATHS, PHASES, EngineConfig
 from edge0.errors import ConfigError
-from edge0.exec.budget import cache_budget, check_budget, check_resident, slot_ceiling, staged_slots
+from edge0.exec.budget import MemoryPlan, kv_bytes_per_token, plan_memory
 from edge0.exec.hot import HotExecutor
 from edge0.exec.oracle import OracleRouting, RoutingRecorder
 from edge0.exec.pipeline import pipeline_part
 from edge0.exec.rows import ExactExecutor, Split, resolve_threads
 from edge0.exec.staged import StagedExecutor, Stager
 from edge0.exec.whole_layer import WholeLayerExecutor
-from edge0.io_sched.direct import wants_direct
+from edge0.io_sched.direct import direct_reads, drop_cached, wants_direct
 from edge0.io_sched.reader import ExpertCache, ExpertReader
 from edge0.model.files import check_entry
 from edge0.model.open import open_model
@@ -36,17 +37,22 @@ from edge0.exec.taps import RouterTap, StepPhase, StreamingSwitch
 from edge0.streaming import WIDTH_ATTRIBUTES, Streaming, width_attributes, wire_prerouter
 
 
-def _expert_cache(config: EngineConfig, index, spec, pipe, layers, staged, slots: int, others: int, direct: bool):
-    """The reader's expert cache (None when its budget is 0, or auto with buffered reads: the
-    page cache keeps what was read): beside the expert buffers at their ceiling (the staged
-    slots grown as far as they may)."""
-    if config.cache_mb == 0 or (config.cache_mb is None and not direct):
-        return None
-    ceiling = len(staged) * slot_ceiling(config, index, staged, slots, others) * (
-        max(index.layers[l].expert_bytes for l in staged) if staged else 0)
-    budget = cache_budget(config, index, spec, pipe, layers, others + ceiling)
+def _expert_cache(plan: MemoryPlan, index, layers: list[int]) -> ExpertCache | None:
+    """The reader's expert cache of the plan's bytes (None: none planned)."""
     expert_bytes = max(index.layers[l].expert_bytes for l in layers)
-    return ExpertCache(budget, config.cache_policy, expert_bytes) if budget >= expert_bytes else None
+    return ExpertCache(plan.cache, plan.policy, expert_bytes) if plan.cache >= expert_bytes else None
+
+
+def make_plan(config: EngineConfig, opened, pipe, layers: list[int], on: dict, width: int, compute_dtype: str, *,
+              direct: bool, limit: int | None = None, runtime: int | None = None) -> MemoryPlan:
+    """The memory plan of an opened checkpoint skeleton (``edge0.model.open``): no tensor
+    byte read. ``Engine.open`` and ``edge0 plan`` both make it here."""
+    kv, note = kv_bytes_per_token(opened.model, DTYPE_BYTES[compute_dtype], config.kv_bits, config.kv_group_size)
+    return plan_memory(config, opened.index, opened.spec, pipe, layers, on, width, direct=direct, kv_per_token=kv,
+                       kv_note=note, limit=limit, runtime=runtime)
+
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def resolve_compute_dtype(name: str, config: dict) -> str:
@@ -113,34 +119,69 @@ def _make_prerouter(config: EngineConfig, heads, width: int | None) -> Prerouter
     return prerouter
 
 
-def load_streaming_model(model_dir: str | Path, config: EngineConfig, *, oracle: OracleRouting | None = None,
-                         record: bool = False, log=None) -> Streaming:
-    """Open ``model_dir`` for streaming: mlx-lm's model with every expert stack replaced by a
-    StreamingSwitch and every router by a RouterTap, the resident tensors loaded, the
-    executor paths, prerouter heads and adapters wired."""
-    model_dir = Path(model_dir)
+@dataclass
+class Layout:
+    """A checkpoint laid out before one tensor byte is read: its skeleton (``opened``), the
+    oracle or heads that stage it, the routing, a pipeline rank's part, every layer's paths
+    and the memory plan."""
+
+    opened: object
+    oracle: OracleRouting | None
+    heads: object
+    heads_path: Path | None
+    routing: str
+    extra: int
+    pipe: object
+    config: EngineConfig
+    layers: list
+    path_of: dict
+    on: dict
+    compute_dtype: str
+    plan: MemoryPlan
+
+
+def lay_out(model_dir: Path, config: EngineConfig, oracle: OracleRouting | None = None, *,
+            limit: int | None = None, runtime: int | None = None) -> Layout:
+    """Everything decided before loading (``limit``, ``runtime``: the memory the process may
+    use and holds, measured when None). ``edge0 plan`` prints its plan."""
     opened = open_model(model_dir, config.experts_per_token)
-    model, spec, raw, index, templates = opened.model, opened.spec, opened.raw, opened.index, opened.templates
+    spec, index = opened.spec, opened.index
     if oracle is None and config.oracle_file and config.staged_source != "prerouter":
         oracle = OracleRouting.load(config.oracle_file)
     if oracle is not None:
         oracle.check(spec.moe_layers, spec.num_experts)
     heads, heads_path, heads_meta = _load_heads(model_dir, config, oracle, spec)
     routing, extra = resolve_routing(config, heads_meta, spec, heads_path)
-    pipe, config, heads = pipeline_part(config, model, spec, index, heads)
+    pipe, config, heads = pipeline_part(config, opened.model, spec, index, heads)
     layers = [l for l in spec.moe_layers if pipe is None or pipe.layout.holds(l)]
     path_of = _paths(config, layers, heads)
     on = {p: [l for l in layers if p in (path_of[l, "prefill"], path_of[l, "decode"])] for p in PATHS}
-    slots = staged_slots(config, spec, spec.k + extra)
-    if on["staged"] and extra and slots < spec.k + extra:  # (fewer than k: the Stager says so)
-        raise ConfigError(f"slots_per_layer={slots} cannot hold the {spec.k + extra} experts select routing stages "
-                          f"per layer (k={spec.k} + stage_extra={extra})")
-    others = check_budget(spec, index, config, on["staged"], on["hot"], on["whole_layer"], slots)
-    check_resident(model_dir, index, spec, pipe, others)
+    compute_dtype = resolve_compute_dtype(config.compute_dtype, opened.raw)
+    plan = make_plan(config, opened, pipe, layers, on, spec.k + extra, compute_dtype,
+                     direct=direct_reads(config.direct_io, index.files, limit), limit=limit, runtime=runtime)
+    if on["staged"] and extra and plan.slots < spec.k + extra:  # (fewer than k: the Stager says so)
+        raise ConfigError(f"slots_per_layer={plan.slots} cannot hold the {spec.k + extra} experts select routing "
+                          f"stages per layer (k={spec.k} + stage_extra={extra})")
+    return Layout(opened, oracle, heads, heads_path, routing, extra, pipe, config, layers, path_of, on, compute_dtype,
+                  plan)
+
+
+def load_streaming_model(model_dir: str | Path, config: EngineConfig, *, oracle: OracleRouting | None = None,
+                         record: bool = False, log=None) -> Streaming:
+    """Open ``model_dir`` for streaming: mlx-lm's model with every expert stack replaced by a
+    StreamingSwitch and every router by a RouterTap, the resident tensors loaded, the
+    executor paths, prerouter heads and adapters wired."""
+    model_dir = Path(model_dir)
+    lay = lay_out(model_dir, config, oracle)
+    opened, oracle, heads, heads_path, routing, extra = lay.opened, lay.oracle, lay.heads, lay.heads_path, \
+        lay.routing, lay.extra
+    pipe, config, layers, path_of, on, compute_dtype, plan = lay.pipe, lay.config, lay.layers, lay.path_of, lay.on, \
+        lay.compute_dtype, lay.plan
+    model, spec, raw, index, templates = opened.model, opened.spec, opened.raw, opened.index, opened.templates
+    slots = plan.slots
     reader = ExpertReader(index, config.reader_threads, log=log, direct=wants_direct(config.direct_io, index.files))
-    reader.cache = _expert_cache(config, index, spec, pipe, layers, on["staged"], slots, others, reader.direct)
+    reader.cache = _expert_cache(plan, index, layers)
     phase, stager = StepPhase(), None  # the step hook says whether each forward pass decodes or prefills
-    compute_dtype = resolve_compute_dtype(config.compute_dtype, raw)
     try:
         kernels, split = _kernels(config, compute_dtype, [templates[layer] for layer in layers])
         exact = ExactExecutor(index, reader, config.bundle_capacity, templates, log=log)
@@ -155,7 +196,7 @@ def load_streaming_model(model_dir: str | Path, config: EngineConfig, *, oracle:
                             readers=config.reader_threads, prefetch_depth=config.prefetch_depth, log=log,
                             prerouter=prerouter, fallback=exact, guard_every=config.guard_every,
                             routing=routing if prerouter is not None else "replace",
-                            max_slots=slot_ceiling(config, index, on["staged"], slots, others))
+                            max_slots=plan.ceiling)
         paths = {"exact": exact, "hot": hot, "whole_layer": whole,
                  "staged": StagedExecutor(stager) if stager is not None else None}
         for layer in layers:
@@ -169,6 +210,8 @@ def load_streaming_model(model_dir: str | Path, config: EngineConfig, *, oracle:
             pipe.strip(B.dtype(compute_dtype))
             skip = lambda key: spec.is_expert_key(key) or pipe.remote_key(key)
         model = bnn.load_resident(model, model_dir, raw, index.files, skip, B.dtype(compute_dtype))
+        if plan.direct:  # the resident weights' pages in the page cache: memory the plan gave the cache
+            drop_cached(index.files)
         if kernels == "edge0":
             bk.use_edge0(model)  # attention, shared experts, lm_head, quantized routers
         else:
@@ -187,7 +230,7 @@ def load_streaming_model(model_dir: str | Path, config: EngineConfig, *, oracle:
         raise
     streaming = Streaming(model, spec, index, reader, exact, hot, whole, stager, recorder, prerouter, heads_path,
                           adapters)
-    streaming.compute_dtype = compute_dtype
+    streaming.compute_dtype, streaming.plan = compute_dtype, plan
     streaming.kernels = kernels
     streaming.kernels_label = bk.describe() if kernels == "edge0" else "mlx"
     streaming.phase, streaming.pipeline, streaming.layers, streaming.path_of = phase, pipe, layers, path_of

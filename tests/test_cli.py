@@ -126,7 +126,7 @@ HEAVY_MODULES = ("mlx", "mlx_lm", "transformers", "numpy", "starlette", "uvicorn
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["generate", "--help"], ["serve", "--help"], ["train", "sft", "--help"],
-                                  ["bench", "--help"], ["eval", "--help"], ["demo", "--help"],
+                                  ["bench", "--help"], ["eval", "--help"], ["demo", "--help"], ["plan", "--help"],
                                   ["generate", "--model"], ["generate", "--model", "m", "--temp", "hot"]])
 def test_help_and_argument_errors_load_no_array_or_model_library(argv):
     """Every CLI call once cost about 3 s of CPU, --help included, because building the parser

@@ -268,3 +268,47 @@ def test_auto_is_off_where_the_platform_has_no_o_direct(tiny_model_factory, monk
     assert dio.wants_direct("auto", files)
     monkeypatch.setattr(dio, "O_DIRECT", 0)
     assert not dio.wants_direct("auto", files)
+
+
+
+def _cached_pages(path) -> int:
+    """Pages of ``path`` in the page cache (mincore over a mapping of it)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    size = os.path.getsize(path)
+    pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+    vec = (ctypes.c_ubyte * pages)()
+    with open(path, "rb") as f:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, f.fileno(), 0)
+    try:
+        if libc.mincore(addr, size, vec) != 0:
+            pytest.skip(f"mincore refused: {os.strerror(ctypes.get_errno())}")
+        return sum(b & 1 for b in vec)
+    finally:
+        libc.munmap(addr, size)
+
+
+@pytest.mark.parametrize("config", ["staged+heads", "exact"])
+def test_with_direct_reads_the_resident_weights_leave_no_pages_in_the_page_cache(setups, config):
+    """The memory plan gives the expert cache what the process may use: the checkpoint's
+    pages the resident weights' loading put in the page cache (a cgroup counts them) are
+    dropped once they are loaded."""
+    d, cfg, oracle, expected = setups[config]
+    _direct_or_skip(d)
+    files = sorted(d.glob("model*.safetensors"))
+    for f in files:
+        f.read_bytes()  # every page cached, as a fresh load finds them after a copy
+    assert sum(_cached_pages(f) for f in files) > 0
+    with Engine(d, EngineConfig(**{**cfg.__dict__, "direct_io": "on"}), oracle=oracle) as engine:
+        assert engine.reader.direct
+        assert sum(_cached_pages(f) for f in files) == 0
+        assert [ev.token for ev in engine.stream(PROMPT, max_tokens=N)] == expected
+        assert sum(_cached_pages(f) for f in files) == 0  # and the expert reads bypass it
+    with Engine(d, EngineConfig(**{**cfg.__dict__, "direct_io": "off"}), oracle=oracle) as engine:
+        assert sum(_cached_pages(f) for f in files) > 0  # buffered reads keep what they read

@@ -30,30 +30,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from edge0.exec.forecast import cache_misses, slot_misses  # noqa: E402
 from edge0.exec.oracle import OracleRouting  # noqa: E402
-import numpy as np  # noqa: E402
-
-from edge0.io_sched.reader import POLICIES, ExpertCache  # noqa: E402
+from edge0.io_sched.reader import POLICIES  # noqa: E402
 
 
 def cache_accesses(trace: OracleRouting, slots: int) -> list[list[tuple[int, int]]]:
-    """Per decode step, the (layer, expert) pairs that miss their layer's slots (least
-    recently used; the step's own experts pinned while it claims)."""
-    tables: dict[int, dict[int, int]] = {}  # layer -> expert -> last step used
-    out = []
-    for step, layers in enumerate(trace.steps):
-        misses = []
-        for layer, experts in sorted(layers.items()):
-            table = tables.setdefault(layer, {})
-            for e in experts:
-                if e not in table:
-                    misses.append((layer, e))
-                    if len(table) >= max(slots, len(experts)):  # evict the least recent not of this step
-                        victim = min((x for x in table if x not in experts), key=table.__getitem__)
-                        del table[victim]
-                table[e] = step
-        out.append(misses)
-    return out
+    """Per decode step, the (layer, expert) pairs that miss their layer's slots (the engine's
+    forecast model: ``edge0.exec.forecast.slot_misses``)."""
+    return slot_misses(trace.steps, lambda layer: slots)
 
 
 def replay(steps: list[list[tuple[int, int]]], capacity: int, policy: str, routed=None) -> int:
@@ -65,16 +50,7 @@ def replay(steps: list[list[tuple[int, int]]], capacity: int, policy: str, route
         return _lfu_next(steps, capacity, routed)
     if policy.endswith("-all"):
         return _every_read_in(steps, capacity, policy[:-4])
-    cache = ExpertCache(capacity, policy, 1)  # the engine's own cache, one byte an expert
-    rows = [_Row()]
-    misses = 0
-    for accesses in steps:
-        for layer, expert in accesses:
-            left, _, _ = cache.serve(layer, [expert], [0], rows)
-            if left:
-                misses += 1
-                cache.keep(layer, left, [0], rows)
-    return misses
+    return sum(len(m) for m in cache_misses(steps, capacity, policy))  # the engine's own cache
 
 
 def _every_read_in(steps, capacity: int, name: str) -> int:
@@ -96,10 +72,6 @@ def _every_read_in(steps, capacity: int, name: str) -> int:
             held.add(key)
             p.touch(key)
     return misses
-
-
-class _Row:
-    host = np.zeros((1, 1), dtype=np.uint8)
 
 
 def _lfu_next(steps, capacity: int, routed) -> int:

@@ -23,14 +23,14 @@ V1 = Path("/sys/fs/cgroup/memory")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B?)?\s*$", re.I)
 
 
-def parse_size(text: str) -> int:
+def parse_size(text: str, flag: str = "--memory-limit") -> int:
     """``8G``, ``8GiB``, ``8192M``, ``500000000``: bytes (K/M/G/T are powers of 1024)."""
     m = _SIZE.match(str(text))
     if not m:
-        raise ConfigError(f"--memory-limit must look like 8G, 512M or a byte count, got {text!r}")
+        raise ConfigError(f"{flag} must look like 8G, 512M or a byte count, got {text!r}")
     value = float(m.group(1)) * 1024 ** " KMGT".index(m.group(2).upper() or " ")
     if value < 64 * 2**20:
-        raise ConfigError(f"--memory-limit {text!r} is under 64 MiB: no arm can run in it")
+        raise ConfigError(f"{flag} {text!r} is under 64 MiB: nothing can run in it")
     return int(value)
 
 

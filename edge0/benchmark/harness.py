@@ -73,13 +73,9 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 
 def evict(files: list[Path]) -> None:
     """Drop the files' pages from the page cache (clean pages only; these are read-only)."""
-    for f in files:
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fdatasync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+    from edge0.io_sched.direct import drop_cached
+
+    drop_cached(files)
 
 
 def warm(files: list[Path]) -> None:

@@ -1,8 +1,13 @@
-"""How much memory the expert buffers take: the staged slots at open and how far they may
-grow, the ``memory_budget_mb`` check made before any buffer is allocated, and the resident
-weights' check against the memory the process may use."""
+"""The memory plan, made before one tensor byte is read: the staged slots at open and how
+far they may grow, the ``memory_budget_mb`` check of the expert buffers, the KV budget, the
+expert cache (what ``cache_mb`` auto means) and the check that it all fits in the memory the
+process may use. ``Engine.open`` allocates by it and ``edge0 plan`` prints it, so the two
+cannot disagree."""
 
 from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
 
 from edge0.config import EngineConfig
 from edge0.errors import CheckpointError, ConfigError
@@ -20,18 +25,20 @@ def staged_slots(config: EngineConfig, spec, staged_width: int) -> int:
 SLOT_GROWTH = 4  # slot_budget_mb None: the staged slots may grow to this many times their memory at open
 
 
-def slot_ceiling(config: EngineConfig, index, staged: list[int], slots: int, others: int) -> int:
+def slot_ceiling(config: EngineConfig, index, staged: list[int], slots: int, others: int,
+                 limit: int | None = None) -> int:
     """The most slots a staged layer may grow to: an equal share of ``slot_budget_mb`` (None:
-    ``SLOT_GROWTH`` x the slots at open, within a quarter of the memory the process may use
-    less the ``others`` expert buffers' bytes), never past ``memory_budget_mb`` less those
-    bytes when that is set, never fewer than ``slots``."""
+    ``SLOT_GROWTH`` x the slots at open, within a quarter of ``limit``, the memory the process
+    may use, less the ``others`` expert buffers' bytes), never past ``memory_budget_mb`` less
+    those bytes when that is set, never fewer than ``slots``."""
     if not staged:
         return slots
     per_expert = max(index.layers[l].expert_bytes for l in staged)
     if config.slot_budget_mb is not None:
         budget = config.slot_budget_mb * 2**20
     else:  # and never more than a quarter of the memory the process may use
-        budget = min(SLOT_GROWTH * len(staged) * slots * per_expert, memory_limit() // 4 - others)
+        limit = memory_limit() if limit is None else limit
+        budget = min(SLOT_GROWTH * len(staged) * slots * per_expert, limit // 4 - others)
     if config.memory_budget_mb is not None:
         budget = min(budget, config.memory_budget_mb * 2**20 - others)
     return max(slots, budget // (len(staged) * per_expert))
@@ -63,34 +70,126 @@ def resident_bytes(index, spec, pipe) -> int:
                if not spec.is_expert_key(name) and (pipe is None or not pipe.remote_key(name)))
 
 
-def check_resident(model_dir, index, spec, pipe, buffers: int) -> None:
-    """The resident weights the headers declare, with the expert buffers, within the memory
-    this process may use: checked before one byte is read (a sparse file can declare
-    gigabytes it does not hold)."""
-    resident = resident_bytes(index, spec, pipe)
-    limit = memory_limit()
-    if resident + buffers > limit:
-        raise CheckpointError(f"the resident weights (every tensor but the routed experts) declare "
-                              f"{resident / 2**30:.2f} GiB and the expert buffers need {buffers / 2**30:.2f} GiB: "
-                              f"more than the {limit / 2**30:.2f} GiB this process may use (physical memory, "
-                              "cgroup and rlimits)", file=model_dir)
-
-
-CACHE_MARGIN = 2 * 2**30  # at least this much is left beside an automatic expert cache
+MARGIN_SHARE = 8  # the margin left unplanned: an eighth of the memory the process may use ...
+MARGIN_MIN = 2**30  # ... and at least this (activations, MLX's buffer cache, a prompt's chunk)
 CACHE_MIN_SHARE = 0.10  # an automatic cache smaller than this share of the experts is none
 
 
-def cache_budget(config: EngineConfig, index, spec, pipe, layers: list[int], buffers: int) -> int:
-    """The expert cache's bytes: ``cache_mb``, or (None, auto) the memory the process may use
-    less the resident weights, the expert ``buffers`` at their ceiling and a margin for KV
-    caches, activations and the batch's growth (a quarter of that memory, at least
-    ``CACHE_MARGIN``); never more than the experts of ``layers`` (this process's), and none
-    when that is less than ``CACHE_MIN_SHARE`` of them (on the 40-layer bench checkpoint a
-    cache of 4% of its experts decoded at 0.98x no cache, 13% at 1.15x, 21% at 1.31x)."""
+def process_rss() -> int:
+    """The bytes this process holds now (its runtime: the interpreter, MLX, mlx-lm, the
+    tokenizer and whatever the application loaded), 0 where the platform does not say."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """What a process that opens a checkpoint will hold, decided before one tensor byte is
+    read (``edge0 plan`` prints it; ``Engine.open`` allocates by it)."""
+
+    limit: int  # the memory the process may use (physical, cgroup, rlimits) or the one asked for
+    runtime: int  # the process's own memory when it plans (measured)
+    resident: int  # every tensor but the routed experts
+    per_expert: int  # the bytes of one expert (its nine tensors), the largest layer's
+    staged: int  # staged layers
+    slots: int  # slots per staged layer at open
+    ceiling: int  # slots a staged layer may grow to for a batch
+    others: int  # the other expert buffers: the exact bundle, hot sets, whole-layer buffers
+    held: int  # the experts of the layers this process holds, all of them
+    kv_per_token: int  # KV cache bytes one token of one generation takes
+    context: int  # tokens per generation the KV budget is for
+    batch: int  # generations the KV budget is for
+    margin: int  # left unplanned
+    cache: int  # the expert cache's bytes (0: none)
+    policy: str
+    direct: bool  # expert reads bypass the page cache
+    kv_note: str = ""  # what the KV estimate leaves out
+
+    @property
+    def slots_bytes(self) -> int:
+        return self.staged * self.slots * self.per_expert
+
+    @property
+    def ceiling_bytes(self) -> int:
+        return self.staged * self.ceiling * self.per_expert
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.kv_per_token * self.context * self.batch
+
+    @property
+    def at_open(self) -> int:
+        """What the process holds once open, before a generation: runtime, resident weights,
+        expert buffers at open and the expert cache."""
+        return self.runtime + self.resident + self.others + self.slots_bytes + self.cache
+
+    @property
+    def planned(self) -> int:
+        """The most it is planned to hold: at open, the slots grown to their ceiling and the
+        KV budget."""
+        return self.at_open - self.slots_bytes + self.ceiling_bytes + self.kv_bytes
+
+
+def kv_bytes_per_token(model, dtype_bytes: int, kv_bits: int | None, kv_group_size: int) -> tuple[int, str]:
+    """(the KV cache's bytes per token of one generation, what the estimate leaves out):
+    every attention layer's keys and values in the compute dtype (``kv_bits``: that many bits
+    an element with a scale and a bias per group)."""
+    from edge0.backend import nn as bnn
+
+    layers, width, unknown = bnn.kv_width(model)
+    per_element = dtype_bytes if kv_bits is None else kv_bits / 8 + 2 * dtype_bytes / kv_group_size
+    note = f"{len(unknown)} attention modules of another kind not counted ({unknown[0]}, ...)" if unknown else ""
+    return int(width * per_element), note
+
+
+def plan_memory(config: EngineConfig, index, spec, pipe, layers: list[int], on: dict, width: int, *,
+                direct: bool, kv_per_token: int, kv_note: str = "", limit: int | None = None,
+                runtime: int | None = None) -> MemoryPlan:
+    """The plan for the ``layers`` this process holds, ``on`` each path's layers, ``width``
+    experts staged per step: the staged slots (``slots_per_layer``, 0: twice the width) and
+    their ceiling, the other expert buffers (refused over ``memory_budget_mb``), the KV
+    budget (``plan_context`` tokens of ``plan_batch`` generations) and the expert cache:
+    ``cache_mb``, or auto (None) with direct reads: ``limit`` less everything else planned
+    and the margin (an eighth of ``limit``, at least 1 GiB), at most the experts held, none
+    under ``CACHE_MIN_SHARE`` of them (on the 40-layer bench checkpoint a cache of 4% of its
+    experts decoded at 0.98x no cache, 13% at 1.15x, 21% at 1.31x); with buffered reads none
+    (the page cache keeps what was read). Refuses (CheckpointError) what cannot fit."""
+    limit = memory_limit() if limit is None else limit
+    slots = staged_slots(config, spec, width)
+    others = check_budget(spec, index, config, on["staged"], on["hot"], on["whole_layer"], slots)
+    per_expert = max(index.layers[l].expert_bytes for l in layers) if layers else 0
+    plan = MemoryPlan(limit=limit, runtime=process_rss() if runtime is None else runtime,
+                      resident=resident_bytes(index, spec, pipe), per_expert=per_expert, staged=len(on["staged"]),
+                      slots=slots, ceiling=max(slots, min(slot_ceiling(config, index, on["staged"], slots, others, limit),
+                                                          spec.num_experts)),
+                      others=others, held=sum(index.layers[l].expert_bytes * spec.num_experts for l in layers),
+                      kv_per_token=kv_per_token, context=config.plan_context, batch=config.plan_batch,
+                      margin=max(limit // MARGIN_SHARE, MARGIN_MIN), cache=0, policy=config.cache_policy,
+                      direct=direct, kv_note=kv_note)
     if config.cache_mb is not None:
-        return config.cache_mb * 2**20
-    limit = memory_limit()
-    free = limit - resident_bytes(index, spec, pipe) - buffers - max(limit // 4, CACHE_MARGIN)
-    held = sum(index.layers[l].expert_bytes * spec.num_experts for l in layers)
-    budget = min(free, held)
-    return budget if budget >= CACHE_MIN_SHARE * held else 0
+        cache = config.cache_mb * 2**20
+    elif direct:
+        cache = min(limit - plan.planned - plan.margin, plan.held)
+        cache = cache if cache >= CACHE_MIN_SHARE * plan.held else 0
+    else:
+        cache = 0
+    plan = replace(plan, cache=cache if cache >= max(per_expert, 1) else 0)
+    check_fits(plan, index.model_dir)
+    return plan
+
+
+def check_fits(plan: MemoryPlan, model_dir) -> None:
+    """Refuse (CheckpointError) a plan whose runtime, resident weights, expert buffers at open
+    and KV budget are more than the memory the process may use: checked before one byte is
+    read (a sparse file can declare gigabytes it does not hold)."""
+    need = plan.runtime + plan.resident + plan.others + plan.slots_bytes + plan.kv_bytes
+    if need > plan.limit:
+        raise CheckpointError(
+            f"the resident weights (every tensor but the routed experts) declare {plan.resident / 2**30:.2f} GiB, "
+            f"the expert buffers need {(plan.others + plan.slots_bytes) / 2**30:.2f} GiB, the KV caches of "
+            f"{plan.batch} x {plan.context} tokens {plan.kv_bytes / 2**30:.2f} GiB and the process holds "
+            f"{plan.runtime / 2**30:.2f} GiB: more than the {plan.limit / 2**30:.2f} GiB this process may use "
+            "(physical memory, cgroup and rlimits; plan_context and plan_batch size the KV budget)", file=model_dir)

@@ -19,9 +19,16 @@ FORMAT = "edge0-oracle-routing/1"
 
 
 class OracleRouting:
-    def __init__(self, steps: list[dict[int, tuple[int, ...]]], model: str = ""):
+    """``steps``: per decode step, each MoE layer's distinct experts; ``prefill``: the same
+    per prompt chunk (what the prompt read before the first step; empty in files written
+    before it was recorded). A staged run replays the steps; ``edge0 plan`` replays both to
+    forecast the disk's bytes per token."""
+
+    def __init__(self, steps: list[dict[int, tuple[int, ...]]], model: str = "",
+                 prefill: list[dict[int, tuple[int, ...]]] | None = None):
         self.steps = steps
         self.model = model
+        self.prefill = prefill or []
 
     def __len__(self) -> int:
         return len(self.steps)
@@ -50,7 +57,8 @@ class OracleRouting:
 
     def save(self, path: str | Path) -> None:
         doc = {"format": FORMAT, "model": self.model,
-               "steps": [{str(l): list(e) for l, e in s.items()} for s in self.steps]}
+               "steps": [{str(l): list(e) for l, e in s.items()} for s in self.steps],
+               "prefill": [{str(l): list(e) for l, e in s.items()} for s in self.prefill]}
         path = Path(path)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
         with os.fdopen(fd, "w") as f:
@@ -70,30 +78,30 @@ class OracleRouting:
         if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("steps"), list):
             raise ConfigError(f"{path} is not an oracle routing file (format {FORMAT!r})")
         try:
-            steps = [{int(l): tuple(int(e) for e in es) for l, es in s.items()} for s in doc["steps"]]
+            steps, prefill = ([{int(l): tuple(int(e) for e in es) for l, es in s.items()} for s in doc.get(key, [])]
+                              for key in ("steps", "prefill"))
         except (AttributeError, TypeError, ValueError):
             raise ConfigError(f"{path}: malformed steps") from None
-        return cls(steps, doc.get("model", ""))
+        return cls(steps, doc.get("model", ""), prefill)
 
 
 class RoutingRecorder:
-    """Collects each one-token forward's routing, layer by layer (host syncs: recording only)."""
+    """Collects each forward pass's routing, layer by layer (host syncs: recording only):
+    one-token steps as the oracle's steps, prompt chunks as its prefill."""
 
     def __init__(self):
         self.steps: list[dict[int, tuple[int, ...]]] = []
+        self.prefill: list[dict[int, tuple[int, ...]]] = []
         self._current: dict[int, tuple[int, ...]] | None = None
 
     def begin_step(self, decode: bool) -> None:
-        """A forward pass begins: a decode step (recorded) or a prompt chunk (not)."""
-        if decode:
-            self._current = {}
-            self.steps.append(self._current)
-        else:
-            self._current = None
+        """A forward pass begins: a decode step or a prompt chunk."""
+        self._current = {}
+        (self.steps if decode else self.prefill).append(self._current)
 
     def record(self, layer: int, ids) -> None:
         if self._current is not None:
             self._current[layer] = tuple(sorted({int(e) for e in ids.reshape(-1)}))
 
     def routing(self, model: str = "") -> OracleRouting:
-        return OracleRouting(self.steps, model)
+        return OracleRouting(self.steps, model, self.prefill)

@@ -87,12 +87,41 @@ def memory_limit() -> int:
     return min(x for x in (physical_memory(), cgroup_limit(), rlimit_memory()) if x)
 
 
-def wants_direct(mode: str, files: list[str]) -> bool:
+def wants_direct(mode: str, files: list[str], limit: int | None = None) -> bool:
     """``direct_io`` ``on`` / ``off``, or ``auto``: on when ``files`` are larger than
-    ``memory_limit()``."""
+    ``limit`` (None: ``memory_limit()``)."""
     if mode != "auto":
         return mode == "on"
-    return bool(O_DIRECT) and sum(os.path.getsize(f) for f in files) > memory_limit()
+    return bool(O_DIRECT) and sum(os.path.getsize(f) for f in files) > (memory_limit() if limit is None else limit)
+
+
+def direct_reads(mode: str, files: list[str], limit: int | None = None) -> bool:
+    """``wants_direct``, and every file opens with O_DIRECT (a filesystem may refuse it: its
+    reads are then buffered)."""
+    if not wants_direct(mode, files, limit):
+        return False
+    for path in files:
+        fd = open_direct(path)
+        if fd is None:
+            return False
+        os.close(fd)
+    return True
+
+
+def drop_cached(files) -> None:
+    """Drop the files' pages from the page cache (clean pages only; these are read-only):
+    after the resident weights are loaded with direct expert reads, their pages would
+    only take memory (a cgroup counts them) that the plan gives to the expert cache. A
+    platform without ``posix_fadvise`` keeps them."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def open_direct(path: str) -> int | None:

@@ -41,6 +41,7 @@ from edge0.backend.mlx.models import (
     load_teacher,
     load_resident,
     model_classes,
+    kv_width,
     rotary_dims,
 )
 from edge0.backend.mlx.split import SPLIT_MIN_WEIGHTS, SplitQuantizedLinear
@@ -85,7 +86,7 @@ __all__ = [
     "hidden_width", "intercept", "is_linear", "is_switch", "linear_dims", "linear_modules", "load_full_model", "load_teacher",
     "load_parameters_flat", "load_resident", "load_tokenizer", "log_sigmoid", "make_cache", "model_classes",
     "module_at", "parameters_flat", "quantize_switch", "router_weight", "set_module_at", "silu",
-    "rotary_dims", "split_projections", "switch_experts", "switch_layout", "switch_output_width", "token_embedding",
+    "kv_width", "rotary_dims", "split_projections", "switch_experts", "switch_layout", "switch_output_width", "token_embedding",
     "trim_cache", "value_and_grad", "copy_prefix", "batch_cache", "empty_batch_cache", "extend_batch_cache", "extract_batch_row",
     "filter_batch_cache", "is_plain_kv_cache", "row_sampling", "check_start_cache", "load_cache_file",
 ]

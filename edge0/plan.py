@@ -1,0 +1,153 @@
+"""``edge0 plan``: what opening a checkpoint will hold, and what it will read, before loading.
+
+    edge0 plan --model DIR [--memory 8G] [--plan-context 4096 --plan-batch 1] [--trace FILE] [--json]
+
+Reads config.json and the weight files' headers (no tensor byte) and makes the memory plan
+``Engine.open`` makes (``edge0.loader.lay_out``, ``edge0.exec.budget.plan_memory``): the
+process itself, the resident weights, the expert buffers at open and their ceiling, the KV
+budget, the expert cache and the margin, within the memory the process may use (``--memory``
+plans for another limit, say the cgroup an application will run in). A plan that cannot fit
+is refused with the error ``Engine.open`` would raise. Then the forecast: the disk's bytes per
+token, replaying a recorded routing trace through the plan's slots and cache
+(``edge0.exec.forecast``): ``--trace``, else ``routing-trace.json`` beside the checkpoint
+(``edge0 record-routing --out DIR/routing-trace.json``), else a stated assumption (each step's
+experts drawn uniformly at random).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+TRACE_FILENAME = "routing-trace.json"
+ASSUMED_STEPS = 64  # the uniform assumption's trace: this many decode steps ...
+ASSUMED_PROMPT = 32  # ... after a prompt of this many tokens
+
+
+def limit_source(memory: int | None) -> str:
+    """Where the memory limit comes from."""
+    from edge0.io_sched import direct as dio
+
+    if memory is not None:
+        return "--memory"
+    parts = {"physical memory": dio.physical_memory(), "cgroup limit": dio.cgroup_limit(),
+             "rlimit": dio.rlimit_memory()}
+    return min((v, k) for k, v in parts.items() if v)[1]
+
+
+def assumed_trace(layers: list[int], num_experts: int, k: int, seed: int = 0) -> OracleRouting:
+    """Routing drawn uniformly at random: each layer's k experts of each step, and of each
+    prompt token (one chunk)."""
+    from edge0.exec.oracle import OracleRouting
+
+    rng = random.Random(seed)
+
+    def draw(tokens: int) -> dict[int, tuple[int, ...]]:
+        return {l: tuple(sorted({e for _ in range(tokens) for e in rng.sample(range(num_experts), k)}))
+                for l in layers}
+
+    return OracleRouting([draw(1) for _ in range(ASSUMED_STEPS)], prefill=[draw(ASSUMED_PROMPT)])
+
+
+def make(model_dir: str | Path, config, *, memory: int | None = None, trace: str | Path | None = None,
+         runtime: int | None = None) -> dict:
+    """The plan and the forecast of ``model_dir`` under ``config``, as a dict (``--json``)."""
+    from edge0.exec.forecast import forecast
+    from edge0.exec.oracle import OracleRouting
+    from edge0.loader import lay_out
+
+    model_dir = Path(model_dir)
+    lay = lay_out(model_dir, config, limit=memory, runtime=runtime)
+    plan, spec, index = lay.plan, lay.opened.spec, lay.opened.index
+    trace_path = Path(trace) if trace else model_dir / TRACE_FILENAME
+    if trace is not None or trace_path.exists():
+        routing = OracleRouting.load(trace_path)
+        routing.check(spec.moe_layers, spec.num_experts)
+        source = f"trace {trace_path} ({len(routing.steps)} decode steps)"
+    else:
+        routing = assumed_trace(lay.layers, spec.num_experts, spec.k)
+        source = (f"assumed: each step's {spec.k} experts of a layer drawn uniformly at random, a "
+                  f"{ASSUMED_PROMPT}-token prompt first (no {TRACE_FILENAME} beside the checkpoint)")
+    staged = set(lay.on["staged"])
+    width = spec.k + lay.extra
+    fc = forecast(routing, staged=staged, slots=plan.slots, capacity=plan.cache // max(1, plan.per_expert),
+                  policy=plan.policy, expert_bytes={l: index.layers[l].expert_bytes for l in lay.layers},
+                  scale=width / spec.k)
+    return {"model": str(model_dir), "model_type": spec.model_type, "moe_layers": len(lay.layers),
+            "experts": spec.num_experts, "k": spec.k, "staged_layers": len(staged), "routing": lay.routing,
+            "stage_extra": lay.extra, "compute_dtype": lay.compute_dtype,
+            "limit_source": limit_source(memory), "plan": _plan_dict(plan),
+            "forecast": {**fc, "source": source}}
+
+
+def _plan_dict(plan) -> dict:
+    out = dict(plan.__dict__)
+    for name in ("slots_bytes", "ceiling_bytes", "kv_bytes", "at_open", "planned"):
+        out[name] = getattr(plan, name)
+    return out
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:7.2f} GiB" if n >= 2**30 else f"{n / 2**20:7.1f} MiB"
+
+
+def text(doc: dict) -> str:
+    """The plan as ``edge0 plan`` prints it."""
+    p, f = doc["plan"], doc["forecast"]
+    routing = doc["routing"] + (f" (+{doc['stage_extra']} staged)" if doc["stage_extra"] else "")
+    lines = [
+        f"model: {doc['model']} ({doc['model_type']}, {doc['moe_layers']} MoE layers x {doc['experts']} experts, "
+        f"k={doc['k']}; {doc['staged_layers']} decode staged, routing {routing}; compute {doc['compute_dtype']})",
+        f"memory the process may use {_gib(p['limit'])}  ({doc['limit_source']})",
+        f"  the process itself       {_gib(p['runtime'])}  (measured now: interpreter, MLX, mlx-lm)",
+        f"  resident weights         {_gib(p['resident'])}  (every tensor but the routed experts)",
+        f"  expert buffers at open   {_gib(p['others'] + p['slots_bytes'])}  ({p['staged']} staged layers x "
+        f"{p['slots']} slots, the exact bundle, hot sets, whole-layer buffers)",
+        f"  slots grown for a batch  {_gib(p['ceiling_bytes'] - p['slots_bytes'])}  (up to {p['ceiling']} "
+        "slots a staged layer)",
+        f"  KV caches                {_gib(p['kv_bytes'])}  ({p['batch']} x {p['context']} tokens, "
+        f"{p['kv_per_token'] / 1024:.1f} KiB a token{'; ' + p['kv_note'] if p['kv_note'] else ''})",
+        f"  expert cache             {_gib(p['cache'])}  ({p['policy']}, {p['cache'] / max(1, p['held']):.0%} of the "
+        f"{_gib(p['held']).strip()} of experts; {'direct' if p['direct'] else 'buffered'} reads)",
+        f"  margin                   {_gib(p['margin'])}  (activations, MLX's buffer cache; left unplanned)",
+        f"  planned in all           {_gib(p['planned'])}",
+    ]
+    if f["disk_bytes_per_token"] is not None:
+        lines.append(f"forecast: {f['disk_bytes_per_token'] / 2**20:.1f} MiB/token from the disk, "
+                     f"{f['expert_bytes_per_token'] / 2**20:.1f} MiB/token of experts into the slots; "
+                     f"{f['source']}")
+    return "\n".join(lines)
+
+
+def add_parser(sub) -> None:
+    from edge0.config_sources.cli_flags import add_config_flags
+
+    p = sub.add_parser("plan", help="what opening a checkpoint will hold and read, before loading (headers only)",
+                       description="Reads config.json and the weight files' headers (no tensor byte) and prints "
+                                   "the memory plan Engine.open makes: the process itself, the resident weights, "
+                                   "the expert buffers, the KV budget, the expert cache and the margin, within the "
+                                   "memory the process may use (or --memory); refuses a plan that cannot fit as "
+                                   "Engine.open would. Then the disk's bytes per token forecast from a recorded "
+                                   f"routing trace (--trace, else {TRACE_FILENAME} beside the checkpoint, else "
+                                   "uniform routing assumed). Takes every engine setting.")
+    p.add_argument("--model", required=True, help="a checkpoint directory or a cached repo id")
+    p.add_argument("--memory", default=None, metavar="SIZE",
+                   help="plan for this much memory (8G, 512M) instead of what this process may use")
+    p.add_argument("--trace", default=None, metavar="FILE",
+                   help=f"routing recorded by `edge0 record-routing --out` (default: {TRACE_FILENAME} beside the "
+                        "checkpoint, else uniform routing assumed)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    add_config_flags(p)
+    p.set_defaults(func=cmd_plan)
+
+
+def cmd_plan(args) -> int:
+    from edge0.benchmark.cgroup import parse_size
+    from edge0.config_sources.resolve import resolve_config
+    from edge0.hub import resolve_model
+
+    memory = parse_size(args.memory, "--memory") if args.memory is not None else None
+    doc = make(resolve_model(args.model), resolve_config(args), memory=memory, trace=args.trace)
+    print(json.dumps(doc, indent=1) if args.json else text(doc))
+    return 0

@@ -1,0 +1,163 @@
+"""The memory plan: ``edge0 plan`` (headers only) and ``Engine.open`` make it in one place, so
+they agree; the KV budget is what mlx-lm's caches take; a plan that cannot fit is refused by
+both alike; the forecast of the disk's bytes per token replays the engine's own tiers."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+
+import pytest
+
+from edge0 import Engine, EngineConfig
+from edge0.cli import main
+from edge0.errors import CheckpointError
+from edge0.exec.oracle import OracleRouting
+from tests.test_async_misuse import N, PROMPT, setups  # noqa: F401
+
+GIB = 2**30
+SAME = ("limit", "resident", "per_expert", "staged", "slots", "ceiling", "others", "held", "kv_per_token", "context",
+        "batch", "margin", "policy", "direct")
+
+
+def _plan_cli(*args: str) -> tuple[int, dict | None, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["plan", *args])
+    return code, json.loads(out.getvalue()) if code == 0 and "--json" in args else None, out.getvalue() + err.getvalue()
+
+
+def _limit(monkeypatch, limit: int, runtime: int) -> None:
+    """The memory the process may use, and what it holds itself (measured by each, so
+    fixed here: the two measure at other moments)."""
+    import edge0.exec.budget as budget
+    import edge0.io_sched.direct as dio
+
+    monkeypatch.setattr(budget, "memory_limit", lambda: limit)
+    monkeypatch.setattr(dio, "memory_limit", lambda: limit)
+    monkeypatch.setattr(budget, "process_rss", lambda: runtime)
+
+
+@pytest.mark.parametrize("config", ["staged+heads", "staged+select", "exact"])
+def test_the_plan_command_and_engine_open_make_the_same_plan_and_the_engine_allocates_by_it(setups, config,
+                                                                                          monkeypatch):
+    d, cfg, _, _ = setups[config]
+    flags = ["--direct-io", "on"] + (["--routing", "select", "--stage-extra", "2"] if config == "staged+select" else [])
+    kwargs = {**cfg.__dict__, "direct_io": "on"}
+    with Engine(d, EngineConfig(**kwargs)) as engine:
+        held = engine.streaming.plan.held
+        planned = engine.streaming.plan.planned - engine.streaming.plan.cache
+    # a limit where the automatic cache is a part of the experts (not all, not none)
+    _limit(monkeypatch, planned + held // 2 + GIB, runtime=engine.streaming.plan.runtime)  # (margin: 1 GiB under 8)
+    code, doc, _ = _plan_cli("--model", str(d), "--json", *flags)
+    assert code == 0
+    with Engine(d, EngineConfig(**kwargs)) as engine:
+        plan, reader, stager = engine.streaming.plan, engine.streaming.reader, engine.streaming.stager
+        for name in (*SAME, "runtime", "cache"):
+            assert doc["plan"][name] == getattr(plan, name), name
+        if plan.direct:
+            assert 0 < plan.cache < plan.held and reader.cache.budget == plan.cache
+        if stager is not None:
+            assert stager.pool.slots == plan.slots and stager.pool.max_slots == plan.ceiling
+    assert doc["staged_layers"] == plan.staged and (plan.staged == 0) == (config == "exact")
+
+
+def test_the_plan_names_every_part_in_its_text(setups):
+    d, _, _, _ = setups["staged+heads"]
+    code, _, text = _plan_cli("--model", str(d), "--memory", "6G", "--plan-context", "8192", "--plan-batch", "2")
+    assert code == 0
+    for part in ("memory the process may use", "6.00 GiB  (--memory)", "the process itself", "resident weights",
+                 "expert buffers at open", "slots grown for a batch", "KV caches", "(2 x 8192 tokens", "expert cache",
+                 "margin", "planned in all", "forecast:"):
+        assert part in text, part
+
+
+def test_the_kv_budget_is_what_mlx_lms_caches_take(setups):
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from edge0.plan import make
+
+    d, _, _, _ = setups["exact"]
+    model, _ = load(str(d))
+    model.set_dtype(mx.float32)  # the plan's compute dtype on the CPU
+    cache = make_prompt_cache(model)
+    tokens = 256  # one step of mlx-lm's KV allocation
+    mx.eval(model(mx.array([[1] * tokens]), cache=cache))
+    taken = sum(c.nbytes for c in cache)
+    plan = make(d, EngineConfig(compute_dtype="float32"))["plan"]
+    assert plan["kv_per_token"] * tokens == taken
+    quantized = [c.to_quantized(group_size=32, bits=4) for c in cache]
+    mx.eval([q.state for q in quantized])
+    plan4 = make(d, EngineConfig(compute_dtype="float32", kv_bits=4, kv_group_size=32))["plan"]
+    assert plan4["kv_per_token"] * tokens == sum(q.nbytes for q in quantized)
+    assert plan4["kv_bytes"] == plan4["kv_per_token"] * 4096
+
+
+def test_a_plan_that_cannot_fit_is_refused_by_the_command_and_by_engine_open_alike(setups):
+    d, _, _, _ = setups["exact"]
+    code, _, text = _plan_cli("--model", str(d), "--plan-context", "100000000", "--plan-batch", "64")
+    assert code == 2
+    with pytest.raises(CheckpointError) as refused:
+        Engine(d, EngineConfig(plan_context=100_000_000, plan_batch=64))
+    cut = "and the process holds"
+    said = str(refused.value)
+    assert "the KV caches of 64 x 100000000 tokens" in said and said.split(cut)[0] in text
+    code, _, text = _plan_cli("--model", str(d), "--memory", "10X")
+    assert code == 2 and "--memory must look like 8G" in text
+
+
+def test_a_recorded_routing_keeps_the_prompts_reads_and_older_files_load(setups, tmp_path):
+    d, _, _, _ = setups["exact"]
+    with Engine(d) as engine:
+        routing = engine.record_routing(PROMPT, max_tokens=N)
+    assert routing.prefill and set(routing.prefill[0]) == set(routing.steps[0])
+    assert len(routing.prefill[0][next(iter(routing.prefill[0]))]) > len(routing.steps[0][next(iter(routing.steps[0]))])
+    routing.save(tmp_path / "t.json")
+    again = OracleRouting.load(tmp_path / "t.json")
+    assert again.steps == routing.steps and again.prefill == routing.prefill
+    doc = json.loads((tmp_path / "t.json").read_text())
+    del doc["prefill"]  # a file written before prompts were recorded
+    (tmp_path / "old.json").write_text(json.dumps(doc))
+    old = OracleRouting.load(tmp_path / "old.json")
+    assert old.steps == routing.steps and old.prefill == []
+
+
+@pytest.mark.parametrize("cache_mb", [1, 0])
+def test_the_forecast_of_a_recorded_run_is_what_the_engine_reads_from_the_disk(setups, tmp_path, cache_mb):
+    """The exact path: every routed expert goes to the cache or the disk; the replay of the
+    recorded routing through the engine's cache class reads what the engine read."""
+    from edge0.plan import make
+
+    d, _, _, _ = setups["exact"]
+    config = EngineConfig(cache_mb=cache_mb, cache_policy="lfu")
+    with Engine(d, config) as engine:
+        routing = engine.record_routing(PROMPT, max_tokens=N)
+    with Engine(d, config) as engine:
+        stats = list(engine.stream(PROMPT, max_tokens=N))[-1].stats
+    routing.steps = routing.steps[:stats.generated_tokens - 1]  # the steps the stats count (the first token: prefill)
+    routing.save(tmp_path / "trace.json")
+    measured = stats.decode_expert_bytes / len(routing.steps)
+    forecast = make(d, config, trace=tmp_path / "trace.json")["forecast"]
+    assert forecast["steps"] == len(routing.steps) and forecast["prompt_chunks"] == len(routing.prefill)
+    assert forecast["disk_bytes_per_token"] == pytest.approx(measured, rel=1e-9)
+    if cache_mb:
+        assert stats.decode_cache_hits > 0 and forecast["disk_bytes_per_token"] < forecast["expert_bytes_per_token"]
+
+
+def test_the_forecast_reads_a_trace_beside_the_checkpoint_else_says_what_it_assumes(setups, tmp_path):
+    from edge0.plan import TRACE_FILENAME, make
+    from tests.ckpt_tools import copy_model
+
+    d, _, _, _ = setups["exact"]
+    assumed = make(d, EngineConfig())["forecast"]
+    assert assumed["source"].startswith("assumed: each step's") and assumed["disk_bytes_per_token"] > 0
+    m = copy_model(d, tmp_path / "m")
+    with Engine(m) as engine:
+        engine.record_routing(PROMPT, max_tokens=N).save(m / TRACE_FILENAME)
+    beside = make(m, EngineConfig())["forecast"]
+    assert beside["source"].startswith(f"trace {m / TRACE_FILENAME}") and beside["steps"] == N
+    with pytest.raises(Exception, match="does not exist"):
+        make(m, EngineConfig(), trace=tmp_path / "absent.json")
