@@ -44,12 +44,13 @@ def _expert_cache(plan: MemoryPlan, index, layers: list[int]) -> ExpertCache | N
 
 
 def make_plan(config: EngineConfig, opened, pipe, layers: list[int], on: dict, width: int, compute_dtype: str, *,
-              direct: bool, limit: int | None = None, runtime: int | None = None) -> MemoryPlan:
+              direct: bool, heads: int = 0, limit: int | None = None, runtime: int | None = None) -> MemoryPlan:
     """The memory plan of an opened checkpoint skeleton (``edge0.model.open``): no tensor
-    byte read. ``Engine.open`` and ``edge0 plan`` both make it here."""
+    byte of it read. ``Engine.open`` and ``edge0 plan`` both make it here."""
     kv, note = kv_bytes_per_token(opened.model, DTYPE_BYTES[compute_dtype], config.kv_bits, config.kv_group_size)
     return plan_memory(config, opened.index, opened.spec, pipe, layers, on, width, direct=direct, kv_per_token=kv,
-                       kv_note=note, limit=limit, runtime=runtime)
+                       kv_note=note, compute_bytes=DTYPE_BYTES[compute_dtype], heads=heads, limit=limit,
+                       runtime=runtime)
 
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -99,12 +100,8 @@ def _paths(config: EngineConfig, layers: list[int], heads) -> dict[tuple[int, st
     return path_of
 
 
-def _make_prerouter(config: EngineConfig, heads, width: int | None) -> Prerouter | None:
-    """The decode-time prerouter over ``heads`` (None: no heads), its flush where
-    ``prerouter_flush`` and ``prerouter_dtype`` resolve to; ``width``: experts staged per
-    consumer (select routing), None: k (the prediction is the routing)."""
-    if heads is None:
-        return None
+def _prerouter_mode(config: EngineConfig) -> tuple[str, str]:
+    """(dtype, flush) that ``prerouter_dtype`` and ``prerouter_flush`` resolve to."""
     dtype = config.prerouter_dtype
     if dtype == "auto":
         dtype = "float32" if B.is_cpu() else "float16"
@@ -114,6 +111,29 @@ def _make_prerouter(config: EngineConfig, heads, width: int | None) -> Prerouter
     if flush == "numpy" and dtype != "float32":
         raise ConfigError(f"prerouter_flush numpy computes in float32; prerouter_dtype {dtype} needs "
                           "prerouter_flush mlx (or auto)")
+    return dtype, flush
+
+
+def _heads_bytes(config: EngineConfig, heads) -> int:
+    """The heads' memory as the prerouter will hold them: MLX's copy (as loaded where the
+    flush runs on the host, else in the flush's dtype) and NumPy's float32 one for a flush
+    on the host."""
+    if heads is None:
+        return 0
+    dtype, flush = _prerouter_mode(config)
+    arrays = bnn.parameters_flat(heads).values()
+    if flush == "numpy":
+        return sum(a.nbytes for a in arrays) + sum(4 * a.size for a in arrays)
+    return sum(DTYPE_BYTES[dtype] * a.size for a in arrays)
+
+
+def _make_prerouter(config: EngineConfig, heads, width: int | None) -> Prerouter | None:
+    """The decode-time prerouter over ``heads`` (None: no heads), its flush where
+    ``prerouter_flush`` and ``prerouter_dtype`` resolve to; ``width``: experts staged per
+    consumer (select routing), None: k (the prediction is the routing)."""
+    if heads is None:
+        return None
+    dtype, flush = _prerouter_mode(config)
     prerouter = Prerouter(heads, dtype=B.dtype(dtype), on_host=flush == "numpy")
     prerouter.width = width
     return prerouter
@@ -158,7 +178,8 @@ def lay_out(model_dir: Path, config: EngineConfig, oracle: OracleRouting | None 
     on = {p: [l for l in layers if p in (path_of[l, "prefill"], path_of[l, "decode"])] for p in PATHS}
     compute_dtype = resolve_compute_dtype(config.compute_dtype, opened.raw)
     plan = make_plan(config, opened, pipe, layers, on, spec.k + extra, compute_dtype,
-                     direct=direct_reads(config.direct_io, index.files, limit), limit=limit, runtime=runtime)
+                     direct=direct_reads(config.direct_io, index.files, limit), heads=_heads_bytes(config, heads),
+                     limit=limit, runtime=runtime)
     if on["staged"] and extra and plan.slots < spec.k + extra:  # (fewer than k: the Stager says so)
         raise ConfigError(f"slots_per_layer={plan.slots} cannot hold the {spec.k + extra} experts select routing "
                           f"stages per layer (k={spec.k} + stage_extra={extra})")
@@ -179,6 +200,8 @@ def load_streaming_model(model_dir: str | Path, config: EngineConfig, *, oracle:
         lay.compute_dtype, lay.plan
     model, spec, raw, index, templates = opened.model, opened.spec, opened.raw, opened.index, opened.templates
     slots = plan.slots
+    if plan.direct and heads_path is not None:  # the heads file's pages: memory the plan gave the cache
+        drop_cached([heads_path])
     reader = ExpertReader(index, config.reader_threads, log=log, direct=wants_direct(config.direct_io, index.files))
     reader.cache = _expert_cache(plan, index, layers)
     phase, stager = StepPhase(), None  # the step hook says whether each forward pass decodes or prefills

@@ -101,7 +101,9 @@ def text(doc: dict) -> str:
         f"k={doc['k']}; {doc['staged_layers']} decode staged, routing {routing}; compute {doc['compute_dtype']})",
         f"memory the process may use {_gib(p['limit'])}  ({doc['limit_source']})",
         f"  the process itself       {_gib(p['runtime'])}  (measured now: interpreter, MLX, mlx-lm)",
-        f"  resident weights         {_gib(p['resident'])}  (every tensor but the routed experts)",
+        f"  resident weights         {_gib(p['resident'])}  (every tensor but the routed experts, in the compute "
+        "dtype)",
+        f"  prerouter heads          {_gib(p['heads'])}  (as the prerouter holds them)",
         f"  expert buffers at open   {_gib(p['others'] + p['slots_bytes'])}  ({p['staged']} staged layers x "
         f"{p['slots']} slots, the exact bundle, hot sets, whole-layer buffers)",
         f"  slots grown for a batch  {_gib(p['ceiling_bytes'] - p['slots_bytes'])}  (up to {p['ceiling']} "

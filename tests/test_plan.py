@@ -17,7 +17,7 @@ from edge0.exec.oracle import OracleRouting
 from tests.test_async_misuse import N, PROMPT, setups  # noqa: F401
 
 GIB = 2**30
-SAME = ("limit", "resident", "per_expert", "staged", "slots", "ceiling", "others", "held", "kv_per_token", "context",
+SAME = ("limit", "resident", "heads", "per_expert", "staged", "slots", "ceiling", "others", "held", "kv_per_token", "context",
         "batch", "margin", "policy", "direct")
 
 
@@ -161,3 +161,39 @@ def test_the_forecast_reads_a_trace_beside_the_checkpoint_else_says_what_it_assu
     assert beside["source"].startswith(f"trace {m / TRACE_FILENAME}") and beside["steps"] == N
     with pytest.raises(Exception, match="does not exist"):
         make(m, EngineConfig(), trace=tmp_path / "absent.json")
+
+
+@pytest.mark.parametrize("config", ["staged+heads", "exact"])
+def test_the_plan_counts_the_resident_weights_and_the_heads_as_the_loaded_engine_holds_them(setups, config):
+    from mlx.utils import tree_flatten
+
+    d, cfg, oracle, _ = setups[config]
+    with Engine(d, cfg, oracle=oracle) as engine:
+        plan, s = engine.streaming.plan, engine.streaming
+        assert plan.resident == sum(v.nbytes for _, v in tree_flatten(s.model.parameters()))  # float32 on the CPU
+        if s.prerouter is None:
+            assert plan.heads == 0
+        else:
+            held = sum(v.nbytes for _, v in tree_flatten(s.prerouter.heads.parameters()))
+            assert plan.heads == held + (s.prerouter.host.nbytes if s.prerouter.host is not None else 0) > 0
+
+
+def test_under_a_cgroup_limit_the_process_itself_is_what_its_cgroup_holds(tmp_path, monkeypatch):
+    import edge0.exec.budget as budget
+    import edge0.io_sched.direct as dio
+
+    root = tmp_path / "fs"
+    (root / "a" / "b").mkdir(parents=True)
+    (root / "cgroup.controllers").write_text("memory\n")
+    (root / "a" / "memory.max").write_text(f"{8 * GIB}\n")
+    (root / "a" / "memory.current").write_text(f"{3 * GIB}\n")  # the level whose limit binds
+    (root / "a" / "b" / "memory.max").write_text("max\n")
+    (root / "a" / "b" / "memory.current").write_text(f"{GIB}\n")
+    proc = tmp_path / "cgroup"
+    proc.write_text("0::/a/b\n")
+    assert dio.cgroup_limit(str(proc), root) == 8 * GIB and dio.cgroup_current(str(proc), root) == 3 * GIB
+    monkeypatch.setattr(budget, "cgroup_limit", lambda: 8 * GIB)
+    monkeypatch.setattr(budget, "cgroup_current", lambda: 3 * GIB)
+    monkeypatch.setattr(budget, "process_rss", lambda: GIB)
+    assert budget.held_now(8 * GIB) == 3 * GIB  # the cgroup's limit: what it holds (page cache charged to it too)
+    assert budget.held_now(16 * GIB) == GIB  # another limit: the process's own resident bytes

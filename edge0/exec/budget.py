@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 
 from edge0.config import EngineConfig
 from edge0.errors import CheckpointError, ConfigError
-from edge0.io_sched.direct import memory_limit
+from edge0.io_sched.direct import cgroup_current, cgroup_limit, memory_limit
 
 
 def staged_slots(config: EngineConfig, spec, staged_width: int) -> int:
@@ -63,11 +63,21 @@ def check_budget(spec, index, config: EngineConfig, staged, hot, whole, slots: i
     return total - parts.get("staged slots", 0)
 
 
-def resident_bytes(index, spec, pipe) -> int:
+FLOAT_DTYPES = {"F16": 2, "BF16": 2, "F32": 4}
+
+
+def resident_bytes(index, spec, pipe, compute_bytes: int | None = None) -> int:
     """The bytes of every tensor the headers declare but the routed experts (a pipeline rank:
-    its own)."""
-    return sum(e.nbytes for h in index.headers for name, e in h.tensors.items()
-               if not spec.is_expert_key(name) and (pipe is None or not pipe.remote_key(name)))
+    its own), floating ones in the compute dtype (``compute_bytes`` an element; None: as
+    stored) as the model casts them."""
+    total = 0
+    for h in index.headers:
+        for name, e in h.tensors.items():
+            if spec.is_expert_key(name) or (pipe is not None and pipe.remote_key(name)):
+                continue
+            stored = FLOAT_DTYPES.get(e.dtype)
+            total += e.nbytes if stored is None or compute_bytes is None else e.nbytes // stored * compute_bytes
+    return total
 
 
 MARGIN_SHARE = 8  # the margin left unplanned: an eighth of the memory the process may use ...
@@ -85,6 +95,15 @@ def process_rss() -> int:
         return 0
 
 
+def held_now(limit: int) -> int:
+    """What already counts against ``limit``: this process's resident bytes, or where the
+    limit is its cgroup's, what that cgroup holds (the page cache it was charged included)."""
+    rss = process_rss()
+    if limit == cgroup_limit():
+        return max(rss, cgroup_current() or 0)
+    return rss
+
+
 @dataclass(frozen=True)
 class MemoryPlan:
     """What a process that opens a checkpoint will hold, decided before one tensor byte is
@@ -98,6 +117,7 @@ class MemoryPlan:
     slots: int  # slots per staged layer at open
     ceiling: int  # slots a staged layer may grow to for a batch
     others: int  # the other expert buffers: the exact bundle, hot sets, whole-layer buffers
+    heads: int  # the prerouter heads as held (MLX's copy, and NumPy's for a flush on the host)
     held: int  # the experts of the layers this process holds, all of them
     kv_per_token: int  # KV cache bytes one token of one generation takes
     context: int  # tokens per generation the KV budget is for
@@ -124,7 +144,7 @@ class MemoryPlan:
     def at_open(self) -> int:
         """What the process holds once open, before a generation: runtime, resident weights,
         expert buffers at open and the expert cache."""
-        return self.runtime + self.resident + self.others + self.slots_bytes + self.cache
+        return self.runtime + self.resident + self.heads + self.others + self.slots_bytes + self.cache
 
     @property
     def planned(self) -> int:
@@ -146,8 +166,8 @@ def kv_bytes_per_token(model, dtype_bytes: int, kv_bits: int | None, kv_group_si
 
 
 def plan_memory(config: EngineConfig, index, spec, pipe, layers: list[int], on: dict, width: int, *,
-                direct: bool, kv_per_token: int, kv_note: str = "", limit: int | None = None,
-                runtime: int | None = None) -> MemoryPlan:
+                direct: bool, kv_per_token: int, kv_note: str = "", compute_bytes: int | None = None, heads: int = 0,
+                limit: int | None = None, runtime: int | None = None) -> MemoryPlan:
     """The plan for the ``layers`` this process holds, ``on`` each path's layers, ``width``
     experts staged per step: the staged slots (``slots_per_layer``, 0: twice the width) and
     their ceiling, the other expert buffers (refused over ``memory_budget_mb``), the KV
@@ -161,8 +181,9 @@ def plan_memory(config: EngineConfig, index, spec, pipe, layers: list[int], on: 
     slots = staged_slots(config, spec, width)
     others = check_budget(spec, index, config, on["staged"], on["hot"], on["whole_layer"], slots)
     per_expert = max(index.layers[l].expert_bytes for l in layers) if layers else 0
-    plan = MemoryPlan(limit=limit, runtime=process_rss() if runtime is None else runtime,
-                      resident=resident_bytes(index, spec, pipe), per_expert=per_expert, staged=len(on["staged"]),
+    plan = MemoryPlan(limit=limit, runtime=held_now(limit) if runtime is None else runtime,
+                      resident=resident_bytes(index, spec, pipe, compute_bytes), per_expert=per_expert, heads=heads,
+                      staged=len(on["staged"]),
                       slots=slots, ceiling=max(slots, min(slot_ceiling(config, index, on["staged"], slots, others, limit),
                                                           spec.num_experts)),
                       others=others, held=sum(index.layers[l].expert_bytes * spec.num_experts for l in layers),
@@ -185,10 +206,11 @@ def check_fits(plan: MemoryPlan, model_dir) -> None:
     """Refuse (CheckpointError) a plan whose runtime, resident weights, expert buffers at open
     and KV budget are more than the memory the process may use: checked before one byte is
     read (a sparse file can declare gigabytes it does not hold)."""
-    need = plan.runtime + plan.resident + plan.others + plan.slots_bytes + plan.kv_bytes
+    need = plan.runtime + plan.resident + plan.heads + plan.others + plan.slots_bytes + plan.kv_bytes
     if need > plan.limit:
         raise CheckpointError(
             f"the resident weights (every tensor but the routed experts) declare {plan.resident / 2**30:.2f} GiB, "
+            f"the prerouter heads {plan.heads / 2**30:.2f} GiB, "
             f"the expert buffers need {(plan.others + plan.slots_bytes) / 2**30:.2f} GiB, the KV caches of "
             f"{plan.batch} x {plan.context} tokens {plan.kv_bytes / 2**30:.2f} GiB and the process holds "
             f"{plan.runtime / 2**30:.2f} GiB: more than the {plan.limit / 2**30:.2f} GiB this process may use "

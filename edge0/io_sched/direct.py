@@ -34,35 +34,57 @@ def physical_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def cgroup_limit(proc_cgroup: str = "/proc/self/cgroup", root: Path = CGROUP_ROOT) -> int | None:
-    """The smallest memory limit of this process's cgroup and its parents (v2 ``memory.max``,
-    v1 ``memory.limit_in_bytes``), or None when there is none."""
+def _cgroup_levels(proc_cgroup: str, root: Path):
+    """(directory, limit file, usage file) of this process's memory cgroup and each parent
+    (v2, and v1's memory controller)."""
     try:
         lines = Path(proc_cgroup).read_text().splitlines()
     except OSError:
-        return None
-    limits = []
+        return
     for line in lines:
         _, controllers, path = line.split(":", 2)
         if controllers == "":  # v2 (at the root, or beside v1 controllers under unified/)
             base = root if (root / "cgroup.controllers").exists() else root / "unified"
-            name = "memory.max"
+            names = ("memory.max", "memory.current")
         elif "memory" in controllers.split(","):
-            base, name = root / "memory", "memory.limit_in_bytes"
+            base, names = root / "memory", ("memory.limit_in_bytes", "memory.usage_in_bytes")
         else:
             continue
         here = base / path.lstrip("/")
         while True:
-            try:
-                text = (here / name).read_text().strip()
-            except OSError:
-                text = ""
-            if text.isdigit():
-                limits.append(int(text))
+            yield (here, *names)
             if here == base or base not in here.parents:
                 break
             here = here.parent
-    return min(limits) if limits else None
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def _binding_level(proc_cgroup: str, root: Path):
+    """(limit, usage file) of the level with the smallest memory limit, or None."""
+    levels = [(limit, here / usage) for here, name, usage in _cgroup_levels(proc_cgroup, root)
+              if (limit := _read_int(here / name)) is not None]
+    return min(levels, key=lambda x: x[0]) if levels else None
+
+
+def cgroup_limit(proc_cgroup: str = "/proc/self/cgroup", root: Path = CGROUP_ROOT) -> int | None:
+    """The smallest memory limit of this process's cgroup and its parents (v2 ``memory.max``,
+    v1 ``memory.limit_in_bytes``), or None when there is none."""
+    level = _binding_level(proc_cgroup, root)
+    return level[0] if level else None
+
+
+def cgroup_current(proc_cgroup: str = "/proc/self/cgroup", root: Path = CGROUP_ROOT) -> int | None:
+    """What the cgroup whose limit binds holds now (``memory.current`` / ``usage_in_bytes``:
+    its processes' memory and the page cache charged to it), or None."""
+    level = _binding_level(proc_cgroup, root)
+    return _read_int(level[1]) if level else None
 
 
 def rlimit_memory() -> int | None:

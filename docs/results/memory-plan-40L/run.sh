@@ -1,0 +1,17 @@
+#!/bin/sh
+# The memory plan's automatic expert cache on the 40-layer 35B-shaped checkpoint under memory
+# caps (root: a memory cgroup per arm), against the same arm with the cache off and llama.cpp
+# as its best user runs it (the device's readahead at 128 KiB), page cache dropped before
+# each run; then `edge0 plan`'s forecast of each cap from the replay's recorded routing.
+set -e
+OUT=docs/results/memory-plan-40L
+MODEL=${MODEL:-$HOME/.cache/edge0/bench-35b-40L}
+DEV=${DEV:-vda}
+old=$(cat /sys/block/$DEV/queue/read_ahead_kb)
+echo 128 > /sys/block/$DEV/queue/read_ahead_kb
+trap 'echo $old > /sys/block/'$DEV'/queue/read_ahead_kb' EXIT
+for cap in 8G 6G 4G; do
+  edge0 bench --layers 40 --arms staged+prerouter,staged+prerouter@nocache,llama.cpp \
+    --arm-option staged+prerouter@nocache:cache_mb=0 --memory-limit $cap --cache cold --rounds 3 \
+    --llama-threads 2 --no-chart --out $OUT/$cap
+done
