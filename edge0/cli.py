@@ -333,7 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
     from edge0.plan import add_parser as add_plan_parser
 
     add_bench_parser(sub)
-    add_plan_parser(sub)
+    add_plan_parser(sub, demo_model_dir)
     return parser
 
 

@@ -1,6 +1,6 @@
 """``edge0 plan``: what opening a checkpoint will hold, and what it will read, before loading.
 
-    edge0 plan --model DIR [--memory 8G] [--plan-context 4096 --plan-batch 1] [--trace FILE] [--json]
+    edge0 plan [--model DIR] [--memory 8G] [--plan-context 4096 --plan-batch 1] [--trace FILE] [--json]
 
 Reads config.json and the weight files' headers (no tensor byte) and makes the memory plan
 ``Engine.open`` makes (``edge0.loader.lay_out``, ``edge0.exec.budget.plan_memory``): the
@@ -122,7 +122,8 @@ def text(doc: dict) -> str:
     return "\n".join(lines)
 
 
-def add_parser(sub) -> None:
+def add_parser(sub, default_model) -> None:
+    """``edge0 plan``; ``default_model()``: the model planned without ``--model``."""
     from edge0.config_sources.cli_flags import add_config_flags
 
     p = sub.add_parser("plan", help="what opening a checkpoint will hold and read, before loading (headers only)",
@@ -133,7 +134,8 @@ def add_parser(sub) -> None:
                                    "Engine.open would. Then the disk's bytes per token forecast from a recorded "
                                    f"routing trace (--trace, else {TRACE_FILENAME} beside the checkpoint, else "
                                    "uniform routing assumed). Takes every engine setting.")
-    p.add_argument("--model", required=True, help="a checkpoint directory or a cached repo id")
+    p.add_argument("--model", default=None,
+                   help="a checkpoint directory or a cached repo id (default: the built-in demo model)")
     p.add_argument("--memory", default=None, metavar="SIZE",
                    help="plan for this much memory (8G, 512M) instead of what this process may use")
     p.add_argument("--trace", default=None, metavar="FILE",
@@ -141,7 +143,7 @@ def add_parser(sub) -> None:
                         "checkpoint, else uniform routing assumed)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     add_config_flags(p)
-    p.set_defaults(func=cmd_plan)
+    p.set_defaults(func=cmd_plan, default_model=default_model)
 
 
 def cmd_plan(args) -> int:
@@ -150,6 +152,7 @@ def cmd_plan(args) -> int:
     from edge0.hub import resolve_model
 
     memory = parse_size(args.memory, "--memory") if args.memory is not None else None
-    doc = make(resolve_model(args.model), resolve_config(args), memory=memory, trace=args.trace)
+    model = resolve_model(args.model) if args.model is not None else args.default_model()
+    doc = make(model, resolve_config(args), memory=memory, trace=args.trace)
     print(json.dumps(doc, indent=1) if args.json else text(doc))
     return 0

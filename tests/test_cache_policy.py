@@ -39,8 +39,24 @@ def test_belady_is_never_beaten(seed):
     routed = [set(s) for s in steps]
     for capacity in (4, 16, 64):
         best = cp.replay(steps, capacity, "belady")
-        for policy in ("lru", "lfu", "lru-all", "lfu-all", "lfu+next"):
+        for policy in (*cp.POLICY_ORDER[:-1], *cp.MORE):
             assert best <= cp.replay(steps, capacity, policy, routed)
+
+
+def test_the_variants_tried_against_the_shipped_policy_do_what_they_say():
+    a, b, c = (0, 1), (0, 2), (0, 3)
+    # one entry: a is asked for twice, then b: the shipped rule lets b replace a at a tie (its
+    # second ask), the strict one only once b was asked for more often (its third)
+    steps = [[a], [a], [b], [b], [b], [a]]
+    assert cp.replay(steps, 1, "lfu") == 4  # a, b (refused: 1 < 2), b (2 >= 2: in), a (3 >= 3: in)
+    assert cp.replay(steps, 1, "lfu>") == 5 and cp.replay(steps, 1, "lru>") == 5  # a, b, b, b (3 > 2: in), a
+    # the next two steps' experts are never evicted: with c protected, nothing is admitted over it
+    routed = [set(s) for s in [[c], [a], [c], [a], [c]]]
+    assert cp.replay([[c], [a], [c], [a], [c]], 1, "lfu+next2", routed) == 3  # c stays: a never enters
+    assert cp.replay([[c], [a], [c], [a], [c]], 1, "lfu") == 5  # without: a and c replace each other at ties
+    # ARC keeps what was asked for twice over a stream seen once
+    loop = [[(0, i)] for i in range(3, 9)]
+    assert cp.replay([[a], [a], *loop, [a]], 2, "arc") == 1 + len(loop)  # a hits at the end
 
 
 def test_the_tool_prints_a_table_per_trace(tmp_path, capsys):
@@ -50,3 +66,7 @@ def test_the_tool_prints_a_table_per_trace(tmp_path, capsys):
     assert cp.main([str(path), "--sizes", "0.25,0.5"]) == 0
     out = capsys.readouterr().out
     assert "t.json: 50 decode steps, 3 MoE layers" in out and "| 25% (12 experts) |" in out and "belady" in out
+    assert "arc" not in out
+    assert cp.main([str(path), "--sizes", "0.25", "--more"]) == 0
+    out = capsys.readouterr().out
+    assert all(p in out for p in cp.MORE)

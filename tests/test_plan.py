@@ -197,3 +197,10 @@ def test_under_a_cgroup_limit_the_process_itself_is_what_its_cgroup_holds(tmp_pa
     monkeypatch.setattr(budget, "process_rss", lambda: GIB)
     assert budget.held_now(8 * GIB) == 3 * GIB  # the cgroup's limit: what it holds (page cache charged to it too)
     assert budget.held_now(16 * GIB) == GIB  # another limit: the process's own resident bytes
+
+
+def test_without_a_model_the_plan_is_the_demos():
+    from edge0.cli import demo_model_dir
+
+    code, doc, _ = _plan_cli("--json")
+    assert code == 0 and doc["model"] == str(demo_model_dir()) and doc["plan"]["resident"] > 0
