@@ -115,16 +115,14 @@ def _prerouter_mode(config: EngineConfig) -> tuple[str, str]:
 
 
 def _heads_bytes(config: EngineConfig, heads) -> int:
-    """The heads' memory as the prerouter will hold them: MLX's copy (as loaded where the
-    flush runs on the host, else in the flush's dtype) and NumPy's float32 one for a flush
-    on the host."""
+    """The heads' memory as the prerouter will hold them: MLX's copy as loaded, and the
+    flush's: NumPy's float32 one on the host, else MLX's stacked in the flush's dtype."""
     if heads is None:
         return 0
     dtype, flush = _prerouter_mode(config)
     arrays = bnn.parameters_flat(heads).values()
-    if flush == "numpy":
-        return sum(a.nbytes for a in arrays) + sum(4 * a.size for a in arrays)
-    return sum(DTYPE_BYTES[dtype] * a.size for a in arrays)
+    per_element = 4 if flush == "numpy" else DTYPE_BYTES[dtype]
+    return sum(a.nbytes for a in arrays) + sum(per_element * a.size for a in arrays)
 
 
 def _make_prerouter(config: EngineConfig, heads, width: int | None) -> Prerouter | None:

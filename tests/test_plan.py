@@ -163,19 +163,23 @@ def test_the_forecast_reads_a_trace_beside_the_checkpoint_else_says_what_it_assu
         make(m, EngineConfig(), trace=tmp_path / "absent.json")
 
 
-@pytest.mark.parametrize("config", ["staged+heads", "exact"])
-def test_the_plan_counts_the_resident_weights_and_the_heads_as_the_loaded_engine_holds_them(setups, config):
+@pytest.mark.parametrize("config,flush", [("staged+heads", "auto"), ("staged+heads", "mlx"), ("exact", "auto")])
+def test_the_plan_counts_the_resident_weights_and_the_heads_as_the_loaded_engine_holds_them(setups, config, flush):
     from mlx.utils import tree_flatten
 
     d, cfg, oracle, _ = setups[config]
-    with Engine(d, cfg, oracle=oracle) as engine:
+    with Engine(d, EngineConfig(**{**cfg.__dict__, "prerouter_flush": flush}), oracle=oracle) as engine:
         plan, s = engine.streaming.plan, engine.streaming
         assert plan.resident == sum(v.nbytes for _, v in tree_flatten(s.model.parameters()))  # float32 on the CPU
         if s.prerouter is None:
             assert plan.heads == 0
         else:
-            held = sum(v.nbytes for _, v in tree_flatten(s.prerouter.heads.parameters()))
-            assert plan.heads == held + (s.prerouter.host.nbytes if s.prerouter.host is not None else 0) > 0
+            held = sum(v.nbytes for _, v in tree_flatten(s.prerouter.heads.parameters()))  # as loaded
+            if s.prerouter.host is not None:  # the host flush's float32 copy
+                held += s.prerouter.host.nbytes
+            else:  # the MLX flush's stacked copy
+                held += sum(v.nbytes for v in s.prerouter.heads._stacked.values())
+            assert plan.heads == held > 0
 
 
 def test_under_a_cgroup_limit_the_process_itself_is_what_its_cgroup_holds(tmp_path, monkeypatch):
