@@ -2,7 +2,8 @@
 
     edge0 plan [--model DIR] [--memory 8G] [--plan-context 4096 --plan-batch 1] [--trace FILE] [--json]
 
-Reads config.json and the weight files' headers (no tensor byte) and makes the memory plan
+Reads config.json and the weight files' headers (no tensor byte of the checkpoint; the
+prerouter heads beside it are loaded, as the plan counts them) and makes the memory plan
 ``Engine.open`` makes (``edge0.loader.lay_out``, ``edge0.exec.budget.plan_memory``): the
 process itself, the resident weights, the expert buffers at open and their ceiling, the KV
 budget, the expert cache and the margin, within the memory the process may use (``--memory``
@@ -127,7 +128,8 @@ def add_parser(sub, default_model) -> None:
     from edge0.config_sources.cli_flags import add_config_flags
 
     p = sub.add_parser("plan", help="what opening a checkpoint will hold and read, before loading (headers only)",
-                       description="Reads config.json and the weight files' headers (no tensor byte) and prints "
+                       description="Reads config.json and the weight files' headers (no tensor byte of the checkpoint; "
+                                   "the prerouter heads beside it are loaded) and prints "
                                    "the memory plan Engine.open makes: the process itself, the resident weights, "
                                    "the expert buffers, the KV budget, the expert cache and the margin, within the "
                                    "memory the process may use (or --memory); refuses a plan that cannot fit as "

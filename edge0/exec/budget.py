@@ -143,7 +143,7 @@ class MemoryPlan:
     @property
     def at_open(self) -> int:
         """What the process holds once open, before a generation: runtime, resident weights,
-        expert buffers at open and the expert cache."""
+        prerouter heads, expert buffers at open and the expert cache."""
         return self.runtime + self.resident + self.heads + self.others + self.slots_bytes + self.cache
 
     @property
@@ -159,7 +159,7 @@ def kv_bytes_per_token(model, dtype_bytes: int, kv_bits: int | None, kv_group_si
     an element with a scale and a bias per group)."""
     from edge0.backend import nn as bnn
 
-    layers, width, unknown = bnn.kv_width(model)
+    _, width, unknown = bnn.kv_width(model)
     per_element = dtype_bytes if kv_bits is None else kv_bits / 8 + 2 * dtype_bytes / kv_group_size
     note = f"{len(unknown)} attention modules of another kind not counted ({unknown[0]}, ...)" if unknown else ""
     return int(width * per_element), note
