@@ -109,6 +109,12 @@ class Engine:
         return self.streaming.reader
 
     @property
+    def plan(self):
+        """The memory plan the engine was opened by (``edge0.exec.budget.MemoryPlan``; what
+        ``edge0 plan`` prints)."""
+        return self.streaming.plan
+
+    @property
     def coordinator(self):
         """Who decides what the batch loop does (``edge0.coordinator``: this process alone, or
         a pipeline's ranks in step); ``coordinator.leads``: this process answers."""

@@ -117,7 +117,8 @@ def text(doc: dict) -> str:
         f"  planned in all           {_gib(p['planned'])}",
     ]
     if f["disk_bytes_per_token"] is not None:
-        lines.append(f"forecast: {f['disk_bytes_per_token'] / 2**20:.1f} MiB/token from the disk, "
+        source = "from the disk" if p["direct"] else "read (buffered: the page cache may hold them)"
+        lines.append(f"forecast: {f['disk_bytes_per_token'] / 2**20:.1f} MiB/token {source}, "
                      f"{f['expert_bytes_per_token'] / 2**20:.1f} MiB/token of experts into the slots; "
                      f"{f['source']}")
     return "\n".join(lines)

@@ -53,7 +53,7 @@ def test_the_plan_command_and_engine_open_make_the_same_plan_and_the_engine_allo
     code, doc, _ = _plan_cli("--model", str(d), "--json", *flags)
     assert code == 0
     with Engine(d, EngineConfig(**kwargs)) as engine:
-        plan, reader, stager = engine.streaming.plan, engine.streaming.reader, engine.streaming.stager
+        plan, reader, stager = engine.plan, engine.streaming.reader, engine.streaming.stager
         for name in (*SAME, "runtime", "cache"):
             assert doc["plan"][name] == getattr(plan, name), name
         if plan.direct:
