@@ -115,14 +115,14 @@ def _prerouter_mode(config: EngineConfig) -> tuple[str, str]:
 
 
 def _heads_bytes(config: EngineConfig, heads) -> int:
-    """The heads' memory as the prerouter will hold them: MLX's copy as loaded, and the
-    flush's: NumPy's float32 one on the host, else MLX's stacked in the flush's dtype."""
+    """The heads' memory as the prerouter will hold them: the flush's copy (NumPy's float32
+    one on the host, else MLX's stacked in the flush's dtype); the loaded copy is freed once
+    it is made, before the expert cache is allocated."""
     if heads is None:
         return 0
     dtype, flush = _prerouter_mode(config)
-    arrays = bnn.parameters_flat(heads).values()
     per_element = 4 if flush == "numpy" else DTYPE_BYTES[dtype]
-    return sum(a.nbytes for a in arrays) + sum(per_element * a.size for a in arrays)
+    return sum(per_element * a.size for a in bnn.parameters_flat(heads).values())
 
 
 def _make_prerouter(config: EngineConfig, heads, width: int | None) -> Prerouter | None:
@@ -201,7 +201,6 @@ def load_streaming_model(model_dir: str | Path, config: EngineConfig, *, oracle:
     if plan.direct and heads_path is not None:  # the heads file's pages: memory the plan gave the cache
         drop_cached([heads_path])
     reader = ExpertReader(index, config.reader_threads, log=log, direct=wants_direct(config.direct_io, index.files))
-    reader.cache = _expert_cache(plan, index, layers)
     phase, stager = StepPhase(), None  # the step hook says whether each forward pass decodes or prefills
     try:
         kernels, split = _kernels(config, compute_dtype, [templates[layer] for layer in layers])
@@ -212,6 +211,7 @@ def load_streaming_model(model_dir: str | Path, config: EngineConfig, *, oracle:
         whole = (WholeLayerExecutor(index, reader, on["whole_layer"], templates, log=log, split=exact.split)
                  if on["whole_layer"] else None)
         prerouter = _make_prerouter(config, heads, spec.k + extra if routing == "select" else None)
+        reader.cache = _expert_cache(plan, index, layers)  # after the heads' loaded copy is freed
         if on["staged"]:
             stager = Stager(index, on["staged"], slots, reader, None if prerouter is not None else oracle,
                             readers=config.reader_threads, prefetch_depth=config.prefetch_depth, log=log,

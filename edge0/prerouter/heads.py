@@ -95,7 +95,19 @@ class PrerouterHeads(bnn.Module):
         return [self.consumer[o] for o in self.owners]
 
     def head(self, owner: int) -> Head:
-        return self.heads[f"layer{owner}"]
+        try:
+            return self.heads[f"layer{owner}"]
+        except KeyError:
+            if getattr(self, "_dropped", False):
+                raise RuntimeError("these heads' weights were freed when a prerouter took its own copy of them "
+                                   "(load the heads file again to train or inspect them)") from None
+            raise
+
+    def drop_weights(self) -> None:
+        """Free every head's weights once a flush holds its own copy of them (the prerouter's
+        NumPy copy, or its stacked one): serving reads only the heads' shape after that."""
+        self.heads = {}
+        self._dropped = True
 
     def warm_start(self, router_weights: dict[int, object]) -> None:
         """Residual path of each head := its consumer's router weight [E, D]

@@ -44,6 +44,8 @@ class Prerouter:
         self.host = HostHeads(heads) if on_host else None
         if not on_host:
             heads.freeze_for_inference(dtype or heads.head(heads.owners[0]).residual.weight.dtype)
+        heads.drop_weights()  # the flush has its own copy: the loaded one is memory the cache can use
+        B.clear_cache()
         self.owners = set(heads.owners)
         self.route = None  # set by connect(): (consumer, logits, width) -> that block's routing of them
         self.embed = None  # set by connect(): token ids -> embedding rows (heads that see the token)
