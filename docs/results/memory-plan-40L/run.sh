@@ -34,3 +34,4 @@ for cap in 8G 6G 4G; do
     --prerouter-file $OUT/warm-heads.safetensors --json > $OUT/plan-$cap.json
 done
 rm $OUT/warm-heads.safetensors
+sed -i "s#$MODEL#$(basename "$MODEL")#g" $OUT/plan-*.json $OUT/routing-trace.json  # the checkpoint by its name
