@@ -130,8 +130,9 @@ class EngineConfig:
         "The expert cache: MiB of expert bytes kept in memory beside the slots, filled by the reads the slots, "
         "bundles and hot sets make anyway; an expert it holds is a memory copy, not a read. None (\"auto\"): with "
         "direct reads (the page cache bypassed), what the process may use (physical memory or its cgroup's limit) "
-        "less what the memory plan holds for the rest (the process itself, the resident weights, the expert "
-        "buffers at their ceiling, the KV budget of plan_context and plan_batch) and a margin (an eighth of that "
+        "less what the memory plan holds for the rest (the process itself, the resident weights, the prerouter "
+        "heads, the expert buffers at their ceiling, the KV budget of plan_context and plan_batch) and a margin "
+        "(an eighth of that "
         "memory, at least 1 GiB), none when that is under a tenth of the experts; with buffered reads off (the "
         "page cache keeps what was read). 0 = off. Never past its budget. `edge0 plan` prints the plan.",
         lo=0, none="auto")

@@ -68,11 +68,11 @@ def cache_misses(steps: list[list[Access]], capacity: int, policy: str) -> list[
 
 def forecast(trace, *, staged: set[int], slots: int, capacity: int, policy: str, expert_bytes: dict[int, int],
              scale: float = 1.0) -> dict:
-    """The disk's mean bytes per decode step over ``trace``, and the expert bytes the
-    slots miss (read from the cache or the disk) (an ``OracleRouting``): its
-    prompt chunks read first (the exact path: no slots; what they read may enter the cache),
-    then each step through the ``staged`` layers' ``slots`` and the cache. ``scale``: the
-    experts a staged layer reads per step over the trace's (select routing stages more
+    """Replay ``trace`` (an ``OracleRouting``): its prompt chunks first (the exact path: no
+    slots; what they read may enter the cache), then each decode step through the ``staged``
+    layers' ``slots`` and the cache of ``capacity`` experts. Returns the mean bytes per step
+    read from the disk, and those the slots miss (from the cache or the disk). ``scale``:
+    the experts a staged layer reads per step over the trace's (select routing stages more
     than the k the trace routed to)."""
     layers = set(expert_bytes)
     chunks = [{l: e for l, e in c.items() if l in layers} for c in trace.prefill]
