@@ -12,6 +12,8 @@ Belady's optimum.
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from edge0.io_sched.reader import ExpertCache
@@ -43,25 +45,30 @@ def slot_misses(steps: list[dict[int, tuple[int, ...]]], slots_of) -> list[list[
     return out
 
 
-class _Row:
-    host = np.zeros((1, 1), dtype=np.uint8)
+class _Rows:
+    """Buffers of one-byte experts, as the reader's rows are to the cache."""
+
+    def __init__(self, n: int):
+        self.host = np.zeros((n, 1), dtype=np.uint8)
 
 
 def cache_misses(steps: list[list[Access]], capacity: int, policy: str) -> list[list[Access]]:
     """Per step, the accesses the engine's expert cache of ``capacity`` experts under
-    ``policy`` does not hold (each then read and offered to it, as the reader does)."""
+    ``policy`` does not hold, asked as the reader asks: a layer's experts of a step in one
+    call, then what was read offered to it in one call."""
     if capacity <= 0:
         return [list(a) for a in steps]
     cache = ExpertCache(capacity, policy, 1)
-    rows = [_Row()]
     out = []
     for accesses in steps:
         missed = []
-        for layer, expert in accesses:
-            left, _, _ = cache.serve(layer, [expert], [0], rows)
+        for layer, group in itertools.groupby(accesses, key=lambda a: a[0]):
+            experts = [e for _, e in group]
+            rows = [_Rows(len(experts))]
+            left, left_rows, _ = cache.serve(layer, experts, list(range(len(experts))), rows)
+            missed.extend((layer, e) for e in left)
             if left:
-                missed.append((layer, expert))
-                cache.keep(layer, left, [0], rows)
+                cache.keep(layer, left, left_rows, rows)
         out.append(missed)
     return out
 
