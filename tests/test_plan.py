@@ -12,7 +12,7 @@ import pytest
 
 from edge0 import Engine, EngineConfig
 from edge0.cli import main
-from edge0.errors import CheckpointError
+from edge0.errors import CheckpointError, ConfigError
 from edge0.exec.oracle import OracleRouting
 from tests.test_async_misuse import N, PROMPT, setups  # noqa: F401
 
@@ -159,7 +159,7 @@ def test_the_forecast_reads_a_trace_beside_the_checkpoint_else_says_what_it_assu
         engine.record_routing(PROMPT, max_tokens=N).save(m / TRACE_FILENAME)
     beside = make(m, EngineConfig())["forecast"]
     assert beside["source"].startswith(f"trace {m / TRACE_FILENAME}") and beside["steps"] == N
-    with pytest.raises(Exception, match="does not exist"):
+    with pytest.raises(ConfigError, match="does not exist"):
         make(m, EngineConfig(), trace=tmp_path / "absent.json")
 
 
