@@ -75,7 +75,7 @@ def evict(files: list[Path]) -> None:
     """Drop the files' pages from the page cache (clean pages only; these are read-only)."""
     from edge0.io_sched.direct import drop_cached
 
-    drop_cached(files)
+    drop_cached(files, strict=True)
 
 
 def warm(files: list[Path]) -> None:

@@ -130,20 +130,25 @@ def direct_reads(mode: str, files: list[str], limit: int | None = None) -> bool:
     return True
 
 
-def drop_cached(files) -> None:
+def drop_cached(files, strict: bool = False) -> None:
     """Drop the files' pages from the page cache (clean pages only; these are read-only):
     after the resident weights are loaded with direct expert reads, their pages would
-    only take memory (a cgroup counts them) that the plan gives to the expert cache. A
-    platform without ``posix_fadvise`` keeps them."""
+    only take memory (a cgroup counts them) that the plan gives to the expert cache. Best
+    effort (a platform without ``posix_fadvise``, or a filesystem that refuses it, keeps
+    them) unless ``strict``."""
     if not hasattr(os, "posix_fadvise"):
         return
     for f in files:
-        fd = os.open(f, os.O_RDONLY)
         try:
-            os.fdatasync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.fdatasync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+        except OSError:
+            if strict:
+                raise
 
 
 def open_direct(path: str) -> int | None:
