@@ -132,9 +132,9 @@ class EngineConfig:
         "direct reads (the page cache bypassed), what the process may use (physical memory or its cgroup's limit) "
         "less what the memory plan holds for the rest (the process itself, the resident weights, the prerouter "
         "heads, the expert buffers at their ceiling, the KV budget of plan_context and plan_batch) and a margin "
-        "(an eighth of that "
-        "memory, at least 1 GiB), none when that is under a tenth of the experts; with buffered reads off (the "
-        "page cache keeps what was read). 0 = off. Never past its budget. `edge0 plan` prints the plan.",
+        "(an eighth of that memory, at least 1 GiB), none when that is under a tenth of the experts; with "
+        "buffered reads off (the page cache keeps what was read). 0 = off. Never past its budget. `edge0 plan` "
+        "prints the plan.",
         lo=0, none="auto")
     plan_context: int = setting(
         4096,

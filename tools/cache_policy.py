@@ -63,8 +63,6 @@ def replay(steps: list[list[tuple[int, int]]], capacity: int, policy: str, route
         return _arc(steps, capacity)
     if policy == "belady":
         return _belady(steps, capacity)
-    if policy == "lfu+next":
-        return _lfu_next(steps, capacity, routed)
     if policy.endswith("-all"):
         return _every_read_in(steps, capacity, policy[:-4])
     return sum(len(m) for m in cache_misses(steps, capacity, policy))  # the engine's own cache
@@ -88,32 +86,6 @@ def _every_read_in(steps, capacity: int, name: str) -> int:
                 p.remove(victim)
             held.add(key)
             p.touch(key)
-    return misses
-
-
-def _lfu_next(steps, capacity: int, routed) -> int:
-    """LFU with dynamic aging, as the engine's, but never evicting what the next step routes to."""
-    count: dict = {}
-    rank: dict = {}  # key -> (priority, last use)
-    age, tick, misses = 0, 0, 0
-    for i, accesses in enumerate(steps):
-        protect = routed[i + 1] if i + 1 < len(routed) else set()
-        for key in accesses:
-            tick += 1
-            if key not in count:
-                misses += 1
-                if capacity == 0:
-                    continue
-                if len(count) >= capacity:
-                    free = [k for k in count if k not in protect]
-                    if not free:
-                        continue  # everything held is needed next: not kept
-                    victim = min(free, key=rank.__getitem__)
-                    age = max(age, rank[victim][0])
-                    del count[victim], rank[victim]
-                count[key] = 0
-            count[key] += 1
-            rank[key] = (age + count[key], tick)
     return misses
 
 
@@ -142,14 +114,15 @@ def _belady(steps: list[list[tuple[int, int]]], capacity: int) -> int:
     return misses
 
 
-VARIANTS = {"lfu>": dict(strict=True), "lru>": dict(strict=True, recency=True), "lfu-hist": dict(history=True),
+VARIANTS = {"lfu+next": dict(admit=False, ahead=1), "lfu>": dict(strict=True), "lru>": dict(strict=True, recency=True), "lfu-hist": dict(history=True),
             "lfu-hist-noage": dict(history=True, aging=False), "lfu+next2": dict(ahead=2)}
 
 
-def _variant(steps, capacity: int, routed, strict=False, recency=False, history=False, aging=True, ahead=0) -> int:
+def _variant(steps, capacity: int, routed, strict=False, recency=False, history=False, aging=True, ahead=0,
+             admit=True) -> int:
     """LFU with dynamic aging and the admission rule, as the engine's, changed as the flags say
     (``recency``: least recently used instead; ``history``: counts since the start; ``ahead``:
-    the next steps' experts never evicted)."""
+    the next steps' experts never evicted; ``admit`` False: every read expert enters)."""
     uses, count, rank, heap, tick = {}, {}, {}, [], itertools.count()
     age, misses = 0, 0
     for i, accesses in enumerate(steps):
@@ -173,7 +146,7 @@ def _variant(steps, capacity: int, routed, strict=False, recency=False, history=
                             break
                     for entry in skipped:
                         heapq.heappush(heap, entry)
-                    if victim is None or (uses[key] <= uses[victim] if strict else uses[key] < uses[victim]):
+                    if victim is None or admit and (uses[key] <= uses[victim] if strict else uses[key] < uses[victim]):
                         continue  # not admitted
                     if aging:
                         age = max(age, rank[victim][0])

@@ -159,7 +159,7 @@ def kv_bytes_per_token(model, dtype_bytes: int, kv_bits: int | None, kv_group_si
     an element with a scale and a bias per group)."""
     from edge0.backend import nn as bnn
 
-    _, width, unknown = bnn.kv_width(model)
+    width, unknown = bnn.kv_width(model)
     per_element = dtype_bytes if kv_bits is None else kv_bits / 8 + 2 * dtype_bytes / kv_group_size
     note = f"{len(unknown)} attention modules of another kind not counted ({unknown[0]}, ...)" if unknown else ""
     return int(width * per_element), note

@@ -167,20 +167,19 @@ def rotary_dims(model: nn.Module) -> list[tuple[str, int]]:
     return out
 
 
-def kv_width(model: nn.Module) -> tuple[int, int, list[str]]:
-    """(attention modules, cached elements per token over all of them, the paths of
-    attention-like modules whose cache this cannot size): a module with ``k_proj`` and
+def kv_width(model: nn.Module) -> tuple[int, list[str]]:
+    """(cached elements per token over every attention module, the paths of attention-like
+    modules whose cache this cannot size): a module with ``k_proj`` and
     ``v_proj`` caches their outputs (keys and values) for every token; the shapes are the
     skeleton's, no weight is read."""
-    count, width, unknown = 0, 0, []
+    width, unknown = 0, []
     for path, module in model.named_modules():
         k, v = getattr(module, "k_proj", None), getattr(module, "v_proj", None)
         if k is not None and v is not None and hasattr(k, "weight") and hasattr(v, "weight"):
-            count += 1
             width += int(k.weight.shape[0]) + int(v.weight.shape[0])
-        elif path.endswith(("self_attn", "attention", "attn")) and isinstance(module, nn.Module):
+        elif path.endswith(("self_attn", "attention", "attn")):
             unknown.append(path)
-    return count, width, unknown
+    return width, unknown
 
 
 def _check_quantizable(model: nn.Module, class_predicate, group_size: int, bits: int, model_dir) -> None:
