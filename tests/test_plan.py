@@ -208,3 +208,11 @@ def test_without_a_model_the_plan_is_the_demos():
 
     code, doc, _ = _plan_cli("--json")
     assert code == 0 and doc["model"] == str(demo_model_dir()) and doc["plan"]["resident"] > 0
+
+
+def test_the_margin_is_an_eighth_of_the_memory_and_at_least_a_gib(setups):
+    from edge0.plan import make
+
+    d, _, _, _ = setups["exact"]
+    assert make(d, EngineConfig(), memory=16 * GIB)["plan"]["margin"] == 2 * GIB  # an eighth
+    assert make(d, EngineConfig(), memory=4 * GIB)["plan"]["margin"] == GIB  # at least 1 GiB
