@@ -54,6 +54,9 @@ def test_the_variants_tried_against_the_shipped_policy_do_what_they_say():
     routed = [set(s) for s in [[c], [a], [c], [a], [c]]]
     assert cp.replay([[c], [a], [c], [a], [c]], 1, "lfu+next2", routed) == 3  # c stays: a never enters
     assert cp.replay([[c], [a], [c], [a], [c]], 1, "lfu") == 5  # without: a and c replace each other at ties
+    # static: the most accessed over the whole trace held from its first access; the rest all miss
+    assert cp.replay([[a], [b], [a], [c], [a], [b], [b], [b]], 1, "static") == 5  # b (4 accesses) held: a 3x, c, b's first
+    assert cp.replay([[a], [b], [a], [c], [a], [b], [b], [b]], 0, "static") == 8
     # ARC keeps what was asked for twice over a stream seen once
     loop = [[(0, i)] for i in range(3, 9)]
     assert cp.replay([[a], [a], *loop, [a]], 2, "arc") == 1 + len(loop)  # a hits at the end

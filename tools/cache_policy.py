@@ -25,7 +25,11 @@ With ``--more``, variants tried against the shipped policy (none kept):
 - ``lfu-hist``, ``lfu-hist-noage``: LFU counting every read since the start, not since the
   expert entered, with and without aging (the admission rule as shipped);
 - ``lfu+next2``: the shipped LFU and rule, never evicting the next two steps' experts;
-- ``arc``: ARC (recency and frequency balanced by its ghost lists; every read expert enters).
+- ``arc``: ARC (recency and frequency balanced by its ghost lists; every read expert enters);
+- ``static``: offline, like Belady's, but knowing only how often each expert is accessed over
+  the whole trace, not when: the most accessed experts held from their first access on.
+  Under independent accesses no policy that knows only the past does better in the long
+  run; what Belady's optimum gains beyond it is the order of the accesses to come.
 
 Printed: one table per trace, the miss rate of each policy and each size, and each policy's
 misses against Belady's.
@@ -37,7 +41,7 @@ import argparse
 import heapq
 import itertools
 import sys
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -63,6 +67,8 @@ def replay(steps: list[list[tuple[int, int]]], capacity: int, policy: str, route
         return _arc(steps, capacity)
     if policy == "belady":
         return _belady(steps, capacity)
+    if policy == "static":
+        return _static(steps, capacity)
     if policy.endswith("-all"):
         return _every_read_in(steps, capacity, policy[:-4])
     return sum(len(m) for m in cache_misses(steps, capacity, policy))  # the engine's own cache
@@ -112,6 +118,14 @@ def _belady(steps: list[list[tuple[int, int]]], capacity: int) -> int:
             del held[victim]
         held[key] = following[i]
     return misses
+
+
+def _static(steps: list[list[tuple[int, int]]], capacity: int) -> int:
+    """Misses of the ``capacity`` most accessed experts of the whole trace held from their
+    first access on (that access is a miss, as every first access is Belady's)."""
+    counts = Counter(key for accesses in steps for key in accesses)
+    held = {key for key, _ in counts.most_common(capacity)}
+    return sum(n for key, n in counts.items() if key not in held) + len(held)
 
 
 VARIANTS = {"lfu+next": dict(admit=False, ahead=1), "lfu>": dict(strict=True), "lru>": dict(strict=True, recency=True), "lfu-hist": dict(history=True),
@@ -207,7 +221,7 @@ def _arc(steps, capacity: int) -> int:
 
 
 POLICY_ORDER = ("lru", "lfu", "lru-all", "lfu-all", "lfu+next", "belady")
-MORE = ("lfu>", "lru>", "lfu-hist", "lfu-hist-noage", "lfu+next2", "arc")
+MORE = ("lfu>", "lru>", "lfu-hist", "lfu-hist-noage", "lfu+next2", "arc", "static")
 
 
 def table(path: Path, slots: int | None, sizes: list[float], more: bool = False) -> str:
