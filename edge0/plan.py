@@ -78,6 +78,7 @@ def make(model_dir: str | Path, config, *, memory: int | None = None, trace: str
     return {"model": str(model_dir), "model_type": spec.model_type, "moe_layers": len(lay.layers),
             "experts": spec.num_experts, "k": spec.k, "staged_layers": len(staged), "routing": lay.routing,
             "stage_extra": lay.extra, "compute_dtype": lay.compute_dtype,
+            "prefetch_depth": lay.config.prefetch_depth if staged else None,
             "limit_source": limit_source(memory), "plan": _plan_dict(plan),
             "forecast": {**fc, "source": source}}
 
@@ -116,6 +117,9 @@ def text(doc: dict) -> str:
         f"  margin                   {_gib(p['margin'])}  (activations, MLX's buffer cache; left unplanned)",
         f"  planned in all           {_gib(p['planned'])}",
     ]
+    if doc["prefetch_depth"]:
+        lines.append(f"prefetch depth {doc['prefetch_depth']}: reads run up to {doc['prefetch_depth']} staged layers "
+                     "ahead of compute, into the slots above (no memory of its own)")
     if f["disk_bytes_per_token"] is not None:
         source = "from the disk" if p["direct"] else "read (buffered: the page cache may hold them)"
         lines.append(f"forecast: {f['disk_bytes_per_token'] / 2**20:.1f} MiB/token {source}, "

@@ -63,6 +63,19 @@ def test_the_plan_command_and_engine_open_make_the_same_plan_and_the_engine_allo
     assert doc["staged_layers"] == plan.staged and (plan.staged == 0) == (config == "exact")
 
 
+@pytest.mark.parametrize("config", ["staged+heads", "exact"])
+def test_the_plan_says_the_prefetch_depth_the_scheduler_runs_with(setups, config):
+    d, cfg, _, _ = setups[config]
+    code, doc, _ = _plan_cli("--model", str(d), "--json", "--prefetch-depth", "3")
+    _, _, text = _plan_cli("--model", str(d), "--prefetch-depth", "3")
+    assert code == 0
+    with Engine(d, EngineConfig(**{**cfg.__dict__, "prefetch_depth": 3})) as engine:
+        stager = engine.streaming.stager
+        depth = stager.pool.scheduler.prefetch_depth if stager is not None else None
+    assert doc["prefetch_depth"] == depth and (depth == 3) == (config != "exact")
+    assert ("prefetch depth 3: reads run up to 3 staged layers ahead" in text) == (config != "exact")
+
+
 def test_the_plan_names_every_part_in_its_text(setups):
     d, _, _, _ = setups["staged+heads"]
     code, _, text = _plan_cli("--model", str(d), "--memory", "6G", "--plan-context", "8192", "--plan-batch", "2")
