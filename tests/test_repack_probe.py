@@ -3,10 +3,13 @@ repacked ones the same bytes per expert as one range each, inside the file."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sys
 from pathlib import Path
+
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 
@@ -30,8 +33,18 @@ def test_stored_ranges_are_the_expert_rows_and_repacked_ones_one_range_per_exper
     assert all(0 <= off and off + n <= os.path.getsize(f) for f, off, n in packed)
 
 
-def test_the_probe_reads_both_layouts_and_reports_them(tiny_model_factory, tmp_path, monkeypatch):
+@pytest.mark.parametrize("refused", [False, True])
+def test_the_probe_reads_both_layouts_and_reports_them(tiny_model_factory, tmp_path, monkeypatch, refused):
     model = tiny_model_factory("qwen3_moe")
+    if refused:  # a filesystem that refuses O_DIRECT: buffered reads, said so
+        real_open = os.open
+
+        def refusing(path, flags, *args):
+            if flags & os.O_DIRECT:
+                raise OSError(errno.EINVAL, "O_DIRECT refused")
+            return real_open(path, flags, *args)
+
+        monkeypatch.setattr(rp.os, "open", refusing)
     out = tmp_path / "probe.json"
     monkeypatch.setattr(sys, "argv", ["repack_probe", "--model", str(model), "--draws", "6", "--k", "2",
                                       "--json", str(out)])
@@ -40,5 +53,7 @@ def test_the_probe_reads_both_layouts_and_reports_them(tiny_model_factory, tmp_p
     spec, index, _ = open_checkpoint(model)
     tensors = len(index.layers[spec.moe_layers[0]].tensors)
     assert got["stored"]["draws"] == got["repacked"]["draws"] == 6
+    if refused:
+        assert got["direct"] is False
     assert got["repacked"]["reads_per_draw"] <= 2 < got["stored"]["reads_per_draw"] <= 2 * tensors
     assert got["repacked_vs_stored_median"] > 0

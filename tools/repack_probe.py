@@ -4,7 +4,8 @@ tensors)? Measured before building one.
 
 Per draw: a random MoE layer and k random experts of it (a decode step's reads of one
 layer), read with direct reads (O_DIRECT, so the page cache plays no part) by ``--threads``
-threads, the ranges split among them biggest first as the engine's reader splits them:
+threads, the ranges split among them biggest first as the engine's reader splits them
+(buffered reads, and ``direct: false`` in the report, where the filesystem refuses O_DIRECT):
 
 - ``stored``: what the engine reads today, one range per stacked tensor and run of
   adjacent experts (with nine tensors, 9 x k ranges);
@@ -65,9 +66,20 @@ def repacked_ranges(layer, experts, expert_bytes: int, num_experts: int):
     return [(first.file, base + e * expert_bytes, expert_bytes * n) for e, n in _runs(experts)]
 
 
+def _open(path: str) -> tuple[int, bool]:
+    """A direct descriptor of ``path``, or a buffered one where the filesystem refuses
+    O_DIRECT (then the page cache plays a part, and the report says so)."""
+    try:
+        return os.open(path, os.O_RDONLY | os.O_DIRECT), True
+    except OSError:
+        return os.open(path, os.O_RDONLY), False
+
+
 class Probe:
     def __init__(self, files: list[str], threads: int):
-        self.fds = {f: os.open(f, os.O_RDONLY | os.O_DIRECT) for f in files}
+        self.fds = {f: _open(f) for f in files}
+        self.direct = all(direct for _, direct in self.fds.values())
+        self.fds = {f: fd for f, (fd, _) in self.fds.items()}
         self.threads = threads
         self.pool = ThreadPoolExecutor(threads)
         self.buffers = [memoryview(mmap.mmap(-1, 64 << 20)) for _ in range(threads)]
@@ -136,7 +148,8 @@ def main() -> None:
             reads[kind] += len(ranges)
     finally:
         probe.close()
-    out = {"model": Path(a.model).name, "k": a.k, "threads": a.threads, "expert_bytes": expert_bytes,
+    out = {"model": Path(a.model).name, "k": a.k, "threads": a.threads, "direct": probe.direct,
+           "expert_bytes": expert_bytes,
            "tensors_per_expert": len(index.layers[layers[0]].tensors)}
     for kind in times:
         out[kind] = _summary(times[kind], nbytes[kind], reads[kind])
