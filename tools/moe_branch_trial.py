@@ -30,6 +30,7 @@ from mlx.utils import tree_flatten
 from edge0.backend import nn as bnn
 from edge0.train import data as D
 from edge0.train.distill import fit_topk, forward_kl_topk
+from edge0.train.quality import _windows
 from edge0.train.settings import SFTConfig
 from edge0.train.sft import corpus_targets
 from edge0.train.student import StudentModel
@@ -70,10 +71,7 @@ def heldout_nll(student: StudentModel, tokens: list[int], window: int = 256) -> 
     """Mean next-token NLL over every window position after the first, the first token
     routing by its own gates and the rest by prediction (as decoded)."""
     nll, n = 0.0, 0
-    for s in range(0, len(tokens) - 1, window):
-        chunk = tokens[s:s + window]
-        if len(chunk) < 2:
-            continue
+    for chunk in _windows(tokens, window):  # the windows `edge0 train quality` scores
         t = mx.array([chunk])
         logits = student.logits(t, np.array([1]))[0, :-1].astype(mx.float32)
         logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)

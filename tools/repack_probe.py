@@ -33,7 +33,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-ALIGN = 4096
+from edge0.io_sched.direct import ALIGN  # O_DIRECT's alignment, as the engine's reader uses it
 
 
 def _aligned(offset: int, length: int) -> tuple[int, int]:
