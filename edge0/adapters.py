@@ -34,6 +34,7 @@ from edge0.errors import CheckpointError, ConfigError, ForeignArtifactError
 from edge0.model.files import atomic_write, check_entry, parse_json, read_bytes
 from edge0.model.safetensors_header import read_header
 from edge0.model.spec import MoESpec
+from edge0.prerouter.files import heads_identities
 from edge0.exec.taps import AdaptedLinear, AdapterBank
 
 ADAPTER_DIRNAME = "adapter"  # discovered beside the checkpoint, like prerouter.safetensors
@@ -155,7 +156,7 @@ def _weights_file(adapter_dir: Path) -> Path:
 
 
 def load_adapter(adapter_dir: str | Path, model, spec: MoESpec, *, base_identity: str,
-                 heads_identity: str | None, name: str | None = None, held=None) -> Adapter:
+                 heads_ids: tuple[str, ...] | None, name: str | None = None, held=None) -> Adapter:
     """Read and check an adapter directory against the loaded model; nothing is attached.
     ``held(module)``: whether this process holds that module (a pipeline rank holds its
     layers' only); the adapter's tensors for the others are left to their ranks."""
@@ -164,7 +165,7 @@ def load_adapter(adapter_dir: str | Path, model, spec: MoESpec, *, base_identity
     weights = _weights_file(adapter_dir)
     header = read_header(weights)  # typed errors for malformed files, before any data is read
     meta = dict(header.metadata)
-    _check_provenance(meta, weights, base_identity, heads_identity)
+    _check_provenance(meta, weights, base_identity, heads_ids)
     targets = target_modules(model, spec)
     by_module: dict[str, dict] = {}
     for key, entry in header.tensors.items():
@@ -201,7 +202,7 @@ def load_adapter(adapter_dir: str | Path, model, spec: MoESpec, *, base_identity
                    cfg, meta)
 
 
-def _check_provenance(meta: dict, path: Path, base_identity: str, heads_identity: str | None) -> None:
+def _check_provenance(meta: dict, path: Path, base_identity: str, heads_ids: tuple[str, ...] | None) -> None:
     if meta.get("format") != FORMAT:
         return  # not made by Edge0 (e.g. mlx_lm.lora): shapes are all there is to check
     if meta.get("base_identity") != base_identity:
@@ -209,10 +210,10 @@ def _check_provenance(meta: dict, path: Path, base_identity: str, heads_identity
             f"the adapter was made for another base checkpoint: its base_identity is "
             f"{meta.get('base_identity')!r}, this model is {base_identity!r}", file=path)
     trained_heads = meta.get("heads_identity") or None
-    if trained_heads and heads_identity and trained_heads != heads_identity:
+    if trained_heads and heads_ids and trained_heads not in heads_ids:
         raise ForeignArtifactError(
             f"the adapter was trained under other prerouter heads: its heads_identity is {trained_heads!r}, this "
-            f"engine serves with heads {heads_identity!r} (retrain the adapter, or serve it with its heads)",
+            f"engine serves with heads {heads_ids[0]!r} (retrain the adapter, or serve it with its heads)",
             file=path)
 
 
@@ -268,10 +269,10 @@ def load_adapters(model_dir: Path, config, model, spec, heads_path, log, held=No
     from edge0.prerouter.files import checkpoint_identity
 
     base = checkpoint_identity(model_dir)
-    heads_id = artifact_identity(heads_path) if heads_path is not None else None
+    heads_ids = heads_identities(heads_path) if heads_path is not None else None
     for name, d in dirs:
-        adapter = load_adapter(d, model, spec, base_identity=base, heads_identity=heads_id, name=name, held=held)
-        if log is not None and adapter.meta.get("heads_identity") and heads_id is None:
+        adapter = load_adapter(d, model, spec, base_identity=base, heads_ids=heads_ids, name=name, held=held)
+        if log is not None and adapter.meta.get("heads_identity") and heads_ids is None:
             log.warning("adapter.without_heads", adapter=name,
                         detail="trained under prerouter heads that this engine does not use")
         bank.add(adapter)

@@ -189,8 +189,10 @@ class EngineConfig:
         "auto",
         "How a staged layer routes on the heads' prediction: \"replace\" (the prediction IS the routing: k "
         "experts staged), \"select\" (the top k + stage_extra predicted experts are staged and the layer's own "
-        "router chooses its k among them: nothing read outside the staged set, no host sync), or \"auto\" (what "
-        "the heads file records; replace when it records nothing).",
+        "router chooses its k among them: nothing read outside the staged set, no host sync; with stage_extra 0 "
+        "it reads what replace reads and weighs the predicted k by the router), or \"auto\" (what the heads file "
+        "records, its over-memory choice where the checkpoint is larger than the memory the process may use; "
+        "replace when it records nothing).",
         choices=ROUTINGS)
     stage_extra: int | None = setting(
         None,

@@ -27,7 +27,7 @@ from edge0.exec.pipeline import pipeline_part
 from edge0.exec.rows import ExactExecutor, Split, resolve_threads
 from edge0.exec.staged import StagedExecutor, Stager
 from edge0.exec.whole_layer import WholeLayerExecutor
-from edge0.io_sched.direct import direct_reads, drop_cached, wants_direct
+from edge0.io_sched.direct import direct_reads, drop_cached, over_memory, wants_direct
 from edge0.io_sched.reader import ExpertCache, ExpertReader
 from edge0.model.files import check_entry
 from edge0.model.open import open_model
@@ -156,6 +156,7 @@ class Layout:
     on: dict
     compute_dtype: str
     plan: MemoryPlan
+    over_memory_routing: bool = False  # the heads file's choice for a checkpoint over memory changed the routing
 
 
 def lay_out(model_dir: Path, config: EngineConfig, oracle: OracleRouting | None = None, *,
@@ -169,7 +170,8 @@ def lay_out(model_dir: Path, config: EngineConfig, oracle: OracleRouting | None 
     if oracle is not None:
         oracle.check(spec.moe_layers, spec.num_experts)
     heads, heads_path, heads_meta = _load_heads(model_dir, config, oracle, spec)
-    routing, extra = resolve_routing(config, heads_meta, spec, heads_path)
+    over = over_memory(index.files, limit)
+    routing, extra = resolve_routing(config, heads_meta, spec, heads_path, over)
     pipe, config, heads = pipeline_part(config, opened.model, spec, index, heads)
     layers = [l for l in spec.moe_layers if pipe is None or pipe.layout.holds(l)]
     path_of = _paths(config, layers, heads)
@@ -181,8 +183,9 @@ def lay_out(model_dir: Path, config: EngineConfig, oracle: OracleRouting | None 
     if on["staged"] and extra and plan.slots < spec.k + extra:  # (fewer than k: the Stager says so)
         raise ConfigError(f"slots_per_layer={plan.slots} cannot hold the {spec.k + extra} experts select routing "
                           f"stages per layer (k={spec.k} + stage_extra={extra})")
+    chose_over = over and (routing, extra) != resolve_routing(config, heads_meta, spec, heads_path)
     return Layout(opened, oracle, heads, heads_path, routing, extra, pipe, config, layers, path_of, on, compute_dtype,
-                  plan)
+                  plan, chose_over)
 
 
 def load_streaming_model(model_dir: str | Path, config: EngineConfig, *, oracle: OracleRouting | None = None,
@@ -256,6 +259,7 @@ def load_streaming_model(model_dir: str | Path, config: EngineConfig, *, oracle:
     streaming.kernels_label = bk.describe() if kernels == "edge0" else "mlx"
     streaming.phase, streaming.pipeline, streaming.layers, streaming.path_of = phase, pipe, layers, path_of
     streaming.routing = (routing, extra) if prerouter is not None or (pipe is not None and pipe.heads) else None
+    streaming.over_memory_routing = lay.over_memory_routing
     return _wired(streaming, prerouter, stager, heads, routing, extra)
 
 
@@ -281,13 +285,18 @@ def _wired(streaming: Streaming, prerouter, stager, heads, routing: str, extra: 
     return streaming
 
 
-def resolve_routing(config: EngineConfig, meta: dict | None, spec, heads_path) -> tuple[str, int]:
+def resolve_routing(config: EngineConfig, meta: dict | None, spec, heads_path,
+                    over: bool = False) -> tuple[str, int]:
     """(routing mode, experts staged beyond k): the config's, else what the heads file
-    records (replace when it records nothing); select without a count stages 2k. Without
-    heads (``meta`` None) nothing is predicted: the staged set is the routed set."""
+    records (replace when it records nothing); where the checkpoint is larger than the
+    memory the process may use (``over``), the record's ``over_memory`` routing when it
+    has one; select without a count stages 2k. Without heads (``meta`` None) nothing is
+    predicted: the staged set is the routed set."""
     if meta is None:
         return "replace", 0
     recorded = serving_of(meta, heads_path)
+    if over and "over_memory" in recorded:
+        recorded = recorded["over_memory"]
     mode = config.routing if config.routing != "auto" else recorded["routing"]
     if mode == "replace":
         if config.stage_extra:

@@ -77,7 +77,8 @@ def make(model_dir: str | Path, config, *, memory: int | None = None, trace: str
                   scale=width / spec.k)
     return {"model": str(model_dir), "model_type": spec.model_type, "moe_layers": len(lay.layers),
             "experts": spec.num_experts, "k": spec.k, "staged_layers": len(staged), "routing": lay.routing,
-            "stage_extra": lay.extra, "compute_dtype": lay.compute_dtype,
+            "stage_extra": lay.extra, "over_memory_routing": lay.over_memory_routing,
+            "compute_dtype": lay.compute_dtype,
             "prefetch_depth": lay.config.prefetch_depth if staged else None,
             "limit_source": limit_source(memory), "plan": _plan_dict(plan),
             "forecast": {**fc, "source": source}}
@@ -98,6 +99,8 @@ def text(doc: dict) -> str:
     """The plan as ``edge0 plan`` prints it."""
     p, f = doc["plan"], doc["forecast"]
     routing = doc["routing"] + (f" (+{doc['stage_extra']} staged)" if doc["stage_extra"] else "")
+    if doc.get("over_memory_routing"):
+        routing += ", the heads file's choice for a checkpoint larger than the memory"
     lines = [
         f"model: {doc['model']} ({doc['model_type']}, {doc['moe_layers']} MoE layers x {doc['experts']} experts, "
         f"k={doc['k']}; {doc['staged_layers']} decode staged, routing {routing}; compute {doc['compute_dtype']})",

@@ -22,6 +22,7 @@ class Streaming:
     pipeline = None  # this rank's part of a pipeline (edge0.exec.pipeline), or None: one process
     layers = None  # the MoE layers held here (None: every one)
     shown_heads = None  # the heads the stats line names (a pipeline's: all ranks')
+    over_memory_routing = False  # the routing is the heads file's choice for a checkpoint over memory
     decode_hooks: tuple = ()  # called with the inputs before each decode step, in order (set when wired)
 
     def __init__(self, model, spec, index, reader, exact, hot, whole, stager, recorder, prerouter=None,
@@ -36,7 +37,8 @@ class Streaming:
         heads, h = None, self.shown_heads
         if h is not None:
             mode, extra = getattr(self, "routing", None) or ("replace", 0)
-            how = f"select k+{extra}" if mode == "select" else "replace"
+            how = (f"select k+{extra}" if mode == "select" else "replace") + \
+                (", over memory" if self.over_memory_routing else "")
             seen = ", token" if h.sees_token else ""
             heads = f"{Path(self.heads_path).name} ({len(h.owners)} heads, k={h.k}{seen}, {how})"
         adapter = None

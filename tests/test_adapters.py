@@ -216,6 +216,7 @@ def test_foreign_adapters_are_refused_naming_both_identities(qwen, tiny_model_fa
 
 def test_adapter_trained_under_other_heads_is_refused(qwen, tmp_path):
     from edge0.adapters import artifact_identity
+    from edge0.prerouter.files import heads_identity
     from edge0.train.heads import make_warm_heads
     from tests.ckpt_tools import copy_model
 
@@ -224,11 +225,12 @@ def test_adapter_trained_under_other_heads_is_refused(qwen, tmp_path):
     a = random_adapter(d, tmp_path / "a", provenance={"heads_identity": "0" * 32, "heads_k": 4})
     with pytest.raises(ForeignArtifactError, match="trained under other prerouter heads") as err:
         Engine(d, EngineConfig(adapter=str(a)))
-    assert "0" * 32 in str(err.value) and artifact_identity(d / "prerouter.safetensors") in str(err.value)
-    ok = random_adapter(d, tmp_path / "ok", provenance={
-        "heads_identity": artifact_identity(d / "prerouter.safetensors"), "heads_k": 4})
-    with Engine(d, EngineConfig(adapter=str(ok))) as e:
-        assert "heads prerouter.safetensors" in list(e.stream(PROMPT, max_tokens=2))[-1].stats.line()
+    assert "0" * 32 in str(err.value) and heads_identity(d / "prerouter.safetensors") in str(err.value)
+    for name, ident in (("ok", heads_identity), ("made-before", artifact_identity)):  # what adapters record, recorded
+        ok = random_adapter(d, tmp_path / name, provenance={
+            "heads_identity": ident(d / "prerouter.safetensors"), "heads_k": 4})
+        with Engine(d, EngineConfig(adapter=str(ok))) as e:
+            assert "heads prerouter.safetensors" in list(e.stream(PROMPT, max_tokens=2))[-1].stats.line()
 
 
 def _rewrite(adapter_dir: Path, out: Path, mutate) -> Path:

@@ -109,12 +109,18 @@ def memory_limit() -> int:
     return min(x for x in (physical_memory(), cgroup_limit(), rlimit_memory()) if x)
 
 
+def over_memory(files: list[str], limit: int | None = None) -> bool:
+    """Whether ``files`` are larger than ``limit`` (None: ``memory_limit()``): a checkpoint
+    that could not stay in the page cache, whose experts come from the disk."""
+    return sum(os.path.getsize(f) for f in files) > (memory_limit() if limit is None else limit)
+
+
 def wants_direct(mode: str, files: list[str], limit: int | None = None) -> bool:
     """``direct_io`` ``on`` / ``off``, or ``auto``: on when ``files`` are larger than
     ``limit`` (None: ``memory_limit()``)."""
     if mode != "auto":
         return mode == "on"
-    return bool(O_DIRECT) and sum(os.path.getsize(f) for f in files) > (memory_limit() if limit is None else limit)
+    return bool(O_DIRECT) and over_memory(files, limit)
 
 
 def direct_reads(mode: str, files: list[str], limit: int | None = None) -> bool:

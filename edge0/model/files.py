@@ -172,3 +172,26 @@ def atomic_write(path: Path, write) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def rewrite_metadata(path: str | Path, changes: dict[str, str]) -> None:
+    """Set these string fields of a safetensors file's ``__metadata__``, every tensor byte
+    and every other field as they were; temp file, fsync, rename. The header is re-padded
+    so that the data section stays 8-byte aligned."""
+    import struct
+
+    path = Path(path)
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        top = json.loads(f.read(n))
+        data = f.read()
+    top["__metadata__"] = {**top.get("__metadata__", {}), **changes}
+    raw = json.dumps(top, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+
+    def write(tmp):
+        with open(tmp, "wb") as out:
+            out.write(struct.pack("<Q", len(raw)) + raw)
+            out.write(data)
+
+    atomic_write(path, write)

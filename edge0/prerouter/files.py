@@ -4,7 +4,9 @@ Metadata (all strings): format, base_identity (the checkpoint the heads were tra
 a hash of config.json and every weight file's name, size and header), owners, shape,
 inputs (what each head sees, JSON; files without it see hidden state and the two routing
 one-hots), serving (JSON, optional: the routing mode and staged extras the heads were
-chosen for, the engine's default when its config says "auto"), recipe and
+chosen for, the engine's default when its config says "auto"; inside it, optionally,
+``over_memory``: the routing for where the checkpoint is larger than the memory the
+process may use), recipe and
 hyperparameters (JSON), training data description, creation time, edge0 version. A file
 whose base identity differs from the model's is refused.
 """
@@ -19,8 +21,8 @@ from pathlib import Path
 
 from edge0.backend import core as B
 from edge0.backend import nn as bnn
-from edge0.errors import CheckpointError, ForeignArtifactError
-from edge0.model.files import atomic_write
+from edge0.errors import CheckpointError, ConfigError, ForeignArtifactError
+from edge0.model.files import atomic_write, rewrite_metadata
 from edge0.prerouter.heads import BASE_INPUTS, KNOWN_INPUTS, PrerouterHeads
 from edge0.model.safetensors_header import read_header
 
@@ -42,6 +44,24 @@ def checkpoint_identity(model_dir: str | Path) -> str:
 
 
 ROUTING_MODES = ("replace", "select")
+
+
+def heads_identity(path: str | Path) -> str:
+    """A heads file's identity for provenance: the hash of its header with the ``serving``
+    record left out. That record says how the heads are best served, not what they are: a
+    changed recommendation keeps the adapters trained under the heads."""
+    header = read_header(path)
+    tensors = {name: [e.dtype, list(e.shape), e.begin, e.end] for name, e in header.tensors.items()}
+    metadata = {k: v for k, v in header.metadata.items() if k != "serving"}
+    text = json.dumps({"tensors": tensors, "metadata": metadata}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def heads_identities(path: str | Path) -> tuple[str, str]:
+    """What an adapter may record as the heads it was trained under: ``heads_identity``, or
+    the whole header's hash (``edge0.adapters.artifact_identity``) that adapters made before
+    recorded."""
+    return heads_identity(path), read_header(path).digest[:32]
 
 
 def save_heads(heads: PrerouterHeads, path: str | Path, *, base_identity: str, recipe: dict,
@@ -69,7 +89,9 @@ def save_heads(heads: PrerouterHeads, path: str | Path, *, base_identity: str, r
 
 def serving_of(meta: dict, path: Path | None = None) -> dict:
     """The routing a heads file recommends: {"routing": "replace", "stage_extra": 0} when it
-    says nothing (files written before there was a choice)."""
+    says nothing (files written before there was a choice). An ``over_memory`` record
+    inside it, when present, is the routing recommended where the checkpoint's files are
+    larger than the memory the process may use."""
     if "serving" not in meta:
         return {"routing": "replace", "stage_extra": 0}
     try:
@@ -79,15 +101,54 @@ def serving_of(meta: dict, path: Path | None = None) -> dict:
     return _checked_serving(value, path)
 
 
-def _checked_serving(value, path) -> dict:
+def _checked_serving(value, path, *, inner: bool = False) -> dict:
+    name = "serving.over_memory" if inner else "serving"
     if not isinstance(value, dict) or value.get("routing") not in ROUTING_MODES:
-        raise CheckpointError(f"heads metadata 'serving' must be {{\"routing\": one of {ROUTING_MODES}, "
+        raise CheckpointError(f"heads metadata '{name}' must be {{\"routing\": one of {ROUTING_MODES}, "
                               f"\"stage_extra\": N}}, got {value!r:.80}", file=path)
     extra = value.get("stage_extra", 0)
     if isinstance(extra, bool) or not isinstance(extra, int) or not 0 <= extra < 1 << 16:
-        raise CheckpointError(f"heads metadata serving.stage_extra must be a non-negative integer, got "
+        raise CheckpointError(f"heads metadata {name}.stage_extra must be a non-negative integer, got "
                               f"{extra!r:.40}", file=path)
-    return {"routing": value["routing"], "stage_extra": extra}
+    out = {"routing": value["routing"], "stage_extra": extra}
+    if "over_memory" in value:
+        if inner:
+            raise CheckpointError("heads metadata serving.over_memory cannot hold another over_memory", file=path)
+        out["over_memory"] = _checked_serving(value["over_memory"], path, inner=True)
+    return out
+
+
+def parse_routing(text: str) -> dict:
+    """``replace``, or ``select:M`` (select routing staging M experts beyond k), as a serving
+    record: the form ``--over-memory`` takes."""
+    mode, _, extra = str(text).partition(":")
+    if mode == "replace" and not extra:
+        return {"routing": "replace", "stage_extra": 0}
+    if mode == "select" and extra.isdigit():
+        return {"routing": "select", "stage_extra": int(extra)}
+    raise ConfigError(f"a routing is 'replace' or 'select:M' (M experts staged beyond k, e.g. select:0), "
+                      f"got {text!r}")
+
+
+def set_serving(path: str | Path, serving: dict, adapters=()) -> list[Path]:
+    """Rewrite a heads file's ``serving`` record (the routing it recommends), every tensor
+    byte and every other field as they were; temp file, fsync, rename. The heads' identity
+    for adapters (``heads_identity``) leaves this record out, so adapters that recorded it
+    still load; of the ``adapters`` weights files given, those that recorded the whole
+    header's hash (adapters made before) are re-recorded with ``heads_identity``, which
+    the new header keeps. Returns those re-recorded."""
+    path = Path(path)
+    header = read_header(path)
+    if header.metadata.get("format") != FORMAT:
+        raise CheckpointError(f"not an Edge0 prerouter heads file (format {header.metadata.get('format')!r})",
+                              file=path)
+    record = json.dumps(_checked_serving(serving, path), sort_keys=True)
+    legacy, ident = header.digest[:32], heads_identity(path)
+    stale = [Path(a) for a in adapters if read_header(a).metadata.get("heads_identity") == legacy]
+    rewrite_metadata(path, {"serving": record})
+    for weights in stale:
+        rewrite_metadata(weights, {"heads_identity": ident})
+    return stale
 
 
 def load_heads(path: str | Path, model_dir: str | Path, *, dtype: str = "float16",

@@ -388,6 +388,9 @@ def add_heads_parser(trs) -> None:
                    help="the routing the file records as its default (default replace)")
     h.add_argument("--stage-extra", type=int, default=0,
                    help="with --routing select: experts staged beyond k (default 0)")
+    h.add_argument("--over-memory", default=None, metavar="ROUTING",
+                   help="the routing the file records for a checkpoint larger than the memory the process may use: "
+                        "'replace' or 'select:M' (default: the same as --routing)")
     h.add_argument("--json", default=None, help="also write the report here")
     h.set_defaults(func=cmd_heads)
 
@@ -417,6 +420,11 @@ def cmd_heads(args) -> int:
         raise ConfigError(f"--report-extra must look like 2,4,8, got {args.report_extra!r}") from None
     if args.routing == "replace" and args.stage_extra:
         raise ConfigError("--stage-extra applies to --routing select")
+    serving = {"routing": args.routing, "stage_extra": args.stage_extra}
+    if args.over_memory is not None:
+        from edge0.prerouter.files import parse_routing
+
+        serving["over_memory"] = parse_routing(args.over_memory)
     streams = None
     if args.data == "model":
         if not (Path(args.model) / "provenance.json").exists():
@@ -427,7 +435,7 @@ def cmd_heads(args) -> int:
                          heldout_tokens=args.heldout_tokens, seq_len=args.seq_len, steps=args.steps, batch=args.batch,
                          lr=args.lr, width=args.width, owners=_owner_range(args.owners), out=args.out, seed=args.seed,
                          progress=bar, streams=streams, token_input=args.inputs == "token", traces_dir=args.traces,
-                         extras=extras, serving={"routing": args.routing, "stage_extra": args.stage_extra}, dp=dp,
+                         extras=extras, serving=serving, dp=dp,
                          trace_say=None if bar is None else say)
     if bar is not None:
         bar.close()
@@ -443,16 +451,16 @@ def cmd_heads(args) -> int:
 def _say_adapter_superseded(args) -> None:
     """New heads beside a checkpoint whose adapter was trained under the ones they replace:
     the engine refuses that adapter from now on; say so, and what to do."""
-    from edge0.adapters import ADAPTER_DIRNAME, WEIGHTS_FILE, artifact_identity
+    from edge0.adapters import ADAPTER_DIRNAME, WEIGHTS_FILE
     from edge0.model.safetensors_header import read_header
-    from edge0.prerouter.files import HEADS_FILENAME
+    from edge0.prerouter.files import HEADS_FILENAME, heads_identities
 
     model, heads = Path(args.model), Path(args.out) if args.out else Path(args.model) / HEADS_FILENAME
     weights = model / ADAPTER_DIRNAME / WEIGHTS_FILE
     if heads != model / HEADS_FILENAME or not weights.is_file():
         return
     trained_under = read_header(weights).metadata.get("heads_identity")
-    if trained_under and trained_under != artifact_identity(heads):
+    if trained_under and trained_under not in heads_identities(heads):
         say(f"note: {weights.parent} was trained under the heads these replace, and the engine refuses it with "
             "these: generate with --adapter off, or retrain it on them (edge0 train sft)")
 

@@ -268,12 +268,12 @@ def _save_adapter(student, out: Path, cfg, result: LoopResult, before: float, af
                   teacher_dir: Path, data_meta: dict, phase: str, provenance: dict | None) -> None:
     from dataclasses import asdict
 
-    from edge0.adapters import artifact_identity
+    from edge0.prerouter.files import heads_identity
     from edge0.prerouter.files import checkpoint_identity
 
     student.save(out, {
         "base_identity": checkpoint_identity(model_dir),
-        "heads_identity": artifact_identity(student.heads_path) if student.heads_path else "",
+        "heads_identity": heads_identity(student.heads_path) if student.heads_path else "",
         "heads_k": student.spec.k, "phase": phase,
         "routing": ({"routing": student.routing[0], "stage_extra": student.routing[1]} if student.routing else None),
         "recipe": {**asdict(cfg), "steps_done": result.steps_done, "loss_before": before, "loss_after": after,

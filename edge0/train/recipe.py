@@ -23,9 +23,9 @@ from pathlib import Path
 
 import numpy as np
 
-from edge0.adapters import ADAPTER_DIRNAME, artifact_identity
+from edge0.adapters import ADAPTER_DIRNAME
 from edge0.config import EngineConfig
-from edge0.prerouter.files import HEADS_FILENAME
+from edge0.prerouter.files import HEADS_FILENAME, heads_identities, heads_identity
 from edge0.train import data as D
 from edge0.train.distill import DistillConfig, run_distill
 from edge0.train.heads import train_heads
@@ -84,7 +84,7 @@ def run_recipe(model_dir: str | Path, teacher_dir: str | Path, cfg: RecipeConfig
     train, held, desc = D.token_streams(model_dir)
     heads_record = work / HEADS_RECORD
     done = json.loads(heads_record.read_text()) if resume and heads_record.exists() else None
-    if done is not None and heads_file.exists() and done.get("identity") == artifact_identity(heads_file):
+    if done is not None and heads_file.exists() and done.get("identity") in heads_identities(heads_file):
         say(f"phase 1: prerouter heads (--resume: {heads_file} from the earlier run)")
         report["phases"]["heads"] = done
     else:
@@ -101,7 +101,7 @@ def run_recipe(model_dir: str | Path, teacher_dir: str | Path, cfg: RecipeConfig
                                      "recall_after": mean(heads["after"]), "per_head": {
                                          str(o): {"before": heads["before"][o], "after": heads["after"][o]}
                                          for o in heads["before"]}, "losses": _ends(heads["losses"]),
-                                     "tokens": heads["recipe"]["tokens"], "identity": artifact_identity(heads_file)}
+                                     "tokens": heads["recipe"]["tokens"], "identity": heads_identity(heads_file)}
         heads_record.write_text(json.dumps(report["phases"]["heads"], indent=1))  # what --resume reuses
 
     say("phase 2: SFT on the student path")
