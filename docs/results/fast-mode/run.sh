@@ -16,3 +16,17 @@ edge0 train quality --model edge0/data/demo_model --teacher teachers/demo-v2 --t
     --row "select m=2:routing=select,stage_extra=2,adapter=off" \
     --row "select m=2 + shipped adapter:routing=select,stage_extra=2,adapter=$A" "${rows[@]}" \
     --row "replace:routing=replace,adapter=off" --json $OUT/quality-outside-stdlib-tools.json > $OUT/quality-outside-stdlib-tools.md
+# Speed: replace against select m=0 and more candidates (one core each, beside a training)
+edge0 bench --layers 40 --arms staged+prerouter,staged+prerouter@sel0,staged+prerouter@sel2 \
+    --arm-option staged+prerouter:routing=replace --arm-option staged+prerouter@sel0:routing=select,stage_extra=0 \
+    --arm-option staged+prerouter@sel2:routing=select,stage_extra=2 \
+    --rounds 3 --cache cold --memory-limit 8G --decode-tokens 32 --out $OUT/bench-35b-40L-8G
+edge0 bench --layers 12 --arms staged+prerouter,staged+prerouter@sel0,staged+prerouter@sel4,staged+prerouter@sel8 \
+    --arm-option staged+prerouter:routing=replace --arm-option staged+prerouter@sel0:routing=select,stage_extra=0 \
+    --arm-option staged+prerouter@sel4:routing=select,stage_extra=4 --arm-option staged+prerouter@sel8:routing=select,stage_extra=8 \
+    --rounds 5 --cache warm --decode-tokens 32 --out $OUT/bench-35b-12L-warm
+D=edge0/data/demo_model
+edge0 bench --model $D --heads $D/prerouter.safetensors --adapter $D/adapter \
+    --arms staged+prerouter,staged+prerouter@sel0,staged+prerouter@sel4 \
+    --arm-option staged+prerouter:routing=select,stage_extra=2 --arm-option staged+prerouter@sel0:routing=select,stage_extra=0 \
+    --arm-option staged+prerouter@sel4:routing=select,stage_extra=4 --rounds 7 --cache warm --decode-tokens 128 --out $OUT/bench-demo
