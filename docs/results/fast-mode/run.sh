@@ -30,3 +30,17 @@ edge0 bench --model $D --heads $D/prerouter.safetensors --adapter $D/adapter \
     --arms staged+prerouter,staged+prerouter@sel0,staged+prerouter@sel4 \
     --arm-option staged+prerouter:routing=select,stage_extra=2 --arm-option staged+prerouter@sel0:routing=select,stage_extra=0 \
     --arm-option staged+prerouter@sel4:routing=select,stage_extra=4 --rounds 7 --cache warm --decode-tokens 128 --out $OUT/bench-demo
+# Tried: the shipped recipe trained on select m=4 instead of m=2 (600 steps, one core, 89 minutes with
+# serial OpenBLAS: LD_PRELOAD=.../openblas-serial/libopenblas.so.0 OMP_NUM_THREADS=1), then its rows
+W=${W:-$HOME/.cache/edge0/adapter-m4}
+edge0 train sft --model $D --teacher teachers/demo-v2 --text corpus --routing select --stage-extra 4 \
+    --work $W --no-progress --resume --out $W/adapter > $OUT/sft-select-m4.log
+edge0 train quality --model $D --teacher teachers/demo-v2 \
+    --row "select m=4 + m=4 adapter:routing=select,stage_extra=4,adapter=$W/adapter" \
+    --row "select m=2 + m=4 adapter:routing=select,stage_extra=2,adapter=$W/adapter" \
+    --row "select m=0 + m=4 adapter:routing=select,stage_extra=0,adapter=$W/adapter" \
+    --json $OUT/quality-m4-adapter-heldout.json > $OUT/quality-m4-adapter-heldout.md
+edge0 train quality --model $D --teacher teachers/demo-v2 --text $T/tools \
+    --row "select m=4 + m=4 adapter:routing=select,stage_extra=4,adapter=$W/adapter" \
+    --row "select m=0 + m=4 adapter:routing=select,stage_extra=0,adapter=$W/adapter" \
+    --json $OUT/quality-m4-adapter-outside-stdlib-tools.json > $OUT/quality-m4-adapter-outside-stdlib-tools.md
