@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import struct
 from pathlib import Path
 
 from edge0.errors import ConfigError, UnsafeModelError
@@ -178,8 +179,6 @@ def rewrite_metadata(path: str | Path, changes: dict[str, str]) -> None:
     """Set these string fields of a safetensors file's ``__metadata__``, every tensor byte
     and every other field as they were; temp file, fsync, rename. The header is re-padded
     so that the data section stays 8-byte aligned."""
-    import struct
-
     path = Path(path)
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))

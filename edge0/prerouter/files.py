@@ -50,18 +50,22 @@ def heads_identity(path: str | Path) -> str:
     """A heads file's identity for provenance: the hash of its header with the ``serving``
     record left out. That record says how the heads are best served, not what they are: a
     changed recommendation keeps the adapters trained under the heads."""
-    header = read_header(path)
-    tensors = {name: [e.dtype, list(e.shape), e.begin, e.end] for name, e in header.tensors.items()}
-    metadata = {k: v for k, v in header.metadata.items() if k != "serving"}
-    text = json.dumps({"tensors": tensors, "metadata": metadata}, sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()[:32]
+    return _identity(read_header(path))
 
 
 def heads_identities(path: str | Path) -> tuple[str, str]:
     """What an adapter may record as the heads it was trained under: ``heads_identity``, or
     the whole header's hash (``edge0.adapters.artifact_identity``) that adapters made before
     recorded."""
-    return heads_identity(path), read_header(path).digest[:32]
+    header = read_header(path)
+    return _identity(header), header.digest[:32]
+
+
+def _identity(header) -> str:
+    tensors = {name: [e.dtype, list(e.shape), e.begin, e.end] for name, e in header.tensors.items()}
+    metadata = {k: v for k, v in header.metadata.items() if k != "serving"}
+    text = json.dumps({"tensors": tensors, "metadata": metadata}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
 def save_heads(heads: PrerouterHeads, path: str | Path, *, base_identity: str, recipe: dict,
@@ -143,7 +147,7 @@ def set_serving(path: str | Path, serving: dict, adapters=()) -> list[Path]:
         raise CheckpointError(f"not an Edge0 prerouter heads file (format {header.metadata.get('format')!r})",
                               file=path)
     record = json.dumps(_checked_serving(serving, path), sort_keys=True)
-    legacy, ident = header.digest[:32], heads_identity(path)
+    legacy, ident = header.digest[:32], _identity(header)
     stale = [Path(a) for a in adapters if read_header(a).metadata.get("heads_identity") == legacy]
     rewrite_metadata(path, {"serving": record})
     for weights in stale:
