@@ -208,11 +208,11 @@ def _check_provenance(meta: dict, path: Path, base_identity: str, heads_ids: tup
     if meta.get("base_identity") != base_identity:
         raise ForeignArtifactError(
             f"the adapter was made for another base checkpoint: its base_identity is "
-            f"{meta.get('base_identity')!r}, this model is {base_identity!r}", file=path)
+            f"{_show(meta.get('base_identity'))}, this model is {base_identity!r}", file=path)
     trained_heads = meta.get("heads_identity") or None
     if trained_heads and heads_ids and trained_heads not in heads_ids:
         raise ForeignArtifactError(
-            f"the adapter was trained under other prerouter heads: its heads_identity is {trained_heads!r}, this "
+            f"the adapter was trained under other prerouter heads: its heads_identity is {_show(trained_heads)}, this "
             f"engine serves with heads {heads_ids[0]!r} (retrain the adapter, or serve it with its heads)",
             file=path)
 

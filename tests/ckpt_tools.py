@@ -1,10 +1,13 @@
-"""Rewrite a checkpoint's safetensors files tensor by tensor, to build malformed ones."""
+"""Rewrite a checkpoint's safetensors files tensor by tensor, to build malformed ones; and
+measure what loading one costs."""
 
 from __future__ import annotations
 
 import json
 import shutil
 import struct
+import subprocess
+import sys
 from pathlib import Path
 from typing import Callable
 
@@ -72,3 +75,25 @@ def copy_model(src: Path, dst: Path, mutate: Callable[[list[Tensor]], list[Tenso
 
 def find(tensors: list[Tensor], suffix: str) -> Tensor:
     return next(t for t in tensors if t["name"].endswith(suffix))
+
+
+def rewrite_header(src: Path, dst: Path, mutate: Callable[[list[Tensor], dict], None]) -> Path:
+    """``src`` written to ``dst`` after ``mutate(tensors, metadata)`` changed them in place
+    (as a hostile file is crafted: the header rewritten, the tensors' bytes kept)."""
+    tensors, meta = read_tensors(Path(src))
+    mutate(tensors, meta)
+    write_tensors(Path(dst), tensors, meta)
+    return Path(dst)
+
+
+# A parent of its own: RUSAGE_CHILDREN is the largest of every child a process has waited for.
+_PEAK = ("import resource, subprocess, sys; subprocess.run([sys.executable, '-c', *sys.argv[1:]]); "
+         "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+
+
+def peak_rss(code: str, *args) -> tuple[str, int]:
+    """(what ``python -c code *args`` printed, its peak resident memory: KiB on Linux)."""
+    out = subprocess.run([sys.executable, "-c", _PEAK, code, *map(str, args)], capture_output=True, text=True,
+                         check=True).stdout
+    *printed, peak = out.rstrip("\n").split("\n")
+    return "\n".join(printed), int(peak)

@@ -369,3 +369,52 @@ def test_the_demo_serves_its_shipped_adapter():
                          timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert f"adapter {stats.adapter}" in out.stdout
+
+
+_LOAD_DEMO = ("import sys\nfrom edge0 import EngineConfig\nfrom edge0.errors import CheckpointError\n"
+              "from edge0.cli import PACKAGED_DEMO\nfrom edge0.loader import load_streaming_model\n"
+              "try:\n    load_streaming_model(PACKAGED_DEMO, EngineConfig(adapter=sys.argv[1])).close()\n"
+              "except CheckpointError as e:\n    print(e)\nelse:\n    print('loaded')")
+
+
+def test_crafted_adapter_files_are_refused_in_one_short_line(tmp_path):
+    """The demo's shipped adapter, its header rewritten: a tensor name with a huge layer
+    index, and provenance values a megabyte long. Each is one short line naming the file,
+    and the crafted file costs the valid one's memory."""
+    import shutil
+
+    from edge0.cli import PACKAGED_DEMO
+    from tests.ckpt_tools import peak_rss, rewrite_header
+
+    src = PACKAGED_DEMO / "adapter"
+
+    def crafted(name, mutate) -> Path:
+        d = tmp_path / name
+        shutil.copytree(src, d)
+        rewrite_header(src / WEIGHTS_FILE, d / WEIGHTS_FILE, mutate)
+        return d
+
+    def rename(tensors, meta):
+        t = next(t for t in tensors if t["name"] == "model.layers.0.self_attn.q_proj.lora_a")
+        t["name"] = "model.layers.50000000.self_attn.q_proj.lora_a"
+    huge = crafted("huge", rename)
+    with pytest.raises(CheckpointError) as e:
+        load_streaming_model(PACKAGED_DEMO, EngineConfig(adapter=str(huge)))
+    assert str(e.value) == (f"file {huge / WEIGHTS_FILE}, tensor 'model.layers.50000000.self_attn.q_proj.lora_a': "
+                            "module 'model.layers.50000000.self_attn.q_proj': not an attention or shared-expert "
+                            "projection of this model")
+    long = "'" + "x" * 39 + "... (1000002 characters)"
+    for key, message in (("base_identity", "the adapter was made for another base checkpoint: its base_identity is "
+                                           f"{long}, this model is "),
+                         ("heads_identity", f"the adapter was trained under other prerouter heads: its heads_identity "
+                                            f"is {long}, this engine serves with heads ")):
+        d = crafted(key, lambda tensors, meta: meta.update({key: "x" * 10**6}))
+        with pytest.raises(ForeignArtifactError) as e:
+            load_streaming_model(PACKAGED_DEMO, EngineConfig(adapter=str(d)))
+        assert str(e.value).startswith(f"file {d / WEIGHTS_FILE}: {message}") and len(str(e.value)) < 400
+
+    said, valid_kib = peak_rss(_LOAD_DEMO, src)
+    assert said == "loaded"
+    said, crafted_kib = peak_rss(_LOAD_DEMO, huge)
+    assert said.startswith(f"file {huge / WEIGHTS_FILE}, tensor 'model.layers.50000000") and "\n" not in said
+    assert crafted_kib < 2 * valid_kib, (crafted_kib, valid_kib)

@@ -339,3 +339,50 @@ def test_predicted_routing_applies_the_score_correction_bias(tiny_model_factory,
             unbiased = group_expert_select(z, mx.zeros_like(bias), *args)
             moved += not mx.array_equal(mx.sort(unbiased[0]), mx.sort(ref[0])).item()
     assert moved > 0  # the bias changes the selection here, so dropping it would be seen
+
+
+_LOAD_HEADS = ("import sys\nfrom edge0.errors import CheckpointError\nfrom edge0.prerouter.files import load_heads\n"
+               "try:\n    heads, _ = load_heads(sys.argv[1], sys.argv[2])\nexcept CheckpointError as e:\n    print(e)\n"
+               "else:\n    print(len(heads.owners), 'heads')")
+
+
+def test_crafted_heads_files_are_refused_in_one_line_before_their_heads_are_built(tmp_path):
+    """The demo's heads file, its header rewritten: metadata naming 20,000 owners (whose heads
+    would cost gigabytes to build, whatever the file holds), a tensor name with a huge index,
+    a huge format value. Each is one short line naming the file, at the valid file's memory
+    (measured without a spec: the path that builds heads from the metadata alone)."""
+    import json
+
+    from edge0.cli import PACKAGED_DEMO
+    from edge0.model.safetensors_header import read_header
+    from edge0.prerouter.files import HEADS_FILENAME
+    from edge0.errors import CheckpointError
+    from tests.ckpt_tools import peak_rss, rewrite_header
+
+    src = PACKAGED_DEMO / HEADS_FILENAME
+    held = len(read_header(src).tensors)
+    owners = rewrite_header(src, tmp_path / "owners.safetensors", lambda tensors, meta: meta.update(
+        owners=json.dumps(list(range(20000))), consumers=json.dumps(list(range(1, 20001)))))
+    with pytest.raises(CheckpointError) as e:
+        load_heads(owners, PACKAGED_DEMO)
+    assert str(e.value) == (f"file {owners}: heads tensors differ from the metadata's shape: its 20000 owners' heads "
+                            f"have 120000 tensors, the file holds {held}")
+
+    def rename(tensors, meta):
+        next(t for t in tensors if t["name"] == "heads.layer0.fc1.bias")["name"] = "heads.layer50000000.fc1.bias"
+    name = rewrite_header(src, tmp_path / "name.safetensors", rename)
+    with pytest.raises(CheckpointError) as e:
+        load_heads(name, PACKAGED_DEMO)
+    assert str(e.value) == (f"file {name}: heads tensors differ from the metadata's shape: missing "
+                            "['heads.layer0.fc1.bias'], unexpected ['heads.layer50000000.fc1.bias']")
+    fmt = rewrite_header(src, tmp_path / "format.safetensors", lambda tensors, meta: meta.update(format="x" * 10**6))
+    with pytest.raises(CheckpointError) as e:
+        load_heads(fmt, PACKAGED_DEMO)
+    assert str(e.value) == (f"file {fmt}: not an Edge0 prerouter heads file (format '{'x' * 59}... (1000002 "
+                            "characters), expected 'edge0-prerouter/1')")
+
+    said, valid_kib = peak_rss(_LOAD_HEADS, src, PACKAGED_DEMO)
+    assert said == f"{held // 6} heads"
+    said, crafted_kib = peak_rss(_LOAD_HEADS, owners, PACKAGED_DEMO)
+    assert said.startswith(f"file {owners}: heads tensors differ") and "\n" not in said
+    assert crafted_kib < 2 * valid_kib, (crafted_kib, valid_kib)

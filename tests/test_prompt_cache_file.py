@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+from pathlib import Path
 
 import mlx.core as mx
 import pytest
@@ -19,6 +20,7 @@ import edge0
 from edge0 import ConfigError, Engine, EngineConfig
 from edge0.backend import nn as bnn
 from edge0.cli import PACKAGED_DEMO
+from tests.ckpt_tools import peak_rss, rewrite_header
 
 PREFIX = "import os\n\n\ndef read_lines(path):\n    with open(path) as f:\n"
 SUFFIX = "        lines = f.read()\n        return"
@@ -165,3 +167,107 @@ def test_the_command_line_refuses_a_cache_made_with_another_model(tiny, tiny_mod
     assert r.returncode != 0 and f"was made with the model {tiny}, not {other}" in r.stderr, r.stderr
     r = subprocess.run([sys.executable, "-m", "edge0", "generate", "--prompt", "x"], capture_output=True, text=True)
     assert r.returncode != 0 and "--model is required" in r.stderr, r.stderr
+
+
+# Files crafted as a red team did: a valid cache file, its header rewritten. mlx's
+# tree_unflatten pads a list up to the largest index a name holds, so each of these cost
+# gigabytes (or loaded as something else) before the layout was checked first.
+def _key(key: str, value: str):
+    return lambda tensors, meta: meta.__setitem__(key, value)
+
+
+def _renamed(old: str, new: str):
+    def mutate(tensors, meta):
+        next(t for t in tensors if t["name"] == old)["name"] = new
+    return mutate
+
+
+CRAFTED = {
+    "a huge layer in a class key": (_key("1.50000000", "KVCache"),
+                                    "metadata key '1.50000000' names layer 50000000, but the file's tensors hold "
+                                    "{layers} layers"),
+    "a leading zero": (_key("1.01", "KVCache"),
+                       "metadata key '1.01': '01' is not a layer index (a plain decimal number)"),
+    "a sign": (_key("1.-1", "KVCache"), "metadata key '1.-1': '-1' is not a layer index (a plain decimal number)"),
+    "an exponent": (_key("1.1e3", "KVCache"),
+                    "metadata key '1.1e3': '1e3' is not a layer index (a plain decimal number)"),
+    "an unknown class": (_key("1.0", "Bogus"),
+                         "metadata key '1.0' names the cache class 'Bogus', which mlx-lm's cache module does not "
+                         "define"),
+    "a huge layer in a tensor name": (_renamed("0.2", "50000000.0"),
+                                      "tensor name '50000000.0' names layer 50000000, but the file names the cache "
+                                      "class of {layers} layers"),
+    "a huge state element": (_renamed("0.2", "0.50000000"),
+                             "tensor name '0.50000000' names element 50000000 of layer 0's state, which has 3 elements "
+                             "in this file"),
+    "a leading zero in a tensor name": (_renamed("0.2", "0.02"),
+                                        "tensor name '0.02': '02' is not an index (a plain decimal number)"),
+    "a huge scalar record": (_key("2.50000000.1", "scalar"),
+                             "metadata key '2.50000000.1' names record 50000000, but the file holds {records} records "
+                             "('2.0' and '2.<n>.0' / '2.<n>.1')"),
+    "a huge index in the caller's metadata": (_key("0.50000000", "x"),
+                                              "metadata key '0.50000000': '50000000' reads as a list index, which must "
+                                              "be a plain decimal number below 3 (the names at its level)"),
+}
+
+
+@pytest.fixture(scope="module")
+def cache_file(tiny, reference, tmp_path_factory) -> Path:
+    """A valid cache file of the tiny model, as mlx_lm.cache_prompt writes it."""
+    ref, tok = reference
+    return Path(_cache_file(ref, tok.encode(PREFIX), tmp_path_factory.mktemp("cache") / "valid.safetensors", str(tiny)))
+
+
+def _never(*args, **kwargs):
+    pytest.fail("mlx-lm's load_prompt_cache was called on a crafted file")
+
+
+@pytest.mark.parametrize("case", list(CRAFTED))
+def test_a_crafted_cache_file_is_refused_before_mlx_lm_reads_it(case, cache_file, tmp_path, monkeypatch):
+    """One line naming the file and the key, raised before mlx-lm's loader runs (it would
+    build the padded lists)."""
+    import mlx_lm.models.cache as mlx_cache
+
+    layers = len(load_prompt_cache(str(cache_file)))
+    mutate, message = CRAFTED[case]
+    path = rewrite_header(cache_file, tmp_path / "crafted.safetensors", mutate)
+    monkeypatch.setattr(mlx_cache, "load_prompt_cache", _never)
+    with pytest.raises(ConfigError) as e:
+        bnn.load_cache_file(path)
+    assert str(e.value) == f"prompt cache file {path}: " + message.format(layers=layers, records=layers + 2)
+
+
+_LOAD = ("import sys\nfrom edge0.backend import nn as bnn\nfrom edge0.errors import ConfigError\n"
+         "try:\n    cache, meta = bnn.load_cache_file(sys.argv[1])\nexcept ConfigError as e:\n    print(e)\n"
+         "else:\n    print(len(cache), 'layers', sorted(meta))")
+
+
+def test_a_crafted_cache_file_costs_no_more_memory_than_a_valid_one(cache_file, tmp_path):
+    """Peak memory of each load in a process of its own (a smaller index than the red
+    team's, so that a regression costs hundreds of megabytes, not gigabytes); the valid
+    file still loads as mlx-lm loads it."""
+    crafted = rewrite_header(cache_file, tmp_path / "crafted.safetensors", _key("1.5000000", "KVCache"))
+    said, valid_kib = peak_rss(_LOAD, cache_file)
+    layers = len(load_prompt_cache(str(cache_file)))
+    assert said == f"{layers} layers ['model', 'tokenizer_config']"
+    said, crafted_kib = peak_rss(_LOAD, crafted)
+    assert said == (f"prompt cache file {crafted}: metadata key '1.5000000' names layer 5000000, but the file's "
+                    f"tensors hold {layers} layers")
+    assert crafted_kib < 2 * valid_kib, (crafted_kib, valid_kib)
+    ours, theirs = bnn.load_cache_file(cache_file), load_prompt_cache(str(cache_file), return_metadata=True)
+    assert ours[1] == theirs[1] and [type(c) for c in ours[0]] == [type(c) for c in theirs[0]]
+    for a, b in zip(ours[0], theirs[0]):
+        assert a.offset == b.offset and all(mx.array_equal(x, y).item() for x, y in zip(a.state[:2], b.state[:2]))
+
+
+def test_the_command_line_refuses_a_crafted_cache_file_in_one_line(cache_file, tmp_path):
+    """``edge0 generate --prompt-cache-file`` with the red team's file: exit status 2 and
+    one line on stderr, no traceback."""
+    layers = len(load_prompt_cache(str(cache_file)))
+    path = rewrite_header(cache_file, tmp_path / "crafted.safetensors", _key("1.50000000", "KVCache"))
+    r = subprocess.run([sys.executable, "-m", "edge0", "generate", "--prompt", "x", "--prompt-cache-file", str(path)],
+                       capture_output=True, text=True)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr == (f"edge0: error: prompt cache file {path}: metadata key '1.50000000' names layer 50000000, but "
+                        f"the file's tensors hold {layers} layers\n")
+    assert r.stdout == ""

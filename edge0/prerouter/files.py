@@ -144,8 +144,8 @@ def set_serving(path: str | Path, serving: dict, adapters=()) -> list[Path]:
     path = Path(path)
     header = read_header(path)
     if header.metadata.get("format") != FORMAT:
-        raise CheckpointError(f"not an Edge0 prerouter heads file (format {header.metadata.get('format')!r})",
-                              file=path)
+        raise CheckpointError(f"not an Edge0 prerouter heads file "
+                              f"(format {_short(repr(header.metadata.get('format')))})", file=path)
     record = json.dumps(_checked_serving(serving, path), sort_keys=True)
     legacy, ident = header.digest[:32], _identity(header)
     stale = [Path(a) for a in adapters if read_header(a).metadata.get("heads_identity") == legacy]
@@ -164,34 +164,55 @@ def load_heads(path: str | Path, model_dir: str | Path, *, dtype: str = "float16
     header = read_header(path)  # typed errors for malformed files, before any data is read
     meta = header.metadata
     if meta.get("format") != FORMAT:
-        raise CheckpointError(f"not an Edge0 prerouter heads file (format {meta.get('format')!r}, "
+        raise CheckpointError(f"not an Edge0 prerouter heads file (format {_short(repr(meta.get('format')))}, "
                               f"expected {FORMAT!r})", file=path)
     expected = checkpoint_identity(model_dir)
     if meta.get("base_identity") != expected:
         raise ForeignArtifactError(
-            f"heads were made for another base checkpoint: base_identity {meta.get('base_identity')!r}, this "
-            f"model ({model_dir}) is {expected!r}; retrain with `edge0 train heads`", file=path)
+            f"heads were made for another base checkpoint: base_identity {_short(repr(meta.get('base_identity')))}, "
+            f"this model ({model_dir}) is {expected!r}; retrain with `edge0 train heads`", file=path)
     owners, shape, consumers = _heads_shape(meta, path)
     serving_of(meta, path)
     if spec is not None:
         _check_against_model(owners, consumers, shape, spec, path)
+    _check_tensors(header, owners, consumers, shape, path)
     heads = PrerouterHeads(owners, shape["hidden"], shape["experts"], shape["k"], shape["width"], consumers,
                            token_dim=shape["token_dim"])
+    arrays, _ = B.load_safetensors(str(path))
+    bnn.load_parameters_flat(heads, {k: v.astype(B.dtype(dtype)) for k, v in arrays.items()})
+    return heads, dict(meta)
+
+
+def _check_tensors(header, owners: list[int], consumers: list[int], shape: dict, path: Path) -> None:
+    """The header's tensors are the metadata's heads' parameters, names, shapes and dtype,
+    checked before those heads are built: the metadata alone may name 100,000 owners, and
+    building their heads costs gigabytes whatever the file holds. One head is built to
+    learn a head's parameters (lazily: nothing is allocated)."""
     for name, entry in header.tensors.items():
         if entry.dtype != STORED_DTYPE:  # a relabelled tensor would load as other numbers
             raise CheckpointError(f"dtype {entry.dtype}: heads files store every tensor as {STORED_DTYPE}",
                                   file=path, tensor=name)
-    arrays, _ = B.load_safetensors(str(path))
-    want = bnn.parameters_flat(heads)
-    if set(arrays) != set(want):
-        missing, extra = sorted(set(want) - set(arrays)), sorted(set(arrays) - set(want))
+    one = PrerouterHeads(owners[:1], shape["hidden"], shape["experts"], shape["k"], shape["width"], consumers[:1],
+                         token_dim=shape["token_dim"])
+    prefix = f"heads.layer{owners[0]}."
+    per_head = {name[len(prefix):]: tuple(a.shape) for name, a in bnn.parameters_flat(one).items()}
+    if len(header.tensors) != len(owners) * len(per_head):
+        raise CheckpointError(f"heads tensors differ from the metadata's shape: its {len(owners)} owners' heads have "
+                              f"{len(owners) * len(per_head)} tensors, the file holds {len(header.tensors)}", file=path)
+    want = {f"heads.layer{o}.{p}": s for o in owners for p, s in per_head.items()}
+    if set(header.tensors) != set(want):
+        missing, extra = sorted(set(want) - set(header.tensors)), sorted(set(header.tensors) - set(want))
         raise CheckpointError(f"heads tensors differ from the metadata's shape: missing {missing[:4]}, "
-                              f"unexpected {extra[:4]}", file=path)
-    for k, v in arrays.items():
-        if tuple(v.shape) != tuple(want[k].shape):
-            raise CheckpointError(f"shape {list(v.shape)}, expected {list(want[k].shape)}", file=path, tensor=k)
-    bnn.load_parameters_flat(heads, {k: v.astype(B.dtype(dtype)) for k, v in arrays.items()})
-    return heads, dict(meta)
+                              f"unexpected {[_short(x) for x in extra[:4]]}", file=path)
+    for name, entry in header.tensors.items():
+        if entry.shape != want[name]:
+            raise CheckpointError(f"shape {list(entry.shape)}, expected {list(want[name])}", file=path, tensor=name)
+
+
+def _short(text) -> str:
+    """A value from a hostile file, short enough for a one-line message."""
+    text = str(text)
+    return text if len(text) <= 80 else f"{text[:60]}... ({len(text)} characters)"
 
 
 def _heads_shape(meta: dict, path: Path) -> tuple[list[int], dict, list[int]]:
@@ -251,10 +272,10 @@ def _check_against_model(owners: list[int], consumers: list[int], shape: dict, s
     eligible = eligible_owners(spec)
     bad = [o for o in owners if o not in eligible]
     if bad:
-        raise CheckpointError(f"heads owned by layers {bad} cannot serve this model: a head's owner must be a MoE "
-                              f"layer followed by another (eligible owners {eligible})", file=path)
+        raise CheckpointError(f"heads owned by layers {_short(bad)} cannot serve this model: a head's owner must be "
+                              f"a MoE layer followed by another (eligible owners {eligible})", file=path)
     wrong = [(o, c) for o, c in zip(owners, consumers) if consumer_of(spec, o) != c]
     if wrong:
-        raise CheckpointError(f"heads predict layers {[c for _, c in wrong]} from owners {[o for o, _ in wrong]}; in "
-                              f"this model those owners' next MoE layers are "
-                              f"{[consumer_of(spec, o) for o, _ in wrong]}", file=path)
+        raise CheckpointError(f"heads predict layers {_short([c for _, c in wrong])} from owners "
+                              f"{_short([o for o, _ in wrong])}; in this model those owners' next MoE layers are "
+                              f"{_short([consumer_of(spec, o) for o, _ in wrong])}", file=path)

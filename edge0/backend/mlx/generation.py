@@ -15,6 +15,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
+from edge0.backend.mlx.cache_file import check_cache_file
 from edge0.errors import ConfigError, Edge0Error, TokenizerError
 
 
@@ -43,11 +44,14 @@ def make_cache(model: nn.Module, max_kv_size: int | None = None) -> list:
 def load_cache_file(path) -> tuple[list, dict]:
     """A prompt cache file (``mlx_lm.cache_prompt``'s: mlx-lm's ``save_prompt_cache``) as
     (the cache, one entry per layer; its metadata). A file that is not one is a
-    ``ConfigError`` naming it."""
+    ``ConfigError`` naming it, and its layout is checked before mlx-lm builds anything
+    from its names (``check_cache_file``: one hostile index would cost gigabytes)."""
+    from mlx_lm.models import cache as mlx_cache
     from mlx_lm.models.cache import load_prompt_cache
 
     if not Path(path).is_file():
         raise ConfigError(f"prompt cache file {path}: no such file")
+    check_cache_file(path, _cache_classes(mlx_cache))
     try:
         cache, metadata = load_prompt_cache(str(path), return_metadata=True)
     except (Exception, RecursionError) as e:  # noqa: BLE001 - whatever a foreign file makes mlx-lm raise
@@ -57,6 +61,12 @@ def load_cache_file(path) -> tuple[list, dict]:
         raise ConfigError(f"prompt cache file {path} holds no cache")
     mx.eval([c.state for c in cache])  # read here: a lazy load is bound to this thread's stream
     return cache, metadata
+
+
+def _cache_classes(module) -> set[str]:
+    """The names ``load_prompt_cache`` may look up in its module: the cache classes defined there."""
+    return {name for name, obj in vars(module).items()
+            if isinstance(obj, type) and obj.__module__ == module.__name__ and hasattr(obj, "from_state")}
 
 
 def check_start_cache(own: list, cache, kv_bits: int | None, kv_group_size: int) -> int:

@@ -8,6 +8,7 @@ This module only gathers the names; each responsibility lives in its own module 
 - ``convert``: quantizing switch templates, their tensor layout, dequantizing and casting;
 - ``models``: mlx-lm's model classes, building a model, loading its resident part;
 - ``generation``: the tokenizer, the generation step and the prompt (KV) cache;
+- ``cache_file``: a prompt cache file's layout, checked before mlx-lm builds anything from it;
 - ``training``: building blocks for the small trainable prerouter heads;
 - ``split``: quantized projections whose output rows run over several streams.
 """
