@@ -32,9 +32,7 @@ the host, so the two overlap.
 from __future__ import annotations
 
 import copy
-import ctypes
 import json
-import os
 import re
 import threading
 import time
@@ -42,6 +40,7 @@ import weakref
 from collections.abc import Mapping
 
 from edge0.errors import ConfigError, ConstraintError, FormatTooCostlyError
+from edge0.heap import allocated_bytes, trim_heap
 
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 JSON_OBJECT_SCHEMA = {"type": "object"}
@@ -265,7 +264,23 @@ def compile_response_format(response_format, tokenizer, whitespace: str = "compa
         grammar = ll.LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS[whitespace])
     except (ValueError, TypeError) as e:
         raise ConfigError(f"{where}: {e}") from None
-    before = _allocated_bytes()
+    try:
+        return _build(ll, lltok, eos, grammar, kind, schema, name, text, where)
+    except ConfigError as e:
+        # A refused format keeps nothing. Its error's traceback holds the frames of _build
+        # and _probe, whose locals are the grammar engine's matcher and its copies (180 MB
+        # for one heavy pattern): a caller holding the error in a reference cycle (as the
+        # server's worker-thread future does) kept them until a full garbage collection,
+        # and the server grew 180 MB a refusal. Dropped here...
+        e.__traceback__ = None
+        # ...and the pages they were freed to handed back: glibc keeps them in the arena of
+        # the thread that compiled (ten distinct refusals still held 150 MB more)
+        trim_heap()
+        raise
+
+
+def _build(ll, lltok, eos, grammar: str, kind: str, schema: dict, name, text: str, where: str) -> Constraint:
+    before = allocated_bytes()
     matcher = ll.LLMatcher(lltok, grammar, log_level=0, limits=_limits())
     if matcher.is_error():
         raise ConfigError(f"{where}: {_explain(matcher.get_error())}")
@@ -273,37 +288,8 @@ def compile_response_format(response_format, tokenizer, whitespace: str = "compa
     constraint = Constraint(kind, schema, name, matcher, lltok.vocab_size, tuple(eos))
     # what it holds, as the heap's growth while it was built (the grammar engine reports
     # no size of its own; another thread's allocations meanwhile can only inflate it)
-    constraint.nbytes = max(len(text), _allocated_bytes() - before)
+    constraint.nbytes = max(len(text), allocated_bytes() - before)
     return constraint
-
-
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                       "fsmblks", "uordblks", "fordblks", "keepcost")]
-
-
-def _allocated_bytes() -> int:
-    """Bytes the C heap has handed out and not got back (glibc's ``mallinfo2``: every arena,
-    mapped blocks included), else the resident set (which a reused free block does not grow)."""
-    global _mallinfo2
-    if _mallinfo2 is None:
-        try:
-            fn = ctypes.CDLL(None).mallinfo2
-            fn.restype = _MallInfo2
-            _mallinfo2 = fn
-        except (OSError, AttributeError):
-            _mallinfo2 = False
-    if _mallinfo2:
-        info = _mallinfo2()
-        return info.uordblks + info.hblkhd
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0  # entries then count their schema's text only
-
-
-_mallinfo2 = None
 
 
 def _probe(matcher, vocab_size: int, where: str) -> None:

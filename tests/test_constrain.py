@@ -6,6 +6,7 @@ complete; every malformed ``response_format`` is a ConfigError naming its field.
 from __future__ import annotations
 
 import json
+import platform
 import threading
 from pathlib import Path
 
@@ -273,6 +274,100 @@ def test_an_invalid_or_unsupported_schema_is_a_config_error(tokenizer, schema):
     with pytest.raises(ConfigError) as err:
         compile_response_format({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}, tokenizer)
     assert str(err.value).startswith("response_format.json_schema.schema: "), str(err.value)
+
+
+def test_a_refused_format_keeps_no_matcher(tokenizer, monkeypatch):
+    """The refusal's traceback holds no frame that holds the grammar engine's matcher: a
+    caller keeping the error in a reference cycle (the server's worker-thread future) would
+    keep the matcher, 180 MB for a heavy pattern, until a full garbage collection."""
+    import llguidance
+
+    import edge0.constrain as C
+
+    monkeypatch.setattr(C, "PROBE_FIRST_S", -1.0)  # every first mask is too slow: refused at once
+    with pytest.raises(ConfigError, match="too expensive to enforce") as err:
+        compile_response_format(SCHEMA_FORMAT, tokenizer)
+    held, e = [], err.value
+    while e is not None:
+        tb = e.__traceback__
+        while tb is not None:
+            held += [(tb.tb_frame.f_code.co_name, k) for k, v in tb.tb_frame.f_locals.items()
+                     if isinstance(v, llguidance.LLMatcher)]
+            tb = tb.tb_next
+        e = e.__context__ or e.__cause__
+    assert held == []
+
+
+REFUSALS = 5  # about 0.8 s each: a first mask runs to its end before its time is checked
+REFUSE_IN_WORKER_THREADS = """
+import sys
+from pathlib import Path
+
+import anyio
+import anyio.to_thread
+from mlx_lm.utils import load_tokenizer
+
+import edge0
+import edge0.constrain
+from edge0.constrain import ConstraintCache
+from edge0.errors import ConfigError
+
+edge0.constrain.PROBE_FIRST_S = 0.1  # each first mask takes 0.8 s here: refused on a faster machine too
+
+
+def rss_mib():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
+class Refused(Exception):
+    pass
+
+
+cache = ConstraintCache(load_tokenizer(Path(edge0.__file__).parent / "data" / "demo_model"))
+cache.get({"type": "json_object"})  # the library loaded and the grammar tokenizer built before the start
+
+
+def check(fmt):  # as the server does, in a worker thread: the refusal becomes its own error
+    try:
+        cache.get(fmt)
+    except ConfigError as e:
+        raise Refused(str(e)) from None
+
+
+async def main():
+    start = rss_mib()
+    for i in range(int(sys.argv[1])):
+        pattern = "^(a{%d}){1000}$" % (1000 + i)  # distinct: no cache hit
+        fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": pattern}}}
+        try:
+            await anyio.to_thread.run_sync(check, fmt)
+        except Refused as e:
+            assert "too expensive to enforce" in str(e), str(e)
+        else:
+            raise AssertionError("accepted: " + pattern)
+    print(rss_mib() - start)
+
+
+anyio.run(main)
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="reads /proc; the heap is handed back through glibc")
+def test_refused_formats_keep_no_memory():
+    """Distinct schemas too expensive to enforce, refused in worker threads as the server
+    refuses them: the process ends within 64 MiB of its start. Each refusal kept 180 MB
+    (the grammar engine's matcher, alive through the error, then the pages of a worker
+    thread's heap arena): 1.2 GB more after ten; with the matcher dropped but the heap not
+    trimmed, 105 MB after five (0-20 MB with both)."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", REFUSE_IN_WORKER_THREADS, str(REFUSALS)], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    grown = float(r.stdout.split()[-1])
+    assert grown <= 64, f"RSS grew {grown:.0f} MiB over {REFUSALS} refused formats"
 
 
 def test_whitespace_runs_are_bounded(tokenizer):
