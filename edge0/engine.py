@@ -181,6 +181,15 @@ class Engine:
         if self._longest_token:
             check_text_size(self._longest_token, self.context_length, chars)
 
+    @property
+    def max_prompt_chars(self) -> int | None:
+        """The most characters a prompt's text can have and still fit the context (no token
+        covers more than the longest token's text), or None when that is not known."""
+        if self._longest_token is None and self.vocab_size:
+            self._longest_token = longest_token_chars(self.tokenizer, self.vocab_size)
+        ctx = self.context_length
+        return ctx * self._longest_token if ctx and self._longest_token else None
+
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
             self._check_text_size(len(prompt))

@@ -12,7 +12,7 @@ def prompt_ids(tok, encode: Callable[[str], list[int]], prompt: str | None = Non
                chat_template: bool = True, tools: Sequence[dict] | None = None,
                check_chars: Callable[[int], None] | None = None, template_kwargs: dict | None = None,
                role_mapping: dict | None = None, prefill_response: str | None = None,
-               after_cache: bool = False) -> list[int]:
+               after_cache: bool = False, render: Callable[..., str] | None = None) -> list[int]:
     """``prompt`` (text): with a chat template (the tokenizer has one and ``chat_template``),
     one user message after an optional ``system_prompt``; without, the text with the
     tokenizer's special tokens. ``messages`` (``{"role", "content"}``): the chat template, or,
@@ -29,7 +29,9 @@ def prompt_ids(tok, encode: Callable[[str], list[int]], prompt: str | None = Non
     ``after_cache``: the prompt continues a prefix a prompt cache holds (``mlx_lm.generate
     --prompt-cache-file``): with a chat template, only the text from ``prompt``'s message on
     (what the template writes before it is in the cache); without, the text with no special
-    tokens (a BOS belongs at the start, which the cache holds)."""
+    tokens (a BOS belongs at the start, which the cache holds). ``render(messages,
+    **keywords)``: what renders the chat template into text (default: the tokenizer's
+    ``apply_chat_template``, here; the server's runs in a process it can stop)."""
     templated = chat_template and getattr(tok, "has_chat_template", False)
     if prefill_response is not None and not templated:
         raise ConfigError("prefill_response needs the tokenizer's chat template (this prompt is plain text: put the "
@@ -49,26 +51,60 @@ def prompt_ids(tok, encode: Callable[[str], list[int]], prompt: str | None = Non
         return encode("\n".join(m["content"] for m in messages))
     from jinja2 import TemplateError
 
+    if render is None:
+        def render(messages, **keywords):
+            return tok.apply_chat_template(messages, tokenize=False, **keywords)
     try:
         extra = {**(template_kwargs or {}), **({"tools": list(tools)} if tools else {})}
         if prefill_response is not None:
             messages = [*messages, {"role": "assistant", "content": prefill_response}]
             extra["continue_final_message"] = True
-        text = tok.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=prefill_response is None,
-                                       **extra)
+        text = render(list(messages), add_generation_prompt=prefill_response is None, **extra)
     except TemplateError as e:  # the template's own raise_exception, e.g. roles that do not alternate
         raise ConfigError(f"the model's chat template refuses these messages: {e}") from None
     if after_cache:  # the prompt's message on: render it with a marker for its content, cut there
         marked = [dict(m) for m in messages]
         marked[-2 if prefill_response is not None else -1]["content"] = QUERY_MARK
-        text = text[tok.apply_chat_template(marked, tokenize=False, add_generation_prompt=prefill_response is None,
-                                            **extra).index(QUERY_MARK):]
+        text = text[render(marked, add_generation_prompt=prefill_response is None, **extra).index(QUERY_MARK):]
     if check_chars is not None:
         check_chars(len(text))
     return tok.encode(text, add_special_tokens=False)
 
 
 QUERY_MARK = "<query>"  # mlx_lm.generate's marker for where a cached prefix ends
+
+# The template renderer's own parameters (transformers' ``apply_chat_template`` and
+# ``render_jinja_template``, and the functions it hands every template): never a
+# template's variable a caller may set (tests/test_server_mlxlm.py holds it to the installed
+# transformers' signatures).
+RENDERER_OWN = frozenset((
+    "conversation", "conversations", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "raise_exception",
+    "strftime_now", "kwargs"))
+
+
+def template_variables(tokenizer, renderer=None) -> frozenset[str] | None:
+    """The variables a Hugging Face tokenizer's chat template reads (its free names), or
+    None where they cannot be known (a ``renderer`` in Python replaces the template, or
+    jinja2 does not parse it). A tokenizer without a chat template reads none;
+    ``enable_thinking`` is always one."""
+    if renderer is not None:
+        return None
+    template = getattr(tokenizer, "chat_template", None)
+    if template is None:
+        return frozenset()
+    from jinja2 import TemplateSyntaxError, meta
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"])
+    names: set[str] = set()
+    for text in (template.values() if isinstance(template, dict) else [template]):
+        try:
+            names |= meta.find_undeclared_variables(env.parse(text))
+        except TemplateSyntaxError:
+            return None
+    return frozenset(names | {"enable_thinking"})  # mlx-lm's tokenizer sets it on every template (off by default)
 
 
 def mapped_roles(messages: Sequence[dict], role_mapping: dict) -> str:

@@ -29,6 +29,7 @@ from edge0.backend import core as B
 from edge0.errors import StalledConsumerError
 from edge0.sampling import SamplingParams
 from edge0.stats import GenerationStats, peak_rss_bytes
+from edge0.text import open_tail
 
 
 @dataclass
@@ -161,19 +162,6 @@ def _logprobs(token: int, logprobs, params: SamplingParams) -> dict:
         # tokens a constraint or logit_bias rules out (-inf) are no alternatives
         out["top_logprobs"] = [(int(i), float(row[i])) for i in top if np.isfinite(row[i])]
     return out
-
-
-def open_tail(text: str, markers) -> int:
-    """How many characters at the end of ``text`` begin one of ``markers`` without
-    completing it: the part of a streamed text to hold back while it may still grow into
-    a marker (a stop string, a tool call's start)."""
-    keep = 0
-    for m in markers:
-        for n in range(min(len(m) - 1, len(text)), keep, -1):
-            if text.endswith(m[:n]):
-                keep = n
-                break
-    return keep
 
 
 class StopMatcher:

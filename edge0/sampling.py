@@ -32,11 +32,14 @@ def _int(name: str, value, lo: int, hi: int | None = None) -> None:
 
 
 def _number(name: str, value, lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = False) -> None:
-    ok = (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-          and (value > lo if lo_open else value >= lo) and (value < hi if hi_open else value <= hi))
+    try:  # an integer past float's range (JSON allows 400 digits) is out of range, not a crash
+        ok = (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+              and (value > lo if lo_open else value >= lo) and (value < hi if hi_open else value <= hi))
+    except OverflowError:
+        ok = False
     if not ok:
         brackets = ("(" if lo_open else "[") + f"{lo:g}, {hi:g}" + (")" if hi_open else "]")
-        raise ConfigError(f"{name} must be a number in {brackets}, got {value!r}")
+        raise ConfigError(f"{name} must be a number in {brackets}, got {value!r:.40}")
 
 
 MIN_REPETITION_PENALTY = 0.01  # as far below 1 as the largest (100) is above it

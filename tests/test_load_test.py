@@ -38,8 +38,9 @@ def test_hostile_clients_get_closed_timed_out_and_refused(tiny_model_factory):
 
 
 def test_the_attacks_of_one_client_get_what_the_server_answers(tiny_model_factory):
-    """The five attacks of tools/hostile_attacks.py against a real server: abandoned requests
-    leave, an expensive schema is a 400 or a normal answer (never a 5xx), schema loops get
+    """The attacks of tools/hostile_attacks.py against a real server: abandoned requests
+    leave, an expensive schema is a 400 or a normal answer (never a 5xx), a template from the
+    client and 4 MB bodies of token ids are quick 400s, schema loops get
     200s, the prompt-cache probe from another user runs to its answer (that it recovers
     nothing is tests/test_server.py's probe test, on a tokenizer whose digits it can read
     one by one), the flood from 127.0.0.2 holds connections the server keeps closing."""
@@ -48,7 +49,8 @@ def test_the_attacks_of_one_client_get_what_the_server_answers(tiny_model_factor
 
     with serving(tiny_model_factory("qwen3_moe"), EngineConfig(adapter="off"), header_timeout_s=0.5,
                  max_connections=64, max_connections_per_client=8) as (url, state):
-        counts = {"abandoned_wait": 3, "heavy_schema": 2, "schema_loop": 1, "cache_probe": 1, "flood": 1}
+        counts = {"abandoned_wait": 3, "heavy_schema": 2, "schema_loop": 1, "cache_probe": 1, "flood": 1,
+                  "template_injection": 2, "big_body": 1}
         got = hostile_clients.summarize(asyncio.run(hostile_clients.run_scenario(url, counts, 1.5, 4)))
         assert load_test.one_request(url, 4, 60, random.Random(0))["status"] == 200  # still serving
     assert {k: v["clients"] for k, v in got.items()} == counts
@@ -56,6 +58,9 @@ def test_the_attacks_of_one_client_get_what_the_server_answers(tiny_model_factor
     assert set(got["heavy_schema"]["outcomes"]) <= {"200", "400"}, got["heavy_schema"]
     assert all(o.startswith("200") for o in got["schema_loop"]["outcomes"]), got["schema_loop"]
     assert got["cache_probe"]["outcomes"] == {"0 digits recovered": 1}
+    assert got["template_injection"]["outcomes"] == {
+        "400 ('chat_template_kwargs.chat_template' is a parameter of the template renderer, se)": 2}, got
+    assert got["big_body"]["outcomes"] == {"400 (400,400,400)": 1}, got["big_body"]
     (flood,) = got["flood"]["outcomes"]
     assert flood.startswith("held (") and int(flood.split("(")[1].split()[0]) > 8, flood  # closed and reopened
 

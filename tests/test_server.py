@@ -463,22 +463,28 @@ def test_queue_bound_429_and_keepalive_while_waiting(model):
     assert results["long"] == 200
 
 
+def serve_process(*flags: str) -> tuple[subprocess.Popen, str]:
+    """``edge0 serve --port 0 FLAGS`` in a process of its own (its standard error a text
+    pipe), and its URL once ``/health`` says it is ready."""
+    proc = subprocess.Popen([sys.executable, "-m", "edge0", "serve", "--port", "0", *flags], stderr=subprocess.PIPE,
+                            text=True)
+    line = proc.stderr.readline()
+    url = line.split(" on ")[1].split(" ")[0]
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+
+
 def test_sigterm_lets_running_requests_finish_then_exits(model, tmp_path):
     d, _, _ = model
-    proc = subprocess.Popen([sys.executable, "-m", "edge0", "serve", "--model", str(d), "--port", "0",
-                             "--adapter", "off"], stderr=subprocess.PIPE, text=True)
+    proc, url = serve_process("--model", str(d), "--adapter", "off")
     try:
-        line = proc.stderr.readline()
-        url = line.split(" on ")[1].split(" ")[0]
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
         with httpx.stream("POST", url + "/v1/completions",
                           json={"prompt": PROMPT, "max_tokens": 200, "stream": True}, timeout=60) as r:
             lines = r.iter_lines()

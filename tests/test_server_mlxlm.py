@@ -40,6 +40,27 @@ def test_the_base_answers_to_the_names_an_mlx_lm_user_gives_it(model):
             c.completions.create(model="other", prompt="x", max_tokens=1)
 
 
+def test_hide_paths_keeps_the_models_path_from_clients(model):
+    """/v1/models and a 404 showed the server's absolute model path to every client: with
+    --hide-paths the paths still name the base but are shown nowhere."""
+    d, _, _ = model
+    s = _settings("--model", str(d), "--hide-paths")
+    assert not {str(d), os.path.abspath(d)} & set(s.model_aliases)
+    with serving(d, EngineConfig(adapter="off"), model_aliases=s.model_aliases,
+                 hidden_aliases=s.hidden_aliases) as (url, _):
+        listed = httpx.get(url + "/v1/models", timeout=30).text
+        missing = httpx.post(url + "/v1/completions", json={"model": "other", "prompt": "x", "max_tokens": 1},
+                             timeout=60)
+        named = httpx.post(url + "/v1/completions", json={"model": os.path.abspath(d), "prompt": "x",
+                                                          "max_tokens": 1}, timeout=60)
+        one = httpx.get(url + "/v1/models/" + os.path.abspath(d).lstrip("/"), timeout=30)
+    assert missing.status_code == 404 and "tiny" in missing.text
+    for text in (listed, missing.text):
+        assert str(d.parent) not in text, text
+    assert named.status_code == 200, named.text
+    assert one.status_code in (200, 404)  # a path with its leading slash is not a route segment either way
+
+
 def test_a_hub_snapshot_answers_to_its_repo_id(tmp_path):
     from edge0.hub import repo_id_of
 
@@ -78,6 +99,7 @@ def test_browsers_on_allowed_origins_may_call_the_server(model):
         other = httpx.options(url + "/v1/chat/completions", headers={**pre, "Origin": "https://evil.example"},
                               timeout=30)
         assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+        assert other.json()["error"]["message"].startswith("CORS preflight refused: Disallowed CORS origin")
         post = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2},
                           headers={"Origin": "https://app.example"}, timeout=60)
         assert post.status_code == 200 and post.headers["access-control-allow-origin"] == "https://app.example"
@@ -129,7 +151,7 @@ def test_chat_template_kwargs_reach_the_template(model, tmp_path):
                                           extra_body={"chat_template_kwargs": {"enable_thinking": True}})
         default = c.chat.completions.create(model="tiny", messages=messages, max_tokens=2)
         assert (given.usage.prompt_tokens, default.usage.prompt_tokens) == (want, plain)
-        for bad_value, why in (({"tools": []}, "set by the server"), ("yes", "must be an object")):
+        for bad_value, why in (({"tools": []}, "a parameter of the template renderer"), ("yes", "must be an object")):
             r = httpx.post(url + "/v1/chat/completions", json={"messages": messages, "max_tokens": 2,
                                                                "chat_template_kwargs": bad_value}, timeout=60)
             assert r.status_code == 400 and why in r.json()["error"]["message"], r.text
@@ -185,3 +207,21 @@ def test_mlx_lm_sampling_fields_are_applied_and_checked(model):
         r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
                                                            "functions": []}, timeout=60)
         assert r.status_code == 400 and "'functions' is not a field" in r.json()["error"]["message"]
+
+
+def test_the_renderers_own_parameters_cover_transformers_signatures():
+    """``chat_template_kwargs`` names that are parameters of the installed transformers'
+    renderer are refused (edge0.prompts.RENDERER_OWN): a parameter a new version adds must
+    be added there, or a client could set it."""
+    import inspect
+
+    from transformers import PreTrainedTokenizerBase
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    from edge0.prompts import RENDERER_OWN
+
+    names = set()
+    for fn in (PreTrainedTokenizerBase.apply_chat_template, render_jinja_template):
+        names |= {p.name for p in inspect.signature(fn).parameters.values()
+                  if p.kind is not inspect.Parameter.VAR_KEYWORD and p.name != "self"}
+    assert names <= RENDERER_OWN, sorted(names - RENDERER_OWN)

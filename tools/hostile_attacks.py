@@ -15,7 +15,13 @@
   ``usage.prompt_tokens_details.cached_tokens``: the outcome is how many digits it recovered
   (0 wanted: the prompt cache is shared within one tenant only);
 - ``flood``: silent sockets from another address (127.0.0.2 by default), as many as
-  ``flood_sockets``, each reopened as soon as the server closes it, until the scenario ends.
+  ``flood_sockets``, each reopened as soon as the server closes it, until the scenario ends;
+- ``template_injection``: a chat request whose ``chat_template_kwargs`` carry a whole
+  template of nested loops (``range(100000)`` twice), its client leaving after 3 s: the
+  outcome wanted is a quick 400 (the renderer's own parameter), and no place in line held;
+- ``big_body``: a completion whose body is 4,000,028 bytes of two million token ids, just
+  under the 4 MiB bound, three in a row per client: the outcome wanted is a 400 naming the
+  prompt, without stalling the others (``/health`` and the streams).
 
 Each returns a dict with ``outcome`` and ``seconds`` like the clients of
 tools/hostile_clients.py (``detail`` where there is more to say).
@@ -96,6 +102,46 @@ def _unchunk(data: bytes) -> bytes:
             break
         out, data = out + rest[:n], rest[n + 2:]
     return out
+
+
+TEMPLATE_BOMB = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+
+
+async def template_injection(addr, i: int, leave_s: float = 3.0) -> dict:
+    t0 = time.monotonic()
+    body = {"messages": [{"role": "user", "content": "a"}], "max_tokens": 4,
+            "chat_template_kwargs": {"chat_template": TEMPLATE_BOMB}}
+    status, got = await _post(addr, body, timeout=leave_s)
+    out = {"outcome": status, "seconds": time.monotonic() - t0}
+    if got and status != "200":
+        out["detail"] = str((got.get("error") or {}).get("message"))[:80]
+    return out
+
+
+BIG_BODY = ('{"prompt": [' + ",".join(["0"] * 2_000_000) + ",-1]}").encode()
+
+
+async def big_body(addr, i: int, times: int = 3) -> dict:
+    t0, statuses = time.monotonic(), []
+    loop = asyncio.get_running_loop()
+    for _ in range(times):
+        sock = await connect(addr)
+        try:
+            head = (f"POST /v1/completions HTTP/1.1\r\nHost: {addr[0]}:{addr[1]}\r\nContent-Type: application/json"
+                    f"\r\nConnection: close\r\nContent-Length: {len(BIG_BODY)}\r\n\r\n").encode()
+            await loop.sock_sendall(sock, head + BIG_BODY)
+            data = b""
+            async with asyncio.timeout(120):
+                while chunk := await loop.sock_recv(sock, 65536):
+                    data += chunk
+            parts = data.split(b"\r\n", 1)[0].split()
+            statuses.append(parts[1].decode() if len(parts) > 1 else "closed")
+        except TimeoutError:
+            statuses.append("open")
+        finally:
+            sock.close()
+    bad = [s for s in statuses if s != "400"]
+    return {"outcome": bad[0] if bad else "400", "detail": ",".join(statuses), "seconds": time.monotonic() - t0}
 
 
 async def abandoned_wait(addr, i: int, prompt_chars: int = 4000, every: float = 0.1) -> dict:

@@ -39,7 +39,8 @@ import hostile_attacks as attacks
 MIB = 1 << 20
 RCVBUF = 4096  # a silent stream's receive buffer (the kernel doubles it)
 KINDS = ("silent_stream", "slowloris", "unfinished_body", "silent_socket", "oversize",  # slow clients
-         "abandoned_wait", "heavy_schema", "schema_loop", "cache_probe", "flood")  # tools/hostile_attacks.py
+         "abandoned_wait", "heavy_schema", "schema_loop", "cache_probe", "flood",  # tools/hostile_attacks.py
+         "template_injection", "big_body")
 OVERSIZE_VARIANTS = ("content-length", "chunked", "under-limit")
 
 
@@ -221,7 +222,9 @@ async def run_scenario(url: str, counts: dict[str, int], hold_s: float, silent_m
               "heavy_schema": lambda i: attacks.heavy_schema(addr, i),
               "schema_loop": lambda i: attacks.schema_loop(addr, stop),
               "cache_probe": lambda i: attacks.cache_probe(addr),
-              "flood": lambda i: attacks.flood(addr, stop)}
+              "flood": lambda i: attacks.flood(addr, stop),
+              "template_injection": lambda i: attacks.template_injection(addr, i),
+              "big_body": lambda i: attacks.big_body(addr, i)}
     tasks, others = [], []
     for kind in KINDS:
         for i in range(counts.get(kind, 0)):
@@ -274,6 +277,8 @@ SCENARIOS = [
     ("schema loops", {"schema_loop": 2}),
     ("prompt-cache probe", {"cache_probe": 1}),
     ("connection flood from 127.0.0.2", {"flood": 1}),
+    ("templates from the client", {"template_injection": 33}),
+    ("4 MB bodies of token ids", {"big_body": 2}),
 ]
 STATE_KEYS = ("rss_kib", "prompt_cache_kib", "constraint_cache_kib", "rss_less_caches_kib", "mlx_cache_kib",
               "mlx_active_kib", "open_fds", "threads", "tasks")

@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP server: a Starlette app on the async ``Engine``.
 
-No thread per request and nothing blocking on the event loop: tokenizing runs in a worker
-thread, generation on the engine's compute thread, and each request awaits its tokens.
+No thread per request and nothing blocking on the event loop: a large body is parsed and
+every chat template rendered in a request worker process (``edge0.server.intake``),
+tokenizing runs in a worker thread, generation on the engine's compute thread, and each
+request awaits its tokens.
 The engine decodes up to ``max_batch`` generations together (continuous batching, in
 arrival order); requests beyond ``max_queue`` waiting ones are answered 429 with
 ``Retry-After``. A client that goes away cancels its
@@ -35,9 +37,9 @@ from starlette.routing import Route
 
 from edge0.errors import ConfigError, Edge0Error, EngineBusyError, FormatTooCostlyError, StalledConsumerError
 from edge0.admission import EngineMetrics
+from edge0.server import intake
 from edge0.server import protocol as P
 from edge0.server import schema as S
-from edge0.server.api_error import MAX_DEPTH
 from edge0.server.guard import RequestGuard
 from edge0.server.state import ServerSettings, ServerState  # noqa: F401  (ServerSettings: the public name)
 from edge0.server.tools import ToolCalls, stream_deltas
@@ -64,12 +66,25 @@ def create_app(settings: ServerSettings) -> Starlette:
                    Route(prefix + "/models/{model_id:path}", _models(state, one=True), methods=["GET"])]
     middleware = [Middleware(RequestGuard, allowed_hosts=settings.allowed_hosts)]
     if settings.allowed_origins:  # browsers' preflight and CORS headers, outside the Host and Content-Type checks
-        middleware.insert(0, Middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
+        middleware.insert(0, Middleware(_CORS, allow_origins=list(settings.allowed_origins),
                                         allow_methods=["GET", "POST"], allow_headers=["*"], max_age=600))
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: _not_found, 405: _not_allowed},
                     middleware=middleware)
     app.state.edge0 = state
     return app
+
+
+class _CORS(CORSMiddleware):
+    """Starlette's CORS, with a refused preflight in the API's error shape (not plain text)."""
+
+    def preflight_response(self, request_headers) -> Response:
+        response = super().preflight_response(request_headers)
+        if response.status_code < 400:
+            return response
+        headers = {k: v for k, v in response.headers.items() if k not in ("content-length", "content-type")}
+        return JSONResponse(P.APIError(response.status_code, f"CORS preflight refused: {response.body.decode()}",
+                                       kind="invalid_request_error").body(),
+                            status_code=response.status_code, headers=headers)
 
 
 # -- responses -------------------------------------------------------------------------------
@@ -120,8 +135,10 @@ def _models(state: ServerState, one: bool = False):
             created = P.now()
             data = {name: S.ModelCard(id=name, created=created, owned_by="edge0",
                                       parent=None if adapter is None else state.settings.model_id)
-                    for name, adapter in state.models.items()}
+                    for name, adapter in state.listed_models.items()}
             wanted = request.path_params.get("model_id") if one else None
+            if one and wanted in state.settings.hidden_aliases:
+                data[wanted] = S.ModelCard(id=wanted, created=created, owned_by="edge0", parent=None)
             if one and wanted not in data:
                 raise P.APIError(404, f"the model {wanted!r:.80} does not exist; this server has {sorted(data)}",
                                  param="model", code="model_not_found")
@@ -188,55 +205,6 @@ def _process() -> dict:
             "mlx_active_bytes": B.active_memory(), "mlx_cache_bytes": B.cache_memory()}
 
 
-INLINE_JSON_BYTES = 64 * 1024  # larger request bodies are parsed in a worker thread
-
-
-async def _read_json(state: ServerState, request: Request):
-    limit = state.settings.max_body_bytes
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > limit:
-        raise P.APIError(413, f"the request body is {length} bytes, over the limit of {limit}")
-    chunks, size = [], 0
-    timeout = state.settings.body_timeout_s
-    try:
-        with anyio.fail_after(timeout):
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:
-                    raise P.APIError(413, f"the request body is over the limit of {limit} bytes")
-                chunks.append(chunk)
-    except TimeoutError:
-        raise P.APIError(408, f"the request body did not arrive within {timeout:g} s",
-                         kind="invalid_request_error", headers={"Connection": "close"}) from None
-    body = b"".join(chunks)
-    try:  # a large body is parsed off the event loop: other streams go on meanwhile
-        return json.loads(body) if size <= INLINE_JSON_BYTES else await anyio.to_thread.run_sync(json.loads, body)
-    except RecursionError:
-        raise P.bad(f"the request body is nested deeper than {MAX_DEPTH} levels") from None
-    except ValueError as e:
-        raise P.bad(f"the request body is not valid JSON: {e}") from None
-
-
-def _prompt_ids(state: ServerState, req: P.GenerationRequest) -> list[int]:
-    """Token ids of the request's prompt (chat template for chat), checked by the engine
-    (context length, sampling values). Runs in a worker thread."""
-    engine = state.engine
-    try:
-        if req.tools and not getattr(engine.tokenizer, "has_tool_calling", False):
-            raise P.bad("this model's chat template has no tool-call format: it cannot be given tools", "tools")
-        ids = (engine.prompt_ids(messages=req.messages, tools=req.tools, template_kwargs=req.template_kwargs,
-                                 role_mapping=req.role_mapping) if req.kind == "chat" else req.prompt)
-        ids, _ = engine.validate(ids, **req.sampling)
-    except ConfigError as e:  # a sampling value the model refuses, or the prompt
-        named = next((f for f in req.sampling if str(e).startswith(f)), None)
-        raise P.bad(str(e), named or ("messages" if req.kind == "chat" else "prompt")) from None
-    ctx, limit = engine.context_length, req.sampling["max_tokens"]
-    if req.max_tokens_given and ctx is not None and len(ids) + limit > ctx:  # a default limit is clipped instead
-        raise P.bad(f"the prompt ({len(ids)} tokens) and max_tokens ({limit}) exceed the model's context of {ctx} "
-                    f"tokens: ask for at most {ctx - len(ids)}", "max_tokens")
-    return ids
-
-
 def _endpoint(state: ServerState, kind: str):
     name = "chat" if kind == "chat" else "completions"
 
@@ -245,12 +213,10 @@ def _endpoint(state: ServerState, kind: str):
         try:
             _check_auth(state, request)
             _check_ready(state)
-            body = await _read_json(state, request)
-            req = P.parse(body, kind, state.models, state.default_model, state.settings.defaults,
-                          state.engine.vocab_size)
+            req = await intake.parse(state, request, kind)
             req.tenant = _tenant(request, req)
             admission = _admit(state)  # before any work for the request
-            ids = await anyio.to_thread.run_sync(_prompt_ids, state, req)
+            ids = await intake.until_gone(request, intake.prompt_ids, state, req)
             if req.stream:
                 stream, admission = _stream(state, req, ids, admission), None  # the stream owns it from here
                 state.metrics.count(name, 200)
@@ -266,6 +232,11 @@ def _endpoint(state: ServerState, kind: str):
             state.metrics.count(name, 499)
             state.metrics.disconnects += 1
             return Response(status_code=499)
+        except anyio.get_cancelled_exc_class():
+            # only the server's shutdown cancels a handler (its requests' --grace is over): an
+            # answer that says so, not uvicorn's bare 500 and a logged traceback
+            state.metrics.count(name, 503)
+            return _error(P.APIError(503, "the server is shutting down", headers={"Connection": "close"}))
         except Exception as e:  # noqa: BLE001 - an internal failure: 500, and the next request is served
             state.log.error("server.internal_error", error=f"{type(e).__name__}: {e}",
                             traceback=traceback.format_exc(limit=8))

@@ -68,6 +68,15 @@ def add_parser(sub) -> None:
                         "nor a connection slot (default 30)")
     s.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY,
                    help=f"largest request body accepted; more is 413 (default {DEFAULT_MAX_BODY})")
+    s.add_argument("--render-timeout", type=float, default=2.0, metavar="SECONDS",
+                   help="longest a request's chat template may take to render, in a worker process that is "
+                        "killed then (a 400); large bodies are checked there too (default 2)")
+    s.add_argument("--request-workers", type=int, default=2, metavar="N",
+                   help="worker processes that render chat templates and check bodies over 64 KiB, about 90 MiB "
+                        "each (default 2)")
+    s.add_argument("--hide-paths", action="store_true",
+                   help="the model's paths (the directory as given and absolute) still name it in requests, "
+                        "but are not shown to clients: not in /v1/models, not in a 404's list of models")
     s.add_argument("--grace", type=float, default=30.0,
                    help="on SIGTERM/SIGINT: seconds running requests may take to finish before they are "
                         "cancelled (default 30)")
@@ -88,6 +97,7 @@ def build_settings(args: argparse.Namespace):
     from edge0.hub import repo_id_of, resolve_model
     from edge0.server.app import ServerSettings
     from edge0.server.protocol import Defaults
+    from edge0.server.sandbox import SandboxLimits
     from edge0.sampling import SamplingParams
 
     for name, lo in (("max_queue", 0), ("max_body_bytes", 1), ("port", 0)):
@@ -98,16 +108,18 @@ def build_settings(args: argparse.Namespace):
         raise ConfigError(f"--api-key (or {API_KEY_ENV}) is empty: give a key, or leave it out to serve without one")
     if not (args.keepalive > 0 and args.send_timeout > 0 and args.header_timeout > 0 and args.body_timeout > 0
             and args.grace >= 0 and args.flood_ban >= 0 and args.max_connections >= 1
-            and args.max_connections_per_client >= 1):
-        raise ConfigError("--keepalive, --send-timeout, --header-timeout and --body-timeout must be > 0, --grace and "
-                          "--flood-ban >= 0 and --max-connections and --max-connections-per-client >= 1")
+            and args.max_connections_per_client >= 1 and args.render_timeout > 0 and args.request_workers >= 1):
+        raise ConfigError("--keepalive, --send-timeout, --header-timeout, --body-timeout and --render-timeout must be "
+                          "> 0, --grace and --flood-ban >= 0 and --max-connections, --max-connections-per-client "
+                          "and --request-workers >= 1")
     SamplingParams(max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p)
     model_dir = resolve_model(args.model)
     config = resolve_config(args, defaults={"prompt_cache_mb": DEFAULT_PROMPT_CACHE_MB,
                                             "prefill_step_size": DEFAULT_SERVE_PREFILL_STEP,
                                             "prefill_share": DEFAULT_SERVE_PREFILL_SHARE})
     model_id = args.model if not os.path.isdir(args.model) else os.path.basename(os.path.normpath(args.model))
-    aliases = {args.model, str(model_dir), os.path.abspath(model_dir), repo_id_of(model_dir)} - {None, model_id}
+    paths = {args.model, str(model_dir), os.path.abspath(model_dir)} - {model_id}
+    aliases = ({repo_id_of(model_dir)} | (set() if args.hide_paths else paths)) - {None, model_id}
     return ServerSettings(
         model_dir=model_dir, config=config, model_id=model_id,
         defaults=Defaults(max_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p, top_k=args.top_k,
@@ -115,6 +127,8 @@ def build_settings(args: argparse.Namespace):
         max_queue=args.max_queue, api_key=key, header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
         max_connections=args.max_connections, max_connections_per_client=args.max_connections_per_client,
         flood_ban_s=args.flood_ban, model_aliases=tuple(sorted(aliases)),
+        hidden_aliases=tuple(sorted(paths - aliases)) if args.hide_paths else (),
+        sandbox=SandboxLimits(timeout_s=args.render_timeout, workers=args.request_workers),
         allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
         allowed_hosts=tuple(h.strip() for h in args.allowed_hosts.split(",") if h.strip()),
         max_body_bytes=args.max_body_bytes, keepalive_s=args.keepalive, send_timeout_s=args.send_timeout)

@@ -22,7 +22,8 @@ from edge0.constrain import parse_response_format
 from edge0.errors import ConfigError
 from edge0.sampling import check_logit_bias
 from edge0.server import schema as S
-from edge0.server.api_error import APIError, bad, check_value
+from edge0.prompts import RENDERER_OWN
+from edge0.server.api_error import MAX_NODES, APIError, bad, check_value
 from edge0.server.tools import history_calls, parse_tools
 
 
@@ -83,15 +84,31 @@ class Defaults:
     min_p: float = 0.0
 
 
-def parse(body: Any, kind: str, models: dict[str, Any], default_model: str, defaults: Defaults,
-          vocab_size: int | None) -> GenerationRequest:
-    """A checked request. ``models``: id -> the engine's adapter argument for it."""
+@dataclass(frozen=True)
+class Checks:
+    """What a body is checked against besides its own shape."""
+
+    models: dict[str, Any]  # id -> the engine's adapter argument
+    default_model: str  # what a request naming no model gets
+    defaults: Defaults
+    vocab_size: int | None
+    context: int | None  # the model's context in tokens (None: not known)
+    template_vars: frozenset[str] | None = None  # the variables the chat template reads (None: not known)
+    hidden: frozenset[str] = frozenset()  # model ids never shown to clients (a 404 lists the others)
+
+
+def parse(body: Any, kind: str, checks: Checks) -> GenerationRequest:
+    """A checked request."""
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
-    check_value(body)
+    prompt = body.get("prompt") if kind == "completion" else None
+    if isinstance(prompt, list) and checks.context is not None and len(prompt) > checks.context:
+        raise bad(f"'prompt' holds {len(prompt)} token ids, more than the model's context of {checks.context} "
+                  "tokens", "prompt")
+    check_value(body, max_nodes=MAX_NODES + (checks.context or 0))
     r = S.parse_body(body, kind)
-    model, adapter = _model_and_adapter(r, models, default_model)
-    sampling = _sampling(r, defaults)
+    model, adapter = _model_and_adapter(r, checks)
+    sampling = _sampling(r, checks.defaults)
     logprobs, top = _logprob_fields(r, kind)
     sampling["stop"] = _stops(r)
     req = GenerationRequest(kind=kind, model=model, adapter=adapter, sampling=sampling, stream=bool(r.stream),
@@ -106,28 +123,38 @@ def parse(body: Any, kind: str, models: dict[str, Any], default_model: str, defa
         req.messages = _messages(r.messages)
         req.tools = parse_tools(body).tools
         req.template_kwargs, req.role_mapping = r.chat_template_kwargs, r.role_mapping
-        if req.template_kwargs and TEMPLATE_OWN & set(req.template_kwargs):
-            name = sorted(TEMPLATE_OWN & set(req.template_kwargs))[0]
-            raise bad(f"'chat_template_kwargs.{name}' is set by the server, not the request", "chat_template_kwargs")
+        _check_template_kwargs(req.template_kwargs or {}, checks.template_vars)
     else:
-        req.prompt = _prompt(r.prompt, vocab_size)
+        req.prompt = _prompt(r.prompt, checks.vocab_size)
     return req
 
 
-TEMPLATE_OWN = frozenset(("messages", "conversation", "tools", "tokenize", "add_generation_prompt"))
+def _check_template_kwargs(kwargs: dict, variables: frozenset[str] | None) -> None:
+    """``chat_template_kwargs`` are the chat template's variables: the renderer's own
+    parameters (a whole template, the messages, tokenizing) are the server's to set, and a
+    name the template does not read would be silently ignored."""
+    for name in sorted(kwargs):
+        if name in RENDERER_OWN:
+            raise bad(f"'chat_template_kwargs.{name:.80}' is a parameter of the template renderer, set by the server; "
+                      "chat_template_kwargs are the chat template's variables", "chat_template_kwargs")
+        if variables is not None and name not in variables:
+            known = ", ".join(sorted(variables - RENDERER_OWN)) or "none"
+            raise bad(f"'chat_template_kwargs.{name:.80}' is not a variable of this model's chat template (it reads: "
+                      f"{known:.400})", "chat_template_kwargs")
 
 
-def _model_and_adapter(r: S.ChatRequest | S.CompletionRequest, models: dict[str, Any],
-                       default_model: str) -> tuple[str, Any]:
+def _model_and_adapter(r: S.ChatRequest | S.CompletionRequest, checks: Checks) -> tuple[str, Any]:
     """The model id answered with and the engine's adapter argument, from ``model`` or ``adapters``."""
+    models = checks.models
+    shown = sorted(m for m in models if m not in checks.hidden)
     if r.adapters is not None:
         if r.adapters not in models:
-            raise APIError(404, f"no adapter {r.adapters!r}; this server serves {sorted(models)}", param="adapters",
+            raise APIError(404, f"no adapter {r.adapters!r:.80}; this server serves {shown}", param="adapters",
                            code="model_not_found")
         return r.adapters, models[r.adapters]
-    model = default_model if r.model is None else r.model
+    model = checks.default_model if r.model is None else r.model
     if model not in models:
-        raise APIError(404, f"the model {model!r} does not exist; this server serves {sorted(models)}",
+        raise APIError(404, f"the model {model!r:.80} does not exist; this server serves {shown}",
                        param="model", code="model_not_found")
     return model, models[model]
 

@@ -4,17 +4,20 @@ counters of ``/metrics`` (``edge0.server.app`` serves them)."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import anyio
 
+from edge0.backend import nn as bnn
 from edge0.config import EngineConfig
 from edge0.logs import get_logger
+from edge0.prompts import template_variables
 from edge0.server import protocol as P
 from edge0.server.api_error import DEFAULT_MAX_BODY
 from edge0.server.metrics import Metrics
+from edge0.server.sandbox import Sandbox, SandboxLimits
 
 
 @dataclass
@@ -36,7 +39,17 @@ class ServerSettings:
     flood_ban_s: float = 2.0  # an address cycling through its share: dropped this long (server.address_gate)
     retry_after_s: int = 1
     model_aliases: tuple[str, ...] = ()  # other names of the base: the path it was started with, its hub id
+    hidden_aliases: tuple[str, ...] = ()  # names of the base never shown to clients (--hide-paths: its paths)
     allowed_origins: tuple[str, ...] = ()  # browser origins answered with CORS headers ("*": any)
+    sandbox: SandboxLimits = field(default_factory=SandboxLimits)  # large bodies' checks, template renders
+
+
+def sandbox_setup(tokenizer, checks: P.Checks) -> dict:
+    """What every request worker process holds: the tokenizer (mlx-lm's wrapper is rebuilt
+    there around it) and the body checks (adapters by name: the engine's arguments for them
+    are looked up again here)."""
+    return {"tokenizer": bnn.tokenizer_parts(tokenizer),
+            "checks": replace(checks, models={name: None for name in checks.models})}
 
 
 class ServerState:
@@ -47,6 +60,8 @@ class ServerState:
         self.metrics = Metrics()
         self.log = get_logger("edge0.server")
         self.on_load_failure = None  # the command line stops the server when loading fails
+        self.sandbox: Sandbox | None = None  # set once the engine is loaded
+        self.checks: P.Checks | None = None  # what a body is checked against, once the engine is loaded
 
     @property
     def in_flight(self) -> int:
@@ -58,38 +73,63 @@ class ServerState:
         """Model id -> the engine's adapter argument: the base (bare), every adapter, the
         base's aliases (``model_aliases``) and mlx-lm's ``default_model`` (what a request
         naming no model gets)."""
+        return self._models(self.engine)
+
+    def _models(self, engine) -> dict[str, Any]:
         out: dict[str, Any] = {self.settings.model_id: None}
-        for name in self.engine.adapters:
+        for name in engine.adapters:
             out[name] = name
-        for name in self.settings.model_aliases:
+        for name in self.settings.model_aliases + self.settings.hidden_aliases:
             out.setdefault(name, None)
-        out.setdefault("default_model", out[self.default_model])
+        out.setdefault("default_model", out[self._default_model(engine)])
         return out
+
+    @property
+    def listed_models(self) -> dict[str, Any]:
+        """``models`` without the names never shown to clients (``hidden_aliases``)."""
+        return {k: v for k, v in self.models.items() if k not in self.settings.hidden_aliases}
 
     @property
     def default_model(self) -> str:
         """What a request naming no model gets: the engine's default adapter if it has one."""
-        adapters = self.engine.adapters
+        return self._default_model(self.engine)
+
+    def _default_model(self, engine) -> str:
+        adapters = engine.adapters
         return adapters[0] if adapters and self.settings.config.adapter != "off" else self.settings.model_id
 
     async def load(self) -> None:
+        """The engine, then the request worker processes; ``engine`` is set (the server is
+        ready) once both are."""
         from edge0.engine import Engine
 
         t0 = time.perf_counter()
+        engine = None
         try:
-            self.engine = await anyio.to_thread.run_sync(Engine, self.settings.model_dir, self.settings.config)
-            if getattr(getattr(self.engine, "streaming", None), "pipeline", None) is not None:  # rank 0 of mlx.launch
-                self.engine.lead()
+            engine = await anyio.to_thread.run_sync(Engine, self.settings.model_dir, self.settings.config)
+            if getattr(getattr(engine, "streaming", None), "pipeline", None) is not None:  # rank 0 of mlx.launch
+                engine.lead()
+            self.checks = P.Checks(self._models(engine), self._default_model(engine), self.settings.defaults,
+                                   engine.vocab_size, engine.context_length,
+                                   template_variables(*bnn.tokenizer_parts(engine.tokenizer)),
+                                   hidden=frozenset(self.settings.hidden_aliases))
+            self.sandbox = await anyio.to_thread.run_sync(Sandbox, sandbox_setup(engine.tokenizer, self.checks),
+                                                          self.settings.sandbox)
         except Exception as e:  # noqa: BLE001 - reported by /health and the log, then the server stops
             self.load_error = f"{type(e).__name__}: {e}"
             self.log.error("server.load_failed", error=self.load_error)
+            if engine is not None:
+                await anyio.to_thread.run_sync(engine.close)
             if self.on_load_failure is not None:
                 self.on_load_failure()
             return
+        self.engine = engine
         self.log.info("server.ready", model=str(self.settings.model_dir), seconds=round(time.perf_counter() - t0, 2),
                       adapters=self.engine.adapters)
 
     async def close(self) -> None:
+        if self.sandbox is not None:
+            self.sandbox.close()
         if self.engine is not None:
             engine, self.engine = self.engine, None
             with anyio.CancelScope(shield=True):

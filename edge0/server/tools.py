@@ -21,7 +21,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from edge0.row import open_tail
+from edge0.text import open_tail
 from edge0.server.api_error import MAX_DEPTH, bad, check_value
 
 MAX_TOOLS = 128

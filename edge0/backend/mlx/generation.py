@@ -33,6 +33,20 @@ def load_tokenizer(model_dir: Path):
                              file=model_dir) from None
 
 
+def tokenizer_parts(tokenizer) -> tuple:
+    """(the Hugging Face tokenizer, the chat-template renderer in Python or None) of mlx-lm's
+    tokenizer wrapper: what ``rebuild_tokenizer`` makes the same wrapper of in another
+    process (both pickle)."""
+    return getattr(tokenizer, "_tokenizer", tokenizer), getattr(tokenizer, "_chat_template", None)
+
+
+def rebuild_tokenizer(hf_tokenizer, renderer):
+    """mlx-lm's tokenizer wrapper around ``tokenizer_parts``' parts."""
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    return TokenizerWrapper(hf_tokenizer, chat_template=renderer)
+
+
 def make_cache(model: nn.Module, max_kv_size: int | None = None) -> list:
     """A fresh KV / state cache for ``model`` (mlx-lm's, so hybrid models get theirs; with
     ``max_kv_size``, rotating KV caches of that size)."""

@@ -33,6 +33,8 @@ from edge0.backend.mlx.generation import (
     load_cache_file,
     load_tokenizer,
     make_cache,
+    rebuild_tokenizer,
+    tokenizer_parts,
     trim_cache,
 )
 from edge0.backend.mlx.models import (
@@ -90,4 +92,5 @@ __all__ = [
     "kv_width", "rotary_dims", "split_projections", "switch_experts", "switch_layout", "switch_output_width", "token_embedding",
     "trim_cache", "value_and_grad", "copy_prefix", "batch_cache", "empty_batch_cache", "extend_batch_cache", "extract_batch_row",
     "filter_batch_cache", "is_plain_kv_cache", "row_sampling", "check_start_cache", "load_cache_file",
+    "rebuild_tokenizer", "tokenizer_parts",
 ]
