@@ -284,3 +284,71 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the process table in /proc")
+def test_a_worker_killed_from_outside_is_replaced_and_blames_no_request(hostile_model):
+    """A request worker that died while idle (the kernel's OOM killer, an operator's kill)
+    was handed the next job: a 400 blaming that request's input. It is dropped and
+    replaced now; every request is answered as usual."""
+    with serving(hostile_model, EngineConfig(adapter="off")) as (url, state):
+        children = _children(os.getpid())
+        workers = [pid for pid in children if _alive(pid) and "edge0.server.sandbox" in _cmdline(pid)]
+        assert len(workers) == 2
+        for pid in workers:
+            os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while any(_alive(pid) for pid in workers):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        answers = [_chat(url).status_code for _ in range(3)]
+        assert answers == [200] * 3
+        assert state.sandbox.killed == 0  # dropped as dead, not killed for a request
+        deadline = time.monotonic() + 60
+        while len([p for p in _children(os.getpid()) if _alive(p) and "edge0.server.sandbox" in _cmdline(p)]) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except FileNotFoundError:
+        return ""
+
+
+def test_a_pool_left_short_by_a_failed_start_starts_another(monkeypatch):
+    """A request worker that failed to start left the pool one smaller for good (none
+    left: every chat request a 503): a request that finds no worker free starts another."""
+    from edge0.server import protocol as P
+    from edge0.server import sandbox
+
+    real, starts = sandbox._Child, []
+
+    def first_fails(*args):
+        starts.append(1)
+        if len(starts) == 1:
+            raise sandbox.SandboxError("did not start")
+        return real(*args)
+
+    monkeypatch.setattr(sandbox, "_Child", first_fails)
+    checks = P.Checks(models={"m": None}, default_model="m", defaults=P.Defaults(), vocab_size=100, context=64)
+    pool = sandbox.Sandbox({"tokenizer": None, "checks": checks}, SandboxLimits(workers=2))
+    try:
+        assert pool.size() == 1
+        results: list = []
+        jobs = [threading.Thread(target=lambda: results.append(
+            pool.run(("parse", b'{"prompt": [1, 2], "max_tokens": 1}', "completion")).prompt)) for _ in range(2)]
+        for t in jobs:
+            t.start()
+        for t in jobs:
+            t.join(60)
+        assert results == [[1, 2], [1, 2]]
+        deadline = time.monotonic() + 60
+        while pool.size() < 2:  # the one the waiting request started
+            assert time.monotonic() < deadline, (pool.size(), len(starts))
+            time.sleep(0.05)
+        assert len(starts) == 3
+    finally:
+        pool.close()

@@ -140,6 +140,7 @@ class Sandbox:
         self._lock = threading.Lock()
         self._all: set[_Child] = set()
         self._closed = False
+        self._starting = 0  # children being started
         self.killed = 0  # children killed at a deadline or for a client that left
         self.jobs: Counter[str] = Counter()  # jobs answered, by kind
         starting = [self._replace() for _ in range(limits.workers)]
@@ -151,19 +152,47 @@ class Sandbox:
     def _replace(self) -> threading.Thread:
         """A new child, started on a thread of its own (it takes a second or more to import)."""
         def start():
+            child = None
             try:
                 child = _Child(self.setup, self.limits)
             except (OSError, SandboxError):
-                return  # the pool is one smaller
+                pass  # the pool is one smaller until run() finds it short
             with self._lock:
-                if self._closed:
+                self._starting -= 1
+                if child is not None and self._closed:
                     child.kill()
                     return
-                self._all.add(child)
-            self._idle.put(child)
+                if child is not None:
+                    self._all.add(child)
+            if child is not None:
+                self._idle.put(child)
+        with self._lock:
+            self._starting += 1
         t = threading.Thread(target=start, name="edge0-sandbox-start", daemon=True)
         t.start()
         return t
+
+    def size(self) -> int:
+        """Children alive and started."""
+        with self._lock:
+            return len(self._all)
+
+    def _idle_child(self) -> _Child | None:
+        """A free child that is alive (one that died idle, killed from outside or by the
+        kernel, is dropped here rather than blamed on the next request's input), or None
+        after a short wait. A pool left short by a failed start starts another first."""
+        with self._lock:
+            short = not self._closed and len(self._all) + self._starting < self.limits.workers
+        if short:
+            self._replace()
+        try:
+            child = self._idle.get(timeout=0.05)
+        except queue.Empty:
+            return None
+        if child.proc.poll() is not None:
+            self._drop(child, killed=False)
+            return None
+        return child
 
     def run(self, job: tuple, *, abandoned: threading.Event | None = None, timeout_s: float | None = None) -> Any:
         """The job's value; ``JobRefused`` (its input's fault), ``JobTimeout``,
@@ -174,12 +203,11 @@ class Sandbox:
                 raise SandboxError("the server is shutting down")
             if abandoned is not None and abandoned.is_set():
                 raise JobAbandoned("the client left")
-            try:
-                child = self._idle.get(timeout=0.05)
+            child = self._idle_child()
+            if child is not None:
                 break
-            except queue.Empty:
-                if time.monotonic() >= waited:
-                    raise SandboxBusy(f"no request worker was free within {self.limits.wait_s:g} s") from None
+            if time.monotonic() >= waited:
+                raise SandboxBusy(f"no request worker was free within {self.limits.wait_s:g} s")
         deadline = time.monotonic() + (self.limits.timeout_s if timeout_s is None else timeout_s)
         try:
             reply = child.run(job, deadline, abandoned)
@@ -197,12 +225,13 @@ class Sandbox:
             return reply[1]
         raise JobRefused(*reply[1:])
 
-    def _drop(self, child: _Child) -> None:
+    def _drop(self, child: _Child, killed: bool = True) -> None:
         child.kill()
         with self._lock:
             self._all.discard(child)
-            self.killed += 1
-        if not self._closed:
+            self.killed += killed
+            closed = self._closed
+        if not closed:
             self._replace()
 
     def close(self) -> None:
