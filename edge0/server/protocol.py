@@ -20,9 +20,9 @@ from typing import Any
 
 from edge0.constrain import parse_response_format
 from edge0.errors import ConfigError
+from edge0.prompts import RENDERER_OWN
 from edge0.sampling import check_logit_bias
 from edge0.server import schema as S
-from edge0.prompts import RENDERER_OWN
 from edge0.server.api_error import MAX_NODES, APIError, bad, check_value
 from edge0.server.tools import history_calls, parse_tools
 
