@@ -352,3 +352,13 @@ def test_a_pool_left_short_by_a_failed_start_starts_another(monkeypatch):
         assert len(starts) == 3
     finally:
         pool.close()
+
+
+def test_a_large_body_nested_past_the_parser_is_a_400(model):
+    """A body over 64 KiB nested deeper than the JSON parser goes is parsed in a worker:
+    its RecursionError is the same 400 as a small body's, not a 500."""
+    deep = '{"prompt": ' + "[" * 40_000 + "]" * 40_000 + "}"
+    with serving(model[0], EngineConfig(adapter="off")) as (url, _):
+        r = httpx.post(url + "/v1/completions", content=deep, headers={"Content-Type": "application/json"},
+                       timeout=60)
+    assert r.status_code == 400 and "nested deeper than 64 levels" in r.json()["error"]["message"], r.text

@@ -1,9 +1,10 @@
 """The OpenAI error shape every refused request gets: ``APIError`` (HTTP status,
-message, the field at fault), ``bad``, the 400 of a client's mistake, and ``check_value``,
-the 400 of a value nested too deeply to walk."""
+message, the field at fault), ``bad``, the 400 of a client's mistake, ``load_json``, a
+body's JSON or its 400, and ``check_value``, the 400 of a value too deep or too large to walk."""
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -30,6 +31,17 @@ def bad(message: str, param: str | None = None) -> APIError:
 
 MAX_DEPTH = 64  # nesting of the request body, and of tool-call arguments given as JSON text
 MAX_NODES = 65536  # values (objects, lists, strings, numbers) in a body beside a prompt's token ids
+
+
+def load_json(body: bytes) -> Any:
+    """A request body's JSON, or the 400 of one that is not JSON or nests past what the
+    parser takes (wherever it is parsed: the event loop or a request worker process)."""
+    try:
+        return json.loads(body)
+    except RecursionError:
+        raise bad(f"the request body is nested deeper than {MAX_DEPTH} levels") from None
+    except ValueError as e:
+        raise bad(f"the request body is not valid JSON: {e}") from None
 
 
 def check_value(value: Any, what: str = "the request body", param: str | None = None,

@@ -6,7 +6,6 @@ does meanwhile (its worker's job killed, its place in line given back)."""
 from __future__ import annotations
 
 import functools
-import json
 import threading
 
 import anyio
@@ -15,7 +14,7 @@ from starlette.requests import ClientDisconnect, Request
 from edge0.errors import ConfigError
 from edge0.heap import trim_heap
 from edge0.server import protocol as P
-from edge0.server.api_error import MAX_DEPTH
+from edge0.server.api_error import load_json
 from edge0.server.sandbox import JobAbandoned, JobRefused, JobTimeout, SandboxError
 from edge0.server.state import ServerState
 
@@ -59,13 +58,7 @@ async def parse(state: ServerState, request: Request, kind: str) -> P.Generation
                 await anyio.to_thread.run_sync(trim_heap)
         req.adapter = state.checks.models[req.model]  # the worker held the models by name
         return req
-    try:
-        value = json.loads(body)
-    except RecursionError:
-        raise P.bad(f"the request body is nested deeper than {MAX_DEPTH} levels") from None
-    except ValueError as e:
-        raise P.bad(f"the request body is not valid JSON: {e}") from None
-    return P.parse(value, kind, state.checks)
+    return P.parse(load_json(body), kind, state.checks)
 
 
 async def until_gone(request: Request, fn, *args):

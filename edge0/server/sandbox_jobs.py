@@ -4,7 +4,6 @@ param, status)``; nothing raised here leaves the child."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 
@@ -17,8 +16,9 @@ class Jobs:
 
             self.tokenizer = bnn.rebuild_tokenizer(*setup["tokenizer"])
         from edge0.server import protocol  # imported before the memory limit: it is the child's own
+        from edge0.server.api_error import load_json
 
-        self.protocol = protocol
+        self.protocol, self.load_json = protocol, load_json
 
     def run(self, job: tuple) -> tuple:
         run = {"render": self._render, "parse": self._parse}[job[0]]
@@ -42,11 +42,4 @@ class Jobs:
         return text
 
     def _parse(self, body: bytes, kind: str) -> Any:
-        try:
-            value = json.loads(body)
-        except RecursionError:
-            raise self.protocol.bad(f"the request body is nested deeper than {self.protocol.MAX_DEPTH} levels") \
-                from None
-        except ValueError as e:
-            raise self.protocol.bad(f"the request body is not valid JSON: {e}") from None
-        return self.protocol.parse(value, kind, self.setup["checks"])
+        return self.protocol.parse(self.load_json(body), kind, self.setup["checks"])
