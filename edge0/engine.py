@@ -175,20 +175,22 @@ class Engine:
             raise ConfigError(f"the prompt is {len(ids)} tokens; the model's context is {ctx} tokens "
                               "(max_position_embeddings): shorten the prompt")
 
-    def _check_text_size(self, chars: int) -> None:
+    def _longest(self) -> int | None:
+        """The most characters one token covers (found once), or None without a vocabulary size."""
         if self._longest_token is None and self.vocab_size:
             self._longest_token = longest_token_chars(self.tokenizer, self.vocab_size)
-        if self._longest_token:
+        return self._longest_token
+
+    def _check_text_size(self, chars: int) -> None:
+        if self._longest():
             check_text_size(self._longest_token, self.context_length, chars)
 
     @property
     def max_prompt_chars(self) -> int | None:
         """The most characters a prompt's text can have and still fit the context (no token
         covers more than the longest token's text), or None when that is not known."""
-        if self._longest_token is None and self.vocab_size:
-            self._longest_token = longest_token_chars(self.tokenizer, self.vocab_size)
-        ctx = self.context_length
-        return ctx * self._longest_token if ctx and self._longest_token else None
+        ctx, longest = self.context_length, self._longest()
+        return ctx * longest if ctx and longest else None
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):

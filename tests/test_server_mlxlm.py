@@ -225,3 +225,16 @@ def test_the_renderers_own_parameters_cover_transformers_signatures():
         names |= {p.name for p in inspect.signature(fn).parameters.values()
                   if p.kind is not inspect.Parameter.VAR_KEYWORD and p.name != "self"}
     assert names <= RENDERER_OWN, sorted(names - RENDERER_OWN)
+
+
+def test_the_request_worker_flags_reach_the_settings(model):
+    from edge0.errors import ConfigError
+    from edge0.server.sandbox import SandboxLimits
+
+    d, _, _ = model
+    s = _settings("--model", str(d), "--render-timeout", "5", "--request-workers", "3")
+    assert s.sandbox == SandboxLimits(timeout_s=5.0, workers=3)
+    assert _settings("--model", str(d)).sandbox == SandboxLimits()
+    for flag in ("--render-timeout", "--request-workers"):
+        with pytest.raises(ConfigError, match=flag):
+            _settings("--model", str(d), flag, "0")
