@@ -362,3 +362,18 @@ def test_a_large_body_nested_past_the_parser_is_a_400(model):
         r = httpx.post(url + "/v1/completions", content=deep, headers={"Content-Type": "application/json"},
                        timeout=60)
     assert r.status_code == 400 and "nested deeper than 64 levels" in r.json()["error"]["message"], r.text
+
+
+def test_the_round_three_tools_run(tmp_path):
+    """tools/schema_refusal_rss.py and tools/victim_stall.py (docs/SERVER.md's figures) run
+    to their reports on the demo: small runs of each."""
+    import schema_refusal_rss
+    import victim_stall
+
+    assert schema_refusal_rss.main(["--schemas", "2", "--out", str(tmp_path / "s.json")]) == 0
+    schemas = json.loads((tmp_path / "s.json").read_text())
+    assert [r["status"] for r in schemas["rows"]] == [400, 400] and schemas["after_mib"] is not None
+    assert victim_stall.main(["--attack", "big_bodies", "--repeats", "1", "--victim-tokens", "8",
+                              "--out", str(tmp_path / "v.json")]) == 0
+    summary = json.loads((tmp_path / "v.json").read_text())["summary"]
+    assert set(summary) == {"quiet", "big_bodies"} and summary["big_bodies"]["settle_s"] < 60

@@ -21,11 +21,7 @@ from pathlib import Path
 import httpx
 
 from fuzz_bodies import serve
-
-
-def rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+from load_test import rss_kib
 
 
 def main(argv=None) -> int:
@@ -43,15 +39,16 @@ def main(argv=None) -> int:
         try:
             with httpx.Client(timeout=120) as c:
                 c.post(url + "/v1/chat/completions", json={**chat, "response_format": {"type": "json_object"}})
-                start = rss_mib(proc.pid)
+                start = rss_kib(proc.pid) / 1024
                 for i in range(args.schemas):
                     schema = {"type": "string", "pattern": "^(a{%d}){1000}$" % (1000 + i)}
                     t0 = time.perf_counter()
                     r = c.post(url + "/v1/chat/completions", json={**chat, "response_format": {
                         "type": "json_schema", "json_schema": {"name": "x", "schema": schema}}})
                     statuses.append(r.status_code)
+                    now = rss_kib(proc.pid) / 1024
                     rows.append({"schema": i + 1, "status": r.status_code, "seconds": round(time.perf_counter() - t0, 2),
-                                 "rss_mib": round(rss_mib(proc.pid)), "over_start_mib": round(rss_mib(proc.pid) - start)})
+                                 "rss_mib": round(now), "over_start_mib": round(now - start)})
                     print(rows[-1], flush=True)
         finally:
             proc.terminate()

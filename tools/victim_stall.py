@@ -36,6 +36,7 @@ import httpx
 
 from fuzz_bodies import serve, with_template
 from hostile_attacks import BIG_BODY, TEMPLATE_BOMB
+from load_test import rss_kib
 
 VICTIM = "Write a long story about a lighthouse keeper."
 
@@ -126,11 +127,6 @@ def settle_s(url: str, limit: float = 60.0) -> float:
     return float("inf")
 
 
-def rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--attack", choices=[*ATTACKS, "both"], default="both")
@@ -155,12 +151,12 @@ def main(argv=None) -> int:
             measured(url, 8)  # warm-up
             for r in range(args.repeats):
                 runs.append({"repeat": r, "arm": "quiet", **measured(url, args.victim_tokens)})
-                base_rss = rss_mib(proc.pid)
+                base_rss = rss_kib(proc.pid) / 1024
                 for name in attacks:
                     row = {"repeat": r, "arm": name, **measured(url, args.victim_tokens, name)}
                     row["settle_s"] = settle_s(url)
                     time.sleep(5)
-                    row["rss_over_quiet_mib"] = rss_mib(proc.pid) - base_rss
+                    row["rss_over_quiet_mib"] = rss_kib(proc.pid) / 1024 - base_rss
                     runs.append(row)
                     print(json.dumps(row), flush=True)
         finally:
