@@ -145,7 +145,7 @@ class Batcher:
     def typed(self, error: BaseException) -> BaseException:
         """``error`` as the coordinator names it (under a pipeline, a failed transfer is a
         ``DistributedError`` naming this rank's pipeline)."""
-        return self.host.coord.typed(error)
+        return self.host.coord.typed(self.host.streaming.explain(error))
 
     # -- what a pipeline's other ranks do while rank 0 decides (edge0.coordinator) -----------
     def wait_submitted(self, n: int, timeout: float) -> bool:

@@ -121,6 +121,11 @@ class Streaming:
                 log.warning("checkpoint.changed", files=changed, action="cached experts invalidated")
             self.invalidate()
 
+    def explain(self, error: BaseException) -> BaseException:
+        """``error`` raised by evaluating a step, as the typed error behind it (a staged
+        layer's failed reads raise inside the step's graph)."""
+        return self.stager.explain(error) if self.stager is not None else error
+
     def pinned_slots(self) -> int:
         return sum(c.pinned_slots() for c in (self.stager, self.hot) if c is not None)
 

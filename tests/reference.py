@@ -79,13 +79,14 @@ def record_staging(engine, prompt, max_tokens: int):
     s = engine.streaming
     stager = s.stager
     plans, used = {}, {}
-    submit = stager.scheduler.submit
+    stage = stager.scheduler.stage
 
-    def record_plan(plan):
-        plans[plan.step] = {lp.layer: set(lp.experts) for lp in plan.layers}
-        submit(plan)
+    def record_plans(release, steps=()):
+        for plan in steps:
+            plans[plan.step] = {lp.layer: set(lp.experts) for lp in plan.layers}
+        return stage(release, steps)
 
-    stager.scheduler.submit = record_plan
+    stager.scheduler.stage = record_plans
     switches = s.switches()
 
     def observe(layer, inds, previous):

@@ -151,17 +151,18 @@ def test_host_syncs_per_step_do_not_grow_with_layers(tiny_model_factory, tmp_pat
             results[layers, flush] = _staged_step_syncs(d, monkeypatch, EngineConfig(prerouter_flush=flush))
     for (layers, flush), (per_step, inside, n_staged) in results.items():
         assert n_staged == layers - 1
-        # a staged layer waits for nothing: no sync of any kind inside it; async_eval (which
-        # schedules the layers below and returns at once) is its one call into MLX's evaluator
+        # a staged layer calls nothing of MLX's evaluator: its wait for its slots is an op
+        # of the step's graph
         assert len(inside) == 4 * n_staged
-        assert all(c == {"async_eval": 1} for c in inside), inside
-        # per step: the step hook awaits the previous step (eval) and reads every predicted
-        # set at once (numpy); layer 0, which no head predicts, routes itself on the exact
-        # path: its routing comes to the host (numpy) and its bundle's last reader is settled
-        # (eval). A flush in NumPy reads the heads' inputs (computed already) to the host once
-        # more. Nothing grows with the number of staged layers.
+        assert all(c == {} for c in inside), inside
+        # per step: the step hook reads every predicted set at once (numpy); the previous
+        # step, evaluated when its logits were, is not evaluated again; layer 0, which no
+        # head predicts, routes itself on the exact path: its routing comes to the host
+        # (numpy) and its bundle's last reader is settled (eval). A flush in NumPy reads the
+        # heads' inputs (computed already) to the host once more. Nothing grows with the
+        # number of staged layers.
         for counts in per_step:
-            assert counts == {"eval": 2, "numpy": 2 + (flush == "numpy"), "async_eval": n_staged}, counts
+            assert counts == {"eval": 1, "numpy": 2 + (flush == "numpy")}, counts
 
 
 def test_quality_guard_reports_recall(trained):

@@ -109,3 +109,27 @@ def test_requests_that_need_no_reads_do_not_wait_on_slow_disk(setups):
         t0 = time.perf_counter()
         assert [ev.token for ev in engine.stream(PROMPT, max_tokens=N)] == expected
         assert faults.calls == 0 and time.perf_counter() - t0 < 5
+
+
+@pytest.mark.parametrize("kernels", ["edge0", "mlx"])
+@pytest.mark.parametrize("config", ["staged+heads", "staged+oracle"])
+def test_slow_reads_are_waited_for_inside_the_step(setups, config, kernels):
+    """A staged layer's wait for its slots is an op of the step's graph (the thread that
+    builds the step never waits): with every read 20 ms late, every op that reads the slots
+    (MLX's cast of their scales included, on its own kernels) still runs after the reads, so
+    each token's log-probability is the same number as with a fast disk."""
+    d, cfg, oracle, _ = setups[config]
+    cfg = EngineConfig(**{**cfg.__dict__, "kernels": kernels})
+
+    def run(delay):
+        with Engine(d, cfg, oracle=oracle) as engine:
+            assert engine.streaming.stager.pool.flags.in_graph
+            if delay:
+                engine.reader.pread = Faults("none", delay=delay)
+            events = list(engine.stream(PROMPT, max_tokens=N, logprobs=True))
+            return [(ev.token, ev.logprob) for ev in events], events[-1].stats.stall_ms_per_step
+
+    fast, _ = run(0.0)
+    slow, stall = run(0.02)
+    assert slow == fast
+    assert stall > 5  # the waits happened, and were counted

@@ -10,7 +10,8 @@ import anyio
 import pytest
 
 from edge0.errors import ExpertReadError
-from edge0.io_sched.scheduler import EMPTY, READY, LayerPlan, PrefetchScheduler, StepPlan
+from edge0.io_sched.scheduler import LayerPlan, PrefetchScheduler, StepPlan
+from edge0.io_sched.slots import EMPTY, READY
 from edge0.errors import SchedulerError
 
 pytestmark = pytest.mark.asyncio

@@ -1,17 +1,18 @@
 """The scheduler driven from another thread, as the engine's compute thread drives it: the
-scheduler on its own event-loop thread, ``wait_ready`` from the caller's thread, reads in
+scheduler on its own event-loop thread, ``stage`` called through the portal once a step,
+readiness told by ``signal`` (from the reader thread that completed a layer), reads in
 shares. A fake store: no MLX, no model."""
 
 from __future__ import annotations
 
 import errno
 import threading
+import time
 
 import anyio.to_thread
 import pytest
 
 from edge0.errors import ExpertReadError, SchedulerError
-from edge0.io_sched import scheduler as sched_mod
 from edge0.worker import EventLoopThread
 from edge0.io_sched.scheduler import LayerPlan, PrefetchScheduler, StepPlan
 from tests.test_scheduler import FakeStore
@@ -40,58 +41,74 @@ def running():
         loop.close()
 
 
-def test_a_thread_gets_each_layer_and_its_consumption_slides_the_window(running, monkeypatch):
-    monkeypatch.setattr(sched_mod, "READY_TIMEOUT_S", 10.0)  # a window that never slides fails, not hangs
+def drained(s, loop) -> None:
+    """Until the loop has taken back every read (its counters are final)."""
+    deadline = time.monotonic() + 10
+    while loop.portal.call(s.pending_reads) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+class Signals:
+    """What ``signal`` told: (layer, step, ok, thread name) in order, and a wait for them."""
+
+    def __init__(self):
+        self.told, self.cond = [], threading.Condition()
+
+    def __call__(self, layer, step, ok):
+        with self.cond:
+            self.told.append((layer, step, ok, threading.current_thread().name))
+            self.cond.notify_all()
+
+    def wait(self, n, timeout=10.0):
+        with self.cond:
+            assert self.cond.wait_for(lambda: len(self.told) >= n, timeout), self.told
+        return self.told[:n]
+
+
+def test_stage_answers_every_slot_map_at_once_and_signals_each_layer_from_its_reader(running):
+    signals = Signals()
     store = FakeStore()
-    s, loop = running(store, {l: 4 for l in range(4)}, readers=2, prefetch_depth=1)
-    posted = []
+    s, loop = running(store, {l: 4 for l in range(4)}, readers=2, prefetch_depth=1, signal=signals)
+    maps = loop.portal.call(s.stage, None, [plan(0, [(l, [l, l + 1]) for l in range(4)])])
+    assert sorted(maps) == [(0, l) for l in range(4)]  # every layer's slots, claimed in the one call
+    assert all(sorted(maps[0, l]) == [l, l + 1] and len(set(maps[0, l].values())) == 2 for l in range(4))
+    told = signals.wait(4)
+    # depth 1: one layer's reads at a time, in order; each told by the thread that read it
+    assert [(l, st, ok) for l, st, ok, _ in told] == [(l, 0, True) for l in range(4)]
+    assert all(name != "test-io" for *_, name in told)
+    assert sorted(e for _, e, _ in store.log) == [0, 1, 1, 2, 2, 3, 3, 4]  # each layer's two misses
+    # the next step: the step before unpinned in the same call; a resident expert is a hit,
+    # signalled by the loop at once (nothing to read)
+    maps = loop.portal.call(s.stage, 0, [plan(1, [(0, [0, 1])])])
+    assert maps == {(1, 0): dict(maps[1, 0])} and sorted(maps[1, 0]) == [0, 1]
+    assert signals.wait(5)[4][:3] == (0, 1, True)
+    drained(s, loop)
+    assert s.stats.hits == 2 and s.tables[1].pinned() == 0  # step 0's pins went with it
 
-    def post(fn, *args):
-        posted.append(fn.__name__)
-        loop.post(fn, *args)
 
-    loop.portal.call(s.submit, plan(0, [(l, [l, l + 1]) for l in range(4)]))
-    maps = [s.wait_ready(0, l, post) for l in range(4)]  # depth 1: layer l+1 is read after l is consumed
-    assert [(m.layer, m.misses, sorted(m.slot_of)) for m in maps] == [(l, 2, [l, l + 1]) for l in range(4)]
-    assert posted == ["_consume"] * 4  # one post per layer, nothing waited on
-    loop.portal.call(s.release, 0)
-    loop.portal.call(s.submit, plan(1, [(0, [0, 5])]))
-    m = s.wait_ready(1, 0, loop.post)
-    assert (m.hits, m.misses) == (1, 1)
-    with pytest.raises(SchedulerError, match="no pending plan"):
-        s.wait_ready(1, 0, loop.post)  # consumed already
-
-
-def test_a_read_error_reaches_the_waiting_thread_typed(running):
+def test_a_read_error_is_signalled_and_kept_typed(running):
+    signals = Signals()
     store = FakeStore(faults={(0, 7): [OSError(errno.EIO, "Input/output error")] * 3})
-    s, loop = running(store, {0: 4}, readers=2, retries=2)
-    loop.portal.call(s.submit, plan(0, [(0, [7, 8])]))
-    with pytest.raises(ExpertReadError, match="Input/output error") as err:
-        s.wait_ready(0, 0, loop.post)
-    assert (err.value.layer, err.value.expert) == (0, 7)
+    s, loop = running(store, {0: 4}, readers=2, retries=2, signal=signals)
+    loop.portal.call(s.stage, None, [plan(0, [(0, [7, 8])])])
+    assert signals.wait(1)[0][:3] == (0, 0, False)
+    err = s.job_error(0, 0)
+    assert isinstance(err, ExpertReadError) and "Input/output error" in str(err)
+    assert (err.layer, err.expert) == (0, 7)
     assert s.stats.retries == 2 and s.stats.failures == 1
 
 
-def test_cancelling_a_step_wakes_the_thread_waiting_on_it(running):
+def test_cancelling_a_staged_step_signals_its_layers_failed(running):
+    signals = Signals()
     gate = threading.Event()
     store = FakeStore(gate=gate)
-    s, loop = running(store, {0: 2}, readers=1)
-    loop.portal.call(s.submit, plan(0, [(0, [1, 2])]))
-    got = []
-
-    def waiter():
-        try:
-            s.wait_ready(0, 0, loop.post)
-        except SchedulerError as e:
-            got.append(e)
-
-    t = threading.Thread(target=waiter)
-    t.start()
+    s, loop = running(store, {0: 2}, readers=1, signal=signals)
+    loop.portal.call(s.stage, None, [plan(0, [(0, [1, 2])])])
     cancelled = loop.portal.start_task_soon(s.cancel, 0)  # waits for the read in flight
+    assert signals.wait(1)[0][:3] == (0, 0, False)  # at once: a graph waiting on it raises, never hangs
     gate.set()
     cancelled.result(10)
-    t.join(10)
-    assert not t.is_alive() and len(got) == 1  # "cancelled", or "no pending plan" if it came late
+    assert isinstance(s.job_error(0, 0), SchedulerError)
     assert s.tables[0].pinned() == 0 and s.tables[0].loading() == 0
 
 
@@ -106,11 +123,12 @@ def test_a_layers_reads_go_to_the_readers_in_shares(running, monkeypatch):
         return await real(fn, *args, **kw)
 
     monkeypatch.setattr(anyio.to_thread, "run_sync", counting)
+    signals = Signals()
     store = FakeStore()
-    s, loop = running(store, {0: 8, 1: 8}, readers=2, prefetch_depth=2)
-    loop.portal.call(s.submit, plan(0, [(0, range(8)), (1, [20, 21, 22])]))
-    m0, m1 = s.wait_ready(0, 0, loop.post), s.wait_ready(0, 1, loop.post)
-    assert (m0.misses, m1.misses) == (8, 3)
+    s, loop = running(store, {0: 8, 1: 8}, readers=2, prefetch_depth=2, signal=signals)
+    loop.portal.call(s.stage, None, [plan(0, [(0, range(8)), (1, [20, 21, 22])])])
+    assert sorted((l, ok) for l, _, ok, _ in signals.wait(2)) == [(0, True), (1, True)]
     assert handoffs[:2] == [4, 4] and sum(handoffs) == 11 and len(handoffs) <= 4
     assert sorted(e for l, e, _ in store.log if l == 0) == list(range(8))
+    drained(s, loop)
     assert s.stats.reads == 11 and s.stats.bytes == 1100

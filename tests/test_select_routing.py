@@ -167,9 +167,9 @@ def test_select_adds_no_host_sync(heads, monkeypatch):
     per_step, inside, n_staged = _staged_step_syncs(heads("qwen3_moe"), monkeypatch,
                                                     EngineConfig(routing="select", stage_extra=2,
                                                                  prerouter_flush="numpy"))
-    assert len(inside) == 4 * n_staged and all(c == {"async_eval": 1} for c in inside), inside
+    assert len(inside) == 4 * n_staged and all(c == {} for c in inside), inside
     for counts in per_step:  # as replace: tests/test_prerouter.py::test_host_syncs_per_step_do_not_grow_with_layers
-        assert counts == {"eval": 2, "numpy": 3, "async_eval": n_staged}, counts
+        assert counts == {"eval": 1, "numpy": 3}, counts
 
 
 def test_token_heads_are_handed_the_token_being_decoded(heads):

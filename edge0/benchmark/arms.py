@@ -183,8 +183,7 @@ def read_only(model_dir: str, settings: dict) -> Loaded:
 def _read_only_step(model) -> None:
     stager = model.streaming.stager
     stager.advance_step()
-    for layer in stager.layers:
-        stager.portal.call(stager.scheduler.ready, stager.step, layer)
+    stager.wait_planned()
 
 
 def record_oracle(model_dir: str, prompt: list[int], continuation: list[int], path: str) -> int:

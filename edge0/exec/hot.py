@@ -15,7 +15,7 @@ from edge0.backend import core as B
 from edge0.model.checkpoint import CheckpointIndex
 from edge0.exec.rows import ExactExecutor, ExpertRows, lookup_table
 from edge0.io_sched.reader import ExpertReader
-from edge0.io_sched.scheduler import SlotTable
+from edge0.io_sched.slots import SlotTable
 
 
 class HotExecutor:

@@ -101,10 +101,15 @@ class ExpertRows:
             B.eval(self.pending)
             self.pending = None
 
-    def run(self, split, template, x, local):
+    def run(self, split, template, x, local, gate=None):
         """``template``'s computation over these rows for input ``x`` and ``local`` routing
-        indices (row numbers in this buffer, not expert ids), on ``split``'s streams."""
-        return split(self.kernel(template), x, local)
+        indices (row numbers in this buffer, not expert ids), on ``split``'s streams.
+        ``gate`` (view -> view): what every stacked tensor passes through first, so that
+        each op reading the rows (a cast of the scales included) waits for what the gate
+        waits for (a staged layer's readiness)."""
+        if gate is None:
+            return split(self.kernel(template), x, local)
+        return split(bind(template, {name: gate(view) for name, view in self.views.items()}), x, local)
 
 
 def lookup_table(num_experts: int, experts, rows, missing: int = 0):

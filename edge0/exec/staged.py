@@ -24,16 +24,21 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 
 from edge0.backend import core as B
 from edge0.model.checkpoint import CheckpointIndex
-from edge0.errors import ConfigError, RoutingMismatchError
+from edge0.errors import ConfigError, RoutingMismatchError, SchedulerError
 from edge0.exec.oracle import OracleRouting
 from edge0.exec.plan import DecodePlan, LayerRoute, OraclePlanner, Planner, PrerouterPlanner, QualityGuard, StageStats
-from edge0.exec.rows import ExpertRows, lookup_table
+from edge0.exec.rows import ExpertRows
 from edge0.io_sched.reader import ExpertReader, SlotStore
 from edge0.worker import EventLoopThread
-from edge0.io_sched.scheduler import LayerPlan, PrefetchScheduler, StepPlan
+from edge0.io_sched.scheduler import READY_TIMEOUT_S, LayerPlan, PrefetchScheduler, StepPlan
+
+
+WAIT_FAILED = "edge0: the slots of staged layer"  # how a failed wait reads when its graph is evaluated
 
 
 class SlotPool:
@@ -49,13 +54,38 @@ class SlotPool:
         self.slots = slots  # per layer, at open and after a batch empties
         self.max_slots = max(slots, min(max_slots or slots, index.spec.num_experts))
         self.rows = {l: ExpertRows(index.layers[l], slots) for l in layers}
+        # each staged layer's readiness, two flags (a step's, and the next one's submitted
+        # ahead): set by the reader that fills its slots, awaited inside the step's graph
+        self.flags = B.ReadyFlags(2 * len(layers), READY_TIMEOUT_S)
+        self.flag_of = {l: 2 * i for i, l in enumerate(layers)}
+        self.tickets: dict[int, int] = {}  # step -> the value its flags take when ready (unique per pool)
+        self._ticket = 0
         self.loop = EventLoopThread(name="edge0-io")
         self.portal = self.loop.portal
         self.scheduler = PrefetchScheduler(SlotStore(reader, {l: r.buffers for l, r in self.rows.items()}),
                                            {l: slots for l in layers}, readers=readers,
-                                           prefetch_depth=prefetch_depth, log=log)
+                                           prefetch_depth=prefetch_depth, log=log, signal=self._signal)
         self._entered = self.portal.wrap_async_context_manager(self.scheduler)
         self._entered.__enter__()
+
+    def ticket(self, step: int) -> int:
+        """The value ``step``'s flags take when its layers are ready (given once per step)."""
+        if step not in self.tickets:
+            self._ticket += 1
+            self.tickets[step] = self._ticket
+            for old in [s for s in self.tickets if s < step - 2]:
+                del self.tickets[old]
+        return self.tickets[step]
+
+    def flag(self, layer: int, step: int) -> tuple[int, int]:
+        """(flag index, value) that says ``layer``'s slots are ready for ``step``."""
+        ticket = self.ticket(step)
+        return self.flag_of[layer] + ticket % 2, ticket
+
+    def _signal(self, layer: int, step: int, ok: bool) -> None:  # a reader thread or the loop
+        ticket = self.tickets.get(step)
+        if ticket is not None:
+            self.flags.set(self.flag_of[layer] + ticket % 2, ticket if ok else -ticket)
 
     def nbytes(self) -> int:
         """Bytes the slots hold now (more than at open while a batch grew them)."""
@@ -104,20 +134,23 @@ class SlotPool:
 @dataclass
 class StepState:
     """The Stager's current step: its number, the plan it runs, the steps submitted to the
-    scheduler and their staged layers, the oracle's plans submitted ahead, the staged outputs
-    to evaluate before their slots are reused, the routing-miss count on device, and the
-    step's clock (start, stall, the scheduler's counters at its start)."""
+    scheduler and, per step, the slot map of each staged layer claimed for it, the current
+    step's lookup tables (expert -> slot, on the device), the oracle's plans submitted
+    ahead, the staged outputs to be evaluated before their slots are reused, the
+    routing-miss count on device, and the step's clock (start, the flags' waits and the
+    scheduler's counters at its start)."""
 
     misses: object  # staged routing indices that found no slot, counted on device
     step: int = -1
     plan: DecodePlan | None = None  # the current step's, when it was planned
     predicted: dict = field(default_factory=dict)  # the plan's flush: layer -> (indices, logits)
     submitted: set = field(default_factory=set)
-    staged: dict = field(default_factory=dict)  # submitted step -> its layers that fit their slots
+    maps: dict = field(default_factory=dict)  # submitted step -> {layer: {expert: slot}} claimed for it
+    tables: dict = field(default_factory=dict)  # the current step's layer -> lookup row (device)
     ahead: dict = field(default_factory=dict)  # oracle plans submitted ahead of their step
     outputs: list = field(default_factory=list)  # staged outputs, evaluated before their slots are reused
     t0: float | None = None
-    stall: float = 0.0
+    waited0: object = None  # the flags' waited nanoseconds at the step's start
     io0: tuple = ()
 
 
@@ -193,10 +226,13 @@ class Stager:
         """Forget the previous generation: cancel its reads, unpin its slots (slots keep
         their experts: sticky across generations). ``keep_report`` keeps the quality guard's
         per-layer recall of the generation that just ended, for whoever reads it next."""
+        self._settle()  # a step built and never evaluated (teacher forcing) computes on its slots first
         for step in sorted(self.now.submitted):
             self.portal.call(self.scheduler.cancel, step)
         self.now.submitted.clear()
-        self.now.staged.clear()
+        self.pool.tickets.clear()  # steps count from 0 again: their tickets are new ones
+        self.now.maps.clear()
+        self.now.tables = {}
         self.now.ahead.clear()
         if self.planner is not None:
             self.planner.reset()
@@ -237,24 +273,49 @@ class Stager:
         """Bytes the staged layers' slots hold now (more than at open while a batch grew them)."""
         return self.pool.nbytes()
 
-    def _submit(self, plan: DecodePlan) -> None:
-        """Hand ``plan``'s expert sets to the scheduler, layers in execution order. A layer
-        whose set does not fit its slots (a batch's union of many rows' sets), even grown
-        to ``max_slots``, is not staged at that step: it computes on its fallback path,
-        routed by the same plan."""
-        fits = [l for l in self.layers if self.pool.fits(l, len(plan.experts[l]))]
-        self.over_slot_layers += len(self.layers) - len(fits)
-        if len(fits) < len(self.layers) and self.log is not None:
-            self.log.info("stage.over_slots", step=plan.step, max_slots=self.pool.max_slots,
-                          layers={l: len(plan.experts[l]) for l in self.layers if l not in fits})
-        self.portal.call(self.scheduler.submit, StepPlan(plan.step, tuple(LayerPlan(l, plan.experts[l])
-                                                                          for l in fits)))
-        self.now.submitted.add(plan.step)
-        self.now.staged[plan.step] = set(fits)
+    def _stage(self, release: int | None, plans: list[DecodePlan]) -> None:
+        """The step's one call into the scheduler: unpin step ``release``'s slots, submit
+        ``plans``' expert sets (layers in execution order) with their slots claimed, and take
+        the slot maps claimed. A layer whose set does not fit its slots (a batch's union of
+        many rows' sets), even grown to ``max_slots``, is not staged at that step: it
+        computes on its fallback path, routed by the same plan."""
+        steps = []
+        for plan in plans:
+            fits = [l for l in self.layers if self.pool.fits(l, len(plan.experts[l]))]
+            self.over_slot_layers += len(self.layers) - len(fits)
+            if len(fits) < len(self.layers) and self.log is not None:
+                self.log.info("stage.over_slots", step=plan.step, max_slots=self.pool.max_slots,
+                              layers={l: len(plan.experts[l]) for l in self.layers if l not in fits})
+            self.pool.ticket(plan.step)
+            steps.append(StepPlan(plan.step, tuple(LayerPlan(l, plan.experts[l]) for l in fits)))
+        if release is None and not steps:
+            return
+        claimed = self.portal.call(self.scheduler.stage, release, steps)
+        if release is not None:
+            self.now.submitted.discard(release)
+            self.now.maps.pop(release, None)
+        self.now.submitted.update(p.step for p in plans)
+        for (step, layer), slot_of in claimed.items():
+            self.now.maps.setdefault(step, {})[layer] = slot_of
+        self._tables()
+
+    def _tables(self) -> None:
+        """The current step's lookup rows (expert -> slot, -1: not staged), one device array
+        for the layers whose slots were claimed since."""
+        maps = self.now.maps.get(self.now.step, {})
+        new = [l for l in self.layers if l in maps and l not in self.now.tables]
+        if not new:
+            return
+        table = np.full((len(new), self.index.spec.num_experts), -1, dtype=np.int32)
+        for i, l in enumerate(new):
+            table[i, list(maps[l])] = list(maps[l].values())
+        rows = B.array(table)
+        self.now.tables.update({l: rows[i] for i, l in enumerate(new)})
 
     def _predict_and_plan(self, inputs) -> None:
         """One batched flush of every head, one host read of all predicted sets (with the
-        miss count and the guard's counts of the step before), one plan."""
+        miss count and the guard's counts of the step before), one plan, one call into the
+        scheduler."""
         planner = self.planner
         preds = planner.flush(inputs)
         parts = [self.now.misses.reshape(1), *self.guard.device_counts()]
@@ -263,13 +324,14 @@ class Stager:
         host = B.to_host(B.concat([p.astype(B.int32) for p in parts]))
         self._check_misses(int(host[0]))
         pos = 1 + self.guard.collect(host[1:], self.now.step)
-        self.advance_step(plan=False)
+        release = self._next_step()
         self._set_plan(None, {})
-        if preds is None:
-            return  # nothing observed yet: this step runs on the fallback path
+        if preds is None:  # nothing observed yet: this step runs on the fallback path
+            self._stage(release, [])
+            return
         observe = self.guard.observer({l: preds[l][0] for l in self.layers}) if self.guard.arm(self.now.step) else None
         plan = planner.plan(self.now.step, host[pos:].reshape(len(self.layers), -1), preds, observe)
-        self._submit(plan)
+        self._stage(release, [plan])
         self._set_plan(plan, preds)
 
     def _check_misses(self, misses: int) -> None:
@@ -285,45 +347,91 @@ class Stager:
             raise ConfigError("a staged decode path needs a routing source: prerouter heads "
                               "(`edge0 train heads`) or an oracle_file (`edge0 record-routing`)")
         # the previous step is done (its staged layers' outputs too, even when this step's
-        # input does not depend on them: teacher forcing), so its slots may be unpinned
-        B.eval(inputs, *self.now.outputs)
-        self.now.outputs = []
+        # input does not depend on them: teacher forcing), so its slots may be unpinned;
+        # after a sampled token was read they are, and nothing is evaluated here
+        self._settle()
         if not self.planner.ahead:
             self._predict_and_plan(inputs)
             return
         self._check_misses(int(B.to_host(self.now.misses)))
         self.advance_step()
 
+    def _settle(self) -> None:
+        """Evaluate the staged outputs not evaluated yet (none, once a sampled token was read)."""
+        pending = [o for o in self.now.outputs if not B.evaluated(o)]
+        self.now.outputs = []
+        if pending:
+            try:
+                B.eval(*pending)
+            except RuntimeError as e:
+                if not str(e).startswith(WAIT_FAILED):
+                    raise  # a failed read was reported where the step was evaluated
+
     def advance_step(self, plan: bool = True) -> None:
-        """Close the previous step (unpin its slots) and, with an oracle (``plan``), submit
-        this step's plan and the next one's so its reads can start as soon as slots are free."""
-        if self.now.step >= 0:
-            self._end_step()
-            self.portal.call(self.scheduler.release, self.now.step)
-            self.now.submitted.discard(self.now.step)
-            self.now.staged.pop(self.now.step, None)
-        self.now.step += 1
-        self.now.t0, self.now.stall = time.perf_counter(), 0.0
-        self.now.io0 = (self.scheduler.stats.reads, self.scheduler.stats.bytes, self.scheduler.stats.hits,
-                     self.scheduler.stats.misses)
+        """Close the previous step and, with an oracle (``plan``), submit this step's plan
+        and the next one's so its reads can start as soon as slots are free (one call into
+        the scheduler, which also unpins the previous step's slots)."""
+        release = self._next_step()
         if not plan or self.planner is None or not self.planner.ahead:
+            self._stage(release, [])
             return
         self.now.ahead.pop(self.now.step - 1, None)
+        plans = []
         for s in (self.now.step, self.now.step + 1):  # this step, and the next one ahead of time
             if s not in self.now.submitted and self.planner.covers(s):
                 self.now.ahead[s] = self.planner.plan(s)
-                self._submit(self.now.ahead[s])
+                plans.append(self.now.ahead[s])
+        self._stage(release, plans)
         if self.now.step not in self.now.submitted:
             self.planner.refuse(self.now.step)  # raises the "covers N steps" error
         self._set_plan(self.now.ahead.get(self.now.step), {})
 
+    def _next_step(self) -> int | None:
+        """Close the current step (its statistics) and start the next; the step whose slots
+        may now be unpinned (None: there was none)."""
+        release = None
+        if self.now.step >= 0:
+            self._end_step()
+            if self.now.step in self.now.submitted:
+                release = self.now.step
+        self.now.step += 1
+        self.now.tables = {}
+        self.now.t0, self.now.waited0 = time.perf_counter(), self.pool.flags.waited_ns()
+        self.now.io0 = (self.scheduler.stats.reads, self.scheduler.stats.bytes, self.scheduler.stats.hits,
+                        self.scheduler.stats.misses)
+        return release
+
     def _end_step(self) -> None:
-        self._stats = StageStats(self._stats.steps_run + 1, self._stats.stall_seconds + self.now.stall)
-        if self.log is not None and self.now.t0 is not None:
-            st = self.scheduler.stats
-            r0, b0, h0, m0 = self.now.io0
-            self.log.info("step", step=self.now.step, stall_ms=round(1e3 * self.now.stall, 3),
-                          reads=st.reads - r0, bytes=st.bytes - b0, hits=st.hits - h0, misses=st.misses - m0)
+        waited = self.pool.flags.waited_ns() - self.now.waited0 if self.now.waited0 is not None else None
+        stall = float(waited.sum()) / 1e9 if waited is not None else 0.0
+        self._stats = StageStats(self._stats.steps_run + 1, self._stats.stall_seconds + stall)
+        if self.log is None or self.now.t0 is None:
+            return
+        st = self.scheduler.stats
+        r0, b0, h0, m0 = self.now.io0
+        for layer in self.now.maps.get(self.now.step, {}):
+            i = self.pool.flag_of[layer]
+            self.log.debug("stage.wait", step=self.now.step, layer=layer, ms=round(float(waited[i:i + 2].sum()) / 1e6, 3))
+        self.log.info("step", step=self.now.step, stall_ms=round(1e3 * stall, 3),
+                      reads=st.reads - r0, bytes=st.bytes - b0, hits=st.hits - h0, misses=st.misses - m0)
+
+    def explain(self, error: BaseException) -> BaseException:
+        """A staged layer's failed wait, raised at evaluation, as the typed error its reads
+        failed with (``ExpertReadError``), or a ``SchedulerError``; any other error as is."""
+        if not (isinstance(error, RuntimeError) and str(error).startswith(WAIT_FAILED)):
+            return error
+        for step in sorted(self.now.maps, reverse=True):
+            for layer in self.now.maps[step]:
+                found = self.scheduler.job_error(step, layer)
+                if found is not None:
+                    return found
+        return SchedulerError(str(error))
+
+    def wait_planned(self) -> None:
+        """Wait in this thread until every staged layer of the current step is ready (a
+        step of reads without compute: the read-only benchmark arm)."""
+        for layer in self.now.maps.get(self.now.step, {}):
+            self.pool.flags.wait(*self.pool.flag(layer, self.now.step))
 
     def close(self) -> None:
         if self.portal is None:
@@ -335,19 +443,18 @@ class Stager:
 
     # -- the layer computation --------------------------------------------------------------
     def compute(self, layer: int, x, inds):
-        if layer not in self.now.staged.get(self.now.step, ()):  # an unplanned step (no prerouter state
-            return self.fallback(layer, x, inds)  # yet), or a batch's union over the layer's slots
-        B.async_eval(x)  # let the layers below run while this layer's reads finish
-        t0 = time.perf_counter()
-        slot_map = self.scheduler.wait_ready(self.now.step, layer, self.pool.loop.post)
-        waited = time.perf_counter() - t0
-        self.now.stall += waited
-        if self.log is not None:
-            self.log.debug("stage.wait", step=self.now.step, layer=layer, ms=round(1e3 * waited, 3),
-                           hits=slot_map.hits, misses=slot_map.misses)
-        raw = B.take(lookup_table(self.index.spec.num_experts, slot_map.slot_of, slot_map.slot_of.values(), missing=-1), inds)
+        """Layer ``layer``'s staged computation, built into the step's graph: its slots' rows
+        gated on the layer's readiness flag (the wait happens where the rows are consumed),
+        its routing mapped to slots through the plan's lookup row, the layer's own switch
+        module run on the slots' rows."""
+        table = self.now.tables.get(layer)
+        if table is None:  # an unplanned step (no prerouter state yet), or a batch's union over the layer's slots
+            return self.fallback(layer, x, inds)
+        index, ticket = self.pool.flag(layer, self.now.step)
+        raw = B.take(table, inds)
         self.now.misses = self.now.misses + (raw < 0).sum()
-        out = self.rows[layer].run(self.fallback.split, self.fallback.templates[layer], x, B.maximum(raw, 0))
+        out = self.rows[layer].run(self.fallback.split, self.fallback.templates[layer], x, B.maximum(raw, 0),
+                                   gate=lambda view: self.pool.flags.gate(view, index, ticket))
         self.now.outputs.append(out)
         return out
 

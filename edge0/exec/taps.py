@@ -46,17 +46,21 @@ from edge0.exec.plan import Executor
 
 def bind(template, views: dict):
     """A clone of ``template`` whose stacked tensors are ``views`` (name -> array with a
-    leading axis of buffer rows): calling it computes the template's ops on those rows."""
+    leading axis of buffer rows): calling it computes the template's ops on those rows. The
+    template and its children are never changed: each module on a view's path is copied."""
     clone = copy.copy(template)
-    by_child: dict[str, dict] = {}
+    copied = {"": clone}
     for name, view in views.items():
-        child, _, leaf = name.rpartition(".")
-        by_child.setdefault(child, {})[leaf] = view
-    for child, leaves in by_child.items():
-        c = copy.copy(bnn.module_at(template, child))
-        for leaf, view in leaves.items():
-            c[leaf] = view
-        bnn.set_module_at(clone, child, c)
+        path, _, leaf = name.rpartition(".")
+        node, walked = clone, ""
+        for part in path.split(".") if path else ():
+            walked = f"{walked}.{part}" if walked else part
+            if walked not in copied:
+                key = int(part) if isinstance(node, list) else part
+                copied[walked] = copy.copy(node[key])
+                node[key] = copied[walked]
+            node = copied[walked]
+        node[leaf] = view
     return clone
 
 

@@ -12,23 +12,24 @@ its slot EMPTY, never READY.
 - ``submit(plan)`` queues one job per staged layer of a step, served in priority order
   (earlier step, then earlier layer), at most ``prefetch_depth`` unconsumed jobs at a time:
   a job entering that window claims its slots; its misses become ``ReadRequest``s.
+  ``await ready(step, layer)`` returns the layer's ``SlotMap`` once every planned expert is
+  READY, or raises the typed read error; consuming a job slides the window.
+- ``stage(release, plans)``, the compute thread's one call a step (through the portal):
+  unpins the step before, submits the plans with every layer's slots claimed at once (the
+  slot maps are its answer), and tells ``signal(layer, step, ok)`` when each layer is ready
+  or failed, from the reader thread that completed it (the loop is not waited for); such a
+  job leaves the window when it is ready.
 - Reader threads (``anyio.to_thread`` behind a ``CapacityLimiter`` of ``readers``) read,
   highest priority first, each a share of one layer's queued reads at a time (so the loop
   wakes once per share, not per expert); a share skips the reads of a cancelled step.
-- ``await ready(step, layer)`` returns the layer's ``SlotMap`` once every planned expert is
-  READY, or raises the typed read error; consuming a job slides the window. ``wait_ready(step,
-  layer, post)`` is the same for another thread (the compute thread): each job has one
-  readiness, a future the loop resolves, awaited on the loop and blocked on elsewhere; the
-  consumption goes back to the loop through ``post`` without waiting (on busy cores every
-  wake-up of a thread the compute thread waits for can cost a time slice).
 - ``release(step)`` unpins the step's slots once its computation has been evaluated;
   ``await cancel(step)`` drops its queued reads, waits for those in flight, leaves their
   slots EMPTY and unpins all it held.
 - Transient read errors are retried ``retries`` times, then fail that job with an
   ``ExpertReadError``; later steps are served.
 
-State lives on the event loop, except each job's future (resolved by the loop) and the
-pending jobs' index (written by the loop under a lock); ``store.read`` runs in threads.
+State lives on the event loop, except what staged jobs share with the reader threads
+(``_Staged``, under its lock); ``store.read`` runs in threads.
 """
 from __future__ import annotations
 
@@ -38,13 +39,13 @@ import itertools
 import threading
 import time
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
 import anyio
 
 from edge0.errors import ExpertReadError, SchedulerError
 from edge0.io_sched.reader import Store
+from edge0.io_sched.slots import EMPTY, LOADING, READY, SlotTable
 
 
 @dataclass(frozen=True)
@@ -94,98 +95,6 @@ class SchedulerStats:
     per_layer: dict = field(default_factory=dict)  # layer -> {"hits": n, "misses": n}
 
 
-EMPTY, LOADING, READY = "empty", "loading", "ready"
-
-
-class SlotTable:
-    def __init__(self, layer: int, num_slots: int):
-        if num_slots < 1:
-            raise ValueError(f"layer {layer}: a slot table needs at least one slot, got {num_slots}")
-        self.layer = layer
-        self.num_slots = num_slots
-        self.expert_of: list[int | None] = [None] * num_slots
-        self.state: list[str] = [EMPTY] * num_slots
-        self.pins: list[set[int]] = [set() for _ in range(num_slots)]
-        self.last_used: list[int] = [-1] * num_slots
-        self.slot_of: dict[int, int] = {}
-        self._clock = 0
-
-    def lookup(self, expert: int) -> int | None:
-        slot = self.slot_of.get(expert)
-        return slot if slot is not None and self.state[slot] == READY else None
-
-    def _victim(self) -> int | None:
-        free = [s for s in range(self.num_slots) if not self.pins[s] and self.state[s] != LOADING]
-        if not free:
-            return None
-        empty = [s for s in free if self.state[s] == EMPTY]
-        return empty[0] if empty else min(free, key=lambda s: self.last_used[s])
-
-    def claim(self, expert: int, step: int) -> tuple[int, bool] | None:
-        """Pin a slot holding (or about to hold) ``expert`` for ``step``.
-
-        Returns (slot, needs_read), or None when every slot is pinned by other steps."""
-        self._clock += 1
-        slot = self.slot_of.get(expert)
-        if slot is not None and self.state[slot] in (READY, LOADING):
-            self.pins[slot].add(step)
-            self.last_used[slot] = self._clock
-            return slot, False
-        slot = self._victim()
-        if slot is None:
-            return None
-        old = self.expert_of[slot]
-        if old is not None:
-            self.slot_of.pop(old, None)
-        self.expert_of[slot] = expert
-        self.slot_of[expert] = slot
-        self.state[slot] = LOADING
-        self.pins[slot] = {step}
-        self.last_used[slot] = self._clock
-        return slot, True
-
-    def complete(self, slot: int, ok: bool) -> None:
-        if ok:
-            self.state[slot] = READY
-            return
-        self.state[slot] = EMPTY
-        expert = self.expert_of[slot]
-        if expert is not None:
-            self.slot_of.pop(expert, None)
-        self.expert_of[slot] = None
-
-    def invalidate(self) -> None:
-        """Every unpinned slot becomes EMPTY: its bytes may no longer match the file."""
-        for slot in range(self.num_slots):
-            if not self.pins[slot] and self.state[slot] != LOADING:
-                self.complete(slot, False)
-
-    def release(self, step: int) -> None:
-        for pins in self.pins:
-            pins.discard(step)
-
-    def resize(self, num_slots: int) -> None:
-        """Grow to ``num_slots`` (new slots EMPTY) or shrink to it (the experts of the slots
-        cut off are forgotten). Only while nothing is pinned or loading: the caller has
-        moved the slots' bytes to buffers of the new size."""
-        if num_slots < 1 or self.pinned() or self.loading():
-            raise ValueError(f"layer {self.layer}: cannot resize to {num_slots} slots with slots pinned or loading")
-        for slot in range(num_slots, self.num_slots):
-            self.complete(slot, False)
-        extra = max(0, num_slots - self.num_slots)
-        self.expert_of = self.expert_of[:num_slots] + [None] * extra
-        self.state = self.state[:num_slots] + [EMPTY] * extra
-        self.pins = self.pins[:num_slots] + [set() for _ in range(extra)]
-        self.last_used = self.last_used[:num_slots] + [-1] * extra
-        self.num_slots = num_slots
-
-    def pinned(self) -> int:
-        return sum(1 for p in self.pins if p)
-
-    def loading(self) -> int:
-        return sum(1 for s in self.state if s == LOADING)
-
-
 @dataclass(eq=False)
 class _Job:
     step: int
@@ -197,9 +106,13 @@ class _Job:
     hits: int = 0
     misses: int = 0
     error: BaseException | None = None
+    staged: bool = False  # submitted by ``stage``: consumed once done, its readiness signalled
+    reads: list = field(default_factory=list)  # its claimed reads, queued when it enters the window
+    waiting: set = field(default_factory=set)  # slots whose reads it waits for (a staged job's)
+    signalled: bool = False
     # its one readiness: set by the loop when every slot is READY, the job failed or its step
     # was cancelled (``error`` says which); awaited on the loop (``ready``), blocked on by
-    # the compute thread (``wait_ready``)
+    # nobody (a staged job: ``signal`` tells)
     done: Future = field(default_factory=Future)
 
     def finish(self) -> None:
@@ -227,12 +140,27 @@ class _Reads:
     busy: int = 0  # reader threads holding a share of reads
 
 
+@dataclass(eq=False)
+class _Staged:
+    """What jobs submitted by ``stage`` share with the reader threads: who is told of their
+    readiness, which jobs wait for which slot's read, the slot maps claimed since the last
+    ``stage``, the jobs that failed (for the compute thread), and the lock over them."""
+
+    signal: object  # (layer, step, ok) -> None, or None
+    waiters: dict = field(default_factory=dict)  # (layer, slot) -> staged jobs waiting for its read
+    claimed: dict = field(default_factory=dict)  # (step, layer) -> {expert: slot}
+    errors: dict = field(default_factory=dict)  # (step, layer) -> the error it failed with
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
 READY_TIMEOUT_S = 120.0  # a layer waiting this long for its slots: an error, not a hang
 
 
 class PrefetchScheduler:
     def __init__(self, store: Store, slots_per_layer: dict[int, int], *, readers: int = 2,
-                 prefetch_depth: int = 4, retries: int = 2, log=None):
+                 prefetch_depth: int = 4, retries: int = 2, log=None, signal=None):
+        """``signal(layer, step, ok)``: called, from a reader thread or the loop, when a job
+        submitted by ``stage`` has every slot READY (``ok``) or has failed."""
         if readers < 1 or prefetch_depth < 1 or retries < 0:
             raise ValueError("readers and prefetch_depth must be >= 1, retries >= 0")
         self.store = store
@@ -245,10 +173,7 @@ class PrefetchScheduler:
         self._jobs: list[_Job] = []  # unconsumed, in priority order
         self._reads = _Reads(limiter=anyio.CapacityLimiter(readers))
         self._tg = None
-        # the pending jobs by (step, layer), for a thread other than the loop's to find its
-        # job's future; written by the loop under the lock
-        self._pending: dict[tuple[int, int], _Job] = {}
-        self._pending_lock = threading.Lock()
+        self._staged = _Staged(signal)
 
     # -- lifecycle ----------------------------------------------------------------------
     async def __aenter__(self) -> "PrefetchScheduler":
@@ -263,6 +188,26 @@ class PrefetchScheduler:
 
     # -- the interface ------------------------------------------------------------------
     def submit(self, plan: StepPlan) -> None:
+        self._add(plan, staged=False)
+        self._pump()
+
+    def stage(self, release: int | None, plans=()) -> dict[tuple[int, int], dict[int, int]]:
+        """A compute thread's one call a step (through the portal): unpin step ``release``'s
+        slots (its computation has been evaluated), submit ``plans`` with every layer's slots
+        claimed at once where free, and answer the slot maps claimed since the last call,
+        {(step, layer): {expert: slot}}. Such a job is not awaited: ``signal`` says when it
+        is ready (or failed), and it is consumed then (its reads still go in the window's
+        order, ``prefetch_depth`` layers at a time)."""
+        if release is not None:
+            for table in self.tables.values():
+                table.release(release)
+        for plan in plans:
+            self._add(plan, staged=True)
+        self._pump()
+        claimed, self._staged.claimed = self._staged.claimed, {}
+        return claimed
+
+    def _add(self, plan: StepPlan, staged: bool) -> None:
         if self._tg is None:
             raise SchedulerError("the scheduler is not running (use `async with scheduler:`)")
         for order, lp in enumerate(plan.layers):
@@ -272,14 +217,11 @@ class PrefetchScheduler:
             if len(experts) > self.tables[lp.layer].num_slots:
                 raise SchedulerError(f"step {plan.step} layer {lp.layer}: {len(experts)} experts do not fit in "
                                      f"{self.tables[lp.layer].num_slots} slots")
-            job = _Job(plan.step, lp.layer, order, experts, unclaimed=list(experts))
+            job = _Job(plan.step, lp.layer, order, experts, unclaimed=list(experts), staged=staged)
             self._jobs.append(job)
-            with self._pending_lock:
-                self._pending[(plan.step, lp.layer)] = job
         self._jobs.sort(key=lambda j: (j.step, j.order))
         self._emit("io.plan", step=plan.step, layers=len(plan.layers),
                    experts=sum(len(lp.experts) for lp in plan.layers))
-        self._pump()
 
     async def ready(self, step: int, layer: int) -> SlotMap:
         job = next((j for j in self._jobs if j.step == step and j.layer == layer), None)
@@ -294,31 +236,9 @@ class PrefetchScheduler:
         self._consume(job)
         return job.slot_map()
 
-    def wait_ready(self, step: int, layer: int, post) -> SlotMap:
-        """``ready`` for a thread other than the loop's: blocks until the job is done, then
-        has the loop consume it through ``post(fn, *args)`` (a thread-safe call-soon that
-        does not wait). Raises what ``ready`` raises."""
-        with self._pending_lock:
-            job = self._pending.get((step, layer))
-        if job is None:
-            raise SchedulerError(f"no pending plan for step {step}, layer {layer}")
-        try:
-            job.done.result(READY_TIMEOUT_S)
-        except FutureTimeout:  # never in a sound state: say so rather than hang the engine
-            raise SchedulerError(f"step {step}, layer {layer}: its slots were not ready after "
-                                 f"{READY_TIMEOUT_S:g} s") from None
-        with self._pending_lock:  # taken: waited for once (the loop consumes it when it gets to it)
-            if self._pending.get((step, layer)) is job:
-                del self._pending[(step, layer)]
-        post(self._consume, job)
-        return job.slot_map()
-
     def _consume(self, job: _Job) -> None:
         if job in self._jobs:
             self._jobs.remove(job)
-        with self._pending_lock:
-            if self._pending.get((job.step, job.layer)) is job:
-                del self._pending[(job.step, job.layer)]
         self._pump()
 
     def release(self, step: int) -> None:
@@ -332,10 +252,7 @@ class PrefetchScheduler:
         for job in dropped:
             self._jobs.remove(job)
             job.error = job.error or SchedulerError(f"step {step} was cancelled")
-            job.finish()
-        with self._pending_lock:
-            for key in [k for k in self._pending if k[0] == step]:
-                del self._pending[key]
+            self._done(job)
         self.stats.cancelled += len(dropped)
         if self._reads.in_flight.get(step):
             event = self._reads.drained.setdefault(step, anyio.Event())
@@ -371,21 +288,30 @@ class PrefetchScheduler:
             self._log.debug(event, **kw)
 
     def _pump(self) -> None:
-        """Claim slots for the jobs in the window, start reads, wake finished jobs."""
-        window = self._jobs[: self.prefetch_depth]
-        for job in window:
-            if job.unclaimed:
-                self._claim(job)
-        while self._reads.heap and self._reads.busy < self.readers and self._tg is not None:
-            share = self._next_share()
-            if not share:
-                continue
-            for req in share:
-                self._reads.in_flight[req.step] = self._reads.in_flight.get(req.step, 0) + 1
-            self._reads.busy += 1
-            self._tg.start_soon(self._read, share)
-        for job in window:
-            self._check(job)
+        """Claim slots for the jobs in the window, start reads, wake finished jobs (again
+        while finished staged jobs leave the window: the next ones enter it)."""
+        while True:
+            window = self._jobs[: self.prefetch_depth]
+            for job in self._jobs:  # priority order: a staged job claims at once, others in the window
+                if job.unclaimed and (job.staged or job in window):
+                    self._claim(job)
+            for job in window:
+                for req in job.reads:
+                    heapq.heappush(self._reads.heap, (req.priority, next(self._reads.seq), req))
+                job.reads = []
+            while self._reads.heap and self._reads.busy < self.readers and self._tg is not None:
+                share = self._next_share()
+                if not share:
+                    continue
+                for req in share:
+                    self._reads.in_flight[req.step] = self._reads.in_flight.get(req.step, 0) + 1
+                self._reads.busy += 1
+                self._tg.start_soon(self._read, share)
+            jobs = len(self._jobs)
+            for job in list(self._jobs):
+                self._check(job)
+            if len(self._jobs) == jobs:
+                return
 
     def _claim(self, job: _Job) -> None:
         table = self.tables[job.layer]
@@ -398,17 +324,22 @@ class PrefetchScheduler:
                 continue
             slot, needs_read = got
             job.slots[expert] = slot
+            if job.staged and (needs_read or table.state[slot] == LOADING):
+                with self._staged.lock:
+                    job.waiting.add(slot)
+                    self._staged.waiters.setdefault((job.layer, slot), []).append(job)
             if needs_read:
                 job.misses += 1
                 layer_stats["misses"] += 1
                 self.stats.misses += 1
-                req = ReadRequest(job.step, job.layer, expert, slot, (job.step, job.order, expert))
-                heapq.heappush(self._reads.heap, (req.priority, next(self._reads.seq), req))
+                job.reads.append(ReadRequest(job.step, job.layer, expert, slot, (job.step, job.order, expert)))
             else:
                 job.hits += 1
                 layer_stats["hits"] += 1
                 self.stats.hits += 1
         job.unclaimed = still
+        if job.staged and not still:
+            self._staged.claimed[(job.step, job.layer)] = dict(job.slots)
 
     def _check(self, job: _Job) -> None:
         if job.done.done() or job.unclaimed:
@@ -416,11 +347,46 @@ class PrefetchScheduler:
         table = self.tables[job.layer]
         states = [table.state[s] if table.expert_of[s] == e else None for e, s in job.slots.items()]
         if all(s == READY for s in states):
-            job.finish()
+            self._done(job)
         elif any(s not in (READY, LOADING) for s in states):
             job.error = job.error or ExpertReadError("a slot this layer depends on failed to load",
                                                      layer=job.layer)
-            job.finish()
+            self._done(job)
+
+    def _done(self, job: _Job) -> None:
+        """``job`` is ready or failed: its future set; a staged job signalled and consumed."""
+        job.finish()
+        if not job.staged:
+            return
+        if job in self._jobs:
+            self._jobs.remove(job)
+        with self._staged.lock:
+            told, job.signalled = job.signalled, True
+        if job.error is not None:
+            with self._staged.lock:
+                self._staged.errors[(job.step, job.layer)] = job.error
+                while len(self._staged.errors) > 256:
+                    self._staged.errors.pop(next(iter(self._staged.errors)))
+        if self._staged.signal is not None and (not told or job.error is not None):
+            self._staged.signal(job.layer, job.step, job.error is None)
+
+    def job_error(self, step: int, layer: int) -> BaseException | None:
+        """The error a staged job of (``step``, ``layer``) failed with, if it did (any thread)."""
+        with self._staged.lock:
+            return self._staged.errors.get((step, layer))
+
+    def _filled(self, req: ReadRequest) -> None:
+        """In a reader thread, a read done: a staged job waiting for nothing else is
+        signalled from here, without waiting for the loop."""
+        ready = []
+        with self._staged.lock:
+            for job in self._staged.waiters.pop((req.layer, req.slot), ()):
+                job.waiting.discard(req.slot)
+                if not job.waiting and not job.unclaimed and not job.signalled and job.error is None:
+                    job.signalled = True
+                    ready.append(job)
+        for job in ready:
+            self._staged.signal(job.layer, job.step, True)
 
     def _next_share(self) -> list[ReadRequest]:
         """The next reads for one reader thread: the top of the queue and the rest of its
@@ -448,6 +414,8 @@ class PrefetchScheduler:
                     break
                 try:
                     nbytes = self.store.read(req.layer, req.expert, req.slot)
+                    if self._staged.signal is not None and req.step not in self._reads.cancelled:
+                        self._filled(req)
                     break
                 except OSError as e:  # ExpertReadError is an OSError too
                     errors.append(e if isinstance(e, ExpertReadError) else ExpertReadError(
@@ -490,9 +458,9 @@ class PrefetchScheduler:
             if self._log is not None:
                 self._log.warning("io.read_error", step=req.step, layer=req.layer, expert=req.expert,
                                   error=str(error))
-            for job in self._jobs:
+            for job in list(self._jobs):
                 if job.layer == req.layer and job.slots.get(req.expert) == req.slot and not job.done.done():
                     job.error = error
-                    job.finish()
+                    self._done(job)
         if self._tg is not None:
             self._pump()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import mlx.core as mx
 import numpy as np
@@ -67,6 +68,18 @@ def eval(*arrays) -> None:
 def async_eval(*arrays) -> None:
     """Schedule ``arrays`` for evaluation and return at once: not a host sync."""
     mx.async_eval(*arrays)
+
+
+def evaluated(x) -> bool:
+    """Whether ``x`` has been computed (no sync; False where that cannot be told: the
+    caller evaluates it)."""
+    return _EVALUATED is not None and _EVALUATED(x)
+
+
+def _ext_function(name: str):
+    """The kernels' extension's function ``name``, or None where it is not built."""
+    from edge0.backend.mlx.kernels import _loader
+    return getattr(_loader.ext(), name) if _loader.available() else None
 
 
 def to_host(x) -> np.ndarray:
@@ -206,3 +219,59 @@ stack = mx.stack
 full = mx.full
 float16 = mx.float16
 log_softmax = lambda x, axis=-1: x - mx.logsumexp(x, axis=axis, keepdims=True)
+
+
+class ReadyFlags:
+    """One readiness flag per (staged layer, step parity): the reader that fills a layer's
+    slots stores the step's ticket in its flag (``set``), and the layer's computation, built
+    into the step's graph, waits for it where its input is consumed (``gate``): Edge0's
+    slot-wait primitive, which the kernels' extension holds (on MLX's kernels too). Without
+    the extension ``gate`` waits in the calling thread instead (the layers below scheduled
+    first). ``waited`` accumulates, per flag, the nanoseconds computation waited."""
+
+    POLL_S = 50e-6
+
+    def __init__(self, n: int, timeout_s: float):
+        self.timeout_s = timeout_s
+        self.flags = mx.zeros((n,), dtype=mx.int32)
+        self.waited = mx.zeros((n,), dtype=mx.int64)
+        mx.eval(self.flags, self.waited)
+        self.host = np.array(self.flags, copy=False)
+        self.waited_host = np.array(self.waited, copy=False)
+        self._wait = _ext_function("wait_flag") if mx.default_device() == mx.cpu else None
+
+    @property
+    def in_graph(self) -> bool:
+        """Whether ``gate`` waits inside the graph (else in the calling thread)."""
+        return self._wait is not None
+
+    def set(self, index: int, value: int) -> None:
+        """From any thread: flag ``index`` holds ``value`` (a ticket; its negative: failed)."""
+        self.host[index] = value
+
+    def gate(self, x, index: int, value: int):
+        """``x``, once flag ``index`` holds ``value``: what consumes the result waits for it
+        (raises at evaluation when the flag holds ``-value`` or after ``timeout_s``)."""
+        if self._wait is not None:
+            return self._wait(x, self.flags, self.waited, index, value, self.timeout_s)
+        mx.async_eval(x)  # the layers below run meanwhile
+        self.wait(index, value)
+        return x
+
+    def wait(self, index: int, value: int) -> None:
+        """Wait in this thread until flag ``index`` holds ``value`` (raises as ``gate`` does)."""
+        t0 = time.perf_counter()
+        while (got := int(self.host[index])) != value:
+            if got == -value:
+                raise RuntimeError(f"edge0: the slots of staged layer #{index} failed to load")
+            if time.perf_counter() - t0 > self.timeout_s:
+                raise RuntimeError(f"edge0: the slots of staged layer #{index} were not ready after {self.timeout_s:g} s")
+            time.sleep(self.POLL_S)
+        self.waited_host[index] += int(1e9 * (time.perf_counter() - t0))
+
+    def waited_ns(self) -> np.ndarray:
+        """Nanoseconds waited per flag so far (final for every step evaluated)."""
+        return self.waited_host.copy()
+
+
+_EVALUATED = _ext_function("evaluated")

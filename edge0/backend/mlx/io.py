@@ -80,3 +80,4 @@ class RowBuffer:
 
     def typed(self, st_dtype: str, shape: tuple[int, ...]):
         return self.device.view(SAFETENSORS_DTYPES[st_dtype]).reshape(self.rows, *shape)
+

@@ -12,8 +12,11 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <atomic>
+#include <chrono>
 #include <cstring>
 #include <optional>
+#include <thread>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -137,6 +140,66 @@ class Edge0Qmm : public mx::UnaryPrimitive {
   bool dense_;
 };
 
+// edge0_wait(x, flags, index, value, timeout_s, waited) -> x, once flags[index] == value.
+// A staged layer's input passes through it, so everything the layer computes waits where
+// its data is consumed, inside the step's one graph, not in the thread that built it: the
+// reader that fills the layer's slots stores `value` (or -value: the reads failed) in the
+// flag. The wait spins briefly, then sleeps in short naps; `waited[index]` accumulates the
+// nanoseconds it waited. Past `timeout_s` it raises, as -value does (at evaluation).
+class Edge0Wait : public mx::UnaryPrimitive {
+ public:
+  Edge0Wait(mx::Stream s, int64_t index, int32_t value, double timeout_s)
+      : mx::UnaryPrimitive(s), index_(index), value_(value), timeout_s_(timeout_s) {}
+
+  void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (auto& a : in) enc.set_input_array(a);
+    enc.set_output_array(out);
+    out.copy_shared_buffer(in[0]);
+    auto* flag = const_cast<int32_t*>(in[1].data<int32_t>()) + index_;
+    auto* waited = const_cast<int64_t*>(in[2].data<int64_t>()) + index_;
+    enc.dispatch([flag, waited, value = value_, timeout = timeout_s_, index = index_]() {
+      std::atomic_ref<int32_t> f(*flag);
+      if (f.load(std::memory_order_acquire) == value) return;
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int spins = 0;; ++spins) {
+        const int32_t v = f.load(std::memory_order_acquire);
+        const auto dt = std::chrono::steady_clock::now() - t0;
+        if (v == value || v == -value) {
+          std::atomic_ref<int64_t>(*waited).fetch_add(
+              std::chrono::duration_cast<std::chrono::nanoseconds>(dt).count(), std::memory_order_relaxed);
+          if (v == value) return;
+          throw std::runtime_error("edge0: the slots of staged layer #" + std::to_string(index) +
+                                   " failed to load (step ticket " + std::to_string(value) + ")");
+        }
+        if (std::chrono::duration<double>(dt).count() > timeout)
+          throw std::runtime_error("edge0: the slots of staged layer #" + std::to_string(index) +
+                                   " were not ready after " + std::to_string(timeout) + " s");
+        if (spins < 64)
+          std::this_thread::yield();
+        else
+          std::this_thread::sleep_for(std::chrono::microseconds(20));
+      }
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("edge0's slot wait runs on the CPU device only");
+  }
+
+  const char* name() const override { return "Edge0SlotWait"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const Edge0Wait&>(other);
+    return index_ == o.index_ && value_ == o.value_;
+  }
+
+ private:
+  int64_t index_;
+  int32_t value_;
+  double timeout_s_;
+};
+
 [[noreturn]] void bad(const std::string& what) { throw std::invalid_argument("edge0 kernels: " + what); }
 
 std::string shape_str(const mx::array& a) {
@@ -193,6 +256,21 @@ mx::array qmm_op(const mx::array& x, const mx::array& w, const mx::array& scales
                    std::make_shared<Edge0Qmm>(stream, bits, group_size, x_repeat, dense), std::move(inputs));
 }
 
+mx::array wait_op(const mx::array& x, const mx::array& flags, const mx::array& waited, int64_t index,
+                  int32_t value, double timeout_s) {
+  auto stream = mx::to_stream({});
+  if (stream.device.type != mx::Device::DeviceType::cpu) bad("the default device is not the CPU");
+  if (flags.dtype() != mx::int32 || flags.ndim() != 1 || !flags.is_available() || !flags.flags().row_contiguous)
+    bad("flags must be an evaluated, contiguous 1-D int32 array");
+  if (waited.dtype() != mx::int64 || waited.shape() != flags.shape() || !waited.is_available() ||
+      !waited.flags().row_contiguous)
+    bad("waited must be an evaluated, contiguous int64 array shaped as flags");
+  if (index < 0 || index >= flags.shape(0)) bad("the flag index " + std::to_string(index) + " is out of range");
+  if (value <= 0) bad("the awaited value must be positive");
+  return mx::array(x.shape(), x.dtype(), std::make_shared<Edge0Wait>(stream, index, value, timeout_s),
+                   {x, flags, waited});
+}
+
 }  // namespace
 
 NB_MODULE(_ext, m) {
@@ -215,6 +293,8 @@ NB_MODULE(_ext, m) {
         return edge0::stream_bytes(ptrs.data(), sizes.data(), int64_t(ptrs.size()));
       },
       "arrays"_a, "starts"_a, "sizes"_a, "which"_a);
+  m.def("wait_flag", &wait_op, "x"_a, "flags"_a, "waited"_a, "index"_a, "value"_a, "timeout_s"_a);
+  m.def("evaluated", [](const mx::array& a) { return a.is_available(); }, "a"_a);
   m.def("set_threads", &edge0::set_threads, "n"_a);
   m.def("get_threads", &edge0::get_threads);
   m.def("isa", []() { return std::string(edge0::isa()); });
