@@ -259,13 +259,14 @@ def adapter_dirs(model_dir: Path, config) -> list[tuple[str, Path]]:
     return out
 
 
-def load_adapters(model_dir: Path, config, model, spec, heads_path, log, held=None) -> "AdapterBank | None":
+def load_adapters(model_dir: Path, config, model, spec, heads_path, log, held=None,
+                  context=None) -> "AdapterBank | None":
     """The adapters ``config`` names (or the one beside the checkpoint), checked against
     the loaded model and attached, the default one active; ``held``: see ``load_adapter``."""
     dirs = adapter_dirs(model_dir, config)
     if not dirs:
         return None
-    bank = AdapterBank(model, spec)
+    bank = AdapterBank(model, spec, context)
     from edge0.prerouter.files import checkpoint_identity
 
     base = checkpoint_identity(model_dir)

@@ -10,7 +10,7 @@ forwards one token of every row: the attention weights, every layer's expert rea
 exact path reads the union of the rows' experts once; the staged path plans the union of
 the rows' predictions, one prerouter flush for the batch) and the projections are shared;
 each row keeps its own cache, sampling parameters and random stream, logits processors,
-stops, logprobs and adapter (``AdapterBank.activate_rows``). A row that finishes, is
+stops, logprobs and adapter (each row's deltas in the step's ``Step``). A row that finishes, is
 cancelled or fails leaves at the next boundary, its cache going to the prompt cache.
 
 On MLX's CPU backend a row's numbers do not depend on the batch: the matmuls (plain,
@@ -313,12 +313,9 @@ class Batcher:
     def forward(self, rows: list[Row], cache):
         """The decode pass of ``rows`` (lazy): each row's adapter, its last token; the step's
         plan first (the Stager's: its reads start before the forward pass)."""
-        bank = self.host.streaming.adapters
-        if bank is not None:
-            bank.activate_rows([r.adapter for r in rows])
         inputs = B.array([[r.next] for r in rows], dtype=B.int32)
         self.host.step_model.plan(inputs, decode=True)
-        return self.host.step_model.forward(inputs, cache=cache, decode=True)
+        return self.host.step_model.forward(inputs, cache=cache, decode=True, adapters=[r.adapter for r in rows])
 
     def _failed(self, rows: list[Row], e: BaseException) -> list[Row]:
         e = self.typed(e)

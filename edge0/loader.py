@@ -33,7 +33,7 @@ from edge0.model.files import check_entry
 from edge0.model.open import open_model
 from edge0.prerouter.files import HEADS_FILENAME, load_heads, serving_of
 from edge0.prerouter.runtime import Prerouter, blas_threads_controllable
-from edge0.exec.taps import RouterTap, StepPhase, StreamingSwitch
+from edge0.exec.taps import RouterTap, StepContext, StreamingSwitch
 from edge0.streaming import WIDTH_ATTRIBUTES, Streaming, width_attributes, wire_prerouter
 
 
@@ -204,7 +204,7 @@ def load_streaming_model(model_dir: str | Path, config: EngineConfig, *, oracle:
     if plan.direct and heads_path is not None:  # the heads file's pages: memory the plan gave the cache
         drop_cached([heads_path])
     reader = ExpertReader(index, config.reader_threads, log=log, direct=wants_direct(config.direct_io, index.files))
-    phase, stager = StepPhase(), None  # the step hook says whether each forward pass decodes or prefills
+    context, stager = StepContext(), None  # what each forward pass is: its Step, installed by the step hook
     try:
         kernels, split = _kernels(config, compute_dtype, [templates[layer] for layer in layers])
         exact = ExactExecutor(index, reader, config.bundle_capacity, templates, log=log)
@@ -228,7 +228,7 @@ def load_streaming_model(model_dir: str | Path, config: EngineConfig, *, oracle:
             width_out = bnn.switch_output_width(template)
             executors = {ph: paths[path_of[layer, ph]] for ph in PHASES}
             bnn.set_module_at(model, spec.switch_path(layer), StreamingSwitch(layer, template, executors, width_out,
-                                                                                 phase))
+                                                                                 context))
         skip = spec.is_expert_key
         if pipe is not None:
             pipe.strip(B.dtype(compute_dtype))
@@ -244,20 +244,20 @@ def load_streaming_model(model_dir: str | Path, config: EngineConfig, *, oracle:
             if m.router_path and layer in layers:
                 original = bnn.module_at(model, m.router_path)
                 bnn.set_module_at(model, m.router_path, RouterTap(layer, original, m.router_kind, m.router_outputs,
-                                                                             phase))
+                                                                             context))
         adapters = load_adapters(model_dir, config, model, spec, heads_path, log,
-                                  held=None if pipe is None else (lambda m: not pipe.remote_module(m)))
+                                  held=None if pipe is None else (lambda m: not pipe.remote_module(m)), context=context)
     except BaseException:
         if stager is not None:
             stager.close()
         reader.close()
         raise
     streaming = Streaming(model, spec, index, reader, exact, hot, whole, stager, recorder, prerouter, heads_path,
-                          adapters)
+                          adapters, context)
     streaming.compute_dtype, streaming.plan = compute_dtype, plan
     streaming.kernels = kernels
     streaming.kernels_label = bk.describe() if kernels == "edge0" else "mlx"
-    streaming.phase, streaming.pipeline, streaming.layers, streaming.path_of = phase, pipe, layers, path_of
+    streaming.pipeline, streaming.layers, streaming.path_of = pipe, layers, path_of
     streaming.routing = (routing, extra) if prerouter is not None or (pipe is not None and pipe.heads) else None
     streaming.over_memory_routing = lay.over_memory_routing
     return _wired(streaming, prerouter, stager, heads, routing, extra)

@@ -109,12 +109,9 @@ def together(batcher, budget: int) -> int:
     batch_state = pre.take_state() if pre is not None else None
     state = None
     try:
-        bank = host.streaming.adapters
-        if bank is not None:
-            bank.activate_rows([r.adapter for r in rows])
         if pre is not None:
             pre.sequences = len(rows)
-        host.step_model(inputs, cache=cache, decode=False)
+        host.step_model(inputs, cache=cache, decode=False, adapters=[r.adapter for r in rows])
         B.eval([(c.keys, c.values) for c in cache])
         if pre is not None:
             state = pre.take_state()
@@ -159,9 +156,7 @@ def chunk(batcher, row: Row) -> int:
             if len(rest) > 1:
                 n = min(host.config.prefill_step_size, len(rest) - 1)  # never cut by the budget:
                 # a row's chunks are the same whatever runs beside it
-                if host.streaming.adapters is not None:
-                    host.streaming.adapters.activate(row.adapter)
-                host.step_model(B.array([rest[:n]]), cache=row.cache, decode=False)
+                host.step_model(B.array([rest[:n]]), cache=row.cache, decode=False, adapters=[row.adapter])
                 if row.kv_quant:
                     bnn.quantize_kv(row.cache, host.config)
                 B.eval([c.state for c in row.cache])

@@ -1,19 +1,17 @@
 """The loaded model as it runs: ``Streaming`` (the model, its executors, heads and adapters)
 and ``StepModel``, its forward pass with Edge0's step hook in front, which the batch loop
-calls; the hooks the owners' blocks feed the prerouter through; ``probe_routing``, which runs a
+calls; the hooks the owners' blocks feed the prerouter through; ``RoutingProbe``, which runs a
 layer's own routing code on given logits (the prerouter's predictions become experts there).
 ``edge0.loader`` builds a ``Streaming``."""
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from pathlib import Path
 
 from edge0.backend import core as B
 from edge0.backend import nn as bnn
 from edge0.errors import ConfigError
-from edge0.exec.plan import LayerRoute
-from edge0.exec.taps import AdapterBank, StepPhase
+from edge0.exec.taps import AdapterBank, Step, StepContext, eye_gate, replaced
 
 
 class Streaming:
@@ -26,7 +24,9 @@ class Streaming:
     decode_hooks: tuple = ()  # called with the inputs before each decode step, in order (set when wired)
 
     def __init__(self, model, spec, index, reader, exact, hot, whole, stager, recorder, prerouter=None,
-                 heads_path=None, adapters=None):
+                 heads_path=None, adapters=None, context: StepContext | None = None):
+        self.context = context or StepContext()  # the Step its taps read, installed for each pass
+        self._probes: dict = {}  # (layer, width) -> its RoutingProbe
         self.model, self.spec, self.index, self.reader = model, spec, index, reader
         self.exact, self.hot, self.whole, self.stager, self.recorder = exact, hot, whole, stager, recorder
         self.prerouter, self.heads_path = prerouter, heads_path
@@ -69,7 +69,33 @@ class Streaming:
         the expert indices [N, k] its switch stack would receive (no expert runs); with
         ``width``, the same routing code choosing ``width`` experts instead of k (the
         candidates select routing stages)."""
-        return probe_routing(self, layer, logits, width)
+        return self.route_probe(layer, width)(logits)
+
+    def route_probe(self, layer: int, width: int | None = None) -> "RoutingProbe":
+        """Layer ``layer``'s routing function at ``width`` (None: k), made on first use (the
+        prerouter's consumers': when the model is wired)."""
+        width = None if width == self.spec.k else width
+        probe = self._probes.get((layer, width))
+        if probe is None:
+            widened = ()
+            if width is not None:
+                widened = width_attributes(self, layer)
+                if not widened:
+                    raise ConfigError(f"{self.spec.model_type}: the routing width of layer {layer} is kept where Edge0 "
+                                      f"cannot change it (none of {WIDTH_ATTRIBUTES} on its block or gate), so "
+                                      "select routing cannot choose its candidates; use routing 'replace'")
+            probe = self._probes[layer, width] = RoutingProbe(self.model, self.spec, layer, self.context, width, widened)
+        return probe
+
+    def step(self, decode: bool, adapters=None, rows: int = 1) -> Step:
+        """The ``Step`` of a forward pass of ``rows`` rows: its phase, the staged layers'
+        routes (a decode step's plan), each row's adapter deltas (``adapters``: a name or
+        None per row; None: the default adapter for every row)."""
+        routes = self.stager.routes() if decode and self.stager is not None else {}
+        deltas = None
+        if self.adapters is not None:
+            deltas = self.adapters.deltas(adapters if adapters is not None else [self.adapters.active] * rows)
+        return Step(decode=decode, routes=routes, deltas=deltas)
 
     @property
     def embed(self):
@@ -143,40 +169,31 @@ class StepModel:
     """The model's forward pass with Edge0's step hook in front: what the batch loop
     (``edge0.batch``, ``edge0.prefill``) calls. ``inputs`` [rows, tokens]: one sequence's
     prompt chunk, or a decode step of one token for each row of a batch; ``decode``: which it
-    is (None: a pass on one token per row is a decode step), which every tap and switch is
-    told for the call (``StepPhase``). A step is ``plan`` then ``forward``; calling the model
-    does both."""
+    is (None: a pass on one token per row is a decode step). A step is ``plan`` then
+    ``forward``; calling the model does both. Each runs under its ``Step`` (what the taps
+    read: the phase, the staged layers' routes, each row's adapter), installed in the
+    model's ``StepContext`` for the call and put back after."""
 
     def __init__(self, streaming: Streaming):
         self.streaming = streaming
 
-    def __call__(self, inputs, cache=None, decode: bool | None = None, **kwargs):
+    def __call__(self, inputs, cache=None, decode: bool | None = None, adapters=None, **kwargs):
         decode = inputs.shape[-1] == 1 if decode is None else decode
         self.plan(inputs, decode)
-        return self.forward(inputs, cache, decode, **kwargs)
+        return self.forward(inputs, cache, decode, adapters=adapters, **kwargs)
 
     def plan(self, inputs, decode: bool) -> None:
         """Before the step's forward pass: the decode hooks (a pipeline's relay, then the
         Stager's plan: one flush of the heads, the step's reads submitted); a recording
         oracle's step."""
-        with self._phase(decode):
+        with self.streaming.context.installed(Step(decode=decode)):
             self.streaming.begin_step(inputs, decode)
 
-    def forward(self, inputs, cache=None, decode: bool = True, **kwargs):
-        """The model's own forward pass (lazy), its staged layers on the plan."""
-        with self._phase(decode):
+    def forward(self, inputs, cache=None, decode: bool = True, adapters=None, **kwargs):
+        """The model's own forward pass (lazy), its staged layers on the plan; ``adapters``:
+        each row's adapter name (None: the default adapter for every row)."""
+        with self.streaming.context.installed(self.streaming.step(decode, adapters, inputs.shape[0])):
             return self.streaming.model(inputs, cache=cache, **kwargs)
-
-    @contextmanager
-    def _phase(self, decode: bool):
-        phase = getattr(self.streaming, "phase", None)
-        if phase is not None:
-            phase.decode = decode
-        try:
-            yield
-        finally:
-            if phase is not None:
-                phase.decode = None
 
     def __getattr__(self, name):
         return getattr(self.streaming.model, name)
@@ -185,21 +202,24 @@ class StepModel:
 def wire_prerouter(streaming: Streaming, prerouter, stager) -> None:
     """Owners feed the prerouter (their router's input, then the experts their block routed
     to); the prerouter routes its predictions through the consumers' own blocks and embeds
-    the step's token; the Stager hands each staged router its route of every step's plan."""
+    the step's token (each step's routes reach the staged routers through the step's
+    ``Step``)."""
     prerouter.connect(route=streaming.route, embed=lambda ids: streaming.embed(ids))
+    held = set(streaming.held_layers())
+    for layer in [c for c in prerouter.heads.consumers() if c in held]:  # their routing functions, made before any step
+        for width in {None, prerouter.width}:
+            streaming.route_probe(layer, width)
     routers = streaming.routers()
     watch = _watcher(prerouter)
     for l, switch in streaming.switches().items():
         if l in prerouter.owners:
             routers[l].watch = watch
-            switch.observer = _observer(prerouter, switch.phase)
-    if stager is not None:
-        stager.routers = {l: routers[l] for l in stager.layers}
+            switch.observer = _observer(prerouter, streaming.context)
 
 
-def _observer(prerouter, phase: StepPhase):
+def _observer(prerouter, context: StepContext):
     def observe(layer: int, inds) -> None:
-        prerouter.on_experts(layer, inds, phase.decode)
+        prerouter.on_experts(layer, inds, context.now.decode)
     return observe
 
 
@@ -216,7 +236,7 @@ WIDTH_ATTRIBUTES = ("top_k", "num_experts_per_tok", "num_experts_per_token", "n_
 
 def width_attributes(streaming: Streaming, layer: int) -> list[tuple[object, str]]:
     """(module, attribute) pairs holding layer ``layer``'s routing width k in its block and
-    router (and the router's original module): what ``probe_routing`` widens. Empty when
+    router (and the router's original module): what a ``RoutingProbe`` widens. Empty when
     the block keeps k where Edge0 cannot find it. Found once per layer (the flush widens
     every consumer at every step)."""
     cache = streaming.__dict__.setdefault("_width_attributes", {})
@@ -238,44 +258,60 @@ def _find_width_attributes(streaming, layer: int) -> list[tuple[object, str]]:
     return found
 
 
-def _layer_parts(streaming: Streaming, layer: int) -> tuple:
-    """Layer ``layer``'s block, router tap and switch (found once per layer)."""
-    cache = streaming.__dict__.setdefault("_layer_parts", {})
-    if layer not in cache:
-        spec, model = streaming.spec, streaming.model
-        cache[layer] = (bnn.module_at(model, spec.block_path(layer)), bnn.module_at(model, spec.layers[layer].router_path),
-                        bnn.module_at(model, spec.switch_path(layer)))
-    return cache[layer]
+class RoutingProbe:
+    """Layer ``layer``'s own routing code as a function, router logits [N, E] -> the expert
+    indices [N, width] its block routes them to (``width`` None: k): a clone of the block,
+    made once, whose router returns the logits it is given (an inline gate: its clone with
+    the identity for a weight, so its own code routes them) and whose expert stack records
+    the indices instead of computing; the routing width set on the clones. The model is
+    never touched; the logits reach the clone through the model's ``StepContext``."""
 
-
-def probe_routing(streaming: Streaming, layer: int, logits, width: int | None = None):
-    """Run layer ``layer``'s block on a dummy input with its router returning ``logits``
-    [N, E] and its switch capturing instead of computing: the indices [N, k] the block's own
-    routing code makes of those logits (or [N, width] with the block's width set to
-    ``width`` for the call)."""
-    spec = streaming.spec
-    if spec.prerouter_problem:
-        raise ConfigError(f"{spec.model_type}: {spec.prerouter_problem}")
-    block, router, switch = _layer_parts(streaming, layer)
-    widened = []
-    if width is not None and width != spec.k:
-        widened = width_attributes(streaming, layer)
-        if not widened:
-            raise ConfigError(f"{spec.model_type}: the routing width of layer {layer} is kept where Edge0 cannot "
-                              f"change it (none of {WIDTH_ATTRIBUTES} on its block or gate), so select routing "
-                              "cannot choose its candidates; use routing 'replace'")
-    n = logits.shape[0]
-    captured: list = []
-    previous = router.route
-    router.route, switch.capture = LayerRoute("replace", logits, scope="probe"), captured
-    for module, name in widened:
-        setattr(module, name, width)
-    try:
-        block(B.zeros((n, 1, spec.block_input), dtype=logits.dtype))
-    finally:
-        router.route, switch.capture = previous, None
+    def __init__(self, model, spec, layer: int, context: StepContext, width: int | None = None, widened=()):
+        if spec.prerouter_problem:
+            raise ConfigError(f"{spec.model_type}: {spec.prerouter_problem}")
+        block_path, m = spec.block_path(layer), spec.layers[layer]
+        block, tap = bnn.module_at(model, block_path), bnn.module_at(model, m.router_path)
+        inside = [p[len(block_path) + 1:] for p in (m.router_path, spec.switch_path(layer))
+                  if p.startswith(block_path + ".")]
+        if len(inside) != 2:
+            raise ConfigError(f"{spec.model_type}: layer {layer}'s router or expert stack is not inside its block")
+        attrs = {name: width for module, name in widened if module is tap.original}
+        gate = eye_gate(tap.original, **attrs) if tap.kind == "inline" else None
+        self.clone = replaced(block, {inside[0]: _Given(gate, context), inside[1]: _Captured(context)})
         for module, name in widened:
-            setattr(module, name, spec.k)
-    return captured[0].reshape(n, -1)
+            if module is block:
+                setattr(self.clone, name, width)
+        self.context, self.input_width = context, spec.block_input
+
+    def __call__(self, logits):
+        captured: list = []
+        n = logits.shape[0]
+        with self.context.installed(Step(probe=(logits, captured))):
+            self.clone(B.zeros((n, 1, self.input_width), dtype=logits.dtype))
+        return captured[0].reshape(n, -1)
 
 
+class _Given(bnn.Module):
+    """A probe's router: the logits the probe was given (through an inline gate's clone)."""
+
+    def __init__(self, gate, context: StepContext):
+        super().__init__()
+        object.__setattr__(self, "gate", gate)
+        object.__setattr__(self, "context", context)
+
+    def __call__(self, x):
+        logits = self.context.now.probe[0]
+        logits = logits.reshape(*x.shape[:-1], logits.shape[-1])  # shaped as the router's output would be
+        return logits.astype(x.dtype) if self.gate is None else self.gate(logits.astype(self.gate.weight.dtype))
+
+
+class _Captured(bnn.Module):
+    """A probe's expert stack: records the indices its block routed to, computes nothing."""
+
+    def __init__(self, context: StepContext):
+        super().__init__()
+        object.__setattr__(self, "context", context)
+
+    def __call__(self, x, indices, *args, **kwargs):
+        self.context.now.probe[1].append(indices)
+        return B.zeros((*indices.shape, x.shape[-1]), dtype=x.dtype)

@@ -32,16 +32,15 @@ def staged(tiny_model_factory, tmp_path_factory):
 def test_each_decode_step_has_one_frozen_plan_that_the_routers_follow(staged, routing):
     with Engine(staged, EngineConfig(routing=routing, stage_extra=2 if routing == "select" else 0)) as engine:
         stager = engine.streaming.stager
-        routers = engine.streaming.routers()
+        context = engine.streaming.context
         blocks = engine.streaming.blocks()
         seen = []
         for layer in stager.layers:
             cls = type(blocks[layer])
 
-            def call(inner, x, _cls=cls, _l=layer):
-                route = routers[_l].route
-                probe = route is not None and route.scope == "probe"  # the next step's flush, not a step
-                if x.shape[-2] == 1 and stager.plan is not None and not probe:
+            def call(inner, x, _cls=cls, _l=layer):  # (the flush's routing probes run on clones, not here)
+                route = context.now.routes.get(_l)  # what the layer's router follows: the step's
+                if x.shape[-2] == 1 and stager.plan is not None:
                     seen.append((_l, stager.plan, route))
                 return _cls.__call__(inner, x)
 
@@ -54,7 +53,8 @@ def test_each_decode_step_has_one_frozen_plan_that_the_routers_follow(staged, ro
         assert len(plan.experts[layer]) == engine.spec.k + (2 if routing == "select" else 0)
         with pytest.raises(dataclasses.FrozenInstanceError):
             plan.step = 0
-    assert all(r.route is None for r in routers.values())  # the generation ended: no plan is left
+    # the generation ended: no plan is left, and no step is installed
+    assert stager.routes() == {} and context.now.routes == {} and context.now.decode is None
 
 
 def test_a_route_says_what_it_is():

@@ -292,7 +292,7 @@ class Pipeline:
             width = rows * self.spec.block_input
             px = buf[n:n + width].reshape(rows, self.spec.block_input)
             inds = buf[n + width:].reshape(rows, self.spec.k).astype(B.int32)
-            prerouter.observe(self.incoming, px, inds, streaming.phase.decode)
+            prerouter.observe(self.incoming, px, inds, streaming.context.now.decode)
         return h
 
     # -- per decode step -------------------------------------------------------------------

@@ -185,7 +185,6 @@ class Stager:
         self.routing = routing
         self.planner: Planner | None = (PrerouterPlanner(prerouter, self.layers, routing) if prerouter is not None
                         else OraclePlanner(oracle, self.layers) if oracle is not None else None)
-        self.routers: dict = {}  # staged layer -> its RouterTap, which gets each step's route
         self.guard = QualityGuard(self.layers, guard_every, self._route_of, log=log)
         self._stats = StageStats()
         self.over_slot_layers = 0  # layer-steps run on the fallback: the set did not fit max_slots
@@ -264,10 +263,13 @@ class Stager:
         return self.portal.call(self.scheduler.pending_reads)
 
     def _set_plan(self, plan: DecodePlan | None, predicted: dict) -> None:
-        """Make ``plan`` the current step's and hand each staged router its route."""
+        """Make ``plan`` the current step's."""
         self.now.plan, self.now.predicted = plan, predicted
-        for layer, tap in self.routers.items():
-            tap.route = plan.route(layer) if plan is not None else None
+
+    def routes(self):
+        """The current step's routes, staged layer -> ``LayerRoute`` (empty: the layers route
+        on their own gates): what the step's ``Step`` gives the staged routers."""
+        return self.now.plan.routes if self.now.plan is not None else {}
 
     def slot_bytes(self) -> int:
         """Bytes the staged layers' slots hold now (more than at open while a batch grew them)."""
@@ -279,6 +281,11 @@ class Stager:
         the slot maps claimed. A layer whose set does not fit its slots (a batch's union of
         many rows' sets), even grown to ``max_slots``, is not staged at that step: it
         computes on its fallback path, routed by the same plan."""
+        if release is not None and any(len(p.experts[l]) > self.pool.rows[l].capacity for p in plans for l in self.layers):
+            self.portal.call(self.scheduler.stage, release, [])  # unpinned first: the slots may grow
+            self.now.submitted.discard(release)
+            self.now.maps.pop(release, None)
+            release = None
         steps = []
         for plan in plans:
             fits = [l for l in self.layers if self.pool.fits(l, len(plan.experts[l]))]

@@ -37,20 +37,30 @@ adapters resident on the model and which one each row applies.
 from __future__ import annotations
 
 import copy
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Mapping
 
 from edge0.backend import core as B
 from edge0.backend import nn as bnn
 from edge0.errors import ConfigError
-from edge0.exec.plan import Executor
+from edge0.exec.plan import Executor, LayerRoute
 
 
 def bind(template, views: dict):
     """A clone of ``template`` whose stacked tensors are ``views`` (name -> array with a
-    leading axis of buffer rows): calling it computes the template's ops on those rows. The
-    template and its children are never changed: each module on a view's path is copied."""
-    clone = copy.copy(template)
+    leading axis of buffer rows): calling it computes the template's ops on those rows."""
+    return replaced(template, views)
+
+
+def replaced(module, values: dict):
+    """A clone of ``module`` with each dotted path of ``values`` (an array or a module) set
+    to its value; ``module`` and its children are never changed: each module on a path is
+    copied (shallowly: everything else is shared)."""
+    clone = copy.copy(module)
     copied = {"": clone}
-    for name, view in views.items():
+    for name, view in values.items():
         path, _, leaf = name.rpartition(".")
         node, walked = clone, ""
         for part in path.split(".") if path else ():
@@ -64,14 +74,24 @@ def bind(template, views: dict):
     return clone
 
 
-class StepPhase:
-    """What the forward pass running now is, shared by a model's taps and switches: set by
-    the engine's step hook (``StepModel``) before each pass. ``decode`` True: a decode step,
-    one new token for each row of a batch (however many rows); False: a prefill; None
-    (outside the step hook: training, probes, tools): a call on one token is a decode step."""
+NO_ROUTES: Mapping = MappingProxyType({})
 
-    def __init__(self):
-        self.decode: bool | None = None
+
+@dataclass(frozen=True)
+class Step:
+    """What one forward pass of the model is, as its taps read it. ``decode`` True: a decode
+    step, one new token for each row of a batch; False: a prefill; None (outside the step
+    hook: training, tools): a call on one token is a decode step. ``routes``: each planned
+    layer's ``LayerRoute`` (a staged decode step's plan; a training sequence's). ``deltas``:
+    each adapted projection's low-rank deltas, ``(a, b, scale, rows)`` with ``rows`` a bool
+    mask over the batch's rows or None (every row); None: not given for this pass (the
+    projections apply their own adapter, ``AdaptedLinear.set_delta``). ``probe``: the router
+    logits a routing probe routes (``RoutingProbe``)."""
+
+    decode: bool | None = None
+    routes: Mapping[int, LayerRoute] = field(default_factory=lambda: NO_ROUTES)
+    deltas: Mapping[str, tuple] | None = None
+    probe: object = None
 
     def is_decode(self, x) -> bool:
         """Whether a call on ``x`` ([..., D] or indices [..., k]) belongs to a decode step."""
@@ -80,30 +100,43 @@ class StepPhase:
         return x.size // x.shape[-1] == 1
 
 
+class StepContext:
+    """The ``Step`` a model's taps read (``now``), shared by them: installed for one forward
+    pass by ``installed`` and put back after, the one place it changes. The model's modules
+    are never written during a step."""
+
+    def __init__(self):
+        self.now = Step()
+
+    @contextmanager
+    def installed(self, step: Step):
+        before, self.now = self.now, step
+        try:
+            yield step
+        finally:
+            self.now = before
+
+
 class StreamingSwitch(bnn.Module):
     """Stands where the block's switch stack stood; the experts stream from disk."""
 
-    def __init__(self, layer: int, template, executors: dict, width_out: int, phase: StepPhase | None = None):
+    def __init__(self, layer: int, template, executors: dict, width_out: int, context: StepContext | None = None):
         super().__init__()
-        object.__setattr__(self, "phase", phase or StepPhase())  # not a child module
+        object.__setattr__(self, "context", context or StepContext())  # not a child module
         self.layer_id = layer
         object.__setattr__(self, "_template", template)  # not a parameter: its weights are on disk
         self.executors: dict[str, Executor] = executors  # phase ("decode", "prefill") -> its path
         self.width_out = width_out
-        self.observer = None  # (layer, inds) for the prerouter and tracing
-        self.capture = None  # probing: a list that receives the indices; no expert runs
+        self.observer = None  # (layer, inds) for the prerouter and tracing (set when wired)
 
     @property
     def template(self):
         return self._template
 
     def __call__(self, x, indices):
-        if self.capture is not None:
-            self.capture.append(indices)
-            return B.zeros((*indices.shape, self.width_out), dtype=x.dtype)
         if self.observer is not None:
             self.observer(self.layer_id, indices)
-        decode = self.phase.is_decode(indices)
+        decode = self.context.now.is_decode(indices)
         return self.executors["decode" if decode else "prefill"](self.layer_id, x, indices)
 
 
@@ -125,16 +158,17 @@ class RouterTap(bnn.Module):
     logits; "inline": a gate module that multiplies by its ``weight`` itself and returns
     the routing)."""
 
-    def __init__(self, layer: int, original, kind: str, num_outputs: int, phase: StepPhase | None = None):
+    def __init__(self, layer: int, original, kind: str, num_outputs: int, context: StepContext | None = None):
         super().__init__()
-        object.__setattr__(self, "phase", phase or StepPhase())  # not a child module
+        object.__setattr__(self, "context", context or StepContext())  # not a child module
         self.layer_id = layer
         self.original = original
         self.kind = kind
         self.num_outputs = num_outputs
-        self.route = None  # a LayerRoute to follow, or None: the router's own output
-        self.watch = None  # (layer, x, tap) at every real call (not a probe): sees the router's input
-        self._eye = None
+        self.watch = None  # (layer, x, tap) at every call (set when wired): sees the router's input
+        # an inline gate's own routing of given logits: a clone of the gate whose weight is
+        # the identity, made once (not a child module: no parameters of its own)
+        object.__setattr__(self, "gate_eye", eye_gate(original) if kind == "inline" else None)
 
     def logits(self, x):
         """The router's own logits for ``x``."""
@@ -144,10 +178,11 @@ class RouterTap(bnn.Module):
         return x.astype(B.float32) @ w.astype(B.float32).T
 
     def __call__(self, x):
-        route = self.route
-        if self.watch is not None and (route is None or route.scope != "probe"):
+        step = self.context.now
+        route = step.routes.get(self.layer_id)
+        if self.watch is not None:
             self.watch(self.layer_id, x, self)
-        if route is None or (route.scope == "decode" and not self.phase.is_decode(x)):
+        if route is None or (route.scope == "decode" and not step.is_decode(x)):
             return self.original(x)  # the prompt's prefill routes on its own
         if route.observe is not None:
             route.observe(self.layer_id, self.logits(x))
@@ -164,7 +199,7 @@ class RouterTap(bnn.Module):
         forced = forced.reshape(*lead, forced.shape[-1])
         if self.kind == "linear":
             return forced.astype(x.dtype)  # what a linear router on x would have returned
-        return self._route_inline(forced)
+        return self.gate_eye(forced.astype(self.gate_eye.weight.dtype))
 
     def select(self, x, staged):
         """The router's own routing of ``x``, restricted to the ``staged`` experts (bool,
@@ -176,42 +211,37 @@ class RouterTap(bnn.Module):
         name = next((n for n in BIAS_ATTRIBUTES if isinstance(getattr(gate, n, None), B.array)), None)
         if name is None:  # no ranking bias: route the masked logits through the gate's own code
             own = self.logits(x)
-            return self._route_inline(B.where(_aligned(staged, own), own, B.array(float("-inf"), dtype=own.dtype)))
+            masked = B.where(_aligned(staged, own), own, B.array(float("-inf"), dtype=own.dtype))
+            return self.gate_eye(masked.astype(self.gate_eye.weight.dtype))
         bias = getattr(gate, name)
         if staged.size == bias.size:
             staged = staged.reshape(bias.shape)
         elif staged.size == (x.size // x.shape[-1]) * bias.size:  # one set per token: per-token biases
             staged = staged.reshape(*x.shape[:-1], bias.size)
-        setattr(gate, name, B.where(staged, bias, bias - MASKED_BIAS))
-        try:
-            return gate(x)
-        finally:
-            setattr(gate, name, bias)
+        return replaced(gate, {name: B.where(staged, bias, bias - MASKED_BIAS)})(x)  # a clone: the gate is untouched
 
-    def _route_inline(self, logits):
-        """The gate's own routing of ``logits``: its weight set to the identity for the call."""
-        gate = self.original
-        if self._eye is None or self._eye.shape[0] != logits.shape[-1]:
-            self._eye = B.eye(logits.shape[-1], dtype=gate.weight.dtype)
-            B.eval(self._eye)
-        weight = gate.weight
-        gate.weight = self._eye
-        try:
-            return gate(logits.astype(weight.dtype))
-        finally:
-            gate.weight = weight
+
+def eye_gate(gate, **attributes):
+    """A clone of the inline ``gate`` whose weight is the identity (its own routing code on
+    the logits it is given), with ``attributes`` (a routing width) set on the clone."""
+    clone = replaced(gate, {"weight": B.eye(gate.weight.shape[0], dtype=gate.weight.dtype)})
+    for name, value in attributes.items():
+        setattr(clone, name, value)
+    return clone
 
 
 class AdaptedLinear(bnn.Module):
-    """A projection with an optional low-rank delta: ``linear`` is the untouched base;
-    ``lora_a`` / ``lora_b`` (present while an adapter is active) are mlx-lm's names, so a
-    trainer sees exactly mlx-lm's parameter tree."""
+    """A projection with an optional low-rank delta: ``linear`` is the untouched base. A
+    step gives each row its delta (``Step.deltas``, by ``path``); outside one (training,
+    tools) ``lora_a`` / ``lora_b`` are the delta (present while an adapter is set), mlx-lm's
+    names, so a trainer sees exactly mlx-lm's parameter tree."""
 
-    def __init__(self, linear):
+    def __init__(self, linear, path: str = "", context: StepContext | None = None):
         super().__init__()
         self.linear = linear
         self.scale = 0.0
-        object.__setattr__(self, "row_deltas", None)  # a batch of mixed adapters: [(a, b, scale, rows)]
+        object.__setattr__(self, "path", path)  # where it stands in the model: the key of its deltas
+        object.__setattr__(self, "context", context or StepContext())
 
     def set_delta(self, a, b, scale: float) -> None:
         if a is None:
@@ -222,19 +252,14 @@ class AdaptedLinear(bnn.Module):
         else:
             self.lora_a, self.lora_b, self.scale = a, b, scale
 
-    def set_row_deltas(self, deltas) -> None:
-        """A batch whose rows use different adapters: ``deltas`` [(a, b, scale, rows)],
-        ``rows`` a bool mask over the batch's rows (the rows that apply that delta; rows in
-        no mask apply none); None: the one delta of ``set_delta`` for every row."""
-        object.__setattr__(self, "row_deltas", deltas)
-
     def __call__(self, x):
         y = self.linear(x)
-        if self.row_deltas is not None:
+        deltas = self.context.now.deltas
+        if deltas is not None:  # the step's: each row exactly its own adapter's sum
             out = y
-            for a, b, scale, rows in self.row_deltas:  # each row: exactly its own adapter's sum
-                mask = rows.reshape(-1, *(1,) * (x.ndim - 1))
-                out = B.where(mask, y + (scale * ((x @ a) @ b)).astype(x.dtype), out)
+            for a, b, scale, rows in deltas.get(self.path, ()):
+                with_delta = y + (scale * ((x @ a) @ b)).astype(x.dtype)
+                out = with_delta if rows is None else B.where(rows.reshape(-1, *(1,) * (x.ndim - 1)), with_delta, out)
             return out
         if "lora_a" not in self:
             return y
@@ -243,13 +268,16 @@ class AdaptedLinear(bnn.Module):
 
 
 class AdapterBank:
-    """Adapters resident on one model, and which one is active."""
+    """Adapters resident on one model: the default one (``active``, which the projections
+    apply outside a step) and the deltas a step gives a batch's rows (``deltas``)."""
 
-    def __init__(self, model, spec):
+    def __init__(self, model, spec, context: StepContext | None = None):
         self.model, self.spec = model, spec
+        self.context = context or StepContext()
         self.adapters: dict = {}  # name -> its edge0.adapters.Adapter
         self.wrapped: dict[str, AdaptedLinear] = {}
         self.active: str | None = None
+        self._deltas: dict[tuple, Mapping] = {}  # a batch's names -> its deltas (a few kept)
 
     def add(self, adapter) -> None:
         if adapter.name in self.adapters:
@@ -257,48 +285,51 @@ class AdapterBank:
         for module in adapter.tensors:
             if module not in self.wrapped:
                 base = bnn.module_at(self.model, module)
-                wrapper = AdaptedLinear(base)
+                wrapper = AdaptedLinear(base, module, self.context)
                 bnn.set_module_at(self.model, module, wrapper)
                 self.wrapped[module] = wrapper
         self.adapters[adapter.name] = adapter
+        self._deltas.clear()
 
     def activate(self, name: str | None) -> None:
-        """Make ``name`` (or no adapter) the one every wrapped projection applies."""
-        if self.active == "<mixed>":
-            for wrapper in self.wrapped.values():
-                wrapper.set_row_deltas(None)
-            self.active = None
+        """Make ``name`` (or no adapter) the one every wrapped projection applies outside a
+        step (the default; not called during one)."""
         if name == self.active:
             return
-        if name is not None and name not in self.adapters:
-            raise ConfigError(f"no adapter named {name!r}; loaded: {sorted(self.adapters) or 'none'}")
+        self._check([name])
         adapter = self.adapters.get(name) if name is not None else None
         for module, wrapper in self.wrapped.items():
             pair = adapter.tensors.get(module) if adapter is not None else None
             wrapper.set_delta(*(pair or (None, None)), adapter.scale if pair else 0.0)
         self.active = name
 
-    def activate_rows(self, names: list) -> None:
-        """A batch's adapters, one name (or None) per row, applied in one forward pass:
-        each row gets exactly the sum it would get alone with its adapter."""
-        if len(set(names)) <= 1:
-            self.activate(names[0] if names else None)
-            for wrapper in self.wrapped.values():
-                wrapper.set_row_deltas(None)
-            return
+    def deltas(self, names) -> Mapping[str, tuple]:
+        """What a step gives the wrapped projections (``Step.deltas``) for a batch whose
+        rows apply ``names`` (an adapter name or None per row): each row gets exactly the
+        sum it would get alone with its adapter. Made once per distinct ``names``."""
+        names = tuple(names)
+        got = self._deltas.get(names)
+        if got is None:
+            self._check(names)
+            distinct = [n for n in dict.fromkeys(names) if n is not None]
+            out = {}
+            for module in self.wrapped:
+                parts = []
+                for name in distinct:
+                    pair = self.adapters[name].tensors.get(module)
+                    if pair is not None:
+                        rows = None if all(n == name for n in names) else B.array([n == name for n in names])
+                        parts.append((*pair, self.adapters[name].scale, rows))
+                out[module] = tuple(parts)
+            if len(self._deltas) >= 64:
+                self._deltas.pop(next(iter(self._deltas)))
+            got = self._deltas[names] = MappingProxyType(out)
+        return got
+
+    def _check(self, names) -> None:
         for name in set(names):
             if name is not None and name not in self.adapters:
                 raise ConfigError(f"no adapter named {name!r}; loaded: {sorted(self.adapters) or 'none'}")
-        self.activate(None)
-        for module, wrapper in self.wrapped.items():
-            deltas = []
-            for name in dict.fromkeys(n for n in names if n is not None):
-                pair = self.adapters[name].tensors.get(module)
-                if pair is not None:
-                    rows = B.array([n == name for n in names])
-                    deltas.append((*pair, self.adapters[name].scale, rows))
-            wrapper.set_row_deltas(deltas)
-        self.active = "<mixed>"
 
     @property
     def nbytes(self) -> int:

@@ -34,31 +34,27 @@ from edge0.model.arch import derive_spec
 from edge0.backend import core as B
 from edge0.backend import nn as bnn
 from edge0.exec.plan import LayerRoute
-from edge0.exec.taps import AdaptedLinear, RouterTap
+from edge0.exec.taps import AdaptedLinear, RouterTap, Step, StepContext
 from edge0.config import EngineConfig
+from edge0.errors import ConfigError
 from edge0.loader import resolve_routing
-from edge0.streaming import probe_routing
+from edge0.streaming import WIDTH_ATTRIBUTES, RoutingProbe, width_attributes
 from edge0.prerouter.files import HEADS_FILENAME, load_heads
 from edge0.model.spec import load_config, with_experts_per_token
 from edge0.train.adapter_init import lora_init
 
 
 class ObservedSwitch(nn.Module):
-    """The resident expert stack of an owner or consumer layer, reporting the experts its
-    block routed to before computing them (the original stack, unchanged, does the work),
-    or, while ``capture`` is a list, only recording them (a probe of the block's routing)."""
+    """The resident expert stack of an owner layer, reporting the experts its block routed
+    to before computing them (the original stack, unchanged, does the work)."""
 
     def __init__(self, layer: int, original, observer=None):
         super().__init__()
         self.layer_id = layer
         self.original = original
-        self.capture = None
         object.__setattr__(self, "_observer", observer)
 
     def __call__(self, x, indices, *args, **kwargs):
-        if self.capture is not None:
-            self.capture.append(indices)
-            return mx.zeros((*indices.shape, bnn.switch_output_width(self.original)), dtype=x.dtype)
         if self._observer is not None:
             self._observer(self.layer_id, indices)
         return self.original(x, indices, *args, **kwargs)
@@ -67,13 +63,15 @@ class ObservedSwitch(nn.Module):
 class _Context:
     """What the layers of one student forward share: the prompt mask, and for each owner
     its router input, which the experts it routed to turn into the consumer's predicted
-    logits (set on the consumer's RouterTap before the consumer's block runs)."""
+    logits (the consumer's route in ``routes``, which the forward pass's ``Step`` holds,
+    filled before the consumer's block runs)."""
 
     def __init__(self, heads, routers: dict[int, RouterTap], embed=None, widen=None):
         """``widen``: (consumer, logits [N, E]) -> the consumer's k+m candidates [N, k+m]
         (select routing), or None (replace routing)."""
         self.heads, self.routers, self.embed, self.widen = heads, routers, embed, widen
         self.mask = None  # [B, T, 1] bool: position routes by prediction
+        self.routes: dict = {}  # consumer -> its LayerRoute for the pass being built
         self.next_tokens = None  # [B, T, D]: at t, the embedding of token t+1 (heads that see it)
         self._x: dict[int, object] = {}
 
@@ -83,8 +81,7 @@ class _Context:
         if mask is not None and self.heads.sees_token:
             e = self.embed(tokens).astype(mx.float32)
             self.next_tokens = mx.concatenate([e[:, 1:], mx.zeros_like(e[:, :1])], axis=1)
-        for tap in self.routers.values():
-            tap.route = None
+        self.routes = {}
 
     def watch(self, owner: int, x, tap=None) -> None:
         """An owner's router input (the RouterTap's watcher)."""
@@ -108,7 +105,7 @@ class _Context:
             wide = self.widen(consumer, logits.reshape(-1, logits.shape[-1]))
             staged = B.one_hot_k(wide, logits.shape[-1], mx.int32).reshape(logits.shape) > 0
         mode = "select" if staged is not None else "replace"
-        self.routers[consumer].route = LayerRoute(mode, logits, staged, where=self.mask, scope="all")
+        self.routes[consumer] = LayerRoute(mode, logits, staged, where=self.mask, scope="all")
 
 
 class StudentModel:
@@ -146,26 +143,37 @@ class StudentModel:
             bnn.load_parameters_flat(heads, {k: v.astype(mx.float32) for k, v in bnn.parameters_flat(heads).items()})
             heads.freeze()
         routers = {}
+        self.context = StepContext()  # the routes each forward pass follows (``logits``)
         for l, m in self.spec.layers.items():
             if m.router_path:
-                tap = RouterTap(l, bnn.module_at(self.model, m.router_path), m.router_kind, m.router_outputs)
+                tap = RouterTap(l, bnn.module_at(self.model, m.router_path), m.router_kind, m.router_outputs,
+                                self.context)
                 bnn.set_module_at(self.model, m.router_path, tap)
                 routers[l] = tap
         widen = None
         if heads is not None and self.routing[0] == "select":
             width = self.spec.k + self.routing[1]
-            widen = lambda consumer, logits: probe_routing(self, consumer, logits, width)
+            probes = {c: self._probe(c, width) for c in heads.consumers()}
+            widen = lambda consumer, logits: probes[consumer](logits)
         self.ctx = _Context(heads, routers, bnn.token_embedding(self.model), widen)
         if heads is not None:
             for owner in heads.owners:
                 routers[owner].watch = self.ctx.watch
-            for layer in set(heads.owners) | set(heads.consumers() if widen is not None else []):
+            for layer in heads.owners:
                 path = self.spec.switch_path(layer)
                 bnn.set_module_at(self.model, path, ObservedSwitch(
                     layer, bnn.module_at(self.model, path), self.ctx.on_experts if layer in heads.owners else None))
         self.model.freeze()
         self.rank, self.scale = rank, scale
         self.adapted = self._attach_lora(rank, scale, seed)
+
+    def _probe(self, layer: int, width: int) -> RoutingProbe:
+        """Layer ``layer``'s routing function at ``width`` (select routing's candidates)."""
+        widened = width_attributes(self, layer)
+        if not widened:
+            raise ConfigError(f"{self.spec.model_type}: the routing width of layer {layer} is kept where Edge0 cannot "
+                              f"change it (none of {WIDTH_ATTRIBUTES}); use routing 'replace'")
+        return RoutingProbe(self.model, self.spec, layer, self.context, width, widened)
 
     def _attach_lora(self, rank: int, scale: float, seed: int) -> dict[str, AdaptedLinear]:
         mx.random.seed(seed)
@@ -192,7 +200,8 @@ class StudentModel:
         T = tokens.shape[1]
         mask = (mx.arange(T)[None, :] >= mx.array(prompt_lengths)[:, None])[..., None]
         self.ctx.start(mask if self.ctx.heads is not None else None, tokens)
-        return self.model(tokens)
+        with self.context.installed(Step(routes=self.ctx.routes)):
+            return self.model(tokens)
 
     def save(self, out_dir: str | Path, provenance: dict) -> Path:
         tensors = {p: (w.lora_a, w.lora_b) for p, w in self.adapted.items()}
