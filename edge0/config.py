@@ -153,7 +153,8 @@ class EngineConfig:
         choices=("lfu", "lru"))
     prefetch_depth: int = setting(
         4,
-        "Staged layers: how many layer reads the scheduler may run ahead of compute.",
+        "Staged layers: how many layers' reads the scheduler queues at a time, earliest layer first (the next "
+        "layer's enter as one is read).",
         lo=1)
     staged_source: str = setting(
         "auto",

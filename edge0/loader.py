@@ -34,7 +34,7 @@ from edge0.model.open import open_model
 from edge0.prerouter.files import HEADS_FILENAME, load_heads, serving_of
 from edge0.prerouter.runtime import Prerouter, blas_threads_controllable
 from edge0.exec.taps import RouterTap, StepContext, StreamingSwitch
-from edge0.streaming import WIDTH_ATTRIBUTES, Streaming, width_attributes, wire_prerouter
+from edge0.streaming import Parts, Streaming
 
 
 def _expert_cache(plan: MemoryPlan, index, layers: list[int]) -> ExpertCache | None:
@@ -252,37 +252,35 @@ def load_streaming_model(model_dir: str | Path, config: EngineConfig, *, oracle:
             stager.close()
         reader.close()
         raise
-    streaming = Streaming(model, spec, index, reader, exact, hot, whole, stager, recorder, prerouter, heads_path,
-                          adapters, context)
-    streaming.compute_dtype, streaming.plan = compute_dtype, plan
-    streaming.kernels = kernels
-    streaming.kernels_label = bk.describe() if kernels == "edge0" else "mlx"
-    streaming.pipeline, streaming.layers, streaming.path_of = pipe, layers, path_of
-    streaming.routing = (routing, extra) if prerouter is not None or (pipe is not None and pipe.heads) else None
-    streaming.over_memory_routing = lay.over_memory_routing
-    return _wired(streaming, prerouter, stager, heads, routing, extra)
-
-
-def _wired(streaming: Streaming, prerouter, stager, heads, routing: str, extra: int) -> Streaming:
-    """The prerouter checked and wired to its owners and the Stager; a pipeline rank's
-    boundaries wired (its heads that see the token take the rows the first rank sends)."""
-    pipe = streaming.pipeline
-    # what the stats line names: all ranks' heads
-    streaming.shown_heads = pipe.heads if pipe is not None and pipe.heads is not None else getattr(prerouter, "heads", None)
-    streaming.decode_hooks = ((lambda inputs: pipe.begin_step(inputs, streaming.embed),) if pipe is not None else ()) + \
-        ((stager.begin_step,) if stager is not None else ())  # a pipeline's relay first, then the plan
-    if pipe is not None and pipe.rank > 0 and heads is not None and heads.sees_token:
-        streaming.embed = pipe.relayed_embedding(heads.token_dim)
     try:
-        if prerouter is not None:
-            _check_prerouter_fits(streaming, prerouter, routing, extra)
-            wire_prerouter(streaming, prerouter, stager)
+        streaming = Streaming(Parts(model, index, reader, exact, hot, whole, stager, recorder, prerouter, heads_path,
+                                    adapters, context, lay, kernels, bk.describe() if kernels == "edge0" else "mlx",
+                                    *_served(lay, model, prerouter, stager)))
         if pipe is not None:
-            pipe.wire(streaming, prerouter)
+            pipe.wire(streaming, prerouter)  # the boundary layers send and receive
+        return streaming
     except BaseException:
-        streaming.close()
+        if stager is not None:
+            stager.close()
+        if whole is not None:
+            whole.close()
+        reader.close()
         raise
-    return streaming
+
+
+def _served(lay: Layout, model, prerouter, stager) -> tuple:
+    """(the routing served, the heads the stats line names, the token embedding, the decode
+    hooks): a pipeline rank's names all ranks' heads, embeds the rows the first rank relays
+    (heads that see the token) and relays before the Stager plans."""
+    pipe, heads = lay.pipe, lay.heads
+    embed = bnn.token_embedding(model)
+    if pipe is not None and pipe.rank > 0 and heads is not None and heads.sees_token:
+        embed = pipe.relayed_embedding(heads.token_dim)
+    hooks = ((lambda inputs: pipe.begin_step(inputs, embed),) if pipe is not None else ()) + \
+        ((stager.begin_step,) if stager is not None else ())
+    served = (lay.routing, lay.extra) if prerouter is not None or (pipe is not None and pipe.heads) else None
+    shown = pipe.heads if pipe is not None and pipe.heads is not None else getattr(prerouter, "heads", None)
+    return served, shown, embed, hooks
 
 
 def resolve_routing(config: EngineConfig, meta: dict | None, spec, heads_path,
@@ -313,30 +311,6 @@ def resolve_routing(config: EngineConfig, meta: dict | None, spec, heads_path,
         raise ConfigError(f"stage_extra={extra}: k + stage_extra = {spec.k + extra} is more than the "
                           f"{spec.num_experts} experts of a layer")
     return "select", extra
-
-
-def _check_prerouter_fits(streaming: Streaming, prerouter, routing: str, extra: int) -> None:
-    """Heads that see the token need an embedding of their width; select routing needs
-    a routing width Edge0 can change, and room for k + extra experts in the groups a
-    sigmoid-group router keeps (or every expert staged)."""
-    heads, spec = prerouter.heads, streaming.spec
-    if heads.sees_token and streaming.embed_dim != heads.token_dim:
-        raise ConfigError(f"prerouter heads {streaming.heads_path} see a token embedding of width {heads.token_dim}; "
-                          f"this model's is {streaming.embed_dim or 'missing'}")
-    if routing != "select":
-        return
-    for layer in heads.consumers():
-        if not width_attributes(streaming, layer):
-            raise ConfigError(f"{spec.model_type}: select routing needs to widen layer {layer}'s routing, whose "
-                              f"width is kept where Edge0 cannot find it (none of {WIDTH_ATTRIBUTES}); use "
-                              "--routing replace")
-        gate = getattr(streaming.routers()[layer], "original", None)
-        groups, kept = getattr(gate, "n_group", 1) or 1, getattr(gate, "topk_group", None)
-        if isinstance(groups, int) and isinstance(kept, int) and groups > 1:
-            room = kept * (spec.num_experts // groups)
-            if room < spec.k + extra < spec.num_experts:  # every expert staged: the mask changes nothing
-                raise ConfigError(f"stage_extra={extra}: layer {layer} keeps {kept} of {groups} expert groups, room "
-                                  f"for {room} experts; k + stage_extra = {spec.k + extra}")
 
 
 def _load_heads(model_dir: Path, config: EngineConfig, oracle, spec):

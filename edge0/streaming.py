@@ -6,6 +6,7 @@ layer's own routing code on given logits (the prerouter's predictions become exp
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from edge0.backend import core as B
@@ -14,23 +15,68 @@ from edge0.errors import ConfigError
 from edge0.exec.taps import AdapterBank, Step, StepContext, eye_gate, replaced
 
 
+@dataclass(frozen=True)
+class Parts:
+    """What a loaded model is made of, handed whole to ``Streaming`` (``edge0.loader`` makes
+    it): the model, its checkpoint's index and reader, the executor paths, the routing
+    recorder, the prerouter and its file, the adapters, the ``StepContext`` its taps read,
+    the kernels, ``layout`` (the loader's ``Layout``: a pipeline rank's part, the layers
+    held, each layer's paths, the compute dtype, the memory plan), the routing served
+    (None without heads), the heads the stats line names, the token embedding (a pipeline
+    rank's: the rows the first rank relays) and the decode hooks, in order."""
+
+    model: object
+    index: object
+    reader: object
+    exact: object
+    hot: object
+    whole: object
+    stager: object
+    recorder: object
+    prerouter: object
+    heads_path: object
+    adapters: object
+    context: StepContext
+    layout: object
+    kernels: str
+    kernels_label: str
+    routing: tuple | None
+    shown_heads: object
+    embed: object
+    decode_hooks: tuple
+
+
+def _part(name: str):
+    return property(lambda self: getattr(self.parts, name))
+
+
+def _laid_out(name: str):
+    return property(lambda self: getattr(self.parts.layout, name))
+
+
 class Streaming:
-    """A loaded streaming model and the machinery behind its MoE layers."""
+    """A loaded streaming model and the machinery behind its MoE layers, complete when
+    constructed from its ``Parts``: its prerouter checked and wired to the owners, and the
+    consumers' routing functions made."""
 
-    pipeline = None  # this rank's part of a pipeline (edge0.exec.pipeline), or None: one process
-    layers = None  # the MoE layers held here (None: every one)
-    shown_heads = None  # the heads the stats line names (a pipeline's: all ranks')
-    over_memory_routing = False  # the routing is the heads file's choice for a checkpoint over memory
-    decode_hooks: tuple = ()  # called with the inputs before each decode step, in order (set when wired)
+    model, index, reader, exact, hot, whole, stager = (_part(n) for n in ("model", "index", "reader", "exact", "hot",
+                                                                         "whole", "stager"))
+    prerouter, heads_path, adapters, kernels, kernels_label = (_part(n) for n in ("prerouter", "heads_path", "adapters",
+                                                                                  "kernels", "kernels_label"))
+    routing, shown_heads, embed, decode_hooks = (_part(n) for n in ("routing", "shown_heads", "embed", "decode_hooks"))
+    compute_dtype, plan, layers, path_of = (_laid_out(n) for n in ("compute_dtype", "plan", "layers", "path_of"))
+    pipeline = _laid_out("pipe")  # this rank's part of a pipeline (edge0.exec.pipeline), or None: one process
+    over_memory_routing = _laid_out("over_memory_routing")  # the routing is the heads file's choice over memory
 
-    def __init__(self, model, spec, index, reader, exact, hot, whole, stager, recorder, prerouter=None,
-                 heads_path=None, adapters=None, context: StepContext | None = None):
-        self.context = context or StepContext()  # the Step its taps read, installed for each pass
+    def __init__(self, parts: Parts):
+        self.parts = parts
+        self.spec = parts.layout.opened.spec
+        self.context = parts.context  # the Step its taps read, installed for each pass
+        self.recorder = parts.recorder
         self._probes: dict = {}  # (layer, width) -> its RoutingProbe
-        self.model, self.spec, self.index, self.reader = model, spec, index, reader
-        self.exact, self.hot, self.whole, self.stager, self.recorder = exact, hot, whole, stager, recorder
-        self.prerouter, self.heads_path = prerouter, heads_path
-        self.adapters: AdapterBank | None = adapters
+        if parts.prerouter is not None:
+            check_prerouter_fits(self, parts.prerouter, parts.layout.routing, parts.layout.extra)
+            wire_prerouter(self, parts.prerouter)
 
     def describe_artifacts(self) -> tuple[str | None, str | None]:
         """(heads, adapter) as the stats line names them: what changes the output."""
@@ -96,17 +142,6 @@ class Streaming:
         if self.adapters is not None:
             deltas = self.adapters.deltas(adapters if adapters is not None else [self.adapters.active] * rows)
         return Step(decode=decode, routes=routes, deltas=deltas)
-
-    @property
-    def embed(self):
-        """The model's token embedding (ids -> rows), or None."""
-        if not hasattr(self, "_embed"):
-            self._embed = bnn.token_embedding(self.model)
-        return self._embed
-
-    @embed.setter
-    def embed(self, value) -> None:  # a pipeline rank's: the rows the first rank relays
-        self._embed = value
 
     @property
     def embed_dim(self) -> int:
@@ -199,7 +234,7 @@ class StepModel:
         return getattr(self.streaming.model, name)
 
 
-def wire_prerouter(streaming: Streaming, prerouter, stager) -> None:
+def wire_prerouter(streaming: Streaming, prerouter) -> None:
     """Owners feed the prerouter (their router's input, then the experts their block routed
     to); the prerouter routes its predictions through the consumers' own blocks and embeds
     the step's token (each step's routes reach the staged routers through the step's
@@ -315,3 +350,27 @@ class _Captured(bnn.Module):
     def __call__(self, x, indices, *args, **kwargs):
         self.context.now.probe[1].append(indices)
         return B.zeros((*indices.shape, x.shape[-1]), dtype=x.dtype)
+
+
+def check_prerouter_fits(streaming: "Streaming", prerouter, routing: str, extra: int) -> None:
+    """Heads that see the token need an embedding of their width; select routing needs
+    a routing width Edge0 can change, and room for k + extra experts in the groups a
+    sigmoid-group router keeps (or every expert staged)."""
+    heads, spec = prerouter.heads, streaming.spec
+    if heads.sees_token and streaming.embed_dim != heads.token_dim:
+        raise ConfigError(f"prerouter heads {streaming.heads_path} see a token embedding of width {heads.token_dim}; "
+                          f"this model's is {streaming.embed_dim or 'missing'}")
+    if routing != "select":
+        return
+    for layer in heads.consumers():
+        if not width_attributes(streaming, layer):
+            raise ConfigError(f"{spec.model_type}: select routing needs to widen layer {layer}'s routing, whose "
+                              f"width is kept where Edge0 cannot find it (none of {WIDTH_ATTRIBUTES}); use "
+                              "--routing replace")
+        gate = getattr(streaming.routers()[layer], "original", None)
+        groups, kept = getattr(gate, "n_group", 1) or 1, getattr(gate, "topk_group", None)
+        if isinstance(groups, int) and isinstance(kept, int) and groups > 1:
+            room = kept * (spec.num_experts // groups)
+            if room < spec.k + extra < spec.num_experts:  # every expert staged: the mask changes nothing
+                raise ConfigError(f"stage_extra={extra}: layer {layer} keeps {kept} of {groups} expert groups, room "
+                                  f"for {room} experts; k + stage_extra = {spec.k + extra}")

@@ -6,8 +6,6 @@ shares. A fake store: no MLX, no model."""
 from __future__ import annotations
 
 import errno
-import os
-import sys
 import threading
 import time
 
@@ -15,7 +13,6 @@ import anyio.to_thread
 import pytest
 
 from edge0.errors import ExpertReadError, SchedulerError
-from edge0.io_sched import scheduler as sched_mod
 from edge0.worker import EventLoopThread
 from edge0.io_sched.scheduler import LayerPlan, PrefetchScheduler, StepPlan
 from tests.test_scheduler import FakeStore
@@ -135,23 +132,3 @@ def test_a_layers_reads_go_to_the_readers_in_shares(running, monkeypatch):
     assert sorted(e for l, e, _ in store.log if l == 0) == list(range(8))
     drained(s, loop)
     assert s.stats.reads == 11 and s.stats.bytes == 1100
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a nice value per thread is Linux's")
-def test_reads_run_below_the_compute_threads_priority(running):
-    """The readers fill the cores' idle time instead of preempting the kernels: each reader
-    thread runs at the process's nice value + READER_NICE (the calling thread unchanged)."""
-    seen = []
-
-    class Store(FakeStore):
-        def read(self, layer, expert, slot):
-            seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
-            return super().read(layer, expert, slot)
-
-    signals = Signals()
-    s, loop = running(Store(), {0: 4}, readers=2, signal=signals)
-    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    loop.portal.call(s.stage, None, [plan(0, [(0, [1, 2, 3])])])
-    signals.wait(1)
-    assert seen and set(seen) == {min(19, base + sched_mod.READER_NICE)}
-    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base

@@ -36,7 +36,6 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
-import os
 import threading
 import time
 from concurrent.futures import Future
@@ -155,22 +154,6 @@ class _Staged:
 
 
 READY_TIMEOUT_S = 120.0
-READER_NICE = 10  # a reader thread's priority below the compute threads' (Linux: its nice value, added)
-_thread_state = threading.local()
-
-
-def _below_compute() -> None:
-    """Run this reader thread below the compute threads' priority (once per thread; Linux
-    sets a nice value per thread): reads fill the cores' idle time instead of preempting
-    the kernels, and a step that waits for them sleeps, so they still run at once."""
-    if getattr(_thread_state, "lowered", False):
-        return
-    _thread_state.lowered = True
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + READER_NICE))
-    except (AttributeError, OSError):  # not Linux, or not allowed: the reads run at the process's priority
-        pass  # a layer waiting this long for its slots: an error, not a hang
 
 
 class PrefetchScheduler:
@@ -423,7 +406,6 @@ class PrefetchScheduler:
     def _read_share(self, share: list[ReadRequest]) -> list[tuple]:
         """In a reader thread: each read of ``share`` with its retries, in order; a read of a
         step cancelled meanwhile is skipped. Per read: (bytes or None, the errors met, seconds)."""
-        _below_compute()
         out = []
         for req in share:
             nbytes, errors, t0 = None, [], time.perf_counter()
