@@ -106,9 +106,10 @@ def test_cancelling_a_staged_step_signals_its_layers_failed(running):
     loop.portal.call(s.stage, None, [plan(0, [(0, [1, 2])])])
     cancelled = loop.portal.start_task_soon(s.cancel, 0)  # waits for the read in flight
     assert signals.wait(1)[0][:3] == (0, 0, False)  # at once: a graph waiting on it raises, never hangs
+    assert isinstance(s.job_error(0, 0), SchedulerError)  # what the compute thread is told it failed with
     gate.set()
     cancelled.result(10)
-    assert isinstance(s.job_error(0, 0), SchedulerError)
+    assert s.job_error(0, 0) is None  # forgotten with the step: a later step 0 is not blamed for it
     assert s.tables[0].pinned() == 0 and s.tables[0].loading() == 0
 
 

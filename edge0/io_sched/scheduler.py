@@ -260,6 +260,9 @@ class PrefetchScheduler:
                 await event.wait()
         for table in self.tables.values():
             table.release(step)
+        with self._staged.lock:  # told already (a step is cancelled once its failure was explained)
+            for key in [k for k in self._staged.errors if k[0] == step]:
+                del self._staged.errors[key]
         self._reads.cancelled.discard(step)
         self._emit("io.cancel", step=step, jobs=len(dropped))
         self._pump()
