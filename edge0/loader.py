@@ -132,9 +132,7 @@ def _make_prerouter(config: EngineConfig, heads, width: int | None) -> Prerouter
     if heads is None:
         return None
     dtype, flush = _prerouter_mode(config)
-    prerouter = Prerouter(heads, dtype=B.dtype(dtype), on_host=flush == "numpy")
-    prerouter.width = width
-    return prerouter
+    return Prerouter(heads, dtype=B.dtype(dtype), on_host=flush == "numpy", width=width)
 
 
 @dataclass

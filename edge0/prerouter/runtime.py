@@ -37,9 +37,10 @@ from edge0.prerouter.heads import PrerouterHeads
 
 
 class Prerouter:
-    def __init__(self, heads: PrerouterHeads, dtype=None, on_host: bool = False):
+    def __init__(self, heads: PrerouterHeads, dtype=None, on_host: bool = False, width: int | None = None):
         """``on_host``: the flush runs as float32 NumPy products (``HostHeads``, below),
-        else as MLX's on its device, in ``dtype``."""
+        else as MLX's on its device, in ``dtype``; ``width``: experts staged per consumer
+        (select routing), None: k (the prediction is the routing)."""
         self.heads = heads
         self.host = HostHeads(heads) if on_host else None
         if not on_host:
@@ -49,7 +50,7 @@ class Prerouter:
         self.owners = set(heads.owners)
         self.route = None  # set by connect(): (consumer, logits, width) -> that block's routing of them
         self.embed = None  # set by connect(): token ids -> embedding rows (heads that see the token)
-        self.width = None  # experts staged per consumer (None: k, the prediction is the routing)
+        self.width = width  # experts staged per consumer (None: k, the prediction is the routing)
         self.sequences = 1  # sequences a prefill pass holds, left-padded alike (edge0.prefill)
         self.reset()
 
