@@ -1,20 +1,23 @@
 """The staged path: routing known before the step, experts read ahead into sticky slots.
 
 Each staged layer owns S slots (one row buffer of S experts per stacked tensor; the
-``SlotPool`` holds them and the scheduler that fills them). Before a decode step the
-``Stager`` makes the step's ``DecodePlan`` (edge0.exec.plan) from its planner (the
-prerouter's heads, or an oracle file), hands the plan's expert sets to the async
-``PrefetchScheduler``, which reads the misses into free slots while the step runs, and the
-plan's routes to the staged layers' routers. A staged layer then:
+``SlotPool`` holds them, the scheduler that fills them and each layer's readiness flags).
+Before a decode step the ``Stager`` makes the step's ``DecodePlan`` (edge0.exec.plan) from
+its planner (the prerouter's heads, or an oracle file) and makes its one call into the
+async ``PrefetchScheduler``: the step before unpinned, the plan's expert sets submitted,
+every layer's slot map back (the misses are read into free slots while the step runs; the
+reader that completes a layer sets its flag). The plan's routes are the step's (the
+``Step`` the staged routers read). A staged layer then, inside the step's graph:
 
-1. starts computing everything below it (``async_eval`` of its input: not a host sync),
-2. waits until its slots are READY (the only wait; logged as ``stage.wait``): on a
-   future the scheduler's loop resolves, with no round trip through the loop,
-3. maps its routing indices to slots with ``take`` through a table built on the host from
-   the plan (the indices never leave the device), and runs the same gather matmul as exact.
+1. maps its routing indices to slots with ``take`` through its lookup row (made on the
+   host from the slot maps; the indices never leave the device),
+2. runs the same gather matmul as exact on its slots' rows, each passed through the
+   layer's slot wait first (``core.ReadyFlags.gate``: an op that returns once the flag
+   holds the step's ticket). The wait happens where the rows are consumed; the thread
+   that builds the step never waits and evaluates nothing per layer.
 
-No host sync per staged layer. Once per step (``begin_step``) the previous step is awaited
-so its slots can be unpinned: O(1) syncs per step, whatever the number of layers.
+Once per step (``begin_step``) the plan's predicted sets come to the host in one read;
+the step before was evaluated when its tokens were read, so its slots may be unpinned.
 Routed experts missing from the plan map to slot 0 and are counted on device; the count
 is checked once per step and a mismatch raises (never silently wrong output).
 """

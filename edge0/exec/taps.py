@@ -10,28 +10,32 @@ math is mlx-lm's, bit for bit. Edge0 replaces only:
   weights are a small buffer of rows, with the indices remapped into it;
 - the **router** (the linear map whose output the block routes on) by a ``RouterTap``: it
   passes the router's output through, lets a watcher (the prerouter) see the router's
-  input, and follows its ``route`` when one is set: at a planned decode step, the step's
-  ``DecodePlan`` route (``edge0.exec.plan.LayerRoute``); in training, a sequence's; in a
-  probe, the logits to route on:
+  input, and follows the route the running ``Step`` gives its layer, when it gives one:
+  at a planned decode step, the step's ``DecodePlan`` route
+  (``edge0.exec.plan.LayerRoute``); in training, a sequence's:
 
   - *replace*: it returns the predicted logits instead, so the block's own routing code
     turns the prediction into the routing (prediction as routing). Gates that multiply by
-    their weight inline (DeepSeek's ``MoEGate``) are called on the predicted logits with
-    their weight set to the identity, which reproduces the logits exactly;
+    their weight inline (DeepSeek's ``MoEGate``) route the predicted logits through a clone
+    of themselves whose weight is the identity, which reproduces the logits exactly;
   - *select*: it computes its own logits and masks every expert outside the staged set,
     so the block's own routing chooses its k among the staged experts only. For a linear
     router the masked logits are -inf (softmax gives them probability 0; a sigmoid, 0).
     For a gate with a score-correction bias (sigmoid-group routing) the mask enters the
-    bias, which only ranks: staged experts keep bias b, the others get b - 1e4, so their
+    bias (of a clone of the gate, for the call), which only ranks: staged experts keep bias b, the others get b - 1e4, so their
     selection scores lose to every staged expert's, a group holding fewer than two staged
     experts loses the group ranking to every group holding two, and the combine weights
     (the unbiased sigmoid scores of the chosen experts) are untouched. With every expert
     staged the mask changes no bit.
 
 Outside the MoE blocks, a projection a recovery adapter targets (``edge0.adapters``: files,
-checks, loading) becomes an ``AdaptedLinear``, the base untouched plus the active adapter's
-low-rank delta, or each row's own in a batch of mixed adapters; an ``AdapterBank`` holds the
-adapters resident on the model and which one each row applies.
+checks, loading) becomes an ``AdaptedLinear``, the base untouched plus each row's low-rank
+delta from the running ``Step`` (outside a step, the default adapter's); an ``AdapterBank``
+holds the adapters resident on the model and makes each batch's deltas.
+
+What a forward pass is, its ``Step`` (decode or prefill, the routes, the rows' deltas), is
+installed in the model's ``StepContext`` for the pass and put back after; no module of the
+model is written during a step.
 """
 
 from __future__ import annotations
