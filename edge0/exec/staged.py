@@ -298,16 +298,15 @@ class Stager:
                               layers={l: len(plan.experts[l]) for l in self.layers if l not in fits})
             self.pool.ticket(plan.step)
             steps.append(StepPlan(plan.step, tuple(LayerPlan(l, plan.experts[l]) for l in fits)))
-        if release is None and not steps:
-            return
-        claimed = self.portal.call(self.scheduler.stage, release, steps)
-        if release is not None:
-            self.now.submitted.discard(release)
-            self.now.maps.pop(release, None)
-        self.now.submitted.update(p.step for p in plans)
-        for (step, layer), slot_of in claimed.items():
-            self.now.maps.setdefault(step, {})[layer] = slot_of
-        self._tables()
+        if release is not None or steps:
+            claimed = self.portal.call(self.scheduler.stage, release, steps)
+            if release is not None:
+                self.now.submitted.discard(release)
+                self.now.maps.pop(release, None)
+            self.now.submitted.update(p.step for p in plans)
+            for (step, layer), slot_of in claimed.items():
+                self.now.maps.setdefault(step, {})[layer] = slot_of
+        self._tables()  # (a step submitted ahead has its maps already)
 
     def _tables(self) -> None:
         """The current step's lookup rows (expert -> slot, -1: not staged), one device array
