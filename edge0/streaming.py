@@ -121,17 +121,9 @@ class Streaming:
         """Layer ``layer``'s routing function at ``width`` (None: k), made on first use (the
         prerouter's consumers': when the model is wired)."""
         width = None if width == self.spec.k else width
-        probe = self._probes.get((layer, width))
-        if probe is None:
-            widened = ()
-            if width is not None:
-                widened = width_attributes(self, layer)
-                if not widened:
-                    raise ConfigError(f"{self.spec.model_type}: the routing width of layer {layer} is kept where Edge0 "
-                                      f"cannot change it (none of {WIDTH_ATTRIBUTES} on its block or gate), so "
-                                      "select routing cannot choose its candidates; use routing 'replace'")
-            probe = self._probes[layer, width] = RoutingProbe(self.model, self.spec, layer, self.context, width, widened)
-        return probe
+        if (layer, width) not in self._probes:
+            self._probes[layer, width] = routing_probe(self, layer, width)
+        return self._probes[layer, width]
 
     def step(self, decode: bool, adapters=None, rows: int = 1) -> Step:
         """The ``Step`` of a forward pass of ``rows`` rows: its phase, the staged layers'
@@ -291,6 +283,23 @@ def _find_width_attributes(streaming, layer: int) -> list[tuple[object, str]]:
             if isinstance(value, int) and not isinstance(value, bool) and value == spec.k:
                 found.append((module, name))
     return found
+
+
+def routing_probe(owner, layer: int, width: int | None = None) -> "RoutingProbe":
+    """Layer ``layer``'s ``RoutingProbe`` at ``width`` (None or k: k) on ``owner``'s model
+    (``owner``: what holds ``model``, ``spec`` and the ``context`` its taps read: a
+    ``Streaming``, the training student); a ``ConfigError`` when the width is to change and
+    the block keeps it where Edge0 cannot find it."""
+    widened = ()
+    if width is not None and width != owner.spec.k:
+        widened = width_attributes(owner, layer)
+        if not widened:
+            raise ConfigError(f"{owner.spec.model_type}: the routing width of layer {layer} is kept where Edge0 cannot "
+                              f"change it (none of {WIDTH_ATTRIBUTES} on its block or gate), so select routing cannot "
+                              "choose its candidates; use routing 'replace'")
+    else:
+        width = None
+    return RoutingProbe(owner.model, owner.spec, layer, owner.context, width, widened)
 
 
 class RoutingProbe:

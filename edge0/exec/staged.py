@@ -24,11 +24,9 @@ is checked once per step and a mismatch raises (never silently wrong output).
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
-
 
 from edge0.backend import core as B
 from edge0.model.checkpoint import CheckpointIndex
@@ -140,8 +138,8 @@ class StepState:
     scheduler and, per step, the slot map of each staged layer claimed for it, the current
     step's lookup tables (expert -> slot, on the device), the oracle's plans submitted
     ahead, the staged outputs to be evaluated before their slots are reused, the
-    routing-miss count on device, and the step's clock (start, the flags' waits and the
-    scheduler's counters at its start)."""
+    routing-miss count on device, and what the flags had waited and the scheduler's
+    counters at its start."""
 
     misses: object  # staged routing indices that found no slot, counted on device
     step: int = -1
@@ -152,7 +150,6 @@ class StepState:
     tables: dict = field(default_factory=dict)  # the current step's layer -> lookup row (device)
     ahead: dict = field(default_factory=dict)  # oracle plans submitted ahead of their step
     outputs: list = field(default_factory=list)  # staged outputs, evaluated before their slots are reused
-    t0: float | None = None
     waited0: object = None  # the flags' waited nanoseconds at the step's start
     io0: tuple = ()
 
@@ -286,8 +283,7 @@ class Stager:
         computes on its fallback path, routed by the same plan."""
         if release is not None and any(len(p.experts[l]) > self.pool.rows[l].capacity for p in plans for l in self.layers):
             self.portal.call(self.scheduler.stage, release, [])  # unpinned first: the slots may grow
-            self.now.submitted.discard(release)
-            self.now.maps.pop(release, None)
+            self._released(release)
             release = None
         steps = []
         for plan in plans:
@@ -300,13 +296,17 @@ class Stager:
             steps.append(StepPlan(plan.step, tuple(LayerPlan(l, plan.experts[l]) for l in fits)))
         if release is not None or steps:
             claimed = self.portal.call(self.scheduler.stage, release, steps)
-            if release is not None:
-                self.now.submitted.discard(release)
-                self.now.maps.pop(release, None)
+            self._released(release)
             self.now.submitted.update(p.step for p in plans)
             for (step, layer), slot_of in claimed.items():
                 self.now.maps.setdefault(step, {})[layer] = slot_of
         self._tables()  # (a step submitted ahead has its maps already)
+
+    def _released(self, step: int | None) -> None:
+        """Forget step ``step`` (None: none), whose slots the scheduler has unpinned."""
+        if step is not None:
+            self.now.submitted.discard(step)
+            self.now.maps.pop(step, None)
 
     def _tables(self) -> None:
         """The current step's lookup rows (expert -> slot, -1: not staged), one device array
@@ -405,16 +405,16 @@ class Stager:
                 release = self.now.step
         self.now.step += 1
         self.now.tables = {}
-        self.now.t0, self.now.waited0 = time.perf_counter(), self.pool.flags.waited_ns()
+        self.now.waited0 = self.pool.flags.waited_ns()
         self.now.io0 = (self.scheduler.stats.reads, self.scheduler.stats.bytes, self.scheduler.stats.hits,
                         self.scheduler.stats.misses)
         return release
 
     def _end_step(self) -> None:
-        waited = self.pool.flags.waited_ns() - self.now.waited0 if self.now.waited0 is not None else None
-        stall = float(waited.sum()) / 1e9 if waited is not None else 0.0
+        waited = self.pool.flags.waited_ns() - self.now.waited0  # (set when the step started)
+        stall = float(waited.sum()) / 1e9
         self._stats = StageStats(self._stats.steps_run + 1, self._stats.stall_seconds + stall)
-        if self.log is None or self.now.t0 is None:
+        if self.log is None:
             return
         st = self.scheduler.stats
         r0, b0, h0, m0 = self.now.io0

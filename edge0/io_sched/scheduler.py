@@ -153,7 +153,7 @@ class _Staged:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-READY_TIMEOUT_S = 120.0
+READY_TIMEOUT_S = 120.0  # a layer waiting this long for its slots: an error, not a hang
 
 
 class PrefetchScheduler:

@@ -36,9 +36,8 @@ from edge0.backend import nn as bnn
 from edge0.exec.plan import LayerRoute
 from edge0.exec.taps import AdaptedLinear, RouterTap, Step, StepContext
 from edge0.config import EngineConfig
-from edge0.errors import ConfigError
 from edge0.loader import resolve_routing
-from edge0.streaming import WIDTH_ATTRIBUTES, RoutingProbe, width_attributes
+from edge0.streaming import routing_probe
 from edge0.prerouter.files import HEADS_FILENAME, load_heads
 from edge0.model.spec import load_config, with_experts_per_token
 from edge0.train.adapter_init import lora_init
@@ -153,7 +152,7 @@ class StudentModel:
         widen = None
         if heads is not None and self.routing[0] == "select":
             width = self.spec.k + self.routing[1]
-            probes = {c: self._probe(c, width) for c in heads.consumers()}
+            probes = {c: routing_probe(self, c, width) for c in heads.consumers()}
             widen = lambda consumer, logits: probes[consumer](logits)
         self.ctx = _Context(heads, routers, bnn.token_embedding(self.model), widen)
         if heads is not None:
@@ -166,14 +165,6 @@ class StudentModel:
         self.model.freeze()
         self.rank, self.scale = rank, scale
         self.adapted = self._attach_lora(rank, scale, seed)
-
-    def _probe(self, layer: int, width: int) -> RoutingProbe:
-        """Layer ``layer``'s routing function at ``width`` (select routing's candidates)."""
-        widened = width_attributes(self, layer)
-        if not widened:
-            raise ConfigError(f"{self.spec.model_type}: the routing width of layer {layer} is kept where Edge0 cannot "
-                              f"change it (none of {WIDTH_ATTRIBUTES}); use routing 'replace'")
-        return RoutingProbe(self.model, self.spec, layer, self.context, width, widened)
 
     def _attach_lora(self, rank: int, scale: float, seed: int) -> dict[str, AdaptedLinear]:
         mx.random.seed(seed)

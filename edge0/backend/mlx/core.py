@@ -224,7 +224,7 @@ log_softmax = lambda x, axis=-1: x - mx.logsumexp(x, axis=axis, keepdims=True)
 class ReadyFlags:
     """One readiness flag per (staged layer, step parity): the reader that fills a layer's
     slots stores the step's ticket in its flag (``set``), and the layer's computation, built
-    into the step's graph, waits for it where its input is consumed (``gate``): Edge0's
+    into the step's graph, waits for it where the gated arrays are consumed (``gate``): Edge0's
     slot-wait primitive, which the kernels' extension holds (on MLX's kernels too). Without
     the extension ``gate`` waits in the calling thread instead (the layers below scheduled
     first). ``waited`` accumulates, per flag, the nanoseconds computation waited."""
