@@ -236,7 +236,9 @@ class EngineConfig:
         choices=KERNELS)
     hot_experts: int = setting(
         16,
-        "Hot path: resident experts per layer (LRU).",
+        "Hot path: resident experts per layer (LRU). At least the layer's experts: every one is held, read at "
+        "the first step, and the layer never reads its routing to the host (a decode step through it evaluates "
+        "once).",
         lo=1)
     memory_budget_mb: int | None = setting(
         None,

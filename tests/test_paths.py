@@ -75,6 +75,7 @@ def test_staged_oracle_generation_equals_exact(tiny_model, tiny_model_factory, s
     ("staged", {"slots_per_layer": 4}),  # S = k
     ("hot", {"hot_experts": 4}),  # H = k: misses every step
     ("hot", {"hot_experts": 16}),  # H = E: hits after warm-up
+    ("hot", {"hot_experts": 4096}),  # every expert of each layer resident: the routing never read
 ])
 def test_decode_paths_are_bit_identical_to_exact(tiny_model, path, extra):
     oracle, tokens, ids = record(tiny_model, n=8)

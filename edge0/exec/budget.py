@@ -52,7 +52,7 @@ def check_budget(spec, index, config: EngineConfig, staged, hot, whole, slots: i
     if staged:
         parts["staged slots"] = len(staged) * max(slots, spec.k) * per_expert
     if hot:
-        parts["hot sets"] = len(hot) * max(config.hot_experts, spec.k) * per_expert
+        parts["hot sets"] = len(hot) * min(max(config.hot_experts, spec.k), spec.num_experts) * per_expert
     if whole:
         parts["whole-layer buffers"] = 2 * spec.num_experts * per_expert
     total = sum(parts.values())

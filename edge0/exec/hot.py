@@ -4,7 +4,11 @@ Each hot layer keeps ``size`` experts resident in slots. A step's hits are compu
 the slots with no read; its misses are read on demand, as exact reads them, but straight
 into the least recently used slots, where they stay for later steps. A call that needs
 more distinct experts than the set holds (a long prefill) is handed to exact whole.
-Like exact, it brings the routing to the host once per layer.
+Like exact, it brings the routing to the host once per layer, except where the set holds
+every expert of its layer (``hot_experts`` at least the layer's experts): that layer is
+read whole at its first call and computes from then on without its routing on the host, so
+a step through it evaluates nothing (the first MoE layer of a staged model, which no head
+predicts, kept resident this way: one evaluation per decode step).
 """
 
 from __future__ import annotations
@@ -22,7 +26,9 @@ class HotExecutor:
     def __init__(self, index: CheckpointIndex, reader: ExpertReader, size: int, exact: ExactExecutor, log=None):
         self.index = index
         self.reader = reader
-        self.size = max(size, index.spec.k)
+        self.size = min(max(size, index.spec.k), index.spec.num_experts)
+        self.resident = self.size == index.spec.num_experts  # every expert held: no routing read
+        self.lookup: dict[int, object] = {}  # a resident layer -> its expert -> slot row (device), once read
         self.exact = exact
         self.log = log
         self.rows: dict[int, ExpertRows] = {}
@@ -40,17 +46,39 @@ class HotExecutor:
         """Forget every resident expert (after a read error or a changed file)."""
         for table in self.tables.values():
             table.invalidate()
+        self.lookup.clear()
 
     def pinned_slots(self) -> int:
         return sum(t.pinned() for t in self.tables.values())
 
     def __call__(self, layer: int, x, inds):
-        ids = B.to_host(inds)
-        distinct = np.unique(ids)
+        if self.resident:
+            return self._whole(layer, x, inds)
+        distinct = np.unique(B.to_host(inds))
         if len(distinct) > self.size:
             return self.exact(layer, x, inds)
         rows, table = self._layer(layer)
-        claimed = {int(e): table.claim(int(e), 0) for e in distinct}  # pins all: none evicts another
+        slot_of, read = self._claim(layer, rows, table, distinct)
+        self.hits += len(distinct) - read
+        if self.log is not None:
+            self.log.debug("hot.step", layer=layer, hits=len(distinct) - read, misses=read)
+        lut = lookup_table(self.index.spec.num_experts, list(slot_of), list(slot_of.values()))
+        return self._run(layer, rows, x, B.take(lut, inds))
+
+    def _whole(self, layer: int, x, inds):
+        """A layer whose set holds every expert: each one read at the first call (and after
+        ``invalidate``), the routing then used on the device as it is."""
+        rows, table = self._layer(layer)
+        if layer not in self.lookup:
+            slot_of, _ = self._claim(layer, rows, table, range(self.index.spec.num_experts))
+            self.lookup[layer] = lookup_table(len(slot_of), list(slot_of), list(slot_of.values()))
+        return self._run(layer, rows, x, B.take(self.lookup[layer], inds))
+
+    def _claim(self, layer: int, rows: ExpertRows, table: SlotTable, experts) -> tuple[dict[int, int], int]:
+        """Pin ``experts`` in the layer's slots (all at once: none evicts another), reading
+        those not resident into the least recently used ones, then unpin; ({expert: slot},
+        how many were read)."""
+        claimed = {int(e): table.claim(int(e), 0) for e in experts}
         misses = [(e, slot) for e, (slot, needs_read) in claimed.items() if needs_read]
         if misses:
             rows.settle()  # the slots being refilled may feed a pending graph
@@ -64,11 +92,10 @@ class HotExecutor:
             for _, slot in misses:
                 table.complete(slot, True)
         table.release(0)
-        self.hits += len(distinct) - len(misses)
         self.misses += len(misses)
-        if self.log is not None:
-            self.log.debug("hot.step", layer=layer, hits=len(distinct) - len(misses), misses=len(misses))
-        lut = lookup_table(self.index.spec.num_experts, list(claimed), [slot for slot, _ in claimed.values()])
-        out = rows.run(self.exact.split, self.exact.templates[layer], x, B.take(lut, inds))
+        return {e: slot for e, (slot, _) in claimed.items()}, len(misses)
+
+    def _run(self, layer: int, rows: ExpertRows, x, slots):
+        out = rows.run(self.exact.split, self.exact.templates[layer], x, slots)
         rows.pending = out
         return out
