@@ -28,9 +28,10 @@ from collections import deque
 
 from edge0 import micro as micro_batches
 from edge0 import prefill
-from edge0.backend import core as B
 from edge0.backend import nn as bnn
-from edge0.errors import DistributedError, ExpertReadError
+from edge0.decoding import Batch, Decoder
+from edge0.coordinator import NotAskedFor
+from edge0.errors import DistributedError
 from edge0.row import Row, RowEvents
 from edge0.stats import GenerationStats
 
@@ -40,34 +41,79 @@ def batchable(cache: list) -> bool:
     return bool(cache) and all(bnn.is_plain_kv_cache(c) for c in cache)
 
 
+class Waiting:
+    """The generations submitted and not started yet, in order; any thread's. ``lock`` also
+    guards the batch loop's own lists (``Batcher``)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self._submitted = threading.Condition(self.lock)  # a row was submitted (a pipeline's followers wait on it)
+        self._line: deque[Row] = deque()
+
+    def __len__(self) -> int:  # (a glance: under the lock where it must hold)
+        return len(self._line)
+
+    def put(self, row: Row) -> None:  # under the lock
+        self._line.append(row)
+        self._submitted.notify_all()
+
+    def peek(self) -> Row:  # under the lock
+        return self._line[0]
+
+    def pop(self) -> Row:  # under the lock
+        return self._line.popleft()
+
+    def drop_cancelled(self) -> list[Row]:  # under the lock
+        """The rows whose consumer left, out of line now."""
+        left = [r for r in self._line if r.job.cancelled]
+        if left:
+            self._line = deque(r for r in self._line if not r.job.cancelled)
+        return left
+
+    def wait_for(self, n: int, timeout: float) -> bool:
+        """Wait until ``n`` rows wait (False: not within ``timeout`` seconds)."""
+        with self._submitted:
+            return self._submitted.wait_for(lambda: len(self._line) >= n, timeout)
+
+    def take(self, n: int) -> list[Row]:
+        """The next ``n`` rows, out of line."""
+        with self.lock:
+            return [self._line.popleft() for _ in range(n)]
+
+    def take_all(self) -> list[Row]:
+        with self.lock:
+            rows, self._line = list(self._line), deque()
+        return rows
+
+
 class Batcher:
     """The batch loop of one engine, on its compute thread: rows waiting, prefilling and
     decoding; ``submit`` from any thread. ``host`` is the engine's ``Runtime`` (its
     streaming model, tokenizer, prompt cache, line, log and the hooks of a batch's start and
-    end)."""
+    end). The rows decoding are one ``Batch`` value, which only this loop replaces."""
 
     def __init__(self, host, max_batch: int):
         self.host = host
         self.max_batch = max_batch
-        self.lock = threading.Lock()
-        self._submitted = threading.Condition(self.lock)  # a row was submitted (a pipeline's followers wait on it)
-        self.waiting: deque[Row] = deque()
+        self.waiting = Waiting()
+        self.lock = self.waiting.lock
         self._running = False
         self.joining: list[Row] = []  # admitted, prefilling
-        self.rows: list[Row] = []  # decoding, in the batch's row order
-        self.cache = None  # the batch's cache (one BatchKVCache per layer), or the alone row's
-        self.steps = 0  # decode forward passes
-        self.tokens = 0  # tokens they generated, every row
-        self.decode_bytes = 0  # expert bytes read during them
+        self.batch = Batch()  # decoding: the rows, their cache and heads' state
+        self.decoder = Decoder(host)
         self.micro_turns = 0  # micro-batch turns (a half's decode pass each) under a two-rank pipeline
         self.prefill_passes = 0  # prompt forward passes (a chunk of one row, or rows prefilled together)
         self.share = prefill.Share(host.config.prefill_share)  # prefill's time while rows decode
 
+    rows = property(lambda self: list(self.batch.rows))  # decoding, in the batch's row order
+    steps = property(lambda self: self.decoder.steps)  # decode forward passes
+    tokens = property(lambda self: self.decoder.tokens)  # tokens they generated, every row
+    decode_bytes = property(lambda self: self.decoder.decode_bytes)  # expert bytes read during them
+
     # -- any thread -----------------------------------------------------------------------
     def submit(self, row: Row) -> None:
         with self.lock:
-            self.waiting.append(row)
-            self._submitted.notify_all()
+            self.waiting.put(row)
             if self._running:
                 return
             self._running = True
@@ -76,17 +122,16 @@ class Batcher:
     def counts(self) -> tuple[int, int]:
         """(rows decoding, rows waiting or prefilling)."""
         with self.lock:
-            return len(self.rows), len(self.waiting) + len(self.joining)
+            return len(self.batch), len(self.waiting) + len(self.joining)
 
     # -- the compute thread -----------------------------------------------------------------
     def run(self) -> None:
         coord = self.host.coord
         while True:
             with self.lock:
-                left = [r for r in self.waiting if r.job.cancelled]  # whose consumer left: out of line now
-                if left:  # (never handed to a pipeline's other ranks, which only hear of admitted rows)
-                    self.waiting = deque(r for r in self.waiting if not r.job.cancelled)
-                done = not self.waiting and not self.joining and not self.rows
+                left = self.waiting.drop_cancelled()  # (never handed to a pipeline's other ranks,
+                # which only hear of admitted rows)
+                done = not len(self.waiting) and not self.joining and not len(self.batch)
                 if done:
                     self._running = False
                 admitted = self._admit() if not done and coord.leads else []
@@ -95,8 +140,15 @@ class Batcher:
             if done:
                 return
             try:
-                admitted, cancelled, micro = coord.agree(self, admitted)
+                admitted, cancelled, micro = coord.agree(self.waiting, self.joining, list(self.batch.rows), admitted,
+                                                         self._micro_ready())
+                self._admitted(admitted, coord.leads)
                 self._iteration(admitted, cancelled, micro)
+            except NotAskedFor as e:  # what waited here fails with it, then the batch's rows
+                for row in e.rows:
+                    row.error = e
+                    self._end_unstarted(row)
+                self._fail_all(e)
             except BaseException as e:  # a fault of the loop itself: its rows fail, the engine goes on
                 self._fail_all(e)
 
@@ -117,67 +169,69 @@ class Batcher:
                     raise DistributedError("rank 0 admitted generations without handing them over "
                                            "(Engine.lead() was not called on rank 0)")
                 done += len(admitted)
-                self.joining.extend(admitted)
+                self._admitted(admitted, False)
                 self._iteration(admitted, cancelled, schedule.micro)
             except BaseException as e:  # noqa: BLE001 - as run()
                 self._fail_all(e)
+
+    def _admitted(self, admitted: list[Row], joined: bool) -> None:
+        """``admitted`` join the rows prefilling (``joined``: they already did)."""
+        if not joined:
+            with self.lock:
+                self.joining.extend(r for r in admitted if r not in self.joining)
+
+    def _micro_ready(self) -> bool:
+        return micro_batches.ready(self.batch, bool(self.joining))
 
     def _iteration(self, admitted: list[Row], cancelled: dict[int, bool] | None, micro: bool = False) -> None:
         """Start the admitted rows, drop the cancelled ones (under a pipeline: those rank 0
         cancelled, ``cancelled``), prefill up to ``prefill_step_size`` prompt tokens of the
         joining rows (within ``prefill_share`` of the time), then one decode step of the
         batch (``micro``: decode steps in two micro-batches until rank 0 stops them)."""
+        host = self.host
         for row in admitted:
             self._start(row, piped=cancelled is not None)
         self._drop_cancelled(cancelled)
-        budget = self.host.config.prefill_step_size if self.share.allows(self) else 0  # between two steps
+        self.joining = prefill.order(self.joining)
+        allowed = self.share.allows(bool(len(self.batch)), bool(self.joining), host.coord.prefill_together)
         with self.share.timed(decoding=False):
-            prefill.run(self, budget)
-        if self.rows and micro:
-            if not self.micro_ready():
-                raise DistributedError(f"rank 0 decodes {len(self.rows)} generations in micro-batches, which this "
+            self._prefill(host.config.prefill_step_size if allowed else 0)
+        if len(self.batch) and micro:
+            if not self._micro_ready():
+                raise DistributedError(f"rank 0 decodes {len(self.batch)} generations in micro-batches, which this "
                                        "rank cannot: every rank must ask for the same generations in the same order")
-            micro_batches.run_phase(self)
-        elif self.rows:
+            batch, ended, turns = micro_batches.run_phase(host, self.decoder, self.batch, self.waiting)
+            self.batch, self.micro_turns = batch, self.micro_turns + turns
+            if ended:
+                self.leave(ended)
+        elif len(self.batch):
             with self.share.timed(decoding=True):
                 self._decode_step()
+
+    def _prefill(self, budget: int) -> None:
+        """One iteration's prefill (``edge0.prefill``); what it made joins the batch."""
+        out = prefill.run(self.host, self.joining, budget)
+        self.prefill_passes += out.passes
+        for group in out.groups:
+            with self.lock:
+                self.joining = [r for r in self.joining if r not in group.rows]
+            self._join(group)
+        for row in out.ready:
+            self.join(row)
 
     def typed(self, error: BaseException) -> BaseException:
         """``error`` as the coordinator names it (under a pipeline, a failed transfer is a
         ``DistributedError`` naming this rank's pipeline)."""
-        return self.host.coord.typed(self.host.streaming.explain(error))
-
-    # -- what a pipeline's other ranks do while rank 0 decides (edge0.coordinator) -----------
-    def wait_submitted(self, n: int, timeout: float) -> bool:
-        """Wait until ``n`` rows wait (False: not within ``timeout`` seconds)."""
-        with self._submitted:
-            return self._submitted.wait_for(lambda: len(self.waiting) >= n, timeout)
-
-    def admit_next(self, n: int) -> list[Row]:
-        """The next ``n`` waiting rows, now joining."""
-        with self.lock:
-            admitted = [self.waiting.popleft() for _ in range(n)]
-            self.joining.extend(admitted)
-        return admitted
-
-    def fail_waiting(self, error: BaseException) -> BaseException:
-        """Every waiting row fails with ``error`` (what this rank was asked for no longer
-        matches rank 0's); returns ``error``."""
-        with self.lock:
-            waiting, self.waiting = list(self.waiting), deque()
-        for row in waiting:
-            self.host.jobs.discard(row.job)
-            self.host.line.ended(row.job.admission, started=False)
-            row.job.finish(error)
-        return error
+        return self.decoder.typed(error)
 
     def _fail_all(self, error: BaseException) -> None:
         error = self.typed(error)
         self.host.log.error("batch.failed", error=f"{type(error).__name__}: {error}")
-        for row in self.rows + self.joining:
+        gone = list(self.batch.rows) + self.joining
+        for row in gone:
             row.error = row.error or error
         with self.lock:
-            gone, self.rows, self.cache = self.rows + self.joining, [], None
+            self.batch = Batch()
         for row in gone:
             try:
                 self._end_row(row)
@@ -191,14 +245,14 @@ class Batcher:
 
     def _admit(self) -> list[Row]:  # under the lock
         out = []
-        busy = self.rows + self.joining
+        busy = list(self.batch.rows) + self.joining
         if any(r.alone for r in busy):
             return out
-        while self.waiting and len(busy) + len(out) < self.max_batch:
-            row = self.waiting[0]
+        while len(self.waiting) and len(busy) + len(out) < self.max_batch:
+            row = self.waiting.peek()
             if row.alone and (busy or out):
                 break
-            out.append(self.waiting.popleft())
+            out.append(self.waiting.pop())
             if row.alone:
                 break
         self.joining.extend(out)
@@ -212,7 +266,7 @@ class Batcher:
             return
         try:
             host.streaming.check_files(host.log)
-            if not self.rows and not any(r.cache is not None for r in self.joining if r is not row):
+            if not len(self.batch) and not any(r.cache is not None for r in self.joining if r is not row):
                 host.begin_batch()
             cache, cached = row.start if row.start is not None else (None, 0)
             if self._cached(row):
@@ -245,31 +299,30 @@ class Batcher:
             ends = lambda r: cancelled.get(id(r), False) or r.error is not None  # (a later cancel: next iteration)
         for row in [r for r in self.joining if ends(r)]:
             self._end_row(row)
-        gone = [r for r in self.rows if ends(r)]
+        gone = [r for r in self.batch.rows if ends(r)]
         if gone:
             self.leave(gone)
 
     def join(self, row: Row) -> None:
-        self.joining.remove(row)
+        """``row``, its prompt forwarded, joins the batch (``Batch.of`` then ``_join``)."""
+        with self.lock:
+            self.joining.remove(row)
         row.next = row.ids[-1]
-        pre = self.host.streaming.prerouter
         if not row.alone and self._unseen(row):
             # the heads have seen nothing of this sequence (a prompt of one token, or all but
             # one cached): its first step runs alone on its own cache, as it would alone
-            if not self._solo_step(row):
+            alone = Batch([row], row.cache, row.heads)
+            done = self.decoder.step(alone)
+            row.heads = alone.heads
+            if done:
+                self._end_row(row)
                 return
-        if row.alone:
-            self.cache = row.cache
-        elif not self.rows:
-            self.cache = bnn.batch_cache([row.cache])
-        else:
-            bnn.extend_batch_cache(self.cache, bnn.batch_cache([row.cache]))
-        if pre is not None and not row.alone:
-            states = ([pre.take_state()] if self.rows else []) + [row.pstate]
-            pre.put_state(pre.merge_states(states))
-        row.cache, row.pstate = None, None
+        self._join(Batch.of(row, row.cache, row.heads))
+        row.cache, row.heads = None, None
+
+    def _join(self, batch: Batch) -> None:
         with self.lock:
-            self.rows.append(row)
+            self.batch.join(batch)
 
     def _has_heads(self) -> bool:
         """Whether prerouter heads run (on any rank of a pipeline)."""
@@ -282,119 +335,26 @@ class Batcher:
         observe)."""
         return self.host.coord.unseen(self.host.streaming, row)
 
-    def _solo_step(self, row: Row) -> bool:
-        """``row``'s next token from a forward pass of its own; False when it ended there."""
-        with prefill.heads_on(self, row):
-            done = self._step([row], row.cache)
-        if done:
-            self._end_row(row)
-        return not done
-
     def _decode_step(self) -> None:
-        rows = list(self.rows)
-        done = self._step(rows, self.cache)
+        batch = self.batch
+        done = self.decoder.step(batch)
+        rows = batch.rows
         if rows and rows[0].kv_quant:  # (it runs alone) as mlx-lm quantizes after each step
-            bnn.quantize_kv(self.cache, self.host.config)
+            bnn.quantize_kv(batch.cache, self.host.config)
         if done:
             self.leave(done)
 
-    def _step(self, rows: list[Row], cache) -> list[Row]:
-        """One forward pass of ``rows`` (one token each) on ``cache``, each row's token
-        sampled and handed to its consumer; the rows that ended (finished, left, failed)."""
-        bytes0 = self.host.reader.stats.bytes
-        try:
-            logits = self.forward(rows, cache)[:, -1, :]
-        except BaseException as e:  # the step itself: every row of it fails
-            return self._failed(rows, e)
-        done = self.take_tokens(rows, logits)
-        self.decode_bytes += self.host.reader.stats.bytes - bytes0
-        return done
-
-    def forward(self, rows: list[Row], cache):
-        """The decode pass of ``rows`` (lazy): each row's adapter, its last token; the step's
-        plan first (the Stager's: its reads start before the forward pass)."""
-        inputs = B.array([[r.next] for r in rows], dtype=B.int32)
-        self.host.step_model.plan(inputs, decode=True)
-        return self.host.step_model.forward(inputs, cache=cache, decode=True, adapters=[r.adapter for r in rows])
-
-    def _failed(self, rows: list[Row], e: BaseException) -> list[Row]:
-        e = self.typed(e)
-        for row in rows:
-            row.error = row.error or e
-        if isinstance(e, ExpertReadError):
-            self.host.after_read_error(e)
-        return rows
-
-    def take_tokens(self, rows: list[Row], logits) -> list[Row]:
-        """Each row's token sampled from its row of ``logits`` [rows, vocab] and handed to its
-        consumer; the rows that ended (finished, left, failed)."""
-        host = self.host
-        try:
-            sampled, logprobs = [], []
-            for i, row in enumerate(rows):
-                try:
-                    token, lp = self._sample(row, logits[i:i + 1])
-                except BaseException as e:  # this row's processors or sampler: this row fails
-                    row.error = e
-                    token, lp = None, None
-                sampled.append(token)
-                logprobs.append(lp)
-            live = [t.reshape(-1) for t in sampled if t is not None]
-            values = iter(B.to_host(B.concat(live)).tolist() if live else [])  # one read for the step
-        except BaseException as e:  # the step itself: every row of it fails
-            return self._failed(rows, e)
-        self.steps += 1
-        done = []
-        for row, token, lp in zip(rows, sampled, logprobs):
-            if row.error is not None:
-                done.append(row)
-                continue
-            row.pos += 1
-            token = int(next(values))
-            self.tokens += 1
-            event = row.events.event(token, lp)
-            row.next = token
-            offered = row.job.offer(event)
-            if not offered and row.job.error is not None:
-                host.log.warning("generation.consumer_stalled", error=str(row.job.error))
-            if event.finish_reason is not None:
-                host.last_stats = event.stats
-                done.append(row)
-            elif not offered and host.coord.ends_unread():
-                done.append(row)
-        return done
-
-    # -- micro-batches (a two-rank pipeline: edge0.micro) -----------------------------------------
-    def micro_ready(self) -> bool:
-        return micro_batches.ready(self)
-
-    def _sample(self, row: Row, logits):
-        if row.processors:
-            history = B.array(row.ids + row.generated, dtype=B.int32)
-            for proc in row.processors:
-                logits = proc(history, logits)
-        logprobs = logits - B.logsumexp(logits, keepdims=True)
-        key = B.draw_key(row.seed, len(row.generated))  # the row's own random stream, passed as a key
-        return row.sampler(logprobs, key), logprobs.squeeze(0)
-
     def leave(self, gone: list[Row]) -> None:
         """Take ``gone`` out of the batch: their caches to the prompt cache, the batch's
-        cache and the prerouter's state filtered to the rows that stay."""
-        host = self.host
-        index = {id(r): i for i, r in enumerate(self.rows)}
-        keep = [i for i, r in enumerate(self.rows) if r not in gone]
-        for row in gone:
-            if row.error is None and self.cache is not None and id(row) in index:
-                self._keep_cache(row, index[id(row)])
-        pre = host.streaming.prerouter
-        if keep and self.cache is not None:
-            bnn.filter_batch_cache(self.cache, keep)
-            if pre is not None and pre.ready():
-                pre.put_state(pre.select_rows(pre.take_state(), keep))
+        cache and heads' state filtered to the rows that stay."""
+        batch = self.batch
+        rows = list(batch.rows)
+        keep = [i for i, r in enumerate(rows) if r not in gone]
+        for i, row in enumerate(rows):
+            if row in gone and row.error is None and batch.cache is not None:
+                self._keep_cache(row, i)
         with self.lock:
-            self.rows = [self.rows[i] for i in keep]
-        if not self.rows:
-            self.cache = None
+            batch.filter(keep)
         for row in gone:
             self._end_row(row)
 
@@ -409,22 +369,23 @@ class Batcher:
         if not self._cached(row):
             return
         covered = (row.ids + row.generated)[: row.pos]
-        cache = self.cache if row.alone else bnn.extract_batch_row(self.cache, i)
+        cache = self.batch.extract(i)
         if cache is not None and len(covered) == row.pos:
             size = host.coord.whole(bnn.cache_nbytes(cache))
             host.prompt_cache.put((row.adapter, row.cache_scope), covered, cache, size)
 
     def _end_row(self, row: Row) -> None:
         if row in self.joining:
-            self.joining.remove(row)
-        row.cache = row.pstate = None  # its KV now, not when a garbage collection finds its cycles
+            with self.lock:
+                self.joining.remove(row)
+        row.cache = row.heads = None  # its KV now, not when a garbage collection finds its cycles
         host = self.host
         host.jobs.discard(row.job)
         host.line.ended(row.job.admission, started=True)
         try:
             if row.record is not None:
                 host.streaming.set_recorder(None)
-            if not self.rows and not self.joining:
+            if not len(self.batch) and not self.joining:
                 host.end_generation()
                 host.count_resources()
         finally:

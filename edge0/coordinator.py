@@ -10,6 +10,15 @@ import dataclasses
 from edge0.errors import ConfigError, DistributedError
 
 
+class NotAskedFor(DistributedError):
+    """A rank after the first was not asked for what rank 0 started; ``rows``: what waited
+    on this rank, failed with it."""
+
+    def __init__(self, rows: list, message: str):
+        super().__init__(message)
+        self.rows = rows
+
+
 class Local:
     """One process: it admits what it is asked for, and nothing waits on another rank."""
 
@@ -17,10 +26,15 @@ class Local:
     leads = True  # admits generations and answers for them (prints, serves)
     prefill_together = True  # short prompts arriving together may prefill in one pass, chunks wait their share
     token_wait_s: float | None = None  # how long a consumer waits for a token (None: no bound)
+    plans_ahead = True  # a decode step plans the next at its end (a pipeline's ranks relay each step's tokens first)
 
-    def agree(self, batcher, admitted: list) -> tuple[list, dict | None, bool]:
+    def agree(self, waiting, joining: list, decoding: list, admitted: list,
+              micro_ready: bool) -> tuple[list, dict | None, bool]:
         """(the iteration's admitted rows, the cancel flags of the earlier rows by ``id``
-        (None: each row's own), whether the batch decodes in micro-batches)."""
+        (None: each row's own), whether the batch decodes in micro-batches). ``waiting``:
+        the line not started yet (``edge0.batch.Waiting``); ``joining``, ``decoding``: the
+        rows prefilling and decoding; ``admitted``: what this process admitted (rank 0);
+        ``micro_ready``: whether the batch could decode in micro-batches."""
         return admitted, None, False
 
     def typed(self, error: BaseException) -> BaseException:
@@ -33,7 +47,7 @@ class Local:
     def unseen(self, streaming, row) -> bool:
         """Whether the heads have observed nothing of ``row``'s sequence."""
         pre = streaming.prerouter
-        return pre is not None and not pre.seen(row.pstate)
+        return pre is not None and (row.heads is None or not row.heads.seen(pre.owners))
 
     def whole(self, nbytes: int) -> int:
         """A prompt cache entry's bytes as the whole model's (every rank keeps and evicts alike)."""
@@ -74,35 +88,37 @@ class Piped(Local):
     run the same iteration."""
 
     prefill_together = False
+    plans_ahead = False
 
     def __init__(self, pipeline, config):
         self.pipeline, self.config = pipeline, config
         self.leads = pipeline.rank == 0
         self.token_wait_s = config.pipeline_timeout_s
 
-    def agree(self, batcher, admitted: list) -> tuple[list, dict | None, bool]:
+    def agree(self, waiting, joining: list, decoding: list, admitted: list,
+              micro_ready: bool) -> tuple[list, dict | None, bool]:
         """Rank 0 tells the other ranks what this iteration admits (``admitted``, its own) and
         which of the rows already in the batch it cancelled; the others admit the same
         generations (the next ones submitted to them, waiting for them where they are not
-        submitted yet) and whether the batch decodes in micro-batches."""
+        submitted yet: ``NotAskedFor`` when they are not within half the pipeline's bound)
+        and whether the batch decodes in micro-batches."""
         pipe = self.pipeline
-        prior = [r for r in batcher.joining if r not in admitted] + batcher.rows
+        prior = [r for r in joining if r not in admitted] + decoding
         if pipe.rank == 0:
             specs = [r.spec() for r in admitted] if pipe.leading and admitted else None
             flags = [r.job.cancelled for r in prior]
-            with batcher.lock:
-                micro = (self.config.pipeline_micro_batches == 2 and not admitted and not batcher.joining
-                         and not batcher.waiting and not any(flags) and batcher.micro_ready())
+            micro = (self.config.pipeline_micro_batches == 2 and not admitted and not joining
+                     and not len(waiting) and not any(flags) and micro_ready)
             schedule = pipe.schedule(flags, len(admitted), specs, micro=micro)
             return admitted, self.cancelled(schedule, prior), micro
         schedule = pipe.schedule()
         cancelled = self.cancelled(schedule, prior)
         bound = self.config.pipeline_timeout_s / 2  # within the generations' own bound, so that this says why
-        if not batcher.wait_submitted(schedule.admitted, bound):
-            raise batcher.fail_waiting(DistributedError(
-                f"rank 0 started {schedule.admitted} generations this rank was not asked for within {bound:g} s: "
-                "every rank must ask for the same generations in the same order"))
-        return batcher.admit_next(schedule.admitted), cancelled, schedule.micro
+        if not waiting.wait_for(schedule.admitted, bound):
+            raise NotAskedFor(waiting.take_all(),
+                              f"rank 0 started {schedule.admitted} generations this rank was not asked for within "
+                              f"{bound:g} s: every rank must ask for the same generations in the same order")
+        return waiting.take(schedule.admitted), cancelled, schedule.micro
 
     @staticmethod
     def cancelled(schedule, prior: list) -> dict[int, bool]:

@@ -25,7 +25,8 @@ from edge0.exec.hot import HotExecutor
 from edge0.exec.oracle import OracleRouting, RoutingRecorder
 from edge0.exec.pipeline import pipeline_part
 from edge0.exec.rows import ExactExecutor, Split, resolve_threads
-from edge0.exec.staged import StagedExecutor, Stager
+from edge0.exec.plan import PrerouterPlanner
+from edge0.exec.staged import Stager
 from edge0.exec.whole_layer import WholeLayerExecutor
 from edge0.io_sched.direct import direct_reads, drop_cached, over_memory, wants_direct
 from edge0.io_sched.reader import ExpertCache, ExpertReader
@@ -34,7 +35,7 @@ from edge0.model.open import open_model
 from edge0.prerouter.files import HEADS_FILENAME, load_heads, serving_of
 from edge0.prerouter.runtime import Prerouter, blas_threads_controllable
 from edge0.exec.taps import RouterTap, StepContext, StreamingSwitch
-from edge0.streaming import Parts, Streaming
+from edge0.streaming import Parts, Probes, Streaming, TokenEmbedding
 
 
 def _expert_cache(plan: MemoryPlan, index, layers: list[int]) -> ExpertCache | None:
@@ -213,14 +214,16 @@ def load_streaming_model(model_dir: str | Path, config: EngineConfig, *, oracle:
                  if on["whole_layer"] else None)
         prerouter = _make_prerouter(config, heads, spec.k + extra if routing == "select" else None)
         reader.cache = _expert_cache(plan, index, layers)  # after the heads' loaded copy is freed
+        probes, embed = Probes(model, spec, context), _embedding(lay, model)  # (their probes: once it is wired)
         if on["staged"]:
+            planner = (PrerouterPlanner(prerouter, on["staged"], routing, probes.route, embed)
+                       if prerouter is not None else None)
             stager = Stager(index, on["staged"], slots, reader, None if prerouter is not None else oracle,
                             readers=config.reader_threads, prefetch_depth=config.prefetch_depth, log=log,
-                            prerouter=prerouter, fallback=exact, guard_every=config.guard_every,
-                            routing=routing if prerouter is not None else "replace",
+                            planner=planner, fallback=exact, guard_every=config.guard_every,
                             max_slots=plan.ceiling)
         paths = {"exact": exact, "hot": hot, "whole_layer": whole,
-                 "staged": StagedExecutor(stager) if stager is not None else None}
+                 "staged": stager}
         for layer in layers:
             template = templates[layer]
             width_out = bnn.switch_output_width(template)
@@ -253,7 +256,7 @@ def load_streaming_model(model_dir: str | Path, config: EngineConfig, *, oracle:
     try:
         streaming = Streaming(Parts(model, index, reader, exact, hot, whole, stager, recorder, prerouter, heads_path,
                                     adapters, context, lay, kernels, bk.describe() if kernels == "edge0" else "mlx",
-                                    *_served(lay, model, prerouter, stager)))
+                                    *_served(lay, prerouter, stager, embed), probes))
         if pipe is not None:
             pipe.wire(streaming, prerouter)  # the boundary layers send and receive
         return streaming
@@ -266,15 +269,20 @@ def load_streaming_model(model_dir: str | Path, config: EngineConfig, *, oracle:
         raise
 
 
-def _served(lay: Layout, model, prerouter, stager) -> tuple:
-    """(the routing served, the heads the stats line names, the token embedding, the decode
-    hooks): a pipeline rank's names all ranks' heads, embeds the rows the first rank relays
-    (heads that see the token) and relays before the Stager plans."""
+def _embedding(lay: Layout, model):
+    """The token embedding the heads that see the token read (ids -> rows): a pipeline
+    rank's embeds the rows the first rank relays."""
     pipe, heads = lay.pipe, lay.heads
-    embed = bnn.token_embedding(model)
     if pipe is not None and pipe.rank > 0 and heads is not None and heads.sees_token:
-        embed = pipe.relayed_embedding(heads.token_dim)
-    hooks = ((lambda inputs: pipe.begin_step(inputs, embed),) if pipe is not None else ()) + \
+        return pipe.relayed_embedding(heads.token_dim)
+    return TokenEmbedding(model)
+
+
+def _served(lay: Layout, prerouter, stager, embed) -> tuple:
+    """(the routing served, the heads the stats line names, the token embedding, the decode
+    hooks): a pipeline rank's names all ranks' heads and relays before the Stager plans."""
+    pipe = lay.pipe
+    hooks = ((lambda inputs, heads: pipe.begin_step(inputs, embed),) if pipe is not None else ()) + \
         ((stager.begin_step,) if stager is not None else ())
     served = (lay.routing, lay.extra) if prerouter is not None or (pipe is not None and pipe.heads) else None
     shown = pipe.heads if pipe is not None and pipe.heads is not None else getattr(prerouter, "heads", None)

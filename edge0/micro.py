@@ -19,92 +19,76 @@ order and the batch loop (``edge0.batch``) goes on.
 
 from __future__ import annotations
 
-import copy
-
 from edge0.backend import core as B
-from edge0.backend import nn as bnn
+from edge0.decoding import Batch, Decoder
 from edge0.errors import ExpertReadError
 
 
-def ready(batch) -> bool:
-    """Whether ``batch`` (a ``Batcher``) can decode in micro-batches: two rows or more, all
-    decoding in one batch cache, none joining."""
-    return (len(batch.rows) >= 2 and not batch.joining and batch.cache is not None
+def ready(batch: Batch, joining: bool) -> bool:
+    """Whether ``batch`` can decode in micro-batches: two rows or more, all decoding in one
+    batch cache, none joining (``joining``: rows prefill)."""
+    return (len(batch) >= 2 and not joining and batch.cache is not None
             and not any(r.alone for r in batch.rows))
 
 
-def run_phase(batch) -> None:
+def run_phase(host, decoder: Decoder, batch: Batch, waiting) -> tuple[Batch, list, int]:
     """Decode steps of ``batch``'s rows in two halves that take turns until rank 0 stops
-    them; then the halves merge back and the rows that ended leave the batch."""
-    host = batch.host
-    pipe, pre = host.streaming.pipeline, host.streaming.prerouter
-    rows, n = list(batch.rows), len(batch.rows)
-    cut = (n + 1) // 2
-    halves = [rows[:cut], rows[cut:]]
-    caches = [batch.cache, [copy.copy(c) for c in batch.cache]]  # (filter replaces the arrays it keeps)
-    bnn.filter_batch_cache(caches[1], list(range(cut, n)))
-    bnn.filter_batch_cache(caches[0], list(range(cut)))
-    states = [None, None]
-    if pre is not None:
-        whole = pre.take_state()
-        states = [pre.select_rows(whole, list(range(cut))), pre.select_rows(whole, list(range(cut, n)))]
+    them (``waiting``: the line of generations not yet started; one waiting stops them);
+    returns (the halves joined back, in the batch's order: the batch decoding on; the rows
+    that ended, once each, in the batch's order; the turns run). ``batch`` is spent."""
+    pipe = host.streaming.pipeline
+    rows = list(batch.rows)
+    halves = list(batch.split((len(rows) + 1) // 2))
     bytes0, ended, pending, turn = host.reader.stats.bytes, [], None, 0
     pipe.deferred = True
     try:
         while True:
             h = turn % 2
-            go = pipe.control(_go(batch, rows, ended)) if pipe.rank == 0 else pipe.control()
+            go = pipe.control(_go(rows, ended, waiting)) if pipe.rank == 0 else pipe.control()
             local = None
             if go and pipe.rank == 0:
-                local = _pass(batch, halves[h], caches[h], states, h)
+                local = _pass(decoder, halves[h])
             elif go:
                 pipe.prereceive(len(halves[h]))
             if pending is not None:
                 ph, logits = pending
-                ended += batch.take_tokens(halves[ph], pipe.share(logits)[:, -1, :])
+                ended += decoder.take_tokens(list(halves[ph].rows), pipe.share(logits)[:, -1, :])
             if not go:
                 break
             if pipe.rank != 0:
-                local = _pass(batch, halves[h], caches[h], states, h)
+                local = _pass(decoder, halves[h])
             pending, turn = (h, local), turn + 1
     except BaseException as e:
         if isinstance(e, ExpertReadError):
             host.after_read_error(e)
-        typed = batch.typed(e)
+        typed = decoder.typed(e)
         if typed is e:
             raise
         raise typed from e
     finally:
         pipe.deferred = False
         pipe.drop_held()  # (after a failure: nothing received ahead may reach a later pass)
-    batch.micro_turns += turn
-    bnn.extend_batch_cache(caches[0], caches[1])
-    batch.cache = caches[0]
-    if pre is not None and all(pre.seen(s) for s in states):
-        pre.put_state(pre.merge_states(states))
-    batch.decode_bytes += host.reader.stats.bytes - bytes0
-    ended = [r for r in rows if r in ended]  # (once each, in the batch's order)
-    if ended:
-        batch.leave(ended)
+    joined = halves[0]
+    heads = [half.heads for half in halves]
+    seen = host.streaming.prerouter is not None and all(s is not None and s.seen(host.streaming.prerouter.owners)
+                                                        for s in heads)
+    if not seen:  # (a half that never observed every owner: the joined batch keeps no heads' state)
+        halves[0].observed(None)
+        halves[1].observed(None)
+    joined.join(halves[1])
+    decoder.decode_bytes += host.reader.stats.bytes - bytes0
+    return joined, [r for r in rows if r in ended], turn
 
 
-def _go(batch, rows: list, ended: list) -> bool:
+def _go(rows: list, ended: list, waiting) -> bool:
     """Rank 0: whether the next turn runs (no row ended or cancelled, none waiting)."""
-    with batch.lock:
-        waiting = bool(batch.waiting)
-    return not ended and not waiting and not any(r.job.cancelled for r in rows)
+    return not ended and not len(waiting) and not any(r.job.cancelled for r in rows)
 
 
-def _pass(batch, rows: list, cache, states: list, h: int):
+def _pass(decoder: Decoder, half: Batch):
     """One half's decode pass on this rank, evaluated (on rank 0 that sends it on), its
-    prerouter state in place; the last position's logits, not yet summed."""
-    pre = batch.host.streaming.prerouter
-    if pre is not None:
-        pre.put_state(states[h])
-    try:
-        local = batch.forward(rows, cache)
-        B.eval(local)
-    finally:
-        if pre is not None:
-            states[h] = pre.take_state()
+    heads' state kept in the half; the last position's logits, not yet summed."""
+    local, heads = decoder.forward(list(half.rows), half.cache, half.heads)
+    B.eval(local)
+    half.observed(heads)
     return local

@@ -27,61 +27,86 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 from edge0.backend import core as B
 from edge0.backend import nn as bnn
+from edge0.decoding import Batch
+from edge0.prerouter.runtime import Observing
 from edge0.row import Row
 
 
 STARVE_PASSES = 32  # iterations a prompt may be passed over before it goes first
 
 
-def run(batcher, budget: int) -> None:
-    """One iteration's prefill within ``budget`` prompt tokens: short prompts arriving
-    together in one pass (``together``), then chunks of the joining rows, the prompt with
-    the fewest tokens left first (``order``). A chunk that does not fit what is left of the
-    budget waits for the next iteration (the first always runs, so every iteration makes
+@dataclass
+class Prefilled:
+    """What one iteration's prefill made: ``groups``, the rows prefilled together, each a
+    ``Batch`` to join; ``ready``, the rows whose prompt is now forwarded (each with its own
+    cache and heads' state), to join one by one; ``passes``, the forward passes it ran."""
+
+    groups: list[Batch] = field(default_factory=list)
+    ready: list[Row] = field(default_factory=list)
+    passes: int = 0
+
+
+def run(host, joining: list[Row], budget: int) -> Prefilled:
+    """One iteration's prefill of ``joining`` (in ``order``) within ``budget`` prompt
+    tokens: short prompts arriving together in one pass (``together``), then chunks of the
+    joining rows, in their order. A chunk that does not fit what is left of the budget
+    waits for the next iteration (the first always runs, so every iteration makes
     progress): a short prompt's row joins the batch without waiting for a long prompt's
-    whole chunk after it."""
-    order(batcher)
+    whole chunk after it. Nothing here changes the batch: the loop joins what it returns."""
+    out = Prefilled()
     if budget <= 0:
-        return
+        return out
     served = set()
-    grouped = together(batcher, budget)
+    grouped = 0
+    rows = group(host, joining, budget)
+    if rows:
+        batch, grouped = together(host, rows)
+        out.passes += batch is not None
+        if batch is not None:
+            out.groups.append(batch)
     budget -= grouped
-    step = batcher.host.config.prefill_step_size
-    for row in list(batcher.joining):
+    step = host.config.prefill_step_size
+    for row in joining:
         if budget <= 0:
             break
+        if row.error is not None or any(row in g.rows for g in out.groups):
+            continue
         if (served or grouped) and min(step, len(row.ids) - row.pos - 1) > budget:
             continue
-        budget -= chunk(batcher, row)
+        n, passed = chunk(host, row)
+        budget -= n
+        out.passes += passed
         served.add(id(row))
-    for row in batcher.joining:
+        if row.error is None and len(row.ids) - row.pos <= 1:
+            out.ready.append(row)
+    for row in joining:
         row.passed_over = 0 if id(row) in served else row.passed_over + 1
+    return out
 
 
-def order(batcher) -> None:
-    """Sort the joining rows, in place, into the order their prompts are prefilled: the
-    fewest prompt tokens left first, so that a short prompt gets its first token after
-    one chunk rather than after every long prompt that arrived before it (a client that
-    sends long prompts and leaves holds no one's first token); a row passed over
-    ``STARVE_PASSES`` times goes first (the first to arrive first), so a long prompt still
-    finishes under a stream of short ones. Ties go by arrival. Every input is the same on
-    every rank of a pipeline, so its ranks order alike. A row's chunks are the same in any
-    order."""
-    batcher.joining.sort(key=lambda r: (0, 0, r.arrival) if r.passed_over >= STARVE_PASSES
-                         else (1, len(r.ids) - r.pos, r.arrival))
+def order(joining: list[Row]) -> list[Row]:
+    """The joining rows in the order their prompts are prefilled: the fewest prompt tokens
+    left first, so that a short prompt gets its first token after one chunk rather than
+    after every long prompt that arrived before it (a client that sends long prompts and
+    leaves holds no one's first token); a row passed over ``STARVE_PASSES`` times goes
+    first (the first to arrive first), so a long prompt still finishes under a stream of
+    short ones. Ties go by arrival. Every input is the same on every rank of a pipeline,
+    so its ranks order alike. A row's chunks are the same in any order."""
+    return sorted(joining, key=lambda r: (0, 0, r.arrival) if r.passed_over >= STARVE_PASSES
+                  else (1, len(r.ids) - r.pos, r.arrival))
 
 
-def group(batcher, budget: int) -> list[Row]:
+def group(host, joining: list[Row], budget: int) -> list[Row]:
     """The joining rows to prefill in one pass (none, or at least two), in their order."""
-    host = batcher.host
     if not host.coord.prefill_together or budget <= 0:
         return []
     chunk = host.config.prefill_step_size
     out, longest = [], 0
-    for row in batcher.joining:
+    for row in joining:
         n = len(row.ids) - 1
         if (row.alone or row.error is not None or row.job.cancelled or row.cache is None or row.pos != 0
                 or not 2 <= n <= chunk):  # (a row whose cache cannot join a batch runs alone)
@@ -93,98 +118,50 @@ def group(batcher, budget: int) -> list[Row]:
     return out if len(out) >= 2 else []
 
 
-def together(batcher, budget: int) -> int:
-    """Prefill the rows ``group`` picks in one forward pass and join them to the batch;
-    the prompt tokens that pass forwarded, padding included (0: no group)."""
-    rows = group(batcher, budget)
-    if not rows:
-        return 0
-    host = batcher.host
+def together(host, rows: list[Row]) -> tuple[Batch | None, int]:
+    """Prefill ``rows`` in one forward pass: (the batch they make, ready to join (None: the
+    pass failed, each row's error says why), the prompt tokens that pass forwarded, padding
+    included)."""
     lengths = [len(r.ids) - 1 for r in rows]
     width = max(lengths)
     pads = [width - n for n in lengths]
     inputs = B.array([[0] * p + r.ids[:n] for r, p, n in zip(rows, pads, lengths)], dtype=B.int32)
     cache = bnn.empty_batch_cache(len(rows[0].cache), pads)
-    pre = host.streaming.prerouter
-    batch_state = pre.take_state() if pre is not None else None
-    state = None
+    sink = Observing(None, sequences=len(rows)) if host.streaming.prerouter is not None else None
     try:
-        if pre is not None:
-            pre.sequences = len(rows)
-        host.step_model(inputs, cache=cache, decode=False, adapters=[r.adapter for r in rows])
+        host.step_model(inputs, cache=cache, decode=False, adapters=[r.adapter for r in rows], heads=sink)
         B.eval([(c.keys, c.values) for c in cache])
-        if pre is not None:
-            state = pre.take_state()
     except BaseException as e:  # the pass itself: every row of it fails
         for row in rows:
             row.error = e
-        return width * len(rows)
-    finally:
-        if pre is not None:
-            pre.sequences = 1
-            pre.put_state(batch_state)
-    batcher.prefill_passes += 1
-    _join(batcher, rows, lengths, cache, state)
-    return width * len(rows)
-
-
-def _join(batcher, rows: list[Row], lengths: list[int], cache, state) -> None:
+        return None, width * len(rows)
     for row, n in zip(rows, lengths):
-        batcher.joining.remove(row)
-        row.pos, row.next, row.cache, row.pstate = n, row.ids[-1], None, None
-    if batcher.rows:
-        bnn.extend_batch_cache(batcher.cache, cache)
-    else:
-        batcher.cache = cache
-    pre = batcher.host.streaming.prerouter
-    if pre is not None:
-        states = ([pre.take_state()] if batcher.rows else []) + [state]
-        pre.put_state(pre.merge_states(states))
-    with batcher.lock:
-        batcher.rows.extend(rows)
+        row.pos, row.next, row.cache, row.heads = n, row.ids[-1], None, None
+    return Batch(rows, cache, sink.after() if sink is not None else None), width * len(rows)
 
 
-def chunk(batcher, row: Row) -> int:
+def chunk(host, row: Row) -> tuple[int, int]:
     """One chunk of ``row``'s prompt (all but its last token; ``prefill_step_size`` tokens
-    at most); with the last chunk done, the row joins the batch. Returns the tokens
-    forwarded (at least 1, so that every call makes progress)."""
-    host = batcher.host
+    at most), its heads' state kept in the row. Returns (the tokens forwarded, at least 1
+    so that every call makes progress; the passes run, 0 or 1)."""
     rest = row.ids[row.pos:]
-    n = 0
+    if len(rest) <= 1:
+        return 1, 0
+    n = min(host.config.prefill_step_size, len(rest) - 1)  # never cut by the budget:
+    # a row's chunks are the same whatever runs beside it
+    sink = Observing(row.heads) if host.streaming.prerouter is not None else None
     try:
-        with heads_on(batcher, row):
-            if len(rest) > 1:
-                n = min(host.config.prefill_step_size, len(rest) - 1)  # never cut by the budget:
-                # a row's chunks are the same whatever runs beside it
-                host.step_model(B.array([rest[:n]]), cache=row.cache, decode=False, adapters=[row.adapter])
-                if row.kv_quant:
-                    bnn.quantize_kv(row.cache, host.config)
-                B.eval([c.state for c in row.cache])
-                row.pos += n
-                batcher.prefill_passes += 1
+        host.step_model(B.array([rest[:n]]), cache=row.cache, decode=False, adapters=[row.adapter], heads=sink)
+        if row.kv_quant:
+            bnn.quantize_kv(row.cache, host.config)
+        B.eval([c.state for c in row.cache])
     except BaseException as e:
         row.error = e
-    if row.error is None and len(row.ids) - row.pos <= 1:
-        batcher.join(row)
-    return max(n, 1)
-
-
-@contextmanager
-def heads_on(batcher, row: Row):
-    """Inside, the prerouter observes ``row``'s sequence alone (its own state); the batch's
-    state is put back after, ``row``'s kept for it."""
-    pre = batcher.host.streaming.prerouter
-    if pre is None:
-        yield
-        return
-    batch_state = pre.take_state()
-    if row.pstate is not None:
-        pre.put_state(row.pstate)
-    try:
-        yield
-    finally:
-        row.pstate = pre.take_state()
-        pre.put_state(batch_state)
+        return n, 0
+    row.pos += n
+    if sink is not None:
+        row.heads = sink.after()
+    return n, 1
 
 
 class Share:
@@ -202,11 +179,13 @@ class Share:
     def __init__(self, percent: int):
         self.share, self.credit = percent / 100.0, 0.0
 
-    def allows(self, batcher) -> bool:
-        if self.share >= 1.0 or not batcher.rows or not batcher.host.coord.prefill_together:
+    def allows(self, decoding: bool, joining: bool, together: bool) -> bool:
+        """Whether prefill runs this iteration (``decoding``: rows decode; ``joining``:
+        rows prefill; ``together``: the coordinator's ``prefill_together``)."""
+        if self.share >= 1.0 or not decoding or not together:
             self.credit = 0.0
             return True
-        if not batcher.joining:
+        if not joining:
             self.credit = min(self.credit, 0.0)
         return self.credit >= 0.0
 

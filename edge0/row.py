@@ -65,7 +65,7 @@ class Row:
     cached: int = 0  # prompt tokens that came from the prompt cache
     start: tuple | None = None  # (a given prompt cache, the tokens it holds before ids): Engine.stream(prompt_cache=)
     next: int | None = None  # the token its next forward pass takes
-    pstate: object = None  # the prerouter's observations of this sequence (before it joins)
+    heads: object = None  # what the prerouter heads observed of its sequence (an Observed), before it joins
     seed: int | None = None  # its random stream's seed (params.seed, else drawn)
     sampler: object = None
     processors: list | None = None

@@ -35,12 +35,10 @@ class Runtime:
         self.resources: dict = {}  # as counted when the compute thread last finished a generation
 
     def begin_batch(self) -> None:
-        """A batch starts from nothing: what the last one left in the staged machinery and
-        the prerouter goes (slots keep their experts)."""
+        """A batch starts from nothing: what the last one left in the staged machinery goes
+        (slots keep their experts; what the heads observed was the batch's own)."""
         if (stager := self.streaming.stager) is not None:
             stager.reset()
-        if self.streaming.prerouter is not None:
-            self.streaming.prerouter.reset()
 
     def end_generation(self) -> None:
         """The batch is empty: cancel what it left in flight, unpin its slots, trim MLX's

@@ -13,6 +13,7 @@ from edge0.backend import core as B
 from edge0.backend import nn as bnn
 from edge0.errors import ConfigError
 from edge0.exec.taps import AdapterBank, Step, StepContext, eye_gate, replaced
+from edge0.prerouter.runtime import Observing
 
 
 @dataclass(frozen=True)
@@ -23,7 +24,8 @@ class Parts:
     the kernels, ``layout`` (the loader's ``Layout``: a pipeline rank's part, the layers
     held, each layer's paths, the compute dtype, the memory plan), the routing served
     (None without heads), the heads the stats line names, the token embedding (a pipeline
-    rank's: the rows the first rank relays) and the decode hooks, in order."""
+    rank's: the rows the first rank relays), the decode hooks, in order, and the layers'
+    routing functions (``Probes``)."""
 
     model: object
     index: object
@@ -44,6 +46,7 @@ class Parts:
     shown_heads: object
     embed: object
     decode_hooks: tuple
+    probes: "Probes"
 
 
 def _part(name: str):
@@ -73,7 +76,6 @@ class Streaming:
         self.spec = parts.layout.opened.spec
         self.context = parts.context  # the Step its taps read, installed for each pass
         self.recorder = parts.recorder
-        self._probes: dict = {}  # (layer, width) -> its RoutingProbe
         if parts.prerouter is not None:
             check_prerouter_fits(self, parts.prerouter, parts.layout.routing, parts.layout.extra)
             wire_prerouter(self, parts.prerouter)
@@ -115,47 +117,40 @@ class Streaming:
         the expert indices [N, k] its switch stack would receive (no expert runs); with
         ``width``, the same routing code choosing ``width`` experts instead of k (the
         candidates select routing stages)."""
-        return self.route_probe(layer, width)(logits)
+        return self.parts.probes.route(layer, logits, width)
 
-    def route_probe(self, layer: int, width: int | None = None) -> "RoutingProbe":
-        """Layer ``layer``'s routing function at ``width`` (None: k), made on first use (the
-        prerouter's consumers': when the model is wired)."""
-        width = None if width == self.spec.k else width
-        if (layer, width) not in self._probes:
-            self._probes[layer, width] = routing_probe(self, layer, width)
-        return self._probes[layer, width]
-
-    def step(self, decode: bool, adapters=None, rows: int = 1) -> Step:
+    def step(self, decode: bool, adapters=None, rows: int = 1, heads=None) -> Step:
         """The ``Step`` of a forward pass of ``rows`` rows: its phase, the staged layers'
         routes (a decode step's plan), each row's adapter deltas (``adapters``: a name or
-        None per row; None: the default adapter for every row)."""
+        None per row; None: the default adapter for every row), where the prerouter's
+        owners put what they observe (``heads``, an ``Observing``)."""
         routes = self.stager.routes() if decode and self.stager is not None else {}
         deltas = None
         if self.adapters is not None:
             deltas = self.adapters.deltas(adapters if adapters is not None else [self.adapters.active] * rows)
-        return Step(decode=decode, routes=routes, deltas=deltas)
+        return Step(decode=decode, routes=routes, deltas=deltas, heads=heads)
 
     @property
     def embed_dim(self) -> int:
         """Width of the token embedding's rows (0 when the model has none)."""
-        if self.embed is None:
-            return 0
-        return int(self.embed(B.array([0])).shape[-1])
+        rows = self.embed(B.array([0])) if self.embed is not None else None
+        return 0 if rows is None else int(rows.shape[-1])
 
     def set_recorder(self, recorder) -> None:
         """Record the exact path's routing into ``recorder`` (None: stop recording)."""
         self.recorder = self.exact.recorder = recorder
 
-    def begin_step(self, inputs, decode: bool | None = None) -> None:
+    def begin_step(self, inputs, decode: bool | None = None, heads=None) -> None:
         """Called before every forward pass (the step hook); ``decode`` False: a prompt
-        chunk (of any length), which the staged layers do not plan."""
+        chunk (of any length), which the staged layers do not plan; ``heads``: what the
+        prerouter observed of the rows' sequences (an ``Observed``), which plans the step."""
         if decode is None:
             decode = inputs.shape[-1] == 1
         if self.recorder is not None:
             self.recorder.begin_step(decode)
         if decode:
             for hook in self.decode_hooks:  # a pipeline's relay, the Stager's plan
-                hook(inputs)
+                hook(inputs, heads)
 
     def invalidate(self) -> None:
         """Forget every expert cached in slots, hot sets, whole-layer buffers and the expert cache."""
@@ -194,32 +189,46 @@ class Streaming:
 
 class StepModel:
     """The model's forward pass with Edge0's step hook in front: what the batch loop
-    (``edge0.batch``, ``edge0.prefill``) calls. ``inputs`` [rows, tokens]: one sequence's
+    (``edge0.decoding``, ``edge0.prefill``) calls. ``inputs`` [rows, tokens]: one sequence's
     prompt chunk, or a decode step of one token for each row of a batch; ``decode``: which it
     is (None: a pass on one token per row is a decode step). A step is ``plan`` then
     ``forward``; calling the model does both. Each runs under its ``Step`` (what the taps
-    read: the phase, the staged layers' routes, each row's adapter), installed in the
-    model's ``StepContext`` for the call and put back after."""
+    read: the phase, the staged layers' routes, each row's adapter, where the prerouter's
+    owners put what they observe), installed in the model's ``StepContext`` for the call and
+    put back after.
+
+    ``heads``: the pass's ``Observing``, made from what the prerouter observed of the rows'
+    sequences; its ``after()`` is their value after the pass. A caller that gives none (one
+    sequence: tools, benchmarks, training's quality runs) has this object keep that value
+    for it from call to call (``observed``)."""
 
     def __init__(self, streaming: Streaming):
         self.streaming = streaming
+        self.observed = None  # what the heads observed of the one sequence of callers that give no ``heads``
 
-    def __call__(self, inputs, cache=None, decode: bool | None = None, adapters=None, **kwargs):
+    def __call__(self, inputs, cache=None, decode: bool | None = None, adapters=None, heads=None, **kwargs):
         decode = inputs.shape[-1] == 1 if decode is None else decode
-        self.plan(inputs, decode)
-        return self.forward(inputs, cache, decode, adapters=adapters, **kwargs)
+        own = heads is None and self.streaming.prerouter is not None
+        if own:
+            heads = Observing(self.observed)
+        self.plan(inputs, decode, heads)
+        out = self.forward(inputs, cache, decode, adapters=adapters, heads=heads, **kwargs)
+        if own:
+            self.observed = heads.after()
+        return out
 
-    def plan(self, inputs, decode: bool) -> None:
+    def plan(self, inputs, decode: bool, heads=None) -> None:
         """Before the step's forward pass: the decode hooks (a pipeline's relay, then the
-        Stager's plan: one flush of the heads, the step's reads submitted); a recording
-        oracle's step."""
+        Stager's plan from what the heads observed, ``heads.before``: one flush of the
+        heads, the step's reads submitted); a recording oracle's step."""
         with self.streaming.context.installed(Step(decode=decode)):
-            self.streaming.begin_step(inputs, decode)
+            self.streaming.begin_step(inputs, decode, heads.before if heads is not None else None)
 
-    def forward(self, inputs, cache=None, decode: bool = True, adapters=None, **kwargs):
+    def forward(self, inputs, cache=None, decode: bool = True, adapters=None, heads=None, **kwargs):
         """The model's own forward pass (lazy), its staged layers on the plan; ``adapters``:
-        each row's adapter name (None: the default adapter for every row)."""
-        with self.streaming.context.installed(self.streaming.step(decode, adapters, inputs.shape[0])):
+        each row's adapter name (None: the default adapter for every row); ``heads``: where
+        the owners' observations go (an ``Observing``)."""
+        with self.streaming.context.installed(self.streaming.step(decode, adapters, inputs.shape[0], heads)):
             return self.streaming.model(inputs, cache=cache, **kwargs)
 
     def __getattr__(self, name):
@@ -227,33 +236,68 @@ class StepModel:
 
 
 def wire_prerouter(streaming: Streaming, prerouter) -> None:
-    """Owners feed the prerouter (their router's input, then the experts their block routed
-    to); the prerouter routes its predictions through the consumers' own blocks and embeds
-    the step's token (each step's routes reach the staged routers through the step's
-    ``Step``)."""
-    prerouter.connect(route=streaming.route, embed=lambda ids: streaming.embed(ids))
+    """The owners hand what they observe (their router's input, then the experts their
+    block routed to) to the pass's ``Observing`` (its ``Step``'s ``heads``); the consumers'
+    routing functions are made now, before any step."""
     held = set(streaming.held_layers())
-    for layer in [c for c in prerouter.heads.consumers() if c in held]:  # their routing functions, made before any step
+    for layer in [c for c in prerouter.heads.consumers() if c in held]:
         for width in {None, prerouter.width}:
-            streaming.route_probe(layer, width)
+            streaming.parts.probes.probe(layer, width)
     routers = streaming.routers()
-    watch = _watcher(prerouter)
+    context = streaming.context
     for l, switch in streaming.switches().items():
         if l in prerouter.owners:
-            routers[l].watch = watch
-            switch.observer = _observer(prerouter, streaming.context)
+            routers[l].watch = _watcher(context)
+            switch.observer = _observer(context)
 
 
-def _observer(prerouter, context: StepContext):
+def _observer(context: StepContext):
     def observe(layer: int, inds) -> None:
-        prerouter.on_experts(layer, inds, context.now.decode)
+        step = context.now
+        if step.heads is not None:
+            step.heads.experts(layer, inds, step.decode)
     return observe
 
 
-def _watcher(prerouter):
+def _watcher(context: StepContext):
     def watch(layer: int, x, tap) -> None:
-        prerouter.on_router_input(layer, x)
+        if context.now.heads is not None:
+            context.now.heads.router_input(layer, x)
     return watch
+
+
+class TokenEmbedding:
+    """``model``'s token embedding as a function, the module found at the first call (made
+    before the resident weights load, which may replace it by its quantized twin); None
+    for a model without one."""
+
+    def __init__(self, model):
+        self.model, self.module = model, None
+
+    def __call__(self, ids):
+        if self.module is None:
+            self.module = bnn.token_embedding(self.model)
+        return self.module(ids) if self.module is not None else None
+
+
+class Probes:
+    """Each MoE layer's routing function (its ``RoutingProbe``), one per (layer, width),
+    made on first use, on the wired ``model`` (the prerouter's consumers' are made when
+    the model is wired)."""
+
+    def __init__(self, model, spec, context: StepContext):
+        self.model, self.spec, self.context = model, spec, context
+        self._made: dict = {}
+
+    def route(self, layer: int, logits, width: int | None = None):
+        """The expert indices [N, width or k] layer ``layer``'s block routes ``logits`` to."""
+        return self.probe(layer, width)(logits)
+
+    def probe(self, layer: int, width: int | None = None) -> "RoutingProbe":
+        width = None if width == self.spec.k else width
+        if (layer, width) not in self._made:
+            self._made[layer, width] = routing_probe(self, layer, width)
+        return self._made[layer, width]
 
 
 # the names mlx-lm's blocks and gates give their routing width

@@ -441,14 +441,14 @@ def test_an_iteration_forwards_at_most_its_budget_of_prompt_tokens_but_one_chunk
         iterations: list[list[int]] = []  # each iteration's chunks (prompt tokens forwarded)
         real_run, real_chunk = prefill.run, prefill.chunk
 
-        def run(batcher, budget):
+        def run(*args):
             iterations.append([])
-            return real_run(batcher, budget)
+            return real_run(*args)
 
-        def chunk(batcher, row):
-            n = real_chunk(batcher, row)
+        def chunk(host, row):
+            n, passes = real_chunk(host, row)
             iterations[-1].append(n)
-            return n
+            return n, passes
 
         monkeypatch.setattr(prefill, "run", run)
         monkeypatch.setattr(prefill, "chunk", chunk)

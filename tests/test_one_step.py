@@ -136,13 +136,29 @@ def test_a_staged_step_costs_the_same_at_7_and_39_staged_layers(staged_models, m
     small, large = ([(s["syncs"], s["handoffs"]) for s in per_size[n]] for n in (8, 40))
     assert small == large  # nothing per staged layer
     for syncs, handoffs in small:
-        # evaluations: the plan's one read of the predicted sets (numpy), the exact first
-        # layer's (which no head predicts: its routing read, its bundle's last reader
-        # settled), the sampled token's read; no evaluation and no wait per staged layer
-        assert syncs == {"numpy": 3, "eval": 1}, syncs
+        # evaluations: the sampled tokens' read, with the next step's predicted sets (its
+        # plan made ahead: one read for both); the exact first layer's (which no head
+        # predicts: its routing read, its bundle's last reader settled); no evaluation and
+        # no wait per staged layer
+        assert syncs == {"numpy": 2, "eval": 1}, syncs
         # hand-offs: the staged layers' one call into the scheduler (unpin the step before,
         # submit, every slot map back); the exact first layer's reads, on the reader pool's
         # two threads; the token handed to its consumer (its job's condition; an async
         # consumer's loop woken too)
         consumer = {"notify_all": 1} if mode == "sync" else {"notify_all": 1, "call_soon_threadsafe": 1}
         assert handoffs == {"call": 1, "result": 2, **consumer}, handoffs
+
+
+def test_a_step_whose_first_moe_layer_is_resident_evaluates_once(staged_models, monkeypatch):
+    """With the layer no head predicts held resident whole (a hot set of every expert), a staged
+    step is one evaluation: the tokens' read, which also brings the next step's plan; the
+    only hand-offs are the plan's one call into the scheduler and the token's delivery."""
+    d = staged_models[8]
+    config = EngineConfig(prerouter_flush="mlx", layer_paths=((0, "decode", "hot"),), hot_experts=4096)
+    with Engine(d, config) as engine:
+        watch = watched_run(engine, monkeypatch, "sync")
+    steps = [s for s in watch.steps[1:] if s["rows"] == 1]
+    assert len(steps) >= TOKENS - 3
+    for step in steps:
+        assert step["syncs"] == {"numpy": 1}, step
+        assert step["handoffs"] == {"call": 1, "notify_all": 1}, step

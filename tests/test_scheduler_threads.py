@@ -133,3 +133,44 @@ def test_a_layers_reads_go_to_the_readers_in_shares(running, monkeypatch):
     assert sorted(e for l, e, _ in store.log if l == 0) == list(range(8))
     drained(s, loop)
     assert s.stats.reads == 11 and s.stats.bytes == 1100
+
+
+def test_a_cancelled_steps_reads_not_yet_queued_leave_no_slot_loading(running):
+    """A staged step's layers claim their slots at once but queue their reads only as they
+    enter the ``prefetch_depth`` window; cancelling the step before its later layers did
+    frees their slots (nobody else needs them), so the same step planned again, the same
+    experts, reads them and is told ready (a slot left loading with no read behind it
+    would hold that step forever)."""
+    signals = Signals()
+    gate = threading.Event()
+    store = FakeStore(gate=gate)
+    s, loop = running(store, {l: 4 for l in range(3)}, readers=1, prefetch_depth=1, signal=signals)
+    layers = [(l, [l, l + 1]) for l in range(3)]
+    loop.portal.call(s.stage, None, [plan(5, layers)])  # layer 0's reads held at the gate, 1 and 2 not queued
+    cancelled = loop.portal.start_task_soon(s.cancel, 5)
+    assert sorted(l for l, st, ok, _ in signals.wait(3) if not ok) == [0, 1, 2]
+    gate.set()
+    cancelled.result(10)
+    assert all(s.tables[l].loading() == 0 and s.tables[l].pinned() == 0 for l in range(3))
+    loop.portal.call(s.stage, None, [plan(5, layers)])  # planned again (a batch that changed in between)
+    told = signals.wait(6)[3:]
+    assert sorted((l, st, ok) for l, st, ok, _ in told) == [(l, 5, True) for l in range(3)]
+
+
+def test_a_cancelled_steps_unqueued_read_goes_to_the_live_step_sharing_its_slot(running):
+    """Step 1 claims an expert step 0 is about to read (a hit on a loading slot: it waits for
+    step 0's read); step 0 is cancelled before that read was queued: step 1 reads it."""
+    signals = Signals()
+    gate = threading.Event()
+    store = FakeStore(gate=gate)
+    s, loop = running(store, {0: 4, 1: 4}, readers=1, prefetch_depth=1, signal=signals)
+    loop.portal.call(s.stage, None, [plan(0, [(0, [1]), (1, [7, 8])])])  # layer 1's reads not queued yet
+    loop.portal.call(s.stage, None, [plan(1, [(1, [7])])])  # expert 7: step 0's slot, loading
+    cancelled = loop.portal.start_task_soon(s.cancel, 0)
+    gate.set()
+    cancelled.result(10)
+    told = [t[:3] for t in signals.wait(3)]
+    assert (1, 1, True) in told, told
+    drained(s, loop)
+    assert sum(1 for l, e, _ in store.log if (l, e) == (1, 7)) == 1  # read once, for step 1
+    assert s.tables[1].loading() == 0

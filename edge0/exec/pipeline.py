@@ -288,11 +288,12 @@ class Pipeline:
         elif buf.size != n + extra:
             raise RuntimeError(f"received {buf.size} values ahead of a pass that reads {n + extra}")
         h = buf[:n].reshape(x.shape).astype(x.dtype)
-        if self.incoming is not None and prerouter is not None:
+        step = streaming.context.now
+        if self.incoming is not None and prerouter is not None and step.heads is not None:
             width = rows * self.spec.block_input
             px = buf[n:n + width].reshape(rows, self.spec.block_input)
             inds = buf[n + width:].reshape(rows, self.spec.k).astype(B.int32)
-            prerouter.observe(self.incoming, px, inds, streaming.context.now.decode)
+            step.heads.observe(self.incoming, px, inds, step.decode)
         return h
 
     # -- per decode step -------------------------------------------------------------------

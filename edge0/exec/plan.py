@@ -105,16 +105,26 @@ class Planner(Protocol):
 class PrerouterPlanner:
     ahead = False  # planned when the step begins: one flush of the heads on the step's input
 
-    def __init__(self, prerouter, layers: list[int], routing: str):
+    def __init__(self, prerouter, layers: list[int], routing: str, route, embed):
+        """``route`` (consumer layer, logits [N, E], width) -> the indices its own block's
+        routing code makes of them (``edge0.streaming.Probes.route``); ``embed`` (token ids
+        [R, 1]) -> their embedding rows (heads that see the token)."""
         self.prerouter, self.layers, self.routing = prerouter, list(layers), routing
+        self.route, self.embed = route, embed
 
     def reset(self) -> None:
-        self.prerouter.reset()
+        """Nothing to forget: what the heads observed is the batch's (``Observed``)."""
 
-    def flush(self, inputs) -> dict | None:
-        """consumer layer -> (predicted experts, predicted logits), lazy; None before the
-        heads have seen a step (the step then runs on the fallback path)."""
-        return self.prerouter.flush(inputs) if self.prerouter.ready() else None
+    def flush(self, inputs, heads) -> dict | None:
+        """consumer layer -> (predicted experts, predicted logits), lazy, from ``heads`` (the
+        batch's ``Observed``); None before the heads have seen every owner (the step then
+        runs on the fallback path)."""
+        pre = self.prerouter
+        if heads is None or not heads.seen(pre.owners):
+            return None
+        tok = self.embed(inputs.reshape(-1, 1)) if pre.heads.token_dim else None
+        logits = pre.flush(heads, tok)
+        return {c: (self.route(c, z, pre.width), z) for c, z in logits.items()}
 
     def device_parts(self, preds: dict) -> list:
         """The predicted expert ids, one flat int32 row per staged layer, for the step's one

@@ -21,6 +21,10 @@ block's own switch module runs on the bundle. When a prefill needs more distinct
 than the bundle holds, the (token, expert) pairs are processed in expert chunks, each pair
 exactly once. The computation is the switch module's own code on the same rows, so outputs
 are bit-identical to the resident model.
+
+The staged path's rows (``SlotPool``): each staged layer's slots, an ``ExpertRows`` the
+``PrefetchScheduler`` reads into from its own event-loop thread, and each layer's
+readiness flags, which the step's graph waits on (``edge0.exec.staged`` plans the steps).
 """
 
 from __future__ import annotations
@@ -34,7 +38,9 @@ from edge0.backend import core as B
 from edge0.backend import io as bio
 from edge0.model.checkpoint import CheckpointIndex, LayerExperts
 from edge0.exec.taps import bind
-from edge0.io_sched.reader import ExpertReader
+from edge0.io_sched.reader import ExpertReader, SlotStore
+from edge0.io_sched.scheduler import READY_TIMEOUT_S, PrefetchScheduler
+from edge0.worker import EventLoopThread
 
 
 def row_phase(loc) -> int | None:
@@ -244,3 +250,93 @@ class ExactExecutor:
         inverse = np.argsort(np.concatenate(positions), kind="stable").astype(np.int32)
         y = B.concatenate(outs, axis=0)[B.array(inverse)]
         return y.reshape(*ids.shape, y.shape[-1])
+
+
+class SlotPool:
+    """The staged layers' slots and the scheduler that fills them: each layer's S slots (an
+    ``ExpertRows``), read into by the ``PrefetchScheduler`` on its own event-loop thread
+    (``portal`` calls into it from the compute thread). A layer's slots grow, doubling up to
+    ``max_slots``, while a batch's union of experts needs more, and go back to S when the
+    batch empties. The Stager plans the steps and computes on them."""
+
+    def __init__(self, index: CheckpointIndex, layers: list[int], slots: int, reader: ExpertReader, *,
+                 readers: int, prefetch_depth: int, max_slots: int | None = None, log=None):
+        self.index, self.log = index, log
+        self.slots = slots  # per layer, at open and after a batch empties
+        self.max_slots = max(slots, min(max_slots or slots, index.spec.num_experts))
+        self.rows = {l: ExpertRows(index.layers[l], slots) for l in layers}
+        # each staged layer's readiness, two flags (a step's, and the next one's submitted
+        # ahead): set by the reader that fills its slots, awaited inside the step's graph
+        self.flags = B.ReadyFlags(2 * len(layers), READY_TIMEOUT_S)
+        self.flag_of = {l: 2 * i for i, l in enumerate(layers)}
+        self.tickets: dict[int, int] = {}  # step -> the value its flags take when ready (unique per pool)
+        self._ticket = 0
+        self.loop = EventLoopThread(name="edge0-io")
+        self.portal = self.loop.portal
+        self.scheduler = PrefetchScheduler(SlotStore(reader, {l: r.buffers for l, r in self.rows.items()}),
+                                           {l: slots for l in layers}, readers=readers,
+                                           prefetch_depth=prefetch_depth, log=log, signal=self._signal)
+        self._entered = self.portal.wrap_async_context_manager(self.scheduler)
+        self._entered.__enter__()
+
+    def ticket(self, step: int) -> int:
+        """The value ``step``'s flags take when its layers are ready (given once per step)."""
+        if step not in self.tickets:
+            self._ticket += 1
+            self.tickets[step] = self._ticket
+            for old in [s for s in self.tickets if s < step - 2]:
+                del self.tickets[old]
+        return self.tickets[step]
+
+    def flag(self, layer: int, step: int) -> tuple[int, int]:
+        """(flag index, value) that says ``layer``'s slots are ready for ``step``."""
+        ticket = self.ticket(step)
+        return self.flag_of[layer] + ticket % 2, ticket
+
+    def _signal(self, layer: int, step: int, ok: bool) -> None:  # a reader thread or the loop
+        ticket = self.tickets.get(step)
+        if ticket is not None:
+            self.flags.set(self.flag_of[layer] + ticket % 2, ticket if ok else -ticket)
+
+    def nbytes(self) -> int:
+        """Bytes the slots hold now (more than at open while a batch grew them)."""
+        return sum(r.nbytes for r in self.rows.values())
+
+    def resize(self, layer: int, n: int) -> bool:
+        """Give ``layer`` ``n`` slots, keeping the experts of those kept; False (nothing
+        changed) while a step still uses its slots."""
+        if not self.portal.call(self.scheduler.idle, layer):
+            return False
+        old = self.rows[layer]
+        new = ExpertRows(self.index.layers[layer], n)
+        keep = min(n, old.capacity)
+        for src, dst in zip(old.buffers, new.buffers):
+            dst.host[:keep] = src.host[:keep]
+        self.portal.call(self.scheduler.resize, layer, n, new.buffers)
+        self.rows[layer] = new
+        if self.log is not None:
+            self.log.info("stage.slots", layer=layer, slots=n, was=old.capacity, mib=round(new.nbytes / 2**20, 1))
+        return True
+
+    def fits(self, layer: int, need: int) -> bool:
+        """Whether ``need`` experts fit ``layer``'s slots, growing them (doubling, at most
+        ``max_slots``) when they do not and the layer is idle."""
+        have = self.rows[layer].capacity
+        if need > have and have < self.max_slots:
+            self.resize(layer, min(self.max_slots, max(need, 2 * have)))
+        return need <= self.rows[layer].capacity
+
+    def shrink(self) -> None:
+        """Grown slots go back to ``slots``: memory follows the batch."""
+        for layer, rows in self.rows.items():
+            if rows.capacity > self.slots:
+                self.resize(layer, self.slots)
+
+    def close(self) -> None:
+        if self.portal is None:
+            return
+        try:
+            self._entered.__exit__(None, None, None)
+        finally:
+            self.loop.close()
+            self.portal = None

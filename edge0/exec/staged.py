@@ -16,8 +16,14 @@ reader that completes a layer sets its flag). The plan's routes are the step's (
    holds the step's ticket). The wait happens where the rows are consumed; the thread
    that builds the step never waits and evaluates nothing per layer.
 
-Once per step (``begin_step``) the plan's predicted sets come to the host in one read;
-the step before was evaluated when its tokens were read, so its slots may be unpinned.
+Once per step the plan's predicted sets come to the host in one read. In the batch loop
+that read is the step before's token read (``plan_ahead`` / ``take_ahead``: the next step's
+flush is built into the step's graph, on its sampled tokens and the batch's heads' state
+after it, and read with its tokens), and the next step's reads are submitted as soon as the
+tokens are handed out; its ``begin_step`` finds it planned (a batch that changed in between
+has that plan cancelled and planned anew). Elsewhere (one sequence through ``StepModel``)
+``begin_step`` flushes and reads. Either way the step before was evaluated when its tokens
+were read, so its slots may be unpinned.
 Routed experts missing from the plan map to slot 0 and are counted on device; the count
 is checked once per step and a mismatch raises (never silently wrong output).
 """
@@ -33,103 +39,12 @@ from edge0.model.checkpoint import CheckpointIndex
 from edge0.errors import ConfigError, RoutingMismatchError, SchedulerError
 from edge0.exec.oracle import OracleRouting
 from edge0.exec.plan import DecodePlan, LayerRoute, OraclePlanner, Planner, PrerouterPlanner, QualityGuard, StageStats
-from edge0.exec.rows import ExpertRows
-from edge0.io_sched.reader import ExpertReader, SlotStore
-from edge0.worker import EventLoopThread
-from edge0.io_sched.scheduler import READY_TIMEOUT_S, LayerPlan, PrefetchScheduler, StepPlan
+from edge0.exec.rows import SlotPool
+from edge0.io_sched.reader import ExpertReader
+from edge0.io_sched.scheduler import LayerPlan, StepPlan
 
 
 WAIT_FAILED = "edge0: the slots of staged layer"  # how a failed wait reads when its graph is evaluated
-
-
-class SlotPool:
-    """The staged layers' slots and the scheduler that fills them: each layer's S slots (an
-    ``ExpertRows``), read into by the ``PrefetchScheduler`` on its own event-loop thread
-    (``portal`` calls into it from the compute thread). A layer's slots grow, doubling up to
-    ``max_slots``, while a batch's union of experts needs more, and go back to S when the
-    batch empties. The Stager plans the steps and computes on them."""
-
-    def __init__(self, index: CheckpointIndex, layers: list[int], slots: int, reader: ExpertReader, *,
-                 readers: int, prefetch_depth: int, max_slots: int | None = None, log=None):
-        self.index, self.log = index, log
-        self.slots = slots  # per layer, at open and after a batch empties
-        self.max_slots = max(slots, min(max_slots or slots, index.spec.num_experts))
-        self.rows = {l: ExpertRows(index.layers[l], slots) for l in layers}
-        # each staged layer's readiness, two flags (a step's, and the next one's submitted
-        # ahead): set by the reader that fills its slots, awaited inside the step's graph
-        self.flags = B.ReadyFlags(2 * len(layers), READY_TIMEOUT_S)
-        self.flag_of = {l: 2 * i for i, l in enumerate(layers)}
-        self.tickets: dict[int, int] = {}  # step -> the value its flags take when ready (unique per pool)
-        self._ticket = 0
-        self.loop = EventLoopThread(name="edge0-io")
-        self.portal = self.loop.portal
-        self.scheduler = PrefetchScheduler(SlotStore(reader, {l: r.buffers for l, r in self.rows.items()}),
-                                           {l: slots for l in layers}, readers=readers,
-                                           prefetch_depth=prefetch_depth, log=log, signal=self._signal)
-        self._entered = self.portal.wrap_async_context_manager(self.scheduler)
-        self._entered.__enter__()
-
-    def ticket(self, step: int) -> int:
-        """The value ``step``'s flags take when its layers are ready (given once per step)."""
-        if step not in self.tickets:
-            self._ticket += 1
-            self.tickets[step] = self._ticket
-            for old in [s for s in self.tickets if s < step - 2]:
-                del self.tickets[old]
-        return self.tickets[step]
-
-    def flag(self, layer: int, step: int) -> tuple[int, int]:
-        """(flag index, value) that says ``layer``'s slots are ready for ``step``."""
-        ticket = self.ticket(step)
-        return self.flag_of[layer] + ticket % 2, ticket
-
-    def _signal(self, layer: int, step: int, ok: bool) -> None:  # a reader thread or the loop
-        ticket = self.tickets.get(step)
-        if ticket is not None:
-            self.flags.set(self.flag_of[layer] + ticket % 2, ticket if ok else -ticket)
-
-    def nbytes(self) -> int:
-        """Bytes the slots hold now (more than at open while a batch grew them)."""
-        return sum(r.nbytes for r in self.rows.values())
-
-    def resize(self, layer: int, n: int) -> bool:
-        """Give ``layer`` ``n`` slots, keeping the experts of those kept; False (nothing
-        changed) while a step still uses its slots."""
-        if not self.portal.call(self.scheduler.idle, layer):
-            return False
-        old = self.rows[layer]
-        new = ExpertRows(self.index.layers[layer], n)
-        keep = min(n, old.capacity)
-        for src, dst in zip(old.buffers, new.buffers):
-            dst.host[:keep] = src.host[:keep]
-        self.portal.call(self.scheduler.resize, layer, n, new.buffers)
-        self.rows[layer] = new
-        if self.log is not None:
-            self.log.info("stage.slots", layer=layer, slots=n, was=old.capacity, mib=round(new.nbytes / 2**20, 1))
-        return True
-
-    def fits(self, layer: int, need: int) -> bool:
-        """Whether ``need`` experts fit ``layer``'s slots, growing them (doubling, at most
-        ``max_slots``) when they do not and the layer is idle."""
-        have = self.rows[layer].capacity
-        if need > have and have < self.max_slots:
-            self.resize(layer, min(self.max_slots, max(need, 2 * have)))
-        return need <= self.rows[layer].capacity
-
-    def shrink(self) -> None:
-        """Grown slots go back to ``slots``: memory follows the batch."""
-        for layer, rows in self.rows.items():
-            if rows.capacity > self.slots:
-                self.resize(layer, self.slots)
-
-    def close(self) -> None:
-        if self.portal is None:
-            return
-        try:
-            self._entered.__exit__(None, None, None)
-        finally:
-            self.loop.close()
-            self.portal = None
 
 
 @dataclass
@@ -150,6 +65,8 @@ class StepState:
     tables: dict = field(default_factory=dict)  # the current step's layer -> lookup row (device)
     ahead: dict = field(default_factory=dict)  # oracle plans submitted ahead of their step
     outputs: list = field(default_factory=list)  # staged outputs, evaluated before their slots are reused
+    pending: tuple | None = None  # (heads, flush) of the next step, flushed ahead, read with the tokens
+    planned_for: object = None  # the heads' state the current step was planned from at the end of the step before
     waited0: object = None  # the flags' waited nanoseconds at the step's start
     io0: tuple = ()
 
@@ -160,11 +77,12 @@ class Stager:
 
     def __init__(self, index: CheckpointIndex, layers: list[int], slots: int, reader: ExpertReader,
                  oracle: OracleRouting | None, *, readers: int, prefetch_depth: int, log=None,
-                 prerouter=None, fallback=None, guard_every: int = 0, routing: str = "replace",
+                 planner: PrerouterPlanner | None = None, fallback=None, guard_every: int = 0,
                  max_slots: int | None = None):
-        """``routing`` (with a prerouter): "replace", the prediction is the staged layers'
-        routing; "select", the prerouter stages candidates (its ``width``) and each staged
-        layer's own router chooses among them (``LayerRoute``). ``max_slots``: how far a
+        """``planner``: the prerouter's (``PrerouterPlanner``: under "replace" routing the
+        prediction is the staged layers' routing; under "select" it stages candidates and
+        each staged layer's own router chooses among them); else ``oracle``'s, a recorded
+        routing. ``max_slots``: how far a
         layer's ``slots`` may grow when a step's set outgrows them (a batch's union; back to
         ``slots`` at ``reset``); None = never."""
         spec = index.spec
@@ -180,11 +98,9 @@ class Stager:
         self.check_routing = True  # off only for timing runs that compute on unread slots
         # prediction as routing: the prerouter plans each step, and its prediction is the
         # staged layers' routing; a step it cannot plan (no state yet) runs on ``fallback``
-        self.prerouter = prerouter
         self.fallback = fallback
-        self.routing = routing
-        self.planner: Planner | None = (PrerouterPlanner(prerouter, self.layers, routing) if prerouter is not None
-                        else OraclePlanner(oracle, self.layers) if oracle is not None else None)
+        self.planner: Planner | None = (planner if planner is not None
+                                        else OraclePlanner(oracle, self.layers) if oracle is not None else None)
         self.guard = QualityGuard(self.layers, guard_every, self._route_of, log=log)
         self._stats = StageStats()
         self.over_slot_layers = 0  # layer-steps run on the fallback: the set did not fit max_slots
@@ -199,7 +115,7 @@ class Stager:
     scheduler = property(lambda self: self.pool.scheduler)
 
     def _route_of(self, layer: int, logits):
-        return self.prerouter.route(layer, logits)
+        return self.planner.route(layer, logits)
 
     # -- what the engine reads ---------------------------------------------------------------
     def stats(self) -> StageStats:
@@ -233,6 +149,7 @@ class Stager:
         self.now.maps.clear()
         self.now.tables = {}
         self.now.ahead.clear()
+        self.now.pending = self.now.planned_for = None
         if self.planner is not None:
             self.planner.reset()
         self._set_plan(None, {})
@@ -321,27 +238,77 @@ class Stager:
         rows = B.array(table)
         self.now.tables.update({l: rows[i] for i, l in enumerate(new)})
 
-    def _predict_and_plan(self, inputs) -> None:
+    def _predict_and_plan(self, inputs, heads, advance: bool = True) -> None:
         """One batched flush of every head, one host read of all predicted sets (with the
         miss count and the guard's counts of the step before), one plan, one call into the
-        scheduler."""
-        planner = self.planner
-        preds = planner.flush(inputs)
+        scheduler. ``advance`` False: plan the current step again (its plan made ahead was
+        cancelled)."""
+        preds = self.planner.flush(inputs, heads)
+        parts = self._parts(preds)
+        self._planned(B.to_host(B.concat(parts)), preds, advance)
+
+    def _parts(self, preds: dict | None) -> list:
+        """What a plan reads to the host: the miss count and the guard's counts of the step
+        before, then ``preds``' predicted sets (int32)."""
         parts = [self.now.misses.reshape(1), *self.guard.device_counts()]
         if preds is not None:
-            parts += planner.device_parts(preds)
-        host = B.to_host(B.concat([p.astype(B.int32) for p in parts]))
+            parts += self.planner.device_parts(preds)
+        return [p.astype(B.int32) for p in parts]
+
+    def _planned(self, host, preds: dict | None, advance: bool = True) -> None:
+        """The step's plan from ``host`` (the host copy of ``_parts(preds)``): the step before
+        closed and its slots unpinned (``advance``), this step's reads submitted."""
         self._check_misses(int(host[0]))
         pos = 1 + self.guard.collect(host[1:], self.now.step)
-        release = self._next_step()
+        release = self._next_step() if advance else None
         self._set_plan(None, {})
         if preds is None:  # nothing observed yet: this step runs on the fallback path
             self._stage(release, [])
             return
         observe = self.guard.observer({l: preds[l][0] for l in self.layers}) if self.guard.arm(self.now.step) else None
-        plan = planner.plan(self.now.step, host[pos:].reshape(len(self.layers), -1), preds, observe)
+        plan = self.planner.plan(self.now.step, host[pos:].reshape(len(self.layers), -1), preds, observe)
         self._stage(release, [plan])
         self._set_plan(plan, preds)
+
+    # -- the next step planned at the end of this one (the batch loop's step) ------------------
+    def plan_ahead(self, tokens, heads) -> list:
+        """Before this decode step's tokens are read: the next step's flush (lazy) from
+        ``heads`` (the batch's ``Observed`` after this step) and ``tokens`` [R] (the tokens
+        sampled, lazy: the next step's inputs), and what its plan reads to the host, to read
+        with the tokens (one read for both). [] when the next step cannot be planned so (an
+        oracle plans its own way; the heads have not seen every owner)."""
+        if self.planner is None or self.planner.ahead or self.now.step < 0:
+            return []
+        preds = self.planner.flush(tokens.reshape(-1, 1), heads)
+        if preds is None:
+            return []
+        self.now.pending = (heads, preds)
+        return self._parts(preds)
+
+    def take_ahead(self, host) -> None:
+        """The next step planned from ``host`` (the host copy of ``plan_ahead``'s parts): this
+        step closed, its slots unpinned and the next step's reads submitted, now; that step's
+        ``begin_step`` finds it planned when its heads' state is the one it was planned from
+        (else it is cancelled and planned anew)."""
+        (heads, preds), self.now.pending = self.now.pending, None
+        self._settle()
+        self._planned(host, preds)
+        self.now.planned_for = heads
+
+    def drop_ahead(self) -> None:
+        """The next step is not planned ahead (rows ended: the batch changes)."""
+        self.now.pending = None
+
+    def _replan(self) -> None:
+        """The current step was planned ahead for a batch that changed since: its reads
+        cancelled and its slots unpinned, so that it is planned again."""
+        step = self.now.step
+        self.portal.call(self.scheduler.cancel, step)
+        self._released(step)
+        self.pool.tickets.pop(step, None)  # (its flags: a fresh ticket)
+        self.now.tables = {}
+        self._set_plan(None, {})
+        self.guard.reset(keep_report=True)  # (its counts were read with the plan made ahead)
 
     def _check_misses(self, misses: int) -> None:
         if self.check_routing and misses:
@@ -349,7 +316,9 @@ class Stager:
                 f"step {self.now.step}: a staged layer routed to an expert its plan did not stage; the oracle "
                 "routing does not belong to this prompt, model and sampling")
 
-    def begin_step(self, inputs) -> None:
+    def begin_step(self, inputs, heads=None) -> None:
+        """Before a decode step of ``inputs`` [rows, 1]: its plan (from ``heads``, what the
+        prerouter observed of the batch's sequences, an ``Observed``) and its reads."""
         if inputs.shape[-1] != 1:
             return  # prefill: staged layers run their prefill path
         if self.planner is None:
@@ -359,8 +328,13 @@ class Stager:
         # input does not depend on them: teacher forcing), so its slots may be unpinned;
         # after a sampled token was read they are, and nothing is evaluated here
         self._settle()
+        planned, self.now.planned_for = self.now.planned_for, None
+        if planned is not None and planned is heads:
+            return  # planned at the end of the step before, its reads submitted then
+        if planned is not None:
+            self._replan()
         if not self.planner.ahead:
-            self._predict_and_plan(inputs)
+            self._predict_and_plan(inputs, heads, advance=planned is None)
             return
         self._check_misses(int(B.to_host(self.now.misses)))
         self.advance_step()
@@ -451,7 +425,7 @@ class Stager:
             self.pool.close()
 
     # -- the layer computation --------------------------------------------------------------
-    def compute(self, layer: int, x, inds):
+    def __call__(self, layer: int, x, inds):
         """Layer ``layer``'s staged computation, built into the step's graph: its slots' rows
         gated on the layer's readiness flag (the wait happens where the rows are consumed),
         its routing mapped to slots through the plan's lookup row, the layer's own switch
@@ -466,13 +440,3 @@ class Stager:
                                    gate=lambda view: self.pool.flags.gate(view, index, ticket))
         self.now.outputs.append(out)
         return out
-
-
-class StagedExecutor:
-    """Executor adapter: a staged layer's decode path."""
-
-    def __init__(self, stager: Stager):
-        self.stager = stager
-
-    def __call__(self, layer: int, x, inds):
-        return self.stager.compute(layer, x, inds)

@@ -90,12 +90,15 @@ class Step:
     each adapted projection's low-rank deltas, ``(a, b, scale, rows)`` with ``rows`` a bool
     mask over the batch's rows or None (every row); None: not given for this pass (the
     projections apply their own adapter, ``AdaptedLinear.set_delta``). ``probe``: the router
-    logits a routing probe routes (``RoutingProbe``)."""
+    logits a routing probe routes (``RoutingProbe``). ``heads``: where the prerouter's owner
+    layers put what they observe in this pass (an ``edge0.prerouter.runtime.Observing``;
+    None: nowhere)."""
 
     decode: bool | None = None
     routes: Mapping[int, LayerRoute] = field(default_factory=lambda: NO_ROUTES)
     deltas: Mapping[str, tuple] | None = None
     probe: object = None
+    heads: object = None
 
     def is_decode(self, x) -> bool:
         """Whether a call on ``x`` ([..., D] or indices [..., k]) belongs to a decode step."""

@@ -23,8 +23,11 @@ its slot EMPTY, never READY.
   highest priority first, each a share of one layer's queued reads at a time (so the loop
   wakes once per share, not per expert); a share skips the reads of a cancelled step.
 - ``release(step)`` unpins the step's slots once its computation has been evaluated;
-  ``await cancel(step)`` drops its queued reads, waits for those in flight, leaves their
-  slots EMPTY and unpins all it held.
+  ``await cancel(step)`` drops its queued reads and those its jobs claimed but had not
+  queued yet (outside the window), waits for those in flight, leaves their slots EMPTY and
+  unpins all it held; a dropped read whose slot another live job also waits on becomes
+  that job's read (``_hand_over``), so a step planned again is never left waiting on a
+  slot nobody reads.
 - Transient read errors are retried ``retries`` times, then fail that job with an
   ``ExpertReadError``; later steps are served.
 
@@ -253,6 +256,10 @@ class PrefetchScheduler:
             self._jobs.remove(job)
             job.error = job.error or SchedulerError(f"step {step} was cancelled")
             self._done(job)
+        for job in dropped:  # reads claimed, never queued (the job had not entered the window)
+            for req in job.reads:
+                self._hand_over(req)
+            job.reads = []
         self.stats.cancelled += len(dropped)
         if self._reads.in_flight.get(step):
             event = self._reads.drained.setdefault(step, anyio.Event())
@@ -391,13 +398,23 @@ class PrefetchScheduler:
         for job in ready:
             self._staged.signal(job.layer, job.step, True)
 
+    def _hand_over(self, req: ReadRequest) -> None:
+        """A read of a cancelled step, not started: its slot (still loading) is another job's
+        too, which then reads it (it waits on it), or nobody's, and freed."""
+        heir = next((j for j in self._jobs if j.layer == req.layer and j.step != req.step and j.error is None
+                     and j.slots.get(req.expert) == req.slot), None)
+        if heir is None:
+            self.tables[req.layer].complete(req.slot, False)
+            return
+        heir.reads.append(ReadRequest(heir.step, req.layer, req.expert, req.slot, (heir.step, heir.order, req.expert)))
+
     def _next_share(self) -> list[ReadRequest]:
         """The next reads for one reader thread: the top of the queue and the rest of its
         layer's queued reads, split evenly over the free readers (a cancelled step's reads
         are dropped here)."""
         _, _, top = heapq.heappop(self._reads.heap)
         if top.step in self._reads.cancelled:
-            self.tables[top.layer].complete(top.slot, False)
+            self._hand_over(top)
             return []
         same = sum(1 for _, _, r in self._reads.heap if (r.step, r.layer) == (top.step, top.layer))
         size = -(-(same + 1) // (self.readers - self._reads.busy))

@@ -1,12 +1,19 @@
 """Prediction as routing at decode: observe the owner layers, flush every head once per step.
 
-Each owner layer's ``RouterTap`` hands over its router's input and its ``StreamingSwitch``
-the experts the block routed to (lazy arrays: no sync). ``flush`` evaluates every head in
-one batch: the head owned by layer l predicts the router logits of its consumer (the next
-MoE layer, l+1 in most models) for the next token. Each consumer
-layer's own block code turns those logits into its routing (``Streaming.route``): the
-plan of what to read, and, through the consumer's router at the next step, the routing
-the block computes with, combine weights included.
+Each owner layer's ``RouterTap`` hands its router's input and its ``StreamingSwitch`` the
+experts the block routed to (lazy arrays: no sync) to the pass's ``Observing`` (in its
+``Step``); the batch keeps what they observed as a value (``Observed``). ``flush`` evaluates
+every head on it in one batch: the head owned by layer l predicts the router logits of its
+consumer (the next MoE layer, l+1 in most models) for the next token. Each consumer layer's
+own block code turns those logits into its routing (``PrerouterPlanner``, through the
+layer's ``RoutingProbe``): the plan of what to read, and, through the consumer's router at
+the next step, the routing the block computes with, combine weights included.
+
+What the heads observed is a value, ``Observed`` (one row per sequence): the batch owns
+one (``edge0.decoding.Batch``), a joining row one of its own; joining, filtering and
+splitting a batch join, select and split it alike. A forward pass collects the owners'
+observations in the ``Observing`` its ``Step`` gives and returns the new value
+(``Observing.after``); the prerouter keeps none of it.
 
 The flush on the host (``prerouter_flush numpy``): every head as float32 NumPy products. A
 decode step's flush is a few matrix-vector products per head over weights much larger than
@@ -29,6 +36,9 @@ import ctypes
 import functools
 import sys
 from contextlib import contextmanager
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Mapping
 
 import numpy as np
 
@@ -36,127 +46,123 @@ from edge0.backend import core as B
 from edge0.prerouter.heads import PrerouterHeads
 
 
-class Prerouter:
-    def __init__(self, heads: PrerouterHeads, dtype=None, on_host: bool = False, width: int | None = None):
-        """``on_host``: the flush runs as float32 NumPy products (``HostHeads``, below),
-        else as MLX's on its device, in ``dtype``; ``width``: experts staged per consumer
-        (select routing), None: k (the prediction is the routing)."""
-        self.heads = heads
-        self.host = HostHeads(heads) if on_host else None
-        if not on_host:
-            heads.freeze_for_inference(dtype or heads.head(heads.owners[0]).residual.weight.dtype)
-        heads.drop_weights()  # the flush has its own copy: the loaded one is memory the cache can use
-        B.clear_cache()
-        self.owners = set(heads.owners)
-        self.route = None  # set by connect(): (consumer, logits, width) -> that block's routing of them
-        self.embed = None  # set by connect(): token ids -> embedding rows (heads that see the token)
-        self.width = width  # experts staged per consumer (None: k, the prediction is the routing)
-        self.sequences = 1  # sequences a prefill pass holds, left-padded alike (edge0.prefill)
-        self.reset()
+_EMPTY: Mapping = MappingProxyType({})
 
-    def connect(self, *, route, embed) -> None:
-        """``route`` (consumer layer, logits [N, E], width) -> the indices its own block's
-        routing code makes of them; ``embed`` (token ids) -> their embedding rows."""
-        self.route, self.embed = route, embed
 
-    def reset(self) -> None:
-        self.last: dict[int, tuple] = {}  # owner -> (router input at t [R, D], experts at t [R, k]), one row per sequence
-        self.prev: dict[int, object] = {}  # owner -> experts at t-1 [R, k] (-1 rows: none yet)
-        self._x: dict[int, object] = {}
+@dataclass(frozen=True)
+class Observed:
+    """``last``: owner layer -> (router input [R, D], experts [R, k]) at the last step seen;
+    ``prev``: owner -> experts [R, k] the step before (None, or rows of -1: none yet). One
+    row per sequence, in the batch's order."""
 
-    # -- per-sequence state (batches) ---------------------------------------------------------
-    def take_state(self) -> dict:
-        """What the heads have observed (one row per sequence), detached: the prerouter
-        starts afresh, as after ``reset``; ``put_state`` gives it back."""
-        state = {"last": self.last, "prev": self.prev}
-        self.reset()
-        return state
+    last: Mapping[int, tuple] = field(default_factory=lambda: _EMPTY)
+    prev: Mapping[int, object] = field(default_factory=lambda: _EMPTY)
 
-    def put_state(self, state: dict) -> None:
-        self.last, self.prev, self._x = dict(state["last"]), dict(state["prev"]), {}
+    def seen(self, owners) -> bool:
+        """Whether every owner layer was observed (a flush can predict from it)."""
+        return all(o in self.last for o in owners)
 
-    def merge_states(self, states: list[dict]) -> dict:
-        """One state whose rows are the given states' rows, in order (each state observed
-        every owner: a sequence after its prefill)."""
-        last, prev = {}, {}
-        for o in self.owners:
-            rows = [s["last"][o] for s in states]
-            last[o] = (B.concat([r[0] for r in rows]), B.concat([r[1] for r in rows]))
-            prev[o] = B.concat([s["prev"][o] if s["prev"].get(o) is not None else B.full(r[1].shape, -1, B.int32)
-                                for s, r in zip(states, rows)])
-        return {"last": last, "prev": prev}
+    def select(self, rows: list[int]) -> Observed:
+        """The sequences ``rows`` (row numbers) only, in that order."""
+        idx = B.array(rows, dtype=B.int32)
+        return Observed({o: (x[idx], i[idx]) for o, (x, i) in self.last.items()},
+                        {o: (p[idx] if p is not None else None) for o, p in self.prev.items()})
 
     @staticmethod
-    def select_rows(state: dict, rows: list[int]) -> dict:
-        """The state of the sequences ``rows`` (row numbers) only, in that order."""
-        idx = B.array(rows, dtype=B.int32)
-        return {"last": {o: (x[idx], i[idx]) for o, (x, i) in state["last"].items()},
-                "prev": {o: (p[idx] if p is not None else None) for o, p in state["prev"].items()}}
+    def join(states: list[Observed]) -> Observed:
+        """One value whose rows are ``states``' rows, in order (each one saw the owners the
+        first saw)."""
+        last, prev = {}, {}
+        for o in states[0].last:
+            rows = [s.last[o] for s in states]
+            last[o] = (B.concat([r[0] for r in rows]), B.concat([r[1] for r in rows]))
+            prev[o] = B.concat([s.prev[o] if s.prev.get(o) is not None else B.full(r[1].shape, -1, B.int32)
+                                for s, r in zip(states, rows)])
+        return Observed(last, prev)
 
-    def on_router_input(self, layer: int, x) -> None:
+
+class Observing:
+    """One forward pass's observations, collected by the owners' taps: made from the value
+    before the pass (``before``), read back with ``after``. ``sequences``: a prefill pass
+    of that many sequences left-padded alike (each one's last row is "t", the one before
+    "t-1"); a decode step has one row per sequence."""
+
+    def __init__(self, before: Observed | None = None, sequences: int = 1):
+        before = before or Observed()
+        self.before, self.sequences = before, sequences
+        self._last, self._prev, self._x = dict(before.last), dict(before.prev), {}
+
+    def router_input(self, layer: int, x) -> None:
         self._x[layer] = x
 
-    def on_experts(self, layer: int, inds, decode: bool | None = None) -> None:
+    def experts(self, layer: int, inds, decode: bool | None = None) -> None:
+        """Layer ``layer``'s block routed to ``inds``; paired with its router input."""
         x = self._x.pop(layer, None)
-        if x is not None and layer in self.owners:
+        if x is not None:
             self.observe(layer, x, inds, decode)
 
     def observe(self, layer: int, x, inds, decode: bool | None = None) -> None:
-        """``decode``: the call is a decode step (one token per sequence, each row its own
-        sequence); else the prefill of ``self.sequences`` sequences of equal padded length
-        (each one's last row is "t", the one before "t-1"). None: a call on one token is a
-        decode step."""
+        """``decode``: the pass is a decode step; None: a call on one token is one."""
         rows_x = x.reshape(-1, x.shape[-1])
         rows_i = inds.reshape(-1, inds.shape[-1])
         n = rows_i.shape[0]
         if decode is None:
             decode = n == 1
         if decode or n == 1:
-            if layer in self.last:
-                self.prev[layer] = self.last[layer][1]
-            self.last[layer] = (rows_x, rows_i)
+            if layer in self._last:
+                self._prev[layer] = self._last[layer][1]
+            self._last[layer] = (rows_x, rows_i)
         elif self.sequences > 1:
             xs = rows_x.reshape(self.sequences, -1, rows_x.shape[-1])
             ks = rows_i.reshape(self.sequences, -1, rows_i.shape[-1])
-            self.last[layer] = (xs[:, -1], ks[:, -1])
-            self.prev[layer] = ks[:, -2]
+            self._last[layer] = (xs[:, -1], ks[:, -1])
+            self._prev[layer] = ks[:, -2]
         else:
-            self.last[layer] = (rows_x[-1:], rows_i[-1:])
-            self.prev[layer] = rows_i[-2:-1]
+            self._last[layer] = (rows_x[-1:], rows_i[-1:])
+            self._prev[layer] = rows_i[-2:-1]
 
-    def ready(self) -> bool:
-        """Whether the heads have observed every owner layer (a flush can predict)."""
-        return self.seen({"last": self.last})
+    def after(self) -> Observed:
+        """The value after the pass (lazy arrays, evaluated with the pass)."""
+        return Observed(MappingProxyType(dict(self._last)), MappingProxyType(dict(self._prev)))
 
-    def seen(self, state: dict | None) -> bool:
-        """Whether a sequence's detached state (``take_state``) has observed every owner layer."""
-        return state is not None and all(o in state["last"] for o in self.owners)
 
-    def flush(self, tokens=None) -> dict[int, tuple]:
-        """consumer layer -> (predicted experts [R, k] (or [R, width]), predicted router
-        logits [R, E]) for the coming step (lazy), one row per sequence: every head in one
-        batched evaluation, each prediction routed by its consumer's own block (the consumer:
-        the next MoE layer after the owner). ``tokens`` [R, 1]: the tokens the coming step
-        decodes (heads that see the token need them)."""
+class Prerouter:
+    def __init__(self, heads: PrerouterHeads, dtype=None, on_host: bool = False, width: int | None = None):
+        """``on_host``: the flush runs as float32 NumPy products (``HostHeads``, below),
+        else as MLX's on its device, in ``dtype``; ``width``: experts staged per consumer
+        (select routing), None: k (the prediction is the routing). Complete when made: a
+        flush is a function of what the heads observed (``Observed``), which the batch
+        owns."""
+        self.heads = heads
+        self.host = HostHeads(heads) if on_host else None
+        if not on_host:
+            heads.freeze_for_inference(dtype or heads.head(heads.owners[0]).residual.weight.dtype)
+        heads.drop_weights()  # the flush has its own copy: the loaded one is memory the cache can use
+        B.clear_cache()
+        self.owners = frozenset(heads.owners)
+        self.width = width  # experts staged per consumer (None: k, the prediction is the routing)
+
+    def flush(self, state: Observed, tok=None) -> dict[int, object]:
+        """consumer layer -> its predicted router logits [R, E] (float32, lazy) for the coming
+        step, one row per sequence of ``state`` (which saw every owner): every head in one
+        batched evaluation (the consumer: the next MoE layer after the owner). ``tok``
+        [R, token_dim]: the embedding rows of the tokens the coming step decodes (heads that
+        see the token need them)."""
         owners = self.heads.owners
-        rows = self.last[owners[0]][1].shape[0]
-        x = B.concat([self.last[o][0].reshape(1, rows, -1) for o in owners])
-        inds = B.concat([self.last[o][1].reshape(1, rows, -1) for o in owners])
+        rows = state.last[owners[0]][1].shape[0]
+        x = B.concat([state.last[o][0].reshape(1, rows, -1) for o in owners])
+        inds = B.concat([state.last[o][1].reshape(1, rows, -1) for o in owners])
         k = inds.shape[-1]
-        prev = B.concat([self.prev[o].reshape(1, rows, -1) if self.prev.get(o) is not None
+        prev = B.concat([state.prev[o].reshape(1, rows, -1) if state.prev.get(o) is not None
                          else B.full((1, rows, k), -1, B.int32) for o in owners])
-        tok = None
         if self.heads.token_dim:  # these heads see the token
-            if tokens is None:
-                raise ValueError("these heads see the token being decoded: flush(tokens) needs it")
-            tok = self.embed(tokens.reshape(rows, 1)).reshape(1, rows, -1)
+            if tok is None:
+                raise ValueError("these heads see the token being decoded: flush(state, tok) needs its embedding")
+            tok = tok.reshape(1, rows, -1)
+        else:
+            tok = None
         logits = self.logits(x, inds, prev, tok)
-        out = {}
-        for i, o in enumerate(owners):
-            z = logits[i].reshape(rows, -1)
-            c = self.heads.consumer[o]
-            out[c] = (self.route(c, z, self.width), z)
-        return out
+        return {self.heads.consumer[o]: logits[i].reshape(rows, -1) for i, o in enumerate(owners)}
 
     def logits(self, x, inds, prev, tok=None):
         """Every head's predicted router logits [H, R, E] (float32) from their inputs
