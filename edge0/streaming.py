@@ -209,8 +209,8 @@ class StepModel:
     def __call__(self, inputs, cache=None, decode: bool | None = None, adapters=None, heads=None, **kwargs):
         decode = inputs.shape[-1] == 1 if decode is None else decode
         own = heads is None and self.streaming.prerouter is not None
-        if own:
-            heads = Observing(self.observed)
+        if own:  # (a sequence's first chunk, on an empty cache, starts from nothing observed)
+            heads = Observing(None if not decode and _empty(cache) else self.observed)
         self.plan(inputs, decode, heads)
         out = self.forward(inputs, cache, decode, adapters=adapters, heads=heads, **kwargs)
         if own:
@@ -233,6 +233,11 @@ class StepModel:
 
     def __getattr__(self, name):
         return getattr(self.streaming.model, name)
+
+
+def _empty(cache) -> bool:
+    """Whether ``cache`` (mlx-lm's, one per layer) holds no token yet."""
+    return cache is not None and all(getattr(c, "offset", 0) == 0 for c in cache)
 
 
 def wire_prerouter(streaming: Streaming, prerouter) -> None:

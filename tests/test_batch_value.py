@@ -127,3 +127,28 @@ def test_observed_joins_selects_and_splits_by_row():
     picked = both.select([2, 0])
     assert picked.last[3][1].tolist() == [[8, 9], [0, 1]] and picked.prev[3].tolist() == [[-1, -1], [4, 5]]
     assert both.seen([3]) and not both.seen([3, 4])
+
+
+def test_one_sequence_through_the_step_model_keeps_its_own_heads_state(heads_model):
+    """A caller of ``StepModel`` that gives no heads' state (one sequence: tools, the
+    benchmark) has the step model keep it from call to call; a new sequence's first chunk,
+    on an empty cache, starts from nothing observed."""
+    from edge0 import EngineConfig
+    from edge0.backend import core as B
+    from edge0.backend import nn as bnn
+    from edge0.loader import load_streaming_model
+    from edge0.streaming import StepModel
+
+    s = load_streaming_model(heads_model, EngineConfig())
+    try:
+        model = StepModel(s)
+        owners = s.prerouter.owners
+        cache = bnn.make_cache(model)
+        B.eval(model(B.array([[5, 6, 7]]), cache=cache))
+        B.eval(model(B.array([[8]]), cache=cache))
+        assert model.observed.seen(owners) and all(model.observed.prev.get(o) is not None for o in owners)
+        cache = bnn.make_cache(model)
+        B.eval(model(B.array([[9]]), cache=cache, decode=False))  # a one-token prompt
+        assert model.observed.seen(owners) and not any(model.observed.prev.get(o) is not None for o in owners)
+    finally:
+        s.close()
