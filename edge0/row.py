@@ -42,6 +42,7 @@ class TokenEvent:
     stats: GenerationStats | None = field(default=None, repr=False)
     logprob: float | None = None  # with SamplingParams.logprobs
     top_logprobs: list[tuple[int, float]] | None = None  # with SamplingParams.top_logprobs > 0
+    stop_sequence: str | None = None  # the stop string that ended the generation (finish_reason "stop")
 
 
 _ARRIVALS = itertools.count()
@@ -148,7 +149,7 @@ class RowEvents:
         stats.peak_rss = peak_rss_bytes()
         if self.coord is not None:
             self.coord.finish_stats(stats)
-        return TokenEvent(token, text, finish, stats, **lp)
+        return TokenEvent(token, text, finish, stats, stop_sequence=self.stops.matched, **lp)
 
 
 def _logprobs(token: int, logprobs, params: SamplingParams) -> dict:
@@ -167,19 +168,22 @@ def _logprobs(token: int, logprobs, params: SamplingParams) -> dict:
 class StopMatcher:
     """Stop strings over streamed text: ``feed`` returns the text safe to emit (a tail that
     may still grow into a stop string is held back) and whether a stop string was reached
-    (the text is then cut where it begins)."""
+    (the text is then cut where it begins; ``matched`` is that string: the one that begins
+    first, the first listed of those beginning there)."""
 
     def __init__(self, stops: tuple[str, ...]):
         self.stops = stops
         self.pending = ""
+        self.matched: str | None = None
 
     def feed(self, text: str) -> tuple[str, bool]:
         if not self.stops:
             return text, False
         self.pending += text
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, n) for n, i in enumerate(self.pending.find(s) for s in self.stops) if i >= 0]
         if hits:
-            out, self.pending = self.pending[: min(hits)], ""
+            at, n = min(hits)
+            out, self.pending, self.matched = self.pending[:at], "", self.stops[n]
             return out, True
         cut = len(self.pending) - open_tail(self.pending, self.stops)
         out, self.pending = self.pending[:cut], self.pending[cut:]

@@ -14,6 +14,7 @@ _.read_wait_seconds  # GenerationStats field: the public stats (seconds the gene
 _.should_exit  # uvicorn.Server's flag, read by uvicorn's own loop
 _.pre_tokenizer, _.decoder, _.post_processor  # the tokenizers library's Tokenizer parts, read when it saves
 _.tool_choice, _.parallel_tool_calls  # request body fields: read from the body by server/tools.parse_tools
+_.cache_control  # Anthropic request field accepted and passed over: a hint for Anthropic's own prompt cache
 _.token_logprobs, _.text_offset, _.system_fingerprint, _.owned_by  # response body fields: pydantic dumps them
 _.pytestmark  # pytest's module marker
 _.anyio_backend, _.close_clients  # pytest fixtures, used by name

@@ -14,7 +14,9 @@ Tool calls (``tools`` in the chat template, the model's calls parsed back into
 ``tool_calls``) are ``edge0.server.tools``'s.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models`` (each
-also without ``/v1``, as mlx-lm's server answers), ``GET /health`` (503 while the model
+also without ``/v1``, as mlx-lm's server answers), Anthropic's ``POST /v1/messages`` and
+``/v1/messages/count_tokens`` (``edge0.server.anthropic``: the chat path, its answers in
+Anthropic's shapes), ``GET /health`` (503 while the model
 loads), ``GET /metrics`` (Prometheus text). With ``allowed_origins``, browsers on those
 origins may call it (CORS, Starlette's middleware).
 """
@@ -37,7 +39,7 @@ from starlette.routing import Route
 
 from edge0.errors import ConfigError, Edge0Error, EngineBusyError, FormatTooCostlyError, StalledConsumerError
 from edge0.admission import EngineMetrics
-from edge0.server import intake
+from edge0.server import anthropic, intake
 from edge0.server import protocol as P
 from edge0.server import schema as S
 from edge0.server.guard import RequestGuard
@@ -64,6 +66,8 @@ def create_app(settings: ServerSettings) -> Starlette:
                    Route(f"{prefix}/completions", _endpoint(state, "completion"), methods=["POST"]),
                    Route(f"{prefix}/models", _models(state), methods=["GET"]),
                    Route(prefix + "/models/{model_id:path}", _models(state, one=True), methods=["GET"])]
+    routes += [Route("/v1/messages", _endpoint(state, "messages", anthropic.ANSWERS), methods=["POST"]),
+               Route("/v1/messages/count_tokens", _endpoint(state, "count_tokens", anthropic.ANSWERS), methods=["POST"])]
     middleware = [Middleware(RequestGuard, allowed_hosts=settings.allowed_hosts)]
     if settings.allowed_origins:  # browsers' preflight and CORS headers, outside the Host and Content-Type checks
         middleware.insert(0, Middleware(_CORS, allow_origins=list(settings.allowed_origins),
@@ -90,8 +94,8 @@ class _CORS(CORSMiddleware):
 # -- responses -------------------------------------------------------------------------------
 
 
-def _error(e: P.APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+def _error(e: P.APIError, answers=None) -> JSONResponse:
+    return JSONResponse((answers or _OPENAI).error(e), status_code=e.status, headers=e.headers)
 
 
 async def _not_found(request: Request, exc) -> JSONResponse:
@@ -106,17 +110,23 @@ def _check_auth(state: ServerState, request: Request) -> None:
     key = state.settings.api_key
     if key is None:
         return
+    if not hmac.compare_digest(_presented_key(request).encode(), key.encode()):
+        raise P.APIError(401, "missing or wrong API key (Authorization: Bearer KEY, or x-api-key: KEY)",
+                         code="invalid_api_key")
+
+
+def _presented_key(request: Request) -> str:
+    """The API key a request presents: ``Authorization: Bearer KEY`` (OpenAI's clients) or
+    ``x-api-key: KEY`` (Anthropic's); "" when none."""
     scheme, _, given = request.headers.get("authorization", "").strip().partition(" ")
-    if not (scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), key.encode())):
-        raise P.APIError(401, "missing or wrong API key (Authorization: Bearer KEY)", code="invalid_api_key")
+    return given.strip() if scheme.lower() == "bearer" else request.headers.get("x-api-key", "").strip()
 
 
 def _tenant(request: Request, req: P.GenerationRequest) -> str:
     """The prompt cache's scope of a request: the API key it presented (hashed: the key
     is never kept), its ``user`` and its ``cache_salt``. Requests share cached prompts only
     when all three are equal (docs/SERVER.md)."""
-    given = request.headers.get("authorization", "").strip()
-    parts = json.dumps([given, req.user, req.cache_salt]).encode()
+    parts = json.dumps([_presented_key(request), req.user, req.cache_salt]).encode()
     return hashlib.sha256(parts).hexdigest()
 
 
@@ -205,8 +215,11 @@ def _process() -> dict:
             "mlx_active_bytes": B.active_memory(), "mlx_cache_bytes": B.cache_memory()}
 
 
-def _endpoint(state: ServerState, kind: str):
-    name = "chat" if kind == "chat" else "completions"
+def _endpoint(state: ServerState, kind: str, answers=None):
+    """The handler of ``kind``'s requests, answered in ``answers``' shapes (OpenAI's by
+    default). Anthropic's "count_tokens" stops at the prompt's token ids."""
+    name = {"chat": "chat", "completion": "completions"}.get(kind, kind)
+    answers = answers or _OPENAI
 
     async def handler(request: Request) -> Response:
         admission = None
@@ -215,19 +228,23 @@ def _endpoint(state: ServerState, kind: str):
             _check_ready(state)
             req = await intake.parse(state, request, kind)
             req.tenant = _tenant(request, req)
+            if kind == "count_tokens":
+                ids = await intake.until_gone(request, intake.prompt_ids, state, req)
+                state.metrics.count(name, 200)
+                return JSONResponse({"input_tokens": len(ids)})
             admission = _admit(state)  # before any work for the request
             ids = await intake.until_gone(request, intake.prompt_ids, state, req)
             if req.stream:
-                stream, admission = _stream(state, req, ids, admission), None  # the stream owns it from here
+                stream, admission = _stream(state, req, ids, admission, answers), None  # the stream owns it now
                 state.metrics.count(name, 200)
                 return StreamingResponse(stream, media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            result = await _complete(state, request, req, ids, admission)
+            result = await _complete(state, request, req, ids, admission, answers)
             state.metrics.count(name, 200 if result is not None else 499)
             return JSONResponse(result) if result is not None else Response(status_code=499)
         except P.APIError as e:
             state.metrics.count(name, e.status)
-            return _error(e)
+            return _error(e, answers)
         except ClientDisconnect:  # the client left while sending its request: nobody to answer
             state.metrics.count(name, 499)
             state.metrics.disconnects += 1
@@ -236,12 +253,12 @@ def _endpoint(state: ServerState, kind: str):
             # only the server's shutdown cancels a handler (its requests' --grace is over): an
             # answer that says so, not uvicorn's bare 500 and a logged traceback
             state.metrics.count(name, 503)
-            return _error(P.APIError(503, "the server is shutting down", headers={"Connection": "close"}))
+            return _error(P.APIError(503, "the server is shutting down", headers={"Connection": "close"}), answers)
         except Exception as e:  # noqa: BLE001 - an internal failure: 500, and the next request is served
             state.log.error("server.internal_error", error=f"{type(e).__name__}: {e}",
                             traceback=traceback.format_exc(limit=8))
             state.metrics.count(name, 500)
-            return _error(P.APIError(500, f"internal error: {type(e).__name__}: {e}", kind="server_error"))
+            return _error(P.APIError(500, f"internal error: {type(e).__name__}: {e}", kind="server_error"), answers)
         finally:
             if admission is not None:
                 admission.release()
@@ -267,6 +284,7 @@ class _Collector:
         self.tools = ToolCalls(state.engine.tokenizer, req.tools) if req.tools else None
         self.stats = None
         self.finish: str | None = None
+        self.stop: str | None = None  # the stop string that ended the answer
         self.count = 0
 
     def add(self, event) -> tuple[str, list[dict], list[dict]]:
@@ -280,7 +298,7 @@ class _Collector:
         if self.tools is not None:
             text, calls = self.tools.feed(text, final=event.finish_reason is not None)
         if event.finish_reason is not None:
-            self.finish, self.stats = event.finish_reason, event.stats
+            self.finish, self.stats, self.stop = event.finish_reason, event.stats, event.stop_sequence
             if self.finish == "stop" and self.tools is not None and self.tools.calls:
                 self.finish = "tool_calls"
         return text, entries, calls
@@ -312,7 +330,7 @@ async def _generate(state: ServerState, req: P.GenerationRequest, ids: list[int]
 
 
 async def _complete(state: ServerState, request: Request, req: P.GenerationRequest, ids: list[int],
-                    admission) -> dict | None:
+                    admission, answers) -> dict | None:
     """A whole (non-streamed) answer; None when the client went away first."""
     collector = _Collector(state, req)
     parts: list[str] = []
@@ -346,24 +364,33 @@ async def _complete(state: ServerState, request: Request, req: P.GenerationReque
     if gone:
         state.metrics.disconnects += 1
         return None
-    return P.response(req, P.new_id(req.kind), P.now(), "".join(parts), collector.finish or "length",
-                      collector.usage(len(ids)), collector.logprobs, collector.calls)
+    return answers.whole(req, "".join(parts), collector, len(ids))
 
 
 def _sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
 
-async def _stream(state: ServerState, req: P.GenerationRequest, ids: list[int], admission):
-    """Server-sent events: a chunk per token (text held back while it may begin a stop
-    string), keep-alive comments while no token comes, the usage chunk, ``[DONE]``."""
-    rid, created = P.new_id(req.kind), P.now()
-    collector = _Collector(state, req)
-    ended = False  # answered to the end, or with an error event: not a disconnect
-    try:
+class _OpenAIAnswers:
+    """OpenAI's bodies of the server's answers: errors, the whole answer, its events."""
+
+    @staticmethod
+    def error(e: P.APIError) -> dict:
+        return e.body()
+
+    @staticmethod
+    def whole(req: P.GenerationRequest, text: str, collector: _Collector, prompt_tokens: int) -> dict:
+        return P.response(req, P.new_id(req.kind), P.now(), text, collector.finish or "length",
+                          collector.usage(prompt_tokens), collector.logprobs, collector.calls)
+
+    @staticmethod
+    async def events(req: P.GenerationRequest, collector: _Collector, items, prompt_tokens: int):
+        """A chunk per token (text held back while it may begin a stop string), keep-alive
+        comments while no token comes, the usage chunk, ``[DONE]``."""
+        rid, created = P.new_id(req.kind), P.now()
         if req.kind == "chat":
             yield _sse(P.chunk(req, rid, created, "", None, role=True))
-        async for item in _generate(state, req, ids, collector, admission, heartbeat=state.settings.keepalive_s):
+        async for item in items:
             if item is None:
                 yield ": keep-alive\n\n"
                 continue
@@ -374,8 +401,27 @@ async def _stream(state: ServerState, req: P.GenerationRequest, ids: list[int], 
                                    tool_calls=stream_deltas(calls, first)))
         yield _sse(P.chunk(req, rid, created, None if req.kind == "chat" else "", collector.finish or "length"))
         if req.include_usage:
-            yield _sse(P.usage_chunk(req, rid, created, collector.usage(len(ids))))
+            yield _sse(P.usage_chunk(req, rid, created, collector.usage(prompt_tokens)))
         yield _sse("[DONE]")
+
+    @staticmethod
+    def stream_error(message: str, fault: str | None) -> str:
+        return _sse({"error": {"message": message, "type": "invalid_request_error" if fault else "server_error",
+                               "param": fault, "code": None}})
+
+
+_OPENAI = _OpenAIAnswers()
+
+
+async def _stream(state: ServerState, req: P.GenerationRequest, ids: list[int], admission, answers):
+    """Server-sent events of the answer, in ``answers``' shapes; an error event when the
+    generation fails."""
+    collector = _Collector(state, req)
+    ended = False  # answered to the end, or with an error event: not a disconnect
+    try:
+        items = _generate(state, req, ids, collector, admission, heartbeat=state.settings.keepalive_s)
+        async for event in answers.events(req, collector, items, len(ids)):
+            yield event
         ended = True
     except StalledConsumerError as e:  # the client stopped reading: its stream ends, nobody to tell
         state.log.warning("server.stream_stopped", reason=str(e))
@@ -383,9 +429,7 @@ async def _stream(state: ServerState, req: P.GenerationRequest, ids: list[int], 
         state.log.error("server.generation_failed", error=f"{type(e).__name__}: {e}")
         ended = True
         fault = _request_fault(e)
-        yield _sse({"error": {"message": str(e) if fault else f"generation failed: {type(e).__name__}: {e}",
-                              "type": "invalid_request_error" if fault else "server_error",
-                              "param": fault, "code": None}})
+        yield answers.stream_error(str(e) if fault else f"generation failed: {type(e).__name__}: {e}", fault)
     finally:
         if not ended:
             state.metrics.disconnects += 1

@@ -13,6 +13,7 @@ from starlette.requests import ClientDisconnect, Request
 
 from edge0.errors import ConfigError
 from edge0.heap import trim_heap
+from edge0.server import anthropic
 from edge0.server import protocol as P
 from edge0.server.api_error import load_json
 from edge0.server.sandbox import JobAbandoned, JobRefused, JobTimeout, SandboxError
@@ -58,7 +59,7 @@ async def parse(state: ServerState, request: Request, kind: str) -> P.Generation
                 await anyio.to_thread.run_sync(trim_heap)
         req.adapter = state.checks.models[req.model]  # the worker held the models by name
         return req
-    return P.parse(load_json(body), kind, state.checks)
+    return anthropic.parse_any(load_json(body), kind, state.checks)
 
 
 async def until_gone(request: Request, fn, *args):
@@ -115,7 +116,8 @@ def prompt_ids(state: ServerState, req: P.GenerationRequest, abandoned: threadin
         if req.tools and not getattr(engine.tokenizer, "has_tool_calling", False):
             raise P.bad("this model's chat template has no tool-call format: it cannot be given tools", "tools")
         ids = (engine.prompt_ids(messages=req.messages, tools=req.tools, template_kwargs=req.template_kwargs,
-                                 role_mapping=req.role_mapping, render=render) if req.kind == "chat" else req.prompt)
+                                 role_mapping=req.role_mapping, prefill_response=req.prefill, render=render)
+               if req.kind == "chat" else req.prompt)
         ids, _ = engine.validate(ids, **req.sampling)
     except ConfigError as e:  # a sampling value the model refuses, or the prompt
         named = next((f for f in req.sampling if str(e).startswith(f)), None)

@@ -48,6 +48,7 @@ class GenerationRequest:
     user: str | None = None  # OpenAI's end-user id: with the API key, the prompt cache's tenant
     cache_salt: str | None = None  # vLLM's finer scope: only requests with the same salt share cached prompts
     tenant: str | None = None  # the prompt cache's scope, set by the server (API key, user, cache_salt)
+    prefill: str | None = None  # the start of the answer, which the model continues (Anthropic's last assistant message)
 
 
 def _messages(messages: list[S.Message]) -> list[dict]:

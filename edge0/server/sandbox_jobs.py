@@ -15,10 +15,10 @@ class Jobs:
             from edge0.backend import nn as bnn
 
             self.tokenizer = bnn.rebuild_tokenizer(*setup["tokenizer"])
-        from edge0.server import protocol  # imported before the memory limit: it is the child's own
+        from edge0.server import anthropic, protocol  # imported before the memory limit: they are the child's own
         from edge0.server.api_error import load_json
 
-        self.protocol, self.load_json = protocol, load_json
+        self.protocol, self.parse, self.load_json = protocol, anthropic.parse_any, load_json
 
     def run(self, job: tuple) -> tuple:
         run = {"render": self._render, "parse": self._parse}[job[0]]
@@ -42,4 +42,4 @@ class Jobs:
         return text
 
     def _parse(self, body: bytes, kind: str) -> Any:
-        return self.protocol.parse(self.load_json(body), kind, self.setup["checks"])
+        return self.parse(self.load_json(body), kind, self.setup["checks"])

@@ -153,37 +153,40 @@ def parse_body(body: dict, kind: str) -> _Request:
         raise refusal(e, REQUESTS[kind], kind) from None
 
 
-def refusal(error: ValidationError, model: type[BaseModel], kind: str) -> APIError:
+def refusal(error: ValidationError, model: type[BaseModel], kind: str,
+            expect: dict[str, str] | None = None) -> APIError:
     """The 400 of a body's first fault: a field the server does not implement, or the first
-    field that is not what it must be."""
+    field that is not what it must be (``expect``: what a field must be, by path; default
+    ``EXPECT``, the OpenAI bodies')."""
+    expect = EXPECT if expect is None else expect
     errors = error.errors(include_url=False)
     extra = sorted(".".join(filter(None, (_path(e["loc"][:-1]), str(e["loc"][-1]))))
                    for e in errors if e["type"] == "extra_forbidden")
     if extra:
-        return bad(f"'{extra[0]:.80}' is not a field this server implements for {ENDPOINT[kind]}"
+        return bad(f"'{extra[0]:.80}' is not a field this server implements for {ENDPOINT.get(kind, kind)}"
                    + (f" (nor {len(extra) - 1} more)" if len(extra) > 1 else ""), _param(extra[0])[:80])
     first = errors[0]
     path = _path(first["loc"])
     pattern = re.sub(r"\[\d+\]", "[*]", path)
     if first["type"] in _RANGE and len(first["loc"]) == 1:
         return bad(f"'{path}' must be in {_interval(model, path)}, got {first['input']!r:.40}", path)
-    if first["type"] == "too_long" and pattern not in EXPECT:  # a list of a bounded length
+    if first["type"] == "too_long" and pattern not in expect:  # a list of a bounded length
         return bad(f"'{path}' must have at most {first['ctx']['max_length']} entries", _param(path))
     if first["type"] == "missing" and len(first["loc"]) == 1:
-        return bad(f"'{path}' is required: {EXPECT.get(pattern, 'see the API reference')}", path)
-    what = EXPECT.get(pattern) or _TYPES.get(first["type"].split("_")[0]) or _enclosing(pattern) \
+        return bad(f"'{path}' is required: {expect.get(pattern, 'see the API reference')}", path)
+    what = expect.get(pattern) or _TYPES.get(first["type"].split("_")[0]) or _enclosing(pattern, expect) \
         or first["msg"].lower()
     shown = "" if isinstance(first["input"], (dict, list)) else f", got {first['input']!r:.40}"
     return bad(f"'{path}' must be {what}{shown}", _param(path))
 
 
-def _enclosing(pattern: str) -> str | None:
+def _enclosing(pattern: str, expect: dict[str, str]) -> str | None:
     """What the nearest enclosing value with a stated form must be (a content part's
     fault is told as the content's)."""
     while pattern:
         pattern = re.sub(r"(\.\w+|\[\*\])$", "", pattern)
-        if pattern in EXPECT:
-            return EXPECT[pattern]
+        if pattern in expect:
+            return expect[pattern]
     return None
 
 
