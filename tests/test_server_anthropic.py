@@ -115,8 +115,10 @@ def test_api_key_as_x_api_key_or_bearer(model):
     with serving(d, EngineConfig(adapter="off"), api_key="sekret") as (url, _):
         body = {"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": "x"}]}
         assert messages_client(url, "sekret").messages.create(**body).usage.output_tokens == 1
-        bearer = httpx.post(url + "/v1/messages", json=body, headers={"Authorization": "Bearer sekret"})
-        assert bearer.status_code == 200
+        for headers in ({"x-api-key": "sekret"}, {"Authorization": "Bearer sekret"}):
+            assert httpx.post(url + "/v1/messages", json=body, headers=headers, timeout=60).status_code == 200
+        wrong = httpx.post(url + "/v1/messages", json=body, headers={"x-api-key": "sekre"}, timeout=60)
+        assert wrong.status_code == 401 and wrong.json()["error"]["type"] == "authentication_error"
         with pytest.raises(anthropic.AuthenticationError) as e:
             messages_client(url, "wrong").messages.create(**body)
         assert e.value.status_code == 401 and e.value.body["type"] == "error"
@@ -210,11 +212,12 @@ def test_tool_results_go_back_through_the_template(scripted):
                                                {"type": "tool_use", "id": "toolu_1", "name": "get_weather",
                                                 "input": {"city": "Paris"}}]},
              {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
-                                           "content": [{"type": "text", "text": "sunny, 21 C"}]}]}]
+                                           "content": [{"type": "text", "text": "sunny, 21 C"}]},
+                                          {"type": "text", "text": "And so?"}]}]
     m = messages_client(url).messages.create(model="tiny", max_tokens=8, tools=[TOOL], messages=turns)
     assert m.content[0].text == "It is sunny." and m.stop_reason == "end_turn"
     prompt = state.engine.tokenizer.decode(script["ids"])
-    assert CALL in prompt and "<|im_start|>tool\nsunny, 21 C" in prompt
+    assert CALL in prompt and "<|im_start|>tool\nsunny, 21 C<|im_end|>\n<|im_start|>user\nAnd so?" in prompt
 
 
 def test_tool_choice_none_gives_no_tools_and_forced_choices_follow_the_chat_route(scripted):
@@ -241,10 +244,11 @@ def test_tool_choice_none_gives_no_tools_and_forced_choices_follow_the_chat_rout
             assert err["message"] == f"tool_choice {theirs} cannot be honoured: {o.json()['error']['message']}"
 
 
-def test_an_error_mid_stream_is_an_error_event(scripted, monkeypatch):
+def test_a_wait_is_a_ping_and_an_error_mid_stream_is_an_error_event(scripted, monkeypatch):
     url, state, _ = scripted
 
     async def failing(ids, **kw):
+        yield None  # the engine's heartbeat: no token within --keepalive
         yield TokenEvent(5, "Hello", None)
         raise Edge0Error("the disk went away")
 
@@ -252,7 +256,7 @@ def test_an_error_mid_stream_is_an_error_event(scripted, monkeypatch):
     r = httpx.post(url + "/v1/messages", timeout=60, json={
         "model": "tiny", "max_tokens": 8, "stream": True, "messages": [{"role": "user", "content": "x"}]})
     events = sse_events(r)
-    assert [n for n, _ in events] == ["message_start", "content_block_start", "content_block_delta", "error"]
+    assert [n for n, _ in events] == ["message_start", "ping", "content_block_start", "content_block_delta", "error"]
     assert events[-1][1] == {"type": "error", "error": {
         "type": "api_error", "message": "generation failed: Edge0Error: the disk went away"}}
 

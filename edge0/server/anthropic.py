@@ -219,8 +219,8 @@ def _assistant(blocks: list, where: str, names: dict[str, str]) -> dict:
 
 
 def _user(blocks: list, where: str, names: dict[str, str]) -> list[dict]:
-    """A user turn: its text as a user message, each ``tool_result`` as a tool message (in
-    the order they come)."""
+    """A user turn: a tool message per ``tool_result`` (Anthropic's come first in the turn),
+    then its text as a user message."""
     out: list[dict] = []
     texts: list[str] = []
     for j, block in enumerate(blocks):
@@ -228,9 +228,6 @@ def _user(blocks: list, where: str, names: dict[str, str]) -> list[dict]:
         if not (isinstance(block, dict) and block.get("type") == "tool_result"):
             texts.append(_text(block, at))
             continue
-        if texts:
-            out.append({"role": "user", "content": "".join(texts)})
-            texts = []
         use_id, content = block.get("tool_use_id"), block.get("content", "")
         if not isinstance(use_id, str):
             raise bad(f"'{at}.tool_use_id' must be a string (the id of the tool_use it answers)", at)
