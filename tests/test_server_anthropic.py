@@ -157,6 +157,20 @@ def test_errors_are_anthropics_shape(server, fields, status, kind, match):
     assert "message" in httpx.post(url + "/v1/chat/completions", json={"model": "nope", "messages": []}).json()["error"]
 
 
+def test_refusals_before_the_route_are_anthropics_shape_on_its_routes(server):
+    url, _ = server
+    cases = [(httpx.post(url + "/v1/messages", content="{}", headers={"Content-Type": "text/plain"}), 415,
+              "invalid_request_error", "Content-Type must be application/json"),
+             (httpx.post(url + "/v1/messages", json={}, headers={"Host": "evil.example"}), 403, "permission_error",
+              "is not served"),
+             (httpx.get(url + "/v1/messages"), 405, "invalid_request_error", "GET is not allowed"),
+             (httpx.post(url + "/v1/messages/batches", json={}), 404, "not_found_error", "no route")]
+    for r, status, kind, words in cases:
+        assert r.status_code == status and r.json()["type"] == "error", r.text
+        assert r.json()["error"]["type"] == kind and words in r.json()["error"]["message"]
+    assert "param" in httpx.get(url + "/v1/nothing").json()["error"]  # elsewhere OpenAI's
+
+
 def test_the_sdk_raises_its_own_errors(server):
     url, _ = server
     c = messages_client(url)

@@ -28,7 +28,7 @@ from edge0.server.api_error import APIError, bad, check_value
 from edge0.server.tools import MAX_TOOLS
 
 MAX_STOP_SEQUENCES = 16
-MAX_ID_CHARS = 256
+ROUTE = "/v1/messages"
 
 
 class _Strict(BaseModel):
@@ -41,7 +41,7 @@ class Message(_Strict):
 
 
 class Metadata(_Strict):
-    user_id: str | None = Field(None, max_length=MAX_ID_CHARS)  # the prompt cache's tenant, as OpenAI's ``user``
+    user_id: str | None = Field(None, max_length=S.MAX_ID_CHARS)  # the prompt cache's tenant, as OpenAI's ``user``
 
 
 class Tool(_Strict):
@@ -61,7 +61,7 @@ class ToolChoice(_Strict):
 class CountTokensRequest(_Strict):
     """``/v1/messages/count_tokens``: what the prompt is made of."""
 
-    model: str = Field(max_length=MAX_ID_CHARS)
+    model: str = Field(max_length=S.MAX_ID_CHARS)
     messages: list[Message] = Field(min_length=1)
     system: str | list[dict[str, Any]] | None = None
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
@@ -250,6 +250,11 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
 
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use", "stop": "end_turn"}
+
+
+def is_route(path: str) -> bool:
+    """Whether a request path is one of this API's (its errors then take this API's shape)."""
+    return path == ROUTE or path.startswith(ROUTE + "/")
 
 
 def error_body(status: int, message: str) -> dict:

@@ -99,11 +99,17 @@ def _error(e: P.APIError, answers=None) -> JSONResponse:
 
 
 async def _not_found(request: Request, exc) -> JSONResponse:
-    return _error(P.APIError(404, f"no route {request.method} {request.url.path}"))
+    return _error(P.APIError(404, f"no route {request.method} {request.url.path}"), _answers_at(request.url.path))
 
 
 async def _not_allowed(request: Request, exc) -> JSONResponse:
-    return _error(P.APIError(405, f"{request.method} is not allowed on {request.url.path}", kind="invalid_request_error"))
+    return _error(P.APIError(405, f"{request.method} is not allowed on {request.url.path}", kind="invalid_request_error"),
+                  _answers_at(request.url.path))
+
+
+def _answers_at(path: str):
+    """The error shapes of the API a path belongs to (Anthropic's under its route)."""
+    return anthropic.ANSWERS if anthropic.is_route(path) else _OPENAI
 
 
 def _check_auth(state: ServerState, request: Request) -> None:

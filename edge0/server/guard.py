@@ -4,13 +4,15 @@ cannot be ``application/json`` without a preflight the server never answers).
 
 A Host is accepted when it is an IP literal, ``localhost``, or in ``--allowed-hosts``
 (``*`` accepts any), or absent (HTTP/1.0; browsers always send one); the port is not
-looked at. Refusals are OpenAI-shaped errors.
+looked at. Refusals are OpenAI-shaped errors (Anthropic-shaped on its routes).
 """
 
 from __future__ import annotations
 
 import ipaddress
 import json
+
+from edge0.server.anthropic import error_body, is_route
 
 
 def host_allowed(host: str, allowed: tuple[str, ...]) -> bool:
@@ -43,20 +45,23 @@ class RequestGuard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        anthropic_shape = is_route(scope.get("path", ""))
         if not host_allowed(headers.get("host", ""), self.allowed):
             return await _refuse(send, 403, "permission_error", "host",
                                  f"Host {headers.get('host', '')!r:.80} is not served (an IP address, localhost or "
-                                 "--allowed-hosts)")
+                                 "--allowed-hosts)", anthropic_shape)
         if scope["method"] == "POST":
             kind = headers.get("content-type", "").split(";", 1)[0].strip().lower()
             if kind != "application/json":
                 return await _refuse(send, 415, "invalid_request_error", "content-type",
-                                     f"Content-Type must be application/json, got {kind or 'none'!r:.80}")
+                                     f"Content-Type must be application/json, got {kind or 'none'!r:.80}",
+                                     anthropic_shape)
         return await self.app(scope, receive, send)
 
 
-async def _refuse(send, status: int, kind: str, param: str, message: str) -> None:
-    body = json.dumps({"error": {"message": message, "type": kind, "param": param, "code": None}}).encode()
+async def _refuse(send, status: int, kind: str, param: str, message: str, anthropic_shape: bool) -> None:
+    body = json.dumps(error_body(status, message) if anthropic_shape else
+                      {"error": {"message": message, "type": kind, "param": param, "code": None}}).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body})
