@@ -73,6 +73,7 @@ def test_a_streamed_echo_starts_with_the_prompt_and_its_scores(server):
                       json={"prompt": PROMPT, "echo": True, "logprobs": 1, "max_tokens": 4, "stream": True}) as r:
         events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     assert "".join(e["choices"][0]["text"] for e in events) == whole["text"]
+    assert events[0]["choices"][0]["text"].startswith(PROMPT)
     first = events[0]["choices"][0]["logprobs"]
     n = len(state.engine.encode(PROMPT))
     assert first["token_logprobs"][:n] == whole["logprobs"]["token_logprobs"][:n] and first["token_logprobs"][0] is None
@@ -115,7 +116,8 @@ def test_n_choices_are_seeded_distinct_and_reproducible(server, path):
     assert texts(_post(url, path, n=4, **body)) == texts(first)  # the same request, the same choices
     # choice j is what seed + j alone samples
     assert [texts(_post(url, path, **{**body, "seed": 11 + j}))[0] for j in range(4)] == texts(first)
-    assert first["usage"]["completion_tokens"] == 32
+    assert first["usage"]["completion_tokens"] == 32  # every choice's tokens, the prompt's once
+    assert first["usage"]["prompt_tokens"] == _post(url, path, **body)["usage"]["prompt_tokens"]
 
 
 def test_n_times_a_list_of_prompts_indexes_prompt_by_prompt(server):
