@@ -269,7 +269,7 @@ class Batcher:
             if not len(self.batch) and not any(r.cache is not None for r in self.joining if r is not row):
                 host.begin_batch()
             cache, cached = row.start if row.start is not None else (None, 0)
-            if self._cached(row):
+            if self._cached(row) and row.prompt_scores is None:  # (a scored prompt is forwarded whole)
                 cache, cached = host.prompt_cache.take((row.adapter, row.cache_scope), row.ids, 3 if self._has_heads() else 1)
             row.cache = cache if cache is not None else bnn.make_cache(host.step_model, row.params.max_kv_size)
             row.pos = row.cached = cached if row.start is None else 0

@@ -155,6 +155,9 @@ class Piped(Local):
         return sum(v for (v,) in self.pipeline.gather([nbytes]))
 
     def params(self, params):
+        if params.prompt_logprobs is not None:
+            raise ConfigError("prompt_logprobs cannot be scored under a pipeline: its pass ends with the last "
+                              "position's logits only")
         if params.seed is None:  # every rank samples alike
             params = dataclasses.replace(params, seed=self.pipeline.next_seed())
         return params

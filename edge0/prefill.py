@@ -129,8 +129,11 @@ def together(host, rows: list[Row]) -> tuple[Batch | None, int]:
     cache = bnn.empty_batch_cache(len(rows[0].cache), pads)
     sink = Observing(None, sequences=len(rows)) if host.streaming.prerouter is not None else None
     try:
-        host.step_model(inputs, cache=cache, decode=False, adapters=[r.adapter for r in rows], heads=sink)
-        B.eval([(c.keys, c.values) for c in cache])
+        logits = host.step_model(inputs, cache=cache, decode=False, adapters=[r.adapter for r in rows], heads=sink)
+        scores = [score(logits[i:i + 1, p:], r, 0) for i, (r, p) in enumerate(zip(rows, pads))]
+        B.eval([(c.keys, c.values) for c in cache], [s for s in scores if s is not None])
+        for row, s in zip(rows, scores):
+            keep_scores(row, s)
     except BaseException as e:  # the pass itself: every row of it fails
         for row in rows:
             row.error = e
@@ -151,10 +154,13 @@ def chunk(host, row: Row) -> tuple[int, int]:
     # a row's chunks are the same whatever runs beside it
     sink = Observing(row.heads) if host.streaming.prerouter is not None else None
     try:
-        host.step_model(B.array([rest[:n]]), cache=row.cache, decode=False, adapters=[row.adapter], heads=sink)
+        logits = host.step_model(B.array([rest[:n]]), cache=row.cache, decode=False, adapters=[row.adapter],
+                                 heads=sink)
+        scores = score(logits, row, row.pos)
         if row.kv_quant:
             bnn.quantize_kv(row.cache, host.config)
-        B.eval([c.state for c in row.cache])
+        B.eval([c.state for c in row.cache], scores if scores is not None else [])
+        keep_scores(row, scores)
     except BaseException as e:
         row.error = e
         return n, 0
@@ -196,3 +202,30 @@ class Share:
         if self.share < 1.0:
             spent = time.perf_counter() - t0
             self.credit += spent * self.share / (1.0 - self.share) if decoding else -spent
+
+
+def score(logits, row: Row, start: int):
+    """The scores of ``row``'s prompt tokens after ``start`` (lazy; None when the row does
+    not score its prompt): ``logits`` [1, n, vocab] are the pass's over its tokens
+    ``start .. start + n - 1``, each predicting the next. Each token's log-probability and
+    the ``prompt_logprobs`` most likely tokens at its position, as ``edge0 eval`` scores
+    text (``B.score_tokens``): the model's own distribution, before any sampling filter."""
+    k = row.params.prompt_logprobs
+    if row.prompt_scores is None:
+        return None
+    n = logits.shape[1]
+    logp, picked = B.score_tokens(logits, B.array([row.ids[start + 1:start + n + 1]], dtype=B.int32))
+    return [picked, *B.top_tokens(logp, k)] if k else [picked]
+
+
+def keep_scores(row: Row, scores) -> None:
+    """Evaluated ``score``s onto the row, as host values: (log-probability, [(token id,
+    log-probability)] most likely first) per token."""
+    if scores is None:
+        return
+    picked = B.to_host(scores[0]).reshape(-1).tolist()
+    tops = [[] for _ in picked]
+    if len(scores) == 3:
+        ids, values = B.to_host(scores[1])[0], B.to_host(scores[2])[0]
+        tops = [sorted(zip(i.tolist(), v.tolist()), key=lambda t: -t[1]) for i, v in zip(ids, values)]
+    row.prompt_scores.extend(zip(picked, tops))

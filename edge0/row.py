@@ -43,6 +43,10 @@ class TokenEvent:
     logprob: float | None = None  # with SamplingParams.logprobs
     top_logprobs: list[tuple[int, float]] | None = None  # with SamplingParams.top_logprobs > 0
     stop_sequence: str | None = None  # the stop string that ended the generation (finish_reason "stop")
+    # with SamplingParams.prompt_logprobs, on the first event: per prompt token, None for the
+    # first (nothing predicts it), then (its log-probability, [(token id, log-probability)] of
+    # the most likely tokens at its position)
+    prompt_logprobs: list | None = field(default=None, repr=False)
 
 
 _ARRIVALS = itertools.count()
@@ -75,11 +79,14 @@ class Row:
     alone: bool = False  # runs alone: nothing joins while it runs
     kv_quant: bool = False  # its KV cache is quantized once it holds quantized_kv_start tokens (it runs alone)
     passed_over: int = 0  # iterations with prefill budget in which its prompt got none
+    prompt_scores: list | None = None  # with params.prompt_logprobs: its prompt tokens' scores so far (prefill)
     arrival: int = field(default_factory=lambda: next(_ARRIVALS))  # the order rows were made in (edge0.prefill.order)
 
     def __post_init__(self):
         if self.seed is None:
             self.seed = self.params.seed if self.params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+        if self.params.prompt_logprobs is not None:
+            self.prompt_scores = [None]  # the first token: nothing before it predicts it
 
     def spec(self) -> dict:
         """What another rank needs to run this generation as this one runs (a served
@@ -131,6 +138,8 @@ class RowEvents:
         stats.decode_cache_bytes = reads.cache_bytes - self.cache_first[1]
         finish = "stop" if token in self.eos else "length" if n + 1 == row.max_tokens else None
         lp = _logprobs(token, logprobs, row.params)
+        if n == 0 and row.prompt_scores is not None:
+            lp["prompt_logprobs"] = row.prompt_scores
         if finish != "stop":  # an end-of-generation token's text is not part of the answer
             self.detok.add_token(token)
         if finish is not None:

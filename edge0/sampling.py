@@ -1,4 +1,5 @@
-"""What one generation asks for: length, sampling, stops, log-probabilities.
+"""What one generation asks for: length, sampling, stops, log-probabilities (of the
+generated tokens, and with ``prompt_logprobs`` of the prompt's).
 
 The names and meanings are mlx-lm's (``mlx_lm.generate`` and its server): a temperature
 of 0 is greedy, and so is one below ``MIN_TEMP`` (1e-5: float32 logits divided by 1e-300
@@ -92,6 +93,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings: the text ends before the first one that appears
     logprobs: bool = False  # report each generated token's log-probability
     top_logprobs: int = 0  # and the n most likely tokens at each step
+    # score the prompt: each prompt token's log-probability and the n most likely tokens at its
+    # position, from the prefill's logits (None: not scored; edge0.prefill.score)
+    prompt_logprobs: int | None = None
     max_kv_size: int | None = None  # a rotating KV cache of this many tokens (mlx-lm's --max-kv-size)
     response_format: dict | None = None  # OpenAI's: {"type": "json_object"} or a json_schema (edge0.constrain)
 
@@ -129,6 +133,8 @@ class SamplingParams:
         if not isinstance(self.logprobs, bool):
             raise ConfigError(f"logprobs must be true or false, got {self.logprobs!r}")
         _int("top_logprobs", self.top_logprobs, 0, MAX_TOP_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _int("prompt_logprobs", self.prompt_logprobs, 0, MAX_TOP_LOGPROBS)
         if self.max_kv_size is not None:
             _int("max_kv_size", self.max_kv_size, 1)
         if self.response_format is not None:

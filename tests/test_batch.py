@@ -34,15 +34,17 @@ def _alone(model, config, prompts, **sampling) -> list[list[int]]:
         return [[ev.token for ev in e.stream(p, **sampling)] for p in prompts]
 
 
-def _arriving_together(engine: Engine, prompts, adapters=None, **sampling) -> list[list[int]]:
+def _arriving_together(engine: Engine, prompts, adapters=None, take=None, **sampling) -> list:
     """Every prompt submitted while the engine's compute thread is held, then released: the
-    batch loop finds them all waiting at once."""
+    batch loop finds them all waiting at once. Each prompt's tokens, or ``take`` of its
+    events."""
     gate, out = threading.Event(), [None] * len(prompts)
     engine._worker.submit(gate.wait)
 
     def run(i):
         extra = {"adapter": adapters[i]} if adapters else {}
-        out[i] = [ev.token for ev in engine.stream(prompts[i], **extra, **sampling)]
+        events = list(engine.stream(prompts[i], **extra, **sampling))
+        out[i] = take(events) if take is not None else [ev.token for ev in events]
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
     for t in threads:

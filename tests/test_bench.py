@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections import namedtuple
 
@@ -106,7 +107,7 @@ def test_bad_settings_are_refused(bench_model):
         harness.run_bench(bench_model, harness.BenchSettings(cache="lukewarm"))
 
 
-RESULT_KEYS = {"schema", "overlap", "model", "checkpoint_bytes", "settings", "replay", "orders", "arms"}
+RESULT_KEYS = {"schema", "overlap", "model", "checkpoint_bytes", "settings", "replay", "orders", "arms", "machine"}
 ARM_KEYS = {"runs", "consumed_digest", "argmax_digest", "ratio_to_resident", *harness.FIGURES}
 RUN_KEYS = {"arm", "settings", "info", "load_seconds", "prompt_tokens", "decode_tokens", "consumed_digest",
             "argmax_digest", "prefill_tps", "decode_tps", "step_ms", "step_ms_median", "read_wait_ms_per_step",
@@ -120,6 +121,9 @@ def test_real_arms_replay_the_same_tokens(bench_model, tmp_path):
                                      decode_tokens=4)
     doc = harness.run_bench(bench_model, settings)
     assert set(doc) == RESULT_KEYS and doc["schema"] == harness.SCHEMA_VERSION
+    machine = doc["machine"]  # what it ran on, in the document and its report
+    assert machine["cores"] == os.cpu_count() and machine["cpu"] and machine["memory_bytes"] > 2**30
+    assert f"Machine: {machine['cpu']}" in markdown(doc) and f"{machine['cores']} cores" in markdown(doc)
     assert len(doc["replay"]["prompt"]) == 12 and len(doc["replay"]["continuation"]) == 4
     digests = {d for a in doc["arms"].values() for d in a["consumed_digest"]}
     outputs = {d for a in doc["arms"].values() for d in a["argmax_digest"]}

@@ -352,7 +352,7 @@ def test_models_with_other_caches_and_layouts_run_under_two_ranks(tiny_model_fac
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type", __import__("edge0.model.families", fromlist=["x"]).SUPPORTED_MODEL_TYPES)
 def test_every_model_type_under_two_ranks(tiny_model_factory, model_type):
-    """The README's pipeline column: where it says yes, two ranks' greedy text equals one
+    """docs/MODELS.md's pipeline column: where it says yes, two ranks' greedy text equals one
     process's on the exact path; elsewhere a pipeline is refused at once, saying so."""
     from edge0.model.families import PIPELINE_MODEL_TYPES
 

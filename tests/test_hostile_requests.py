@@ -339,12 +339,12 @@ def test_a_pool_left_short_by_a_failed_start_starts_another(monkeypatch):
         assert pool.size() == 1
         results: list = []
         jobs = [threading.Thread(target=lambda: results.append(
-            pool.run(("parse", b'{"prompt": [1, 2], "max_tokens": 1}', "completion")).prompt)) for _ in range(2)]
+            pool.run(("parse", b'{"prompt": [1, 2], "max_tokens": 1}', "completion")).prompts)) for _ in range(2)]
         for t in jobs:
             t.start()
         for t in jobs:
             t.join(60)
-        assert results == [[1, 2], [1, 2]]
+        assert results == [[[1, 2]], [[1, 2]]]
         deadline = time.monotonic() + 60
         while pool.size() < 2:  # the one the waiting request started
             assert time.monotonic() < deadline, (pool.size(), len(starts))

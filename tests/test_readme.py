@@ -1,28 +1,149 @@
-"""The README's statements that the code can check: the architecture table and its count."""
+"""The README is a manual that runs as pasted: every command of its `bash` blocks and every
+`python` block, from the root of a clone (a folder holding the clone's `edge0/` and
+`teachers/`), with the set-up commands' environment on PATH; and the statements the code
+can check (the architecture table in docs/MODELS.md and its count)."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from edge0.model.families import SUPPORTED_MODEL_TYPES
 from edge0.tiny.table import architecture_table
 
 ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+MODELS = ROOT / "docs" / "MODELS.md"
 sys.path.insert(0, str(ROOT / "tools"))
+SETUP = "python3 -m venv .venv"
+# commands that start something meant to run for hours: started here, checked to be running
+LONG = ("edge0 train heads",)
+MAX_LINES = 300
+
+
+def _blocks(kind: str) -> list[str]:
+    return re.findall(rf"^```{kind}\n(.*?)^```", README.read_text(), flags=re.M | re.S)
+
+
+def _commands(block: str) -> list[str]:
+    return [c.strip() for c in block.replace("\\\n", " ").splitlines() if c.strip()]
+
+
+def _bash_blocks() -> list[str]:
+    return [b for b in _blocks("bash") if SETUP not in b]
+
+
+def _clone(tmp_path: Path) -> Path:
+    """A folder laid out as the clone's root: its package and teachers, nothing else."""
+    for name in ("edge0", "teachers"):
+        (tmp_path / name).symlink_to(ROOT / name)
+    return tmp_path
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
+    env.pop("PYTHONPATH", None)
+    return env
+
+
+def _run(script: str, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "-e", "-o", "pipefail", "-c", script], cwd=cwd, env=_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_readme_is_a_short_manual():
+    text = README.read_text()
+    assert len(text.splitlines()) <= MAX_LINES
+    assert "edge0 demo" in text.split("## Set up", 1)[1].split("##", 1)[0]
+    for placeholder in ("DIR", "ADAPTER_NAME", "path/to/", "SOME-MoE", "KEY_HERE"):
+        for block in _blocks("bash") + _blocks("python"):
+            assert placeholder not in block, (placeholder, block)
+
+
+def test_setup_commands_are_the_ones_ci_runs():
+    setup = [b.strip() for b in _blocks("bash") if SETUP in b]
+    assert setup[0].endswith(".venv/bin/edge0 demo")
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert setup[1] in ci
+
+
+def _command_ids():
+    return [f"{i}:{c[:40]}" for i, b in enumerate(_bash_blocks()) for c in _commands(b)[:1]]
+
+
+@pytest.mark.parametrize("index", range(len(_bash_blocks())), ids=_command_ids())
+def test_bash_block_runs_as_pasted(tmp_path, index):
+    block = _bash_blocks()[index]
+    cwd = _clone(tmp_path)
+    if "edge0 serve" in block:
+        return _server_block(block, cwd)
+    for command in _commands(block):
+        if command.startswith(LONG):
+            _started(command, cwd)
+            continue
+        done = _run(command, cwd, timeout=300)
+        assert done.returncode == 0, (command, done.stdout[-2000:], done.stderr[-4000:])
+        assert "Traceback" not in done.stderr, (command, done.stderr[-4000:])
+
+
+def _started(command: str, cwd: Path) -> None:
+    """A training of hours: it must get past loading and checking and be at work after 45 s."""
+    with pytest.raises(subprocess.TimeoutExpired) as ran:
+        done = _run(command, cwd, timeout=45)
+        pytest.fail(f"{command!r} ended ({done.returncode}): {done.stderr[-3000:]}")
+    assert b"Traceback" not in (ran.value.stderr or b""), ran.value.stderr
+
+
+def _server_block(block: str, cwd: Path) -> None:
+    """The server's block as one script (its `&` and `kill %1` are a shell's job control),
+    with the README's Python client run while the server is up; each answer is JSON without
+    an error."""
+    client = next(b for b in _blocks("python") if "OpenAI(" in b)
+    (cwd / "client.py").write_text(client)
+    lines = _commands(block)
+    kill = lines.index("kill %1")
+    script = "\n".join([*(f"{c}; echo" if c.startswith("curl") else c for c in lines[:kill]),
+                        f"{sys.executable} client.py", *lines[kill:]])
+    done = _run(script, cwd, timeout=300)
+    assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-4000:])
+    answers = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    curls = [c for c in lines if c.startswith("curl") and "/health" not in c]
+    assert len(answers) == len(curls), done.stdout
+    for answer in answers:
+        assert "error" not in answer and answer.get("type") != "error", answer
+    assert done.stdout.splitlines()[-1].strip(), "the Python client printed no reply"
+
+
+@pytest.mark.parametrize("index", range(len(_blocks("python"))))
+def test_python_block_runs_as_pasted(tmp_path, index):
+    block = _blocks("python")[index]
+    if "OpenAI(" in block:
+        pytest.skip("run against the server, in the server block's test")
+    cwd = _clone(tmp_path)
+    (cwd / "example.py").write_text(block)
+    done = subprocess.run([sys.executable, "example.py"], cwd=cwd, env=_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-4000:])
+    assert done.stdout.strip()
 
 
 def test_architecture_table_is_generated_from_the_code():
     from arch_table import rendered
 
-    text = (ROOT / "README.md").read_text()
-    assert rendered(text, architecture_table()) == text, "README table out of date: python tools/arch_table.py"
+    text = MODELS.read_text()
+    assert rendered(text, architecture_table()) == text, "docs/MODELS.md's table out of date: python tools/arch_table.py"
 
 
 def test_stated_count_is_the_tested_list():
-    text = (ROOT / "README.md").read_text()
-    counts = {int(n) for n in re.findall(r"(\d+) model types", text)}
-    assert counts == {len(SUPPORTED_MODEL_TYPES)}, counts
-    rows = re.findall(r"^\| `([^`]+)` \| `", text, flags=re.M)
+    for path in (README, MODELS):
+        counts = {int(n) for n in re.findall(r"(\d+) model types", path.read_text())}
+        assert counts == {len(SUPPORTED_MODEL_TYPES)}, (path.name, counts)
+    rows = re.findall(r"^\| `([^`]+)` \| `", MODELS.read_text(), flags=re.M)
     assert tuple(rows) == SUPPORTED_MODEL_TYPES

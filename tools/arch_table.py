@@ -1,7 +1,7 @@
-"""Rewrite the README's table of supported architectures from the code.
+"""Rewrite the table in docs/MODELS.md of supported architectures from the code.
 
-    python tools/arch_table.py          # rewrite README.md in place
-    python tools/arch_table.py --check  # exit 1 when the README is out of date
+    python tools/arch_table.py          # rewrite docs/MODELS.md in place
+    python tools/arch_table.py --check  # exit 1 when docs/MODELS.md is out of date
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ def main() -> int:
     from edge0.tiny.table import architecture_table
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--check", action="store_true", help="only check; exit 1 when the README differs")
+    p.add_argument("--check", action="store_true", help="only check; exit 1 when docs/MODELS.md differs")
     args = p.parse_args()
-    path = ROOT / "README.md"
+    path = ROOT / "docs" / "MODELS.md"
     text = path.read_text()
     new = rendered(text, architecture_table())
     if args.check:

@@ -20,10 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from edge0.benchmark import machine
 from edge0.benchmark.arms import ARMS, BASELINE, base_arm
 from edge0.errors import ConfigError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: the machine it ran on
 FIGURES = ("decode_tps", "step_ms_median", "prefill_tps", "peak_active_memory", "peak_rss", "expert_bytes_per_token",
            "disk_bytes_per_token", "read_wait_ms_per_step", "load_seconds")
 CACHE_MODES = ("cold", "warm")
@@ -271,7 +272,7 @@ PATH_KEYS = ("adapter", "extra_adapters", "source")  # settings that name files,
 
 def _portable(settings: dict) -> dict:
     """Results name files by their base name, at any depth (an arm's options too): a
-    document says nothing about the machine."""
+    document names no folder of the machine it ran on."""
     def name(v):
         if isinstance(v, (list, tuple)):
             return [name(x) for x in v]
@@ -350,5 +351,5 @@ def _document(model_dir, files, settings, replay, runs, orders) -> dict:
     return {
         "schema": SCHEMA_VERSION, "overlap": overlap, "model": Path(model_dir).name, "checkpoint_bytes": sum(f.stat().st_size for f in files),
         "settings": _portable({k: (list(v) if isinstance(v, tuple) else v) for k, v in settings.__dict__.items()}),
-        "replay": replay, "orders": orders, "arms": arms,
+        "replay": replay, "orders": orders, "arms": arms, "machine": machine.describe(model_dir),
     }

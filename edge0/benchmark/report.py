@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from edge0.benchmark import machine
+
 MIB = 2**20
 
 
@@ -24,6 +26,8 @@ def markdown(doc: dict) -> str:
         f"{s['rounds']} rounds, {s['prompt_tokens']} prompt + {s['decode_tokens']} decode tokens, "
         f"compute {s['compute_dtype']}, Edge0's arms on kernels {s.get('kernels', 'auto')}{capped}. "
         "Median [min–max] over rounds.",
+        "",
+        machine.line(doc.get("machine")),
         "",
         "| arm | decode tok/s | prefill tok/s | peak MLX active (MiB) | peak RSS (MiB) | expert MiB/token "
         "| disk MiB/token | read wait ms/step | load s | decode vs resident | active mem vs resident |"

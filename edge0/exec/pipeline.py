@@ -176,7 +176,7 @@ class Pipeline:
         if spec.model_type not in PIPELINE_MODEL_TYPES:
             raise ConfigError(f"{spec.model_type}: pipeline parallelism is not available for this model type (its "
                               "two-rank text is not checked against one process's; the model types it is available "
-                              "for are listed in the README's table of architectures)")
+                              "for are listed in the table of architectures, docs/MODELS.md)")
         self.layout, self.group, self.spec = layout, group, spec
         self.rank, self.size = layout.rank, layout.size
         self.parts = _ModelParts.of(model, spec)

@@ -2,7 +2,7 @@
 
 The test suite builds a tiny random checkpoint of each (``edge0.tiny``) and checks it
 bit-identical to mlx-lm on every executor path (``tests/test_architectures.py``); the
-README's table lists them. The first six are the families the engine was written against.
+The table of docs/MODELS.md lists them. The first six are the families the engine was written against.
 """
 
 from __future__ import annotations

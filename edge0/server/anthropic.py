@@ -6,7 +6,7 @@ the chat body the OpenAI route takes (``system`` a system message, ``tool_use`` 
 assistant's ``tool_calls``, ``tool_result`` blocks ``tool`` messages, ``tools`` function
 definitions, ``tool_choice`` OpenAI's) and parsed by ``protocol.parse`` into the same
 ``GenerationRequest``: one chat template rendering, one tool-call parser, one engine call.
-Only the answers differ: ``ANSWERS`` writes them as Anthropic's message, its server-sent
+Only the answers differ: ``SHAPE`` writes them as Anthropic's message, its server-sent
 events and its error shape (``{"type": "error", "error": {"type", "message"}}``).
 
 A last assistant message is a prefill: the model continues it, and the answer holds only
@@ -318,42 +318,45 @@ class _Stream:
         return [_sse("content_block_stop", {"index": self.index})]
 
 
-class Answers:
-    """Anthropic's bodies of the server's answers (app's ``_endpoint`` writes through
-    them): errors, the whole message, and its server-sent events."""
+class AnthropicShape:
+    """Anthropic's bodies of an answer (``edge0.server.answers`` writes through them, as
+    through its OpenAI shape): errors, the whole message, and its server-sent events."""
 
     @staticmethod
     def error(e: APIError) -> dict:
         return error_body(e.status, e.message)
 
     @staticmethod
-    def whole(req: P.GenerationRequest, text: str, collector, prompt_tokens: int) -> dict:
+    def whole(req: P.GenerationRequest, picked: list) -> dict:
+        """The message of a request's one choice (``answers.Choice``)."""
+        (choice,) = picked
+        text, collector = "".join(choice.parts), choice.collector
         reason, sequence = _stop(collector)
         content = ([{"type": "text", "text": text}] if text else []) + [_tool_use(c) for c in collector.calls]
         return {"id": new_id(), "type": "message", "role": "assistant", "model": req.model, "content": content,
                 "stop_reason": reason, "stop_sequence": sequence,
-                "usage": {"input_tokens": prompt_tokens, "output_tokens": collector.count}}
+                "usage": {"input_tokens": len(choice.ids), "output_tokens": collector.count}}
 
     @staticmethod
-    async def events(req: P.GenerationRequest, collector, items, prompt_tokens: int):
+    async def events(req: P.GenerationRequest, choice, items):
         """message_start, the content blocks (start, deltas, stop), message_delta with the
         stop reason and output tokens, message_stop; a ping while no token comes."""
         yield _sse("message_start", {"message": {
             "id": new_id(), "type": "message", "role": "assistant", "model": req.model, "content": [],
-            "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": prompt_tokens, "output_tokens": 0}}})
+            "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": len(choice.ids), "output_tokens": 0}}})
         blocks = _Stream()
         async for item in items:
             if item is None:
                 yield _sse("ping", {})
                 continue
-            text, _, calls = item
+            text, _, calls, _ = item
             for piece in (blocks.text(text) if text else []) + [e for c in calls for e in blocks.call(c)]:
                 yield piece
         for piece in blocks.close():
             yield piece
-        reason, sequence = _stop(collector)
+        reason, sequence = _stop(choice.collector)
         yield _sse("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
-                                     "usage": {"output_tokens": collector.count}})
+                                     "usage": {"output_tokens": choice.collector.count}})
         yield _sse("message_stop", {})
 
     @staticmethod
@@ -361,7 +364,7 @@ class Answers:
         return _sse("error", {"error": error_body(400 if fault else 500, message)["error"]})
 
 
-ANSWERS = Answers()
+SHAPE = AnthropicShape()
 
 
 def new_id() -> str:

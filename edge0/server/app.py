@@ -11,7 +11,9 @@ generation (within one decode step). Every adapter is resident: each request app
 own, and switching never reloads the base.
 
 Tool calls (``tools`` in the chat template, the model's calls parsed back into
-``tool_calls``) are ``edge0.server.tools``'s.
+``tool_calls``) are ``edge0.server.tools``'s; a request's generations (each prompt times
+``n``) become its answer in ``edge0.server.answers``, echoed prompts and choices are
+``edge0.server.scoring``'s.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models`` (each
 also without ``/v1``, as mlx-lm's server answers), Anthropic's ``POST /v1/messages`` and
@@ -37,14 +39,13 @@ from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import Route
 
-from edge0.errors import ConfigError, Edge0Error, EngineBusyError, FormatTooCostlyError, StalledConsumerError
+from edge0.errors import EngineBusyError
 from edge0.admission import EngineMetrics
-from edge0.server import anthropic, intake
+from edge0.server import anthropic, answers, intake
 from edge0.server import protocol as P
 from edge0.server import schema as S
 from edge0.server.guard import RequestGuard
 from edge0.server.state import ServerSettings, ServerState  # noqa: F401  (ServerSettings: the public name)
-from edge0.server.tools import ToolCalls, stream_deltas
 
 
 def create_app(settings: ServerSettings) -> Starlette:
@@ -66,8 +67,8 @@ def create_app(settings: ServerSettings) -> Starlette:
                    Route(f"{prefix}/completions", _endpoint(state, "completion"), methods=["POST"]),
                    Route(f"{prefix}/models", _models(state), methods=["GET"]),
                    Route(prefix + "/models/{model_id:path}", _models(state, one=True), methods=["GET"])]
-    routes += [Route("/v1/messages", _endpoint(state, "messages", anthropic.ANSWERS), methods=["POST"]),
-               Route("/v1/messages/count_tokens", _endpoint(state, "count_tokens", anthropic.ANSWERS), methods=["POST"])]
+    routes += [Route("/v1/messages", _endpoint(state, "messages", anthropic.SHAPE), methods=["POST"]),
+               Route("/v1/messages/count_tokens", _endpoint(state, "count_tokens", anthropic.SHAPE), methods=["POST"])]
     middleware = [Middleware(RequestGuard, allowed_hosts=settings.allowed_hosts)]
     if settings.allowed_origins:  # browsers' preflight and CORS headers, outside the Host and Content-Type checks
         middleware.insert(0, Middleware(_CORS, allow_origins=list(settings.allowed_origins),
@@ -94,8 +95,8 @@ class _CORS(CORSMiddleware):
 # -- responses -------------------------------------------------------------------------------
 
 
-def _error(e: P.APIError, answers=None) -> JSONResponse:
-    return JSONResponse((answers or _OPENAI).error(e), status_code=e.status, headers=e.headers)
+def _error(e: P.APIError, shape=answers.OPENAI) -> JSONResponse:
+    return JSONResponse(shape.error(e), status_code=e.status, headers=e.headers)
 
 
 async def _not_found(request: Request, exc) -> JSONResponse:
@@ -108,8 +109,8 @@ async def _not_allowed(request: Request, exc) -> JSONResponse:
 
 
 def _answers_at(path: str):
-    """The error shapes of the API a path belongs to (Anthropic's under its route)."""
-    return anthropic.ANSWERS if anthropic.is_route(path) else _OPENAI
+    """The shapes of the API a path belongs to (Anthropic's under its route)."""
+    return anthropic.SHAPE if anthropic.is_route(path) else answers.OPENAI
 
 
 def _check_auth(state: ServerState, request: Request) -> None:
@@ -192,18 +193,6 @@ def _metrics(state: ServerState):
     return handler
 
 
-def _request_fault(error: BaseException) -> str | None:
-    """The request field to blame when a generation failed on what the request asked for (a
-    400), else None (the server's fault, a 500): a format too costly to enforce, or a value
-    the engine refused once the generation began (a format compiled again there after the
-    cache let it go, whose walk then took too long)."""
-    if isinstance(error, FormatTooCostlyError):
-        return "response_format"
-    if isinstance(error, ConfigError):
-        return "response_format" if str(error).startswith("response_format") else "messages"
-    return None
-
-
 def _process() -> dict:
     """Threads, open file descriptors and event-loop tasks of this process (leak checks)."""
     import asyncio
@@ -221,11 +210,10 @@ def _process() -> dict:
             "mlx_active_bytes": B.active_memory(), "mlx_cache_bytes": B.cache_memory()}
 
 
-def _endpoint(state: ServerState, kind: str, answers=None):
-    """The handler of ``kind``'s requests, answered in ``answers``' shapes (OpenAI's by
+def _endpoint(state: ServerState, kind: str, shape=answers.OPENAI):
+    """The handler of ``kind``'s requests, answered in ``shape``'s bodies (OpenAI's by
     default). Anthropic's "count_tokens" stops at the prompt's token ids."""
     name = {"chat": "chat", "completion": "completions"}.get(kind, kind)
-    answers = answers or _OPENAI
 
     async def handler(request: Request) -> Response:
         admission = None
@@ -237,20 +225,20 @@ def _endpoint(state: ServerState, kind: str, answers=None):
             if kind == "count_tokens":
                 ids = await intake.until_gone(request, intake.prompt_ids, state, req)
                 state.metrics.count(name, 200)
-                return JSONResponse({"input_tokens": len(ids)})
+                return JSONResponse({"input_tokens": len(ids[0])})
             admission = _admit(state)  # before any work for the request
             ids = await intake.until_gone(request, intake.prompt_ids, state, req)
             if req.stream:
-                stream, admission = _stream(state, req, ids, admission, answers), None  # the stream owns it now
+                stream, admission = answers.stream(state, req, ids, admission, shape), None  # the stream owns it now
                 state.metrics.count(name, 200)
                 return StreamingResponse(stream, media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            result = await _complete(state, request, req, ids, admission, answers)
+            result = await answers.complete(state, request, req, ids, admission, shape)
             state.metrics.count(name, 200 if result is not None else 499)
             return JSONResponse(result) if result is not None else Response(status_code=499)
         except P.APIError as e:
             state.metrics.count(name, e.status)
-            return _error(e, answers)
+            return _error(e, shape)
         except ClientDisconnect:  # the client left while sending its request: nobody to answer
             state.metrics.count(name, 499)
             state.metrics.disconnects += 1
@@ -259,12 +247,12 @@ def _endpoint(state: ServerState, kind: str, answers=None):
             # only the server's shutdown cancels a handler (its requests' --grace is over): an
             # answer that says so, not uvicorn's bare 500 and a logged traceback
             state.metrics.count(name, 503)
-            return _error(P.APIError(503, "the server is shutting down", headers={"Connection": "close"}), answers)
+            return _error(P.APIError(503, "the server is shutting down", headers={"Connection": "close"}), shape)
         except Exception as e:  # noqa: BLE001 - an internal failure: 500, and the next request is served
             state.log.error("server.internal_error", error=f"{type(e).__name__}: {e}",
                             traceback=traceback.format_exc(limit=8))
             state.metrics.count(name, 500)
-            return _error(P.APIError(500, f"internal error: {type(e).__name__}: {e}", kind="server_error"), answers)
+            return _error(P.APIError(500, f"internal error: {type(e).__name__}: {e}", kind="server_error"), shape)
         finally:
             if admission is not None:
                 admission.release()
@@ -278,165 +266,3 @@ def _admit(state: ServerState):
     except EngineBusyError as e:
         raise P.APIError(429, f"{e.waiting} requests are waiting (max_queue {e.limit}); retry later",
                          headers={"Retry-After": str(state.settings.retry_after_s)}) from None
-
-
-class _Collector:
-    """A request's token events: count, logprob entries, tool calls, finish reason, final
-    stats."""
-
-    def __init__(self, state: ServerState, req: P.GenerationRequest):
-        self.state, self.req = state, req
-        self.logprobs: list[dict] | None = [] if req.logprobs else None
-        self.tools = ToolCalls(state.engine.tokenizer, req.tools) if req.tools else None
-        self.stats = None
-        self.finish: str | None = None
-        self.stop: str | None = None  # the stop string that ended the answer
-        self.count = 0
-
-    def add(self, event) -> tuple[str, list[dict], list[dict]]:
-        """The text to emit for ``event``, its logprob entries and the tool calls it completes."""
-        self.count += 1
-        entries = []
-        if self.logprobs is not None and event.logprob is not None:
-            entries = [P.token_logprob(self.state.engine.tokenizer, event.token, event.logprob, event.top_logprobs)]
-            self.logprobs.extend(entries)
-        text, calls = event.text, []
-        if self.tools is not None:
-            text, calls = self.tools.feed(text, final=event.finish_reason is not None)
-        if event.finish_reason is not None:
-            self.finish, self.stats, self.stop = event.finish_reason, event.stats, event.stop_sequence
-            if self.finish == "stop" and self.tools is not None and self.tools.calls:
-                self.finish = "tool_calls"
-        return text, entries, calls
-
-    @property
-    def calls(self) -> list[dict]:
-        return self.tools.calls if self.tools is not None else []
-
-    def usage(self, prompt_tokens: int) -> dict:
-        cached = self.stats.cached_tokens if self.stats is not None else 0
-        return P.usage(prompt_tokens, self.count, cached)
-
-
-async def _generate(state: ServerState, req: P.GenerationRequest, ids: list[int], collector: _Collector,
-                    admission, heartbeat: float | None = None):
-    """The engine's events for a request as (text, logprob entries); ``None`` items are
-    heartbeats."""
-    gen = state.engine.generate(ids, adapter=req.adapter, heartbeat=heartbeat, admission=admission,
-                                cache_scope=req.tenant,
-                                consumer_timeout=state.settings.send_timeout_s, **req.sampling)
-    try:
-        async for event in gen:
-            yield None if event is None else collector.add(event)
-    finally:
-        with anyio.CancelScope(shield=True):
-            await gen.aclose()
-        if collector.stats is not None:
-            state.metrics.finished(collector.stats)
-
-
-async def _complete(state: ServerState, request: Request, req: P.GenerationRequest, ids: list[int],
-                    admission, answers) -> dict | None:
-    """A whole (non-streamed) answer; None when the client went away first."""
-    collector = _Collector(state, req)
-    parts: list[str] = []
-    gone = False
-
-    async def watch_disconnect(scope: anyio.CancelScope):
-        nonlocal gone
-        while True:
-            message = await request.receive()
-            if message["type"] == "http.disconnect":
-                gone = True
-                scope.cancel()
-                return
-
-    error: Exception | None = None
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(watch_disconnect, tg.cancel_scope)
-        try:
-            async for item in _generate(state, req, ids, collector, admission):
-                if item is not None:
-                    parts.append(item[0])
-        except Exception as e:  # noqa: BLE001 - re-raised below, outside the task group
-            error = e
-        tg.cancel_scope.cancel()
-    if _request_fault(error):
-        raise P.APIError(400, str(error), param=_request_fault(error))
-    if isinstance(error, Edge0Error):
-        raise P.APIError(500, f"generation failed: {type(error).__name__}: {error}", kind="server_error")
-    if error is not None:
-        raise error
-    if gone:
-        state.metrics.disconnects += 1
-        return None
-    return answers.whole(req, "".join(parts), collector, len(ids))
-
-
-def _sse(data: dict | str) -> str:
-    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
-
-
-class _OpenAIAnswers:
-    """OpenAI's bodies of the server's answers: errors, the whole answer, its events."""
-
-    @staticmethod
-    def error(e: P.APIError) -> dict:
-        return e.body()
-
-    @staticmethod
-    def whole(req: P.GenerationRequest, text: str, collector: _Collector, prompt_tokens: int) -> dict:
-        return P.response(req, P.new_id(req.kind), P.now(), text, collector.finish or "length",
-                          collector.usage(prompt_tokens), collector.logprobs, collector.calls)
-
-    @staticmethod
-    async def events(req: P.GenerationRequest, collector: _Collector, items, prompt_tokens: int):
-        """A chunk per token (text held back while it may begin a stop string), keep-alive
-        comments while no token comes, the usage chunk, ``[DONE]``."""
-        rid, created = P.new_id(req.kind), P.now()
-        if req.kind == "chat":
-            yield _sse(P.chunk(req, rid, created, "", None, role=True))
-        async for item in items:
-            if item is None:
-                yield ": keep-alive\n\n"
-                continue
-            text, entries, calls = item
-            if text or entries or calls:
-                first = len(collector.calls) - len(calls)
-                yield _sse(P.chunk(req, rid, created, text if text or not calls else None, None, entries,
-                                   tool_calls=stream_deltas(calls, first)))
-        yield _sse(P.chunk(req, rid, created, None if req.kind == "chat" else "", collector.finish or "length"))
-        if req.include_usage:
-            yield _sse(P.usage_chunk(req, rid, created, collector.usage(prompt_tokens)))
-        yield _sse("[DONE]")
-
-    @staticmethod
-    def stream_error(message: str, fault: str | None) -> str:
-        return _sse({"error": {"message": message, "type": "invalid_request_error" if fault else "server_error",
-                               "param": fault, "code": None}})
-
-
-_OPENAI = _OpenAIAnswers()
-
-
-async def _stream(state: ServerState, req: P.GenerationRequest, ids: list[int], admission, answers):
-    """Server-sent events of the answer, in ``answers``' shapes; an error event when the
-    generation fails."""
-    collector = _Collector(state, req)
-    ended = False  # answered to the end, or with an error event: not a disconnect
-    try:
-        items = _generate(state, req, ids, collector, admission, heartbeat=state.settings.keepalive_s)
-        async for event in answers.events(req, collector, items, len(ids)):
-            yield event
-        ended = True
-    except StalledConsumerError as e:  # the client stopped reading: its stream ends, nobody to tell
-        state.log.warning("server.stream_stopped", reason=str(e))
-    except Edge0Error as e:
-        state.log.error("server.generation_failed", error=f"{type(e).__name__}: {e}")
-        ended = True
-        fault = _request_fault(e)
-        yield answers.stream_error(str(e) if fault else f"generation failed: {type(e).__name__}: {e}", fault)
-    finally:
-        if not ended:
-            state.metrics.disconnects += 1
-        admission.release()

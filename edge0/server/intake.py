@@ -97,10 +97,11 @@ async def until_gone(request: Request, fn, *args):
     return result
 
 
-def prompt_ids(state: ServerState, req: P.GenerationRequest, abandoned: threading.Event) -> list[int]:
-    """Token ids of the request's prompt (chat template for chat, rendered in a request
-    worker process under a time and memory bound), checked by the engine (context length,
-    sampling values). Runs in a worker thread."""
+def prompt_ids(state: ServerState, req: P.GenerationRequest, abandoned: threading.Event) -> list[list[int]]:
+    """Token ids of each of the request's prompts (chat: the one the chat template renders,
+    in a request worker process under a time and memory bound; completions: each of
+    ``prompts``), checked by the engine (context length, sampling values). Runs in a
+    worker thread."""
     engine = state.engine
 
     def render(messages, **keywords) -> str:
@@ -112,21 +113,29 @@ def prompt_ids(state: ServerState, req: P.GenerationRequest, abandoned: threadin
             raise P.bad(f"the chat template took longer than {state.settings.sandbox.timeout_s:g} s to render this "
                         "request", _template_field(req)) from None
 
+    where = ""
     try:
         if req.tools and not getattr(engine.tokenizer, "has_tool_calling", False):
             raise P.bad("this model's chat template has no tool-call format: it cannot be given tools", "tools")
-        ids = (engine.prompt_ids(messages=req.messages, tools=req.tools, template_kwargs=req.template_kwargs,
-                                 role_mapping=req.role_mapping, prefill_response=req.prefill, render=render)
-               if req.kind == "chat" else req.prompt)
-        ids, _ = engine.validate(ids, **req.sampling)
+        sources = ([engine.prompt_ids(messages=req.messages, tools=req.tools, template_kwargs=req.template_kwargs,
+                                      role_mapping=req.role_mapping, prefill_response=req.prefill,
+                                      render=render)] if req.kind == "chat"
+                   else req.prompts)
+        out = []
+        for i, prompt in enumerate(sources):
+            where = f"prompt[{i}]: " if len(sources) > 1 else ""
+            out.append(engine.validate(prompt, **req.sampling)[0])
     except ConfigError as e:  # a sampling value the model refuses, or the prompt
         named = next((f for f in req.sampling if str(e).startswith(f)), None)
-        raise P.bad(str(e), named or ("messages" if req.kind == "chat" else "prompt")) from None
+        raise P.bad(str(e) if named else where + str(e), named or ("messages" if req.kind == "chat" else "prompt")
+                    ) from None
     ctx, limit = engine.context_length, req.sampling["max_tokens"]
-    if req.max_tokens_given and ctx is not None and len(ids) + limit > ctx:  # a default limit is clipped instead
-        raise P.bad(f"the prompt ({len(ids)} tokens) and max_tokens ({limit}) exceed the model's context of {ctx} "
-                    f"tokens: ask for at most {ctx - len(ids)}", "max_tokens")
-    return ids
+    for i, ids in enumerate(out):
+        if req.max_tokens_given and ctx is not None and len(ids) + limit > ctx:  # a default limit is clipped instead
+            where = f"prompt[{i}]: " if len(out) > 1 else ""
+            raise P.bad(f"{where}the prompt ({len(ids)} tokens) and max_tokens ({limit}) exceed the model's context "
+                        f"of {ctx} tokens: ask for at most {ctx - len(ids)}", "max_tokens")
+    return out
 
 
 def _template_field(req: P.GenerationRequest) -> str:

@@ -23,7 +23,9 @@ from edge0.errors import ConfigError
 from edge0.prompts import RENDERER_OWN
 from edge0.sampling import check_logit_bias
 from edge0.server import schema as S
+from edge0.server import scoring
 from edge0.server.api_error import MAX_NODES, APIError, bad, check_value
+from edge0.server.scoring import IMPOSSIBLE_LOGPROB
 from edge0.server.tools import history_calls, parse_tools
 
 
@@ -35,7 +37,10 @@ class GenerationRequest:
     model: str  # the id answered with
     adapter: Any  # the engine's adapter argument: a name, None (the bare base) or the default
     messages: list[dict] | None = None
-    prompt: str | list[int] | None = None
+    prompts: list[str | list[int]] | None = None  # a completion's prompts: one choice per prompt (times n)
+    n: int = 1  # choices per prompt
+    echo: bool = False  # a completion's text (and logprobs) start with its prompt's
+    score_only: bool = False  # max_tokens 0 with echo: the prompt scored, nothing generated
     sampling: dict = field(default_factory=dict)
     stream: bool = False
     include_usage: bool = False
@@ -102,11 +107,8 @@ def parse(body: Any, kind: str, checks: Checks) -> GenerationRequest:
     """A checked request."""
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
-    prompt = body.get("prompt") if kind == "completion" else None
-    if isinstance(prompt, list) and checks.context is not None and len(prompt) > checks.context:
-        raise bad(f"'prompt' holds {len(prompt)} token ids, more than the model's context of {checks.context} "
-                  "tokens", "prompt")
-    check_value(body, max_nodes=MAX_NODES + (checks.context or 0))
+    room = scoring.prompt_room(body.get("prompt"), checks.context) if kind == "completion" else 0
+    check_value(body, max_nodes=MAX_NODES + max(room, checks.context or 0))
     r = S.parse_body(body, kind)
     model, adapter = _model_and_adapter(r, checks)
     sampling = _sampling(r, checks.defaults)
@@ -116,7 +118,7 @@ def parse(body: Any, kind: str, checks: Checks) -> GenerationRequest:
                             include_usage=bool(r.stream_options and r.stream_options.include_usage),
                             logprobs=logprobs, top_logprobs=top,
                             max_tokens_given=r.max_tokens is not None or r.max_completion_tokens is not None,
-                            user=r.user, cache_salt=r.cache_salt)
+                            user=r.user, cache_salt=r.cache_salt, n=r.n or 1)
     if logprobs:
         sampling["logprobs"] = True
         sampling["top_logprobs"] = top
@@ -126,8 +128,25 @@ def parse(body: Any, kind: str, checks: Checks) -> GenerationRequest:
         req.template_kwargs, req.role_mapping = r.chat_template_kwargs, r.role_mapping
         _check_template_kwargs(req.template_kwargs or {}, checks.template_vars)
     else:
-        req.prompt = _prompt(r.prompt, checks.vocab_size)
+        req.prompts = scoring.prompts(r.prompt, checks.vocab_size)
+        _echo(req, r)
+    scoring.check_choices(req.n, len(req.prompts or [None]))
+    if req.stream and req.n * len(req.prompts or [None]) > 1:
+        raise bad("a streamed answer has one choice: 'n' above 1 or a list of prompts needs 'stream': false",
+                  "stream")
     return req
+
+
+def _echo(req: GenerationRequest, r: S.CompletionRequest) -> None:
+    """``echo`` (the prompt's text and scores first) and ``max_tokens: 0`` (only the
+    prompt scored: the engine runs one step, whose token is dropped)."""
+    req.echo = bool(r.echo)
+    if req.echo and req.logprobs:
+        req.sampling["prompt_logprobs"] = req.top_logprobs
+    if r.max_tokens == 0:
+        if not req.echo:
+            raise bad("'max_tokens' 0 generates nothing: it needs 'echo': true (the prompt scored)", "max_tokens")
+        req.sampling["max_tokens"], req.score_only = 1, True
 
 
 def _check_template_kwargs(kwargs: dict, variables: frozenset[str] | None) -> None:
@@ -206,26 +225,7 @@ def _logprob_fields(r: S.ChatRequest | S.CompletionRequest, kind: str) -> tuple[
         if top and not r.logprobs:
             raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
         return bool(r.logprobs), top
-    if r.echo:
-        raise bad("'echo' is not supported", "echo")
     return r.logprobs is not None, r.logprobs or 0
-
-
-def _prompt(prompt: Any, vocab_size: int | None) -> str | list[int]:
-    """A completion's prompt: a non-empty string or token ids (a one-element list is unwrapped)."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        if not prompt:
-            raise bad("'prompt' must not be empty", "prompt")
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
-                                                     for t in prompt):
-        if vocab_size is not None and any(not 0 <= t < vocab_size for t in prompt):
-            raise bad(f"'prompt' token ids must be in [0, {vocab_size})", "prompt")
-    else:
-        raise bad("'prompt' must be a non-empty string or a list of token ids (one prompt per request)",
-                  "prompt")
-    return prompt
 
 
 def new_id(kind: str) -> str:
@@ -238,9 +238,6 @@ def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> S.Usage:
                    prompt_tokens_details=S.PromptTokensDetails(cached_tokens=cached))
 
 
-IMPOSSIBLE_LOGPROB = -9999.0  # OpenAI's stand-in for log(0): JSON has no -Infinity
-
-
 def token_logprob(tokenizer, token: int, logprob: float, top: list | None) -> S.TokenLogprob:
     def entry(i: int, lp: float) -> dict:
         text = tokenizer.decode([i])
@@ -249,35 +246,53 @@ def token_logprob(tokenizer, token: int, logprob: float, top: list | None) -> S.
     return S.TokenLogprob(**entry(token, logprob), top_logprobs=[S.TopLogprob(**entry(i, lp)) for i, lp in top or []])
 
 
-def completion_logprobs(entries: list[S.TokenLogprob]) -> S.CompletionLogprobs:
-    """The legacy completions shape of per-token logprobs."""
+def completion_logprobs(entries: list[S.TokenLogprob], echoed: S.CompletionLogprobs | None = None
+                        ) -> S.CompletionLogprobs:
+    """The legacy completions shape of per-token logprobs, after an echoed prompt's
+    (``echoed``: ``scoring.echoed``); ``text_offset`` counts from the choice's text."""
+    tokens = (echoed.tokens if echoed else []) + [e.token for e in entries]
     offsets, pos = [], 0
-    for e in entries:
+    for t in tokens:
         offsets.append(pos)
-        pos += len(e.token)
-    return S.CompletionLogprobs(tokens=[e.token for e in entries], token_logprobs=[e.logprob for e in entries],
-                                top_logprobs=[{t.token: t.logprob for t in e.top_logprobs} for e in entries],
+        pos += len(t)
+    return S.CompletionLogprobs(tokens=tokens,
+                                token_logprobs=(echoed.token_logprobs if echoed else []) + [e.logprob for e in entries],
+                                top_logprobs=(echoed.top_logprobs if echoed else [])
+                                + [{t.token: t.logprob for t in e.top_logprobs} for e in entries],
                                 text_offset=offsets)
 
 
-def response(req: GenerationRequest, rid: str, created: int, text: str, finish: str, use: S.Usage,
-             logprobs: list[S.TokenLogprob] | None, tool_calls: list[dict] | None = None) -> dict:
+@dataclass
+class Answer:
+    """One choice of a whole answer."""
+
+    index: int
+    text: str
+    finish: str
+    logprobs: list[S.TokenLogprob] | None  # the generated tokens' (None: not asked for)
+    tool_calls: list[dict] | None = None
+    echoed: S.CompletionLogprobs | None = None  # the echoed prompt's part of the legacy logprobs
+
+
+def response(req: GenerationRequest, rid: str, created: int, answers: list[Answer], use: S.Usage) -> dict:
     """A whole answer's body."""
     if req.kind == "chat":
-        message = S.ChatMessage(content=text if text or not tool_calls else None,
-                                tool_calls=[S.ToolCall(**c) for c in tool_calls] if tool_calls else None)
-        choice = S.ChatChoice(index=0, message=message, finish_reason=finish,
-                              logprobs=S.ChoiceLogprobs(content=logprobs) if logprobs is not None else None)
-        return S.ChatCompletion(id=rid, created=created, model=req.model, choices=[choice], usage=use).model_dump()
-    choice = S.CompletionChoice(index=0, text=text, finish_reason=finish,
-                                logprobs=completion_logprobs(logprobs) if logprobs is not None else None)
-    return S.Completion(id=rid, created=created, model=req.model, choices=[choice], usage=use).model_dump()
+        choices = [S.ChatChoice(index=a.index, message=S.ChatMessage(
+            content=a.text if a.text or not a.tool_calls else None,
+            tool_calls=[S.ToolCall(**c) for c in a.tool_calls] if a.tool_calls else None), finish_reason=a.finish,
+            logprobs=S.ChoiceLogprobs(content=a.logprobs) if a.logprobs is not None else None) for a in answers]
+        return S.ChatCompletion(id=rid, created=created, model=req.model, choices=choices, usage=use).model_dump()
+    choices = [S.CompletionChoice(index=a.index, text=a.text, finish_reason=a.finish,
+                                  logprobs=completion_logprobs(a.logprobs, a.echoed) if a.logprobs is not None
+                                  else None) for a in answers]
+    return S.Completion(id=rid, created=created, model=req.model, choices=choices, usage=use).model_dump()
 
 
 def chunk(req: GenerationRequest, rid: str, created: int, text: str | None, finish: str | None,
           logprobs: list[S.TokenLogprob] | None = None, *, role: bool = False,
-          tool_calls: list[dict] | None = None) -> dict:
-    """A streamed event's body: the text, logprobs and tool calls one event settles."""
+          tool_calls: list[dict] | None = None, echoed: S.CompletionLogprobs | None = None) -> dict:
+    """A streamed event's body: the text, logprobs and tool calls one event settles
+    (``echoed``: the echoed prompt's logprobs, on a completion's first event)."""
     if req.kind == "chat":
         delta = S.ChunkDelta(role="assistant" if role else None, content=text,
                              tool_calls=[S.ToolCall(**c) for c in tool_calls] if tool_calls else None)
@@ -285,7 +300,7 @@ def chunk(req: GenerationRequest, rid: str, created: int, text: str | None, fini
                                logprobs=S.ChoiceLogprobs(content=logprobs) if logprobs else None)
         return S.ChatCompletionChunk(id=rid, created=created, model=req.model, choices=[choice]).model_dump()
     choice = S.CompletionChoice(index=0, text=text or "", finish_reason=finish,
-                                logprobs=completion_logprobs(logprobs) if logprobs else None)
+                                logprobs=completion_logprobs(logprobs or [], echoed) if logprobs or echoed else None)
     return S.Completion(id=rid, created=created, model=req.model, choices=[choice]).model_dump()
 
 

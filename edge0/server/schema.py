@@ -26,6 +26,7 @@ from edge0.server.api_error import APIError, bad
 
 MAX_STOP = 4
 MAX_TOP_LOGPROBS = 20
+MAX_N = 16  # choices per prompt
 MAX_MAP_ENTRIES = 64  # chat_template_kwargs, role_mapping
 MAX_ID_CHARS = 256  # user, cache_salt
 SEED_BOUND = 1 << 63
@@ -75,7 +76,7 @@ class _Request(_Strict):
 
     model: str | None = None
     adapters: str | None = None  # mlx-lm's spelling: the adapter's name
-    n: int | None = _integer(1, 1)  # one choice per request
+    n: int | None = _integer(1, MAX_N)  # choices per prompt (edge0.server.scoring)
     max_tokens: int | None = _integer(1, MAX_TOKENS)
     max_completion_tokens: int | None = _integer(1, MAX_TOKENS)
     temperature: float | None = _number(0, 100)
@@ -112,9 +113,10 @@ class ChatRequest(_Request):
 
 
 class CompletionRequest(_Request):
-    prompt: Any = None  # a string or token ids, checked against the vocabulary: protocol._prompt
+    prompt: Any = None  # strings or token ids, checked against the vocabulary: scoring.prompts
     logprobs: int | None = _integer(0, MAX_TOP_LOGPROBS)  # the legacy form: how many alternatives
-    echo: bool | None = None
+    echo: bool | None = None  # the prompt's text and scores first (scoring)
+    max_tokens: int | None = _integer(0, MAX_TOKENS)  # 0: with echo, only the prompt scored
 
 
 REQUESTS: dict[str, type[_Request]] = {"chat": ChatRequest, "completion": CompletionRequest}
@@ -257,11 +259,11 @@ class ChoiceLogprobs(_Out):
 
 
 class CompletionLogprobs(_Out):
-    """The legacy completions' per-token logprobs."""
+    """The legacy completions' per-token logprobs (an echoed prompt's first token: null)."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 

@@ -6,7 +6,7 @@ that model type accepts. The first six families (``edge0.tiny.classic``) keep th
 shapes (tests depend on them); every other architecture has a builder below that fills its
 own fields (attention layout, layer patterns of hybrid models, routing
 parameters) around the shared shape. ``ARCHITECTURES`` is the list the test suite runs
-and the README's table shows.
+and the table of docs/MODELS.md shows.
 """
 
 from __future__ import annotations

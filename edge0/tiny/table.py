@@ -1,4 +1,4 @@
-"""The README's table of supported architectures, derived from the code."""
+"""The table of supported architectures (docs/MODELS.md), derived from the code."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from edge0.tiny.configs import MIN_LAYERS, tiny_config
 
 
 def architecture_table() -> str:
-    """The README's table of supported architectures, derived from each model type's tiny
-    config through ``edge0.model.arch.derive_spec`` (``tests/test_readme.py`` keeps the README in sync)."""
+    """The table of supported architectures (docs/MODELS.md), derived from each model type's tiny
+    config through ``edge0.model.arch.derive_spec`` (``tests/test_readme.py`` keeps docs/MODELS.md in sync)."""
     rows = ["| model_type | mlx-lm model file | routed experts | router | prerouter heads | pipeline |",
             "|---|---|---|---|---|---|"]
     for model_type in SUPPORTED_MODEL_TYPES:

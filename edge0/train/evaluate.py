@@ -30,6 +30,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from edge0.backend import core as B
+
 __all__ = [
     "EvalResult",
     "LayerLoad",
@@ -123,11 +125,6 @@ def windows(tokens: np.ndarray, seq_len: int, max_tokens: int | None = None) -> 
     return np.stack([tokens[i * seq_len: i * seq_len + seq_len + 1] for i in range(n)])
 
 
-def _log_softmax(logits: mx.array) -> mx.array:
-    logits = logits.astype(mx.float32)
-    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-
-
 def evaluate_tokens(model: nn.Module, tokens: np.ndarray, *, teacher: nn.Module | None = None,
                     seq_len: int = 256, max_tokens: int | None = None, batch_size: int = 8) -> EvalResult:
     """Perplexity of ``model`` on ``tokens``; with ``teacher`` also top-1 agreement and
@@ -143,12 +140,11 @@ def evaluate_tokens(model: nn.Module, tokens: np.ndarray, *, teacher: nn.Module 
     for i in range(0, win.shape[0], batch_size):
         chunk = mx.array(win[i:i + batch_size])
         x, y = chunk[:, :-1], chunk[:, 1:]
-        logp = _log_softmax(model(x))
-        nll = -mx.take_along_axis(logp, y[..., None], axis=-1).squeeze(-1)
-        parts = [mx.sum(nll)]
+        logp, picked = B.score_tokens(model(x), y)
+        parts = [-mx.sum(picked)]
         if teacher is not None:
-            logq = _log_softmax(teacher(x))
-            t_nll = -mx.take_along_axis(logq, y[..., None], axis=-1).squeeze(-1)
+            logq, t_picked = B.score_tokens(teacher(x), y)
+            t_nll = -t_picked
             same = mx.argmax(logp, axis=-1) == mx.argmax(logq, axis=-1)
             kl = mx.sum(mx.exp(logq) * (logq - logp), axis=-1)
             parts += [mx.sum(t_nll), mx.sum(same), mx.sum(kl)]

@@ -221,6 +221,22 @@ float16 = mx.float16
 log_softmax = lambda x, axis=-1: x - mx.logsumexp(x, axis=axis, keepdims=True)
 
 
+def score_tokens(logits, targets):
+    """How a model scores text (lazy): ``logits`` [..., n, vocab], where position i predicts
+    the token after it, and ``targets`` [..., n], those next tokens. Returns (the
+    log-softmax of the logits in float32, natural log; each target's log-probability
+    [..., n]). ``edge0 eval`` and the engine's prompt scoring both read text through this."""
+    logp = log_softmax(logits.astype(mx.float32))
+    return logp, mx.take_along_axis(logp, targets[..., None], axis=-1).squeeze(-1)
+
+
+def top_tokens(logp, k: int):
+    """The ``k`` most likely token ids at each position of ``logp`` [..., vocab] and their
+    log-probabilities, both [..., k] (lazy; in no particular order)."""
+    ids = mx.argpartition(-logp, kth=k - 1, axis=-1)[..., :k]
+    return ids, mx.take_along_axis(logp, ids, axis=-1)
+
+
 class ReadyFlags:
     """One readiness flag per (staged layer, step parity): the reader that fills a layer's
     slots stores the step's ticket in its flag (``set``), and the layer's computation, built
