@@ -160,7 +160,10 @@ def _prompt_ids(engine, args, after_cache: bool = False,
     ids = engine.prompt_ids(prompt, system_prompt=args.system_prompt, chat_template=not args.ignore_chat_template,
                             prefill_response=args.prefill_response, after_cache=after_cache,
                             template_kwargs=template_kwargs)
-    return ids, None if use_template else prompt
+    if use_template:
+        return ids, None
+    joined = args.system_prompt is not None and not after_cache  # the text the model continues (prompt_ids)
+    return ids, f"{args.system_prompt}\n{prompt}" if joined else prompt
 
 
 def _check_template_variables(engine, template_kwargs: dict) -> None:
