@@ -20,15 +20,13 @@ import sys
 from pathlib import Path
 
 from edge0.cache import cache_dir
+from edge0.cli_args import PACKAGED_DEMO
 from edge0.config import EngineConfig
 from edge0.errors import Edge0Error
 
 DEMO_FAMILY = "qwen3_moe"
 DEMO_PROMPT = "import os\n\n\ndef read_lines(path):"
 DEMO_VERSION = 1
-
-
-PACKAGED_DEMO = Path(__file__).resolve().parent / "data" / "demo_model"
 
 
 def demo_model_dir() -> Path:
@@ -248,6 +246,9 @@ def _shown(path: Path) -> str:
 def cmd_record_routing(args) -> int:
     from edge0.engine import Engine
 
+    from edge0.cli_args import refuse_packaged_output
+
+    refuse_packaged_output(args.out, "the routing file")
     sampling = _sampling(args)
     config = _engine_config(args)
     if config.prerouter == "auto":  # the oracle is the router's own routing: heads beside the model stay unused

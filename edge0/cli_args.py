@@ -18,8 +18,11 @@ import argparse
 import difflib
 import json
 import os
+from pathlib import Path
 
-from edge0.errors import ConfigError
+from edge0.errors import ConfigError, PackagedModelError
+
+PACKAGED_DEMO = Path(__file__).resolve().parent / "data" / "demo_model"
 
 # mlx.launch reads its own flags anywhere on its command line unless `--` ends them
 LAUNCHER_ENV = ("MLX_RANK", "OMPI_COMM_WORLD_RANK")
@@ -53,12 +56,11 @@ class Parser(argparse.ArgumentParser):
         if not given.startswith("--"):
             return None
         name = given.split("=", 1)[0]
-        known = [s for action in self._actions for s in action.option_strings if s.startswith("--")]
-        if name.replace("_", "-") in known:
-            near = [name.replace("_", "-")]
-        else:
-            near = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
-        return f"{name}: did you mean {near[0]}?" if near else None
+        bare = name[2:].replace("_", "-")
+        known = {s[2:]: s for action in self._actions for s in action.option_strings if s.startswith("--")}
+        near = [bare] if bare in known else [k for k in known if len(k) >= 4 and bare.startswith(k)]
+        near = near or difflib.get_close_matches(bare, list(known), n=1, cutoff=0.75)
+        return f"{name}: did you mean {known[near[0]]}?" if near else None
 
 
 # -- mlx_lm.generate's flags that Edge0's own flags (and EngineConfig's) do not already cover --
@@ -126,3 +128,15 @@ def template_config(text: str | None) -> dict | None:
         raise ConfigError(f"--chat-template-config: {own[0]!r} is a parameter of the template renderer, which "
                           "edge0 sets itself; the config holds the chat template's variables")
     return value
+
+
+def refuse_packaged_output(path: str | Path, what: str) -> None:
+    """``PackagedModelError`` when ``path`` (what a command is about to write: ``what``) lies
+    inside the demo model that ships in the package: writing there changes the installed
+    package (and, in a clone, its tracked files), and new heads there make the engine refuse
+    the adapter that ships beside them."""
+    target = Path(path).resolve()
+    if target == PACKAGED_DEMO or PACKAGED_DEMO in target.parents:
+        raise PackagedModelError(f"{what} {path} is inside the demo model that ships in the package ({PACKAGED_DEMO}); "
+                                 f"copy the model first (cp -r {PACKAGED_DEMO} DIR) and give --model DIR, or "
+                                 "--out another path")
