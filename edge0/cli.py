@@ -33,6 +33,8 @@ def demo_model_dir() -> Path:
     """The default model: the small MoE trained on Python sources that ships with Edge0
     (edge0/data/demo_model, int4). Without it (a source tree that lacks the data), a random
     tiny model is built once in a child process and cached: nothing is downloaded."""
+    from edge0.child_python import python_module
+
     if (PACKAGED_DEMO / "config.json").exists():
         return PACKAGED_DEMO
     path = cache_dir() / f"demo-{DEMO_FAMILY}-v{DEMO_VERSION}"
@@ -40,7 +42,7 @@ def demo_model_dir() -> Path:
         print(f"[edge0] building a random demo model once into {path} ...", file=sys.stderr)
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")
         shape = ["--layers", "8", "--experts", "64", "--k", "4", "--hidden", "256", "--moe-intermediate", "256"]
-        subprocess.run([sys.executable, "-m", "edge0", "make-tiny", DEMO_FAMILY, str(tmp), "--overwrite", *shape],
+        subprocess.run(python_module("edge0", "make-tiny", DEMO_FAMILY, str(tmp), "--overwrite", *shape),
                        check=True, stdout=subprocess.DEVNULL)
         if path.exists():  # another process built it meanwhile
             shutil.rmtree(tmp, ignore_errors=True)
