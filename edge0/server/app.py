@@ -40,6 +40,8 @@ from edge0.admission import EngineMetrics
 from edge0.server import intake
 from edge0.server import protocol as P
 from edge0.server import schema as S
+from edge0.logs import always_logger
+from edge0.server.access_log import AccessLog, entry
 from edge0.server.guard import RequestGuard
 from edge0.server.state import ServerSettings, ServerState  # noqa: F401  (ServerSettings: the public name)
 from edge0.server.tools import ToolCalls, stream_deltas
@@ -68,6 +70,8 @@ def create_app(settings: ServerSettings) -> Starlette:
     if settings.allowed_origins:  # browsers' preflight and CORS headers, outside the Host and Content-Type checks
         middleware.insert(0, Middleware(_CORS, allow_origins=list(settings.allowed_origins),
                                         allow_methods=["GET", "POST"], allow_headers=["*"], max_age=600))
+    if settings.access_log:  # outermost: it sees every answer, the guard's refusals too
+        middleware.insert(0, Middleware(AccessLog, log=always_logger(settings.config.log_format)))
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: _not_found, 405: _not_allowed},
                     middleware=middleware)
     app.state.edge0 = state
@@ -218,7 +222,8 @@ def _endpoint(state: ServerState, kind: str):
             admission = _admit(state)  # before any work for the request
             ids = await intake.until_gone(request, intake.prompt_ids, state, req)
             if req.stream:
-                stream, admission = _stream(state, req, ids, admission), None  # the stream owns it from here
+                stream = _stream(state, req, ids, admission, entry(request.scope))
+                admission = None  # the stream owns it from here
                 state.metrics.count(name, 200)
                 return StreamingResponse(stream, media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -261,8 +266,8 @@ class _Collector:
     """A request's token events: count, logprob entries, tool calls, finish reason, final
     stats."""
 
-    def __init__(self, state: ServerState, req: P.GenerationRequest):
-        self.state, self.req = state, req
+    def __init__(self, state: ServerState, req: P.GenerationRequest, record: dict):
+        self.state, self.req, self.record = state, req, record  # record: the access log's entry
         self.logprobs: list[dict] | None = [] if req.logprobs else None
         self.tools = ToolCalls(state.engine.tokenizer, req.tools) if req.tools else None
         self.stats = None
@@ -309,12 +314,13 @@ async def _generate(state: ServerState, req: P.GenerationRequest, ids: list[int]
             await gen.aclose()
         if collector.stats is not None:
             state.metrics.finished(collector.stats)
+        collector.record.update(prompt_tokens=len(ids), completion_tokens=collector.count)
 
 
 async def _complete(state: ServerState, request: Request, req: P.GenerationRequest, ids: list[int],
                     admission) -> dict | None:
     """A whole (non-streamed) answer; None when the client went away first."""
-    collector = _Collector(state, req)
+    collector = _Collector(state, req, entry(request.scope))
     parts: list[str] = []
     gone = False
 
@@ -354,11 +360,12 @@ def _sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
 
-async def _stream(state: ServerState, req: P.GenerationRequest, ids: list[int], admission):
+async def _stream(state: ServerState, req: P.GenerationRequest, ids: list[int], admission, record: dict):
     """Server-sent events: a chunk per token (text held back while it may begin a stop
-    string), keep-alive comments while no token comes, the usage chunk, ``[DONE]``."""
+    string), keep-alive comments while no token comes, the usage chunk, ``[DONE]``;
+    ``record``: the access log's entry."""
     rid, created = P.new_id(req.kind), P.now()
-    collector = _Collector(state, req)
+    collector = _Collector(state, req, record)
     ended = False  # answered to the end, or with an error event: not a disconnect
     try:
         if req.kind == "chat":
