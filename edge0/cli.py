@@ -331,7 +331,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "MoE layer, the experts it routed to. A staged run of the same model, prompt and "
                                    "sampling replays it with --decode-path staged --oracle-file FILE; saved as "
                                    "routing-trace.json beside the checkpoint, `edge0 plan` forecasts the disk's "
-                                   "bytes per token from it.")
+                                   "bytes per token from it. An adapter trained under the heads (the demo's) would "
+                                   "run without them here, and says so (adapter.without_heads): give --adapter off "
+                                   "to record the base's own routing, and the replay the same.")
     r.add_argument("--model", required=True, help="an mlx-lm int4 MoE checkpoint directory")
     r.add_argument("--out", required=True, help="the routing file to write (JSON)")
     _add_engine_flags(r)

@@ -123,3 +123,23 @@ def test_the_prompt_cache_runs_two_stats_lines_count_the_same_prompt_tokens(tiny
     ours = re.search(r"prefill [\d.]+ tok/s \((\d+) tok, (\d+) more from the prompt cache\)", out)
     assert ours is not None, out
     assert int(ours.group(1)) == theirs and int(ours.group(2)) == len(prefix)
+
+
+def test_the_oracle_recipe_with_adapter_off_records_and_replays_the_base_without_a_warning(tmp_path, capsys):
+    """README's record-routing, then the staged replay, on the demo (heads and an adapter
+    trained under them): as the README wrote them, both warned adapter.without_heads (the
+    heads are off for the oracle, the adapter is not). With --adapter off on both (the
+    corrected lines), nothing warns and the replay writes the base's exact text."""
+    out = str(tmp_path / "routing.json")
+    common = ["--model", str(PACKAGED_DEMO), "--prompt", "def f(x):", "--max-tokens", "12"]
+    assert main(["record-routing", *common, "--out", out]) == 0
+    assert "adapter.without_heads" in capsys.readouterr().err  # the lines as the README wrote them
+    assert main(["record-routing", *common, "--adapter", "off", "--out", out]) == 0
+    replay_flags = ["--decode-path", "staged", "--oracle-file", out, "--prefill-path", "whole_layer"]
+    assert main(["generate", *common, "--adapter", "off", *replay_flags]) == 0
+    replay = capsys.readouterr()
+    assert "adapter.without_heads" not in replay.err and "warning" not in replay.err, replay.err
+    assert main(["generate", *common, "--adapter", "off", "--prerouter", "off"]) == 0
+    exact = capsys.readouterr().out
+    text = lambda out: out.split("==========")[1]  # noqa: E731
+    assert text(replay.out) == text(exact)
