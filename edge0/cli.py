@@ -2,9 +2,11 @@
 
 ``edge0 generate`` takes mlx_lm.generate's flags with their meanings (--model as a
 directory or a cached repo id, --prompt with ``-`` for standard input, the chat template
-applied by default, --system-prompt, --ignore-chat-template, --max-tokens, --temp,
---top-p, --top-k, --min-p, --min-tokens-to-keep, --seed, --extra-eos-token, --max-kv-size,
---verbose false to print only the generated text) plus every engine setting.
+applied by default, --system-prompt, --ignore-chat-template, --chat-template-config,
+--max-tokens, --temp, --top-p, --top-k, --min-p, --min-tokens-to-keep, --xtc-probability,
+--xtc-threshold, --seed, --extra-eos-token, --max-kv-size, --verbose false to print only the
+generated text) plus every engine setting; the few it does not implement are refused with
+the reason (``edge0.cli_args``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import sys
 from pathlib import Path
 
 from edge0.cache import cache_dir
+from edge0.cli_args import PACKAGED_DEMO
 from edge0.config import EngineConfig
 from edge0.errors import Edge0Error
 
@@ -26,13 +29,12 @@ DEMO_PROMPT = "import os\n\n\ndef read_lines(path):"
 DEMO_VERSION = 1
 
 
-PACKAGED_DEMO = Path(__file__).resolve().parent / "data" / "demo_model"
-
-
 def demo_model_dir() -> Path:
     """The default model: the small MoE trained on Python sources that ships with Edge0
     (edge0/data/demo_model, int4). Without it (a source tree that lacks the data), a random
     tiny model is built once in a child process and cached: nothing is downloaded."""
+    from edge0.child_python import python_module
+
     if (PACKAGED_DEMO / "config.json").exists():
         return PACKAGED_DEMO
     path = cache_dir() / f"demo-{DEMO_FAMILY}-v{DEMO_VERSION}"
@@ -40,7 +42,7 @@ def demo_model_dir() -> Path:
         print(f"[edge0] building a random demo model once into {path} ...", file=sys.stderr)
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")
         shape = ["--layers", "8", "--experts", "64", "--k", "4", "--hidden", "256", "--moe-intermediate", "256"]
-        subprocess.run([sys.executable, "-m", "edge0", "make-tiny", DEMO_FAMILY, str(tmp), "--overwrite", *shape],
+        subprocess.run(python_module("edge0", "make-tiny", DEMO_FAMILY, str(tmp), "--overwrite", *shape),
                        check=True, stdout=subprocess.DEVNULL)
         if path.exists():  # another process built it meanwhile
             shutil.rmtree(tmp, ignore_errors=True)
@@ -58,6 +60,7 @@ def _str2bool(text: str) -> bool:
 
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+    from edge0.cli_args import add_mlx_generate_flags
     from edge0.config_sources.cli_flags import add_config_flags
 
     p.add_argument("--prompt", "-p", default=None,
@@ -83,6 +86,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verbose", type=_str2bool, default=True, metavar="BOOL",
                    help="'false' or 'f' prints only the generated text (nothing else on stdout), so it pipes; "
                         "otherwise the prompt, the text and the stats (default true)")
+    add_mlx_generate_flags(p)
     add_config_flags(p)  # every EngineConfig field (docs/CONFIG.md)
 
 
@@ -93,11 +97,14 @@ def _engine_config(args) -> EngineConfig:
 
 
 def _sampling(args) -> dict:
-    """Every sampling value checked before anything loads or prints."""
+    """Every sampling value checked before anything loads or prints (and the flags refused)."""
+    from edge0.cli_args import check_refused
     from edge0.sampling import SamplingParams
 
+    check_refused(args)
     values = dict(max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                  min_tokens_to_keep=args.min_tokens_to_keep, seed=args.seed, max_kv_size=args.max_kv_size)
+                  min_tokens_to_keep=args.min_tokens_to_keep, seed=args.seed, max_kv_size=args.max_kv_size,
+                  xtc_probability=args.xtc_probability, xtc_threshold=args.xtc_threshold)
     SamplingParams(**values)
     return values
 
@@ -138,17 +145,39 @@ def _same_model(a: str, b: str) -> bool:
         return a == b
 
 
-def _prompt_ids(engine, args, after_cache: bool = False) -> tuple[list[int], str | None]:
-    """The prompt as mlx_lm.generate builds it: escapes, '-' for stdin, the chat template.
-    Returns the ids and, for a raw completion, the prompt text (to print before it)."""
+def _prompt_ids(engine, args, after_cache: bool = False,
+                template_kwargs: dict | None = None) -> tuple[list[int], str | None]:
+    """The prompt as mlx_lm.generate builds it: escapes, '-' for stdin, the chat template
+    (with ``template_kwargs``, --chat-template-config, as its variables). Returns the ids
+    and, for a raw completion, the prompt text (to print before it)."""
     prompt = args.prompt if args.prompt is not None else DEMO_PROMPT
     prompt = prompt.replace("\\n", "\n").replace("\\t", "\t")
     if prompt == "-":
         prompt = sys.stdin.read()
     use_template = not args.ignore_chat_template and getattr(engine.tokenizer, "has_chat_template", False)
+    if template_kwargs and use_template:
+        _check_template_variables(engine, template_kwargs)
     ids = engine.prompt_ids(prompt, system_prompt=args.system_prompt, chat_template=not args.ignore_chat_template,
-                            prefill_response=args.prefill_response, after_cache=after_cache)
-    return ids, None if use_template else prompt
+                            prefill_response=args.prefill_response, after_cache=after_cache,
+                            template_kwargs=template_kwargs)
+    if use_template:
+        return ids, None
+    joined = args.system_prompt is not None and not after_cache  # the text the model continues (prompt_ids)
+    return ids, f"{args.system_prompt}\n{prompt}" if joined else prompt
+
+
+def _check_template_variables(engine, template_kwargs: dict) -> None:
+    """--chat-template-config names only variables the model's chat template reads (one it
+    does not read would change nothing, silently)."""
+    from edge0.backend import nn as bnn
+    from edge0.errors import ConfigError
+    from edge0.prompts import RENDERER_OWN, template_variables
+
+    known = template_variables(*bnn.tokenizer_parts(engine.tokenizer))
+    unknown = sorted(set(template_kwargs) - known) if known is not None else []
+    if unknown:
+        raise ConfigError(f"--chat-template-config: {unknown[0]!r} is not a variable of this model's chat template "
+                          f"(it reads: {', '.join(sorted(known - RENDERER_OWN)) or 'none'})")
 
 
 def _stop_ids(engine, tokens) -> tuple[int, ...]:
@@ -168,10 +197,13 @@ def _run_generation(model_dir: Path, args, start: tuple | None = None) -> int:
     metadata) that the prompt continues."""
     from edge0.engine import Engine
 
+    from edge0.cli_args import template_config
+
     sampling = _sampling(args)
+    template_kwargs = template_config(args.chat_template_config)
     config = _engine_config(args)
     with Engine(model_dir, config) as engine:
-        ids, prompt = _prompt_ids(engine, args, after_cache=start is not None)
+        ids, prompt = _prompt_ids(engine, args, after_cache=start is not None, template_kwargs=template_kwargs)
         eos = _cache_eos(start[1]) if start is not None else None
         sampling["stop_token_ids"] = _stop_ids(engine, [*args.extra_eos_token, *([eos] if eos else [])])
         engine.validate(ids, **sampling)  # before anything is printed
@@ -216,13 +248,15 @@ def _shown(path: Path) -> str:
 def cmd_record_routing(args) -> int:
     from edge0.engine import Engine
 
+    from edge0.cli_args import refuse_packaged_output
+
+    refuse_packaged_output(args.out, "the routing file")
+    sampling = _sampling(args)
     config = _engine_config(args)
     if config.prerouter == "auto":  # the oracle is the router's own routing: heads beside the model stay unused
         config = dataclasses.replace(config, prerouter="off")
     with Engine(Path(args.model), config) as engine:
-        routing = engine.record_routing(args.prompt if args.prompt is not None else DEMO_PROMPT,
-                                        max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p,
-                                        seed=args.seed)
+        routing = engine.record_routing(args.prompt if args.prompt is not None else DEMO_PROMPT, **sampling)
     routing.save(args.out)
     print(f"recorded {len(routing)} decode steps x {len(routing.steps[0]) if routing.steps else 0} MoE layers "
           f"to {args.out}")
@@ -268,7 +302,9 @@ def cmd_make_tiny(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from edge0.model.families import SUPPORTED_MODEL_TYPES as ARCHITECTURES
 
-    parser = argparse.ArgumentParser(
+    from edge0.cli_args import Parser
+
+    parser = Parser(
         prog="edge0", description="Edge0: streaming Mixture-of-Experts inference on MLX. The routed experts of an "
                                   "int4 checkpoint stay on disk and are read when a step needs them.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -295,7 +331,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "MoE layer, the experts it routed to. A staged run of the same model, prompt and "
                                    "sampling replays it with --decode-path staged --oracle-file FILE; saved as "
                                    "routing-trace.json beside the checkpoint, `edge0 plan` forecasts the disk's "
-                                   "bytes per token from it.")
+                                   "bytes per token from it. An adapter trained under the heads (the demo's) would "
+                                   "run without them here, and says so (adapter.without_heads): give --adapter off "
+                                   "to record the base's own routing, and the replay the same.")
     r.add_argument("--model", required=True, help="an mlx-lm int4 MoE checkpoint directory")
     r.add_argument("--out", required=True, help="the routing file to write (JSON)")
     _add_engine_flags(r)

@@ -3,6 +3,7 @@
 Edge0Error
  +-- ConfigError              a bad config.json, EngineConfig value or CLI flag
  |    +-- UnsupportedModelError   model_type Edge0 cannot stream
+ |    +-- PackagedModelError      a command would write into the demo model the package ships
  +-- CheckpointError          a checkpoint file or directory is malformed
  |    +-- HeaderError             a safetensors header is invalid (names file, tensor)
  |    +-- LayoutError             tensors disagree with config.json or each other
@@ -43,6 +44,11 @@ class ConfigError(Edge0Error, ValueError):
 
 class UnsupportedModelError(ConfigError):
     """config.json names a model_type Edge0 has no MoE spec for."""
+
+
+class PackagedModelError(ConfigError):
+    """A command would write into the demo model that ships inside the installed package
+    (heads, an adapter, a routing trace beside it): train on a copy of it instead."""
 
 
 class CheckpointError(Edge0Error):

@@ -15,7 +15,9 @@ def prompt_ids(tok, encode: Callable[[str], list[int]], prompt: str | None = Non
                after_cache: bool = False, render: Callable[..., str] | None = None) -> list[int]:
     """``prompt`` (text): with a chat template (the tokenizer has one and ``chat_template``),
     one user message after an optional ``system_prompt``; without, the text with the
-    tokenizer's special tokens. ``messages`` (``{"role", "content"}``): the chat template, or,
+    tokenizer's special tokens, or with a ``system_prompt`` the two as the messages below
+    (``system_prompt``, a newline, ``prompt``: what the server makes of a system and a user
+    message). ``messages`` (``{"role", "content"}``): the chat template, or,
     for a base model without one, their contents joined by newlines, continued as text
     (``encode``). ``tools`` (OpenAI function definitions) go into the chat template; a
     model whose template has no tool-call format refuses them. ``check_chars`` sees the
@@ -29,7 +31,8 @@ def prompt_ids(tok, encode: Callable[[str], list[int]], prompt: str | None = Non
     ``after_cache``: the prompt continues a prefix a prompt cache holds (``mlx_lm.generate
     --prompt-cache-file``): with a chat template, only the text from ``prompt``'s message on
     (what the template writes before it is in the cache); without, the text with no special
-    tokens (a BOS belongs at the start, which the cache holds). ``render(messages,
+    tokens (a BOS belongs at the start, which the cache holds) and no system prompt (the
+    cache holds the start). ``render(messages,
     **keywords)``: what renders the chat template into text (default: the tokenizer's
     ``apply_chat_template``, here; the server's runs in a process it can stop)."""
     templated = chat_template and getattr(tok, "has_chat_template", False)
@@ -41,11 +44,11 @@ def prompt_ids(tok, encode: Callable[[str], list[int]], prompt: str | None = Non
     if messages is None:
         if prompt is None:
             raise ConfigError("prompt_ids needs a prompt or messages")
-        if not templated:
+        if not templated and (system_prompt is None or after_cache):
             return tok.encode(prompt, add_special_tokens=not after_cache)
         messages = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
         messages.append({"role": "user", "content": prompt})
-    elif not templated:
+    if not templated:
         if role_mapping is not None:
             return encode(mapped_roles(messages, role_mapping))
         return encode("\n".join(m["content"] for m in messages))

@@ -90,7 +90,7 @@ class GenerationStats:
 
     def line(self) -> str:
         mib = 1024 * 1024
-        return (f"prefill {self.prefill_tps:.1f} tok/s ({self.prompt_tokens} tok) | "
+        return (f"prefill {self.prefill_tps:.1f} tok/s ({self._prefill_count()}) | "
                 f"decode {self.decode_tps:.1f} tok/s ({self.generated_tokens} tok) | "
                 f"peak MLX active {self.peak_active_memory / mib:.1f} MiB | "
                 f"peak RSS {self.peak_rss / mib:.1f} MiB | "
@@ -101,6 +101,12 @@ class GenerationStats:
                 + f" | compute {self.compute_dtype}" + (f" | kernels {self.kernels}" if self.kernels else "")
                 + f" | heads {self.heads or 'none'} | adapter {self.adapter or 'none'}"
                 + f" | reads {self.reads}" + self._pipeline_part())
+
+    def _prefill_count(self) -> str:
+        """The prompt tokens prefilled (what ``prefill_tps`` divides), and those the prompt
+        cache held: mlx_lm.generate's ``Prompt: N tokens`` line counts the same N."""
+        computed = f"{self.prompt_tokens - self.cached_tokens} tok"
+        return computed + (f", {self.cached_tokens} more from the prompt cache" if self.cached_tokens else "")
 
     def _pipeline_part(self) -> str:
         if not self.pipeline:

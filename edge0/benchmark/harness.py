@@ -22,6 +22,7 @@ from typing import Callable
 
 from edge0.benchmark import machine
 from edge0.benchmark.arms import ARMS, BASELINE, base_arm
+from edge0.child_python import python_code, python_module
 from edge0.errors import ConfigError
 
 SCHEMA_VERSION = 2  # 2: the machine it ran on
@@ -105,8 +106,8 @@ def make_replay(model_dir: Path, prompt_tokens: int, decode_tokens: int, seed: i
         "    cont = [ev.token for ev in e.stream(ids, max_tokens=n_decode, temp=0.8, seed=seed)]\n"
         "print(json.dumps({'prompt': ids, 'continuation': cont, 'seed': seed}))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code, str(model_dir), str(prompt_tokens), str(decode_tokens),
-                          str(seed)], capture_output=True, text=True)
+    out = subprocess.run(python_code(code, str(model_dir), str(prompt_tokens), str(decode_tokens), str(seed)),
+                         capture_output=True, text=True)
     if out.returncode:
         raise RuntimeError(f"sampling the replay sequence failed:\n{out.stderr[-2000:]}")
     replay = json.loads(out.stdout.strip().splitlines()[-1])
@@ -165,8 +166,8 @@ def _child(job: dict, memory_limit: int | None = None, source: str | None = None
     returncode, info = 0, None
     try:
         join = cap.prepare() if cap is not None else None
-        command = [sys.executable, "-m", "edge0.benchmark.arms", f.name] if source is None else \
-            [sys.executable, "-c", SOURCE_RUNNER, source, f.name]
+        command = python_module("edge0.benchmark.arms", f.name) if source is None else \
+            [sys.executable, "-P", "-c", SOURCE_RUNNER, source, f.name]
         out = subprocess.run(command, capture_output=True, text=True, preexec_fn=join)
         returncode = out.returncode
     finally:

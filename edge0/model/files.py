@@ -55,6 +55,8 @@ def check_entry(model_dir: Path, name: str) -> Path:
         st = os.lstat(path)
     except FileNotFoundError:
         raise
+    except NotADirectoryError:
+        raise ConfigError(not_a_folder(model_dir)) from None
     except OSError as e:
         raise UnsafeModelError(f"cannot inspect: {e.strerror or e}", file=path) from None
     if stat.S_ISLNK(st.st_mode):
@@ -74,13 +76,19 @@ def check_entry(model_dir: Path, name: str) -> Path:
     return path
 
 
+def not_a_folder(path: Path) -> str:
+    """What a file given where a model folder goes (``--model x.safetensors``) is told."""
+    return (f"{path} is a file, not a model folder: a model (--model) is a folder holding config.json and its "
+            f".safetensors weights; give the folder that holds it ({Path(path).parent})")
+
+
 def check_directory(model_dir: Path) -> None:
     """Every top-level entry that is not a directory must be a regular file inside the
     allowed roots: a tokenizer library may open any of them."""
     try:
         names = sorted(os.listdir(model_dir))
     except NotADirectoryError:
-        raise ConfigError(f"{model_dir} is not a directory") from None
+        raise ConfigError(not_a_folder(model_dir)) from None
     except FileNotFoundError:
         raise ConfigError(f"{model_dir} does not exist") from None
     except OSError as e:

@@ -150,10 +150,17 @@ async def _generate(state: ServerState, choice: Choice, admission, heartbeat: fl
             state.metrics.finished(collector.stats)
 
 
+def _logged(record: dict, req: P.GenerationRequest, picked: list[Choice]) -> None:
+    """The request's token counts into its access-log entry (``edge0.server.access_log``)."""
+    counted = usage(req, picked)
+    record.update(prompt_tokens=counted.prompt_tokens, completion_tokens=counted.completion_tokens)
+
+
 async def complete(state: ServerState, request: Request, req: P.GenerationRequest, prompt_ids: list[list[int]],
-                   admission, shape) -> dict | None:
+                   admission, shape, record: dict) -> dict | None:
     """A whole (non-streamed) answer; None when the client went away first. The request's
-    admission goes with its first generation (the line counts the others as they run)."""
+    admission goes with its first generation (the line counts the others as they run);
+    ``record``: the access log's entry."""
     picked = choices(state, req, prompt_ids)
     gone = False
     errors: list[Exception] = []
@@ -182,6 +189,7 @@ async def complete(state: ServerState, request: Request, req: P.GenerationReques
             for k, choice in enumerate(picked):
                 generations.start_soon(run, choice, admission if k == 0 else None, tg.cancel_scope)
         tg.cancel_scope.cancel()
+    _logged(record, req, picked)
     error = errors[0] if errors else None
     if request_fault(error):
         raise P.APIError(400, str(error), param=request_fault(error))
@@ -241,9 +249,10 @@ class OpenAIShape:
 OPENAI = OpenAIShape()
 
 
-async def stream(state: ServerState, req: P.GenerationRequest, prompt_ids: list[list[int]], admission, shape):
+async def stream(state: ServerState, req: P.GenerationRequest, prompt_ids: list[list[int]], admission, shape,
+                 record: dict):
     """Server-sent events of a one-choice request in ``shape``'s bodies; an error event
-    when the generation fails."""
+    when the generation fails; ``record``: the access log's entry."""
     choice = choices(state, req, prompt_ids)[0]
     ended = False  # answered to the end, or with an error event: not a disconnect
     try:
@@ -259,6 +268,7 @@ async def stream(state: ServerState, req: P.GenerationRequest, prompt_ids: list[
         fault = request_fault(e)
         yield shape.stream_error(str(e) if fault else f"generation failed: {type(e).__name__}: {e}", fault)
     finally:
+        _logged(record, req, [choice])
         if not ended:
             state.metrics.disconnects += 1
         admission.release()

@@ -44,6 +44,8 @@ from edge0.admission import EngineMetrics
 from edge0.server import anthropic, answers, intake
 from edge0.server import protocol as P
 from edge0.server import schema as S
+from edge0.logs import always_logger
+from edge0.server.access_log import AccessLog, entry
 from edge0.server.guard import RequestGuard
 from edge0.server.state import ServerSettings, ServerState  # noqa: F401  (ServerSettings: the public name)
 
@@ -73,6 +75,8 @@ def create_app(settings: ServerSettings) -> Starlette:
     if settings.allowed_origins:  # browsers' preflight and CORS headers, outside the Host and Content-Type checks
         middleware.insert(0, Middleware(_CORS, allow_origins=list(settings.allowed_origins),
                                         allow_methods=["GET", "POST"], allow_headers=["*"], max_age=600))
+    if settings.access_log:  # outermost: it sees every answer, the guard's refusals too
+        middleware.insert(0, Middleware(AccessLog, log=always_logger(settings.config.log_format)))
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: _not_found, 405: _not_allowed},
                     middleware=middleware)
     app.state.edge0 = state
@@ -229,11 +233,12 @@ def _endpoint(state: ServerState, kind: str, shape=answers.OPENAI):
             admission = _admit(state)  # before any work for the request
             ids = await intake.until_gone(request, intake.prompt_ids, state, req)
             if req.stream:
-                stream, admission = answers.stream(state, req, ids, admission, shape), None  # the stream owns it now
+                stream = answers.stream(state, req, ids, admission, shape, entry(request.scope))
+                admission = None  # the stream owns it from here
                 state.metrics.count(name, 200)
                 return StreamingResponse(stream, media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            result = await answers.complete(state, request, req, ids, admission, shape)
+            result = await answers.complete(state, request, req, ids, admission, shape, entry(request.scope))
             state.metrics.count(name, 200 if result is not None else 499)
             return JSONResponse(result) if result is not None else Response(status_code=499)
         except P.APIError as e:

@@ -77,6 +77,8 @@ def add_parser(sub) -> None:
     s.add_argument("--hide-paths", action="store_true",
                    help="the model's paths (the directory as given and absolute) still name it in requests, "
                         "but are not shown to clients: not in /v1/models, not in a 404's list of models")
+    s.add_argument("--no-access-log", action="store_true",
+                   help="no http.request line per request (method, path, status, ms, tokens) on standard error")
     s.add_argument("--grace", type=float, default=30.0,
                    help="on SIGTERM/SIGINT: seconds running requests may take to finish before they are "
                         "cancelled (default 30)")
@@ -131,7 +133,8 @@ def build_settings(args: argparse.Namespace):
         sandbox=SandboxLimits(timeout_s=args.render_timeout, workers=args.request_workers),
         allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
         allowed_hosts=tuple(h.strip() for h in args.allowed_hosts.split(",") if h.strip()),
-        max_body_bytes=args.max_body_bytes, keepalive_s=args.keepalive, send_timeout_s=args.send_timeout)
+        max_body_bytes=args.max_body_bytes, keepalive_s=args.keepalive, send_timeout_s=args.send_timeout,
+        access_log=not args.no_access_log)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -145,6 +148,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if group is not None and group.rank() > 0:
         return _follow(settings, group)
     app = create_app(settings)
+    # uvicorn's access log is off: edge0.server.access_log writes one in Edge0's log format
     server = make_server(app, settings, host=args.host, port=args.port, log_level="warning",
                          timeout_graceful_shutdown=args.grace, access_log=False)
     state = app.state.edge0
@@ -158,7 +162,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and settings.api_key is None:
         print(f"[edge0] warning: serving on {args.host} without --api-key: anyone who can reach it can use it",
               file=sys.stderr)
-    _announce(server, settings)
+    lines = _Lines(settings)
+    state.on_ready = lines.ready
+    _announce(server, lines)
     server.run()
     if failed:
         print(f"edge0: error: the model failed to load: {state.load_error}", file=sys.stderr)
@@ -177,8 +183,39 @@ def _follow(settings, group) -> int:
     return 0
 
 
-def _announce(server, settings) -> None:
-    """One line on standard error once the port is open (with the port a 0 picked)."""
+SERVED = "POST /v1/chat/completions, /v1/completions; GET /v1/models, /health, /metrics (each /v1 route also without it)"
+
+
+class _Lines:
+    """What ``edge0 serve`` says on standard error: the address once the port is open (the
+    port a 0 picked), and once the model has loaded, that it is ready (after the address,
+    whichever comes first)."""
+
+    def __init__(self, settings):
+        self.settings = settings
+        self.url: str | None = None
+        self.loaded_s: float | None = None
+        self.adapters: list[str] = []
+
+    def listening(self, url: str) -> None:
+        self.url = url
+        print(f"[edge0] serving {self.settings.model_id} on {url} (loading; GET /health says when ready)",
+              file=sys.stderr, flush=True)
+        self._ready_line()
+
+    def ready(self, seconds: float, adapters: list[str]) -> None:
+        self.loaded_s, self.adapters = seconds, adapters
+        self._ready_line()
+
+    def _ready_line(self) -> None:
+        if self.url is None or self.loaded_s is None:
+            return
+        adapters = f", adapters {', '.join(self.adapters)}" if self.adapters else ""
+        print(f"[edge0] ready on {self.url}: model {self.settings.model_id} ({self.settings.model_dir}{adapters}; "
+              f"loaded in {self.loaded_s:g} s), serving {SERVED}", file=sys.stderr, flush=True)
+
+
+def _announce(server, lines: _Lines) -> None:
     startup = server.startup
 
     async def announced(sockets=None):
@@ -186,8 +223,7 @@ def _announce(server, settings) -> None:
         for s in server.servers:
             for sock in s.sockets:
                 host, port = sock.getsockname()[:2]
-                print(f"[edge0] serving {settings.model_id} on http://{host}:{port} (loading; GET /health says when "
-                      "ready)", file=sys.stderr, flush=True)
+                lines.listening(f"http://{host}:{port}")
                 return
 
     server.startup = announced

@@ -29,6 +29,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from edge0.child_python import python_module
 from edge0.errors import Edge0Error
 
 _HEADER = struct.Struct("<Q")
@@ -95,7 +96,7 @@ def _read_frame(fd: int) -> Any:
 
 class _Child:
     def __init__(self, setup: dict, limits: SandboxLimits):
-        self.proc = subprocess.Popen([sys.executable, "-m", "edge0.server.sandbox"], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen(python_module("edge0.server.sandbox"), stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, close_fds=True,
                                      start_new_session=True)  # a Ctrl-C to the server's group is the server's
         self.inp, self.out = self.proc.stdin.fileno(), self.proc.stdout.fileno()

@@ -42,6 +42,7 @@ class ServerSettings:
     hidden_aliases: tuple[str, ...] = ()  # names of the base never shown to clients (--hide-paths: its paths)
     allowed_origins: tuple[str, ...] = ()  # browser origins answered with CORS headers ("*": any)
     sandbox: SandboxLimits = field(default_factory=SandboxLimits)  # large bodies' checks, template renders
+    access_log: bool = True  # an http.request event per request (edge0.server.access_log)
 
 
 def sandbox_setup(tokenizer, checks: P.Checks) -> dict:
@@ -60,6 +61,7 @@ class ServerState:
         self.metrics = Metrics()
         self.log = get_logger("edge0.server")
         self.on_load_failure = None  # the command line stops the server when loading fails
+        self.on_ready = None  # the command line's ready line: called with the load's seconds and the adapters
         self.sandbox: Sandbox | None = None  # set once the engine is loaded
         self.checks: P.Checks | None = None  # what a body is checked against, once the engine is loaded
 
@@ -124,8 +126,10 @@ class ServerState:
                 self.on_load_failure()
             return
         self.engine = engine
-        self.log.info("server.ready", model=str(self.settings.model_dir), seconds=round(time.perf_counter() - t0, 2),
-                      adapters=self.engine.adapters)
+        seconds = round(time.perf_counter() - t0, 2)
+        self.log.info("server.ready", model=str(self.settings.model_dir), seconds=seconds, adapters=self.engine.adapters)
+        if self.on_ready is not None:
+            self.on_ready(seconds, list(self.engine.adapters))
 
     async def close(self) -> None:
         if self.sandbox is not None:

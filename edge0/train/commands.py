@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from edge0.cli_args import refuse_packaged_output
 from edge0.train.console import Progress, say
 from edge0.train.teacher_cli import add_teacher_parser
 
@@ -180,6 +181,7 @@ def cmd_sft(args) -> int:
     from edge0.train.sft import SFTConfig, run_sft
 
     work = _work(args)
+    refuse_packaged_output(args.out or work / "adapter-sft", "the adapter")
     dp, bar, talk = _ranked(args, "sft")
     result = run_sft(args.model, args.teacher, args.out or work / "adapter-sft", _configured(SFTConfig(), args),
                      work=work, heads_file=args.heads, resume=args.resume, progress=bar, say=talk, dp=dp)
@@ -191,6 +193,7 @@ def cmd_distill(args) -> int:
     from edge0.train.distill import DistillConfig, run_distill
 
     work = _work(args)
+    refuse_packaged_output(args.out or Path(args.model) / ADAPTER_DIRNAME, "the adapter")
     dp, bar, talk = _ranked(args, "distill")
     result = run_distill(args.model, args.teacher, args.adapter, args.out or Path(args.model) / ADAPTER_DIRNAME,
                          _configured(DistillConfig(), args), work=work, heads_file=args.heads, resume=args.resume,
@@ -203,6 +206,7 @@ def cmd_recipe(args) -> int:
 
     from edge0.train.recipe import QUICK, RecipeConfig, run_recipe
 
+    refuse_packaged_output(args.out or args.model, "the heads and adapter's folder")
     cfg = copy.deepcopy(QUICK) if args.quick else RecipeConfig()
     cfg.experts_per_token = args.experts_per_token
     if args.eval_tokens is not None:
@@ -332,6 +336,7 @@ def cmd_adapter_init(args) -> int:
 
     if args.rank < 1:
         raise ConfigError(f"--rank must be >= 1, got {args.rank}")
+    refuse_packaged_output(args.out, "the adapter")
     if Path(args.out).exists() and any(Path(args.out).iterdir()):
         raise ConfigError(f"{args.out} exists and is not empty; choose another --out")
     out = init_adapter(args.model, args.out, rank=args.rank, scale=args.scale, seed=args.seed)
@@ -420,6 +425,7 @@ def cmd_heads(args) -> int:
         raise ConfigError(f"--report-extra must look like 2,4,8, got {args.report_extra!r}") from None
     if args.routing == "replace" and args.stage_extra:
         raise ConfigError("--stage-extra applies to --routing select")
+    refuse_packaged_output(_heads_out(args), "the heads file")
     serving = {"routing": args.routing, "stage_extra": args.stage_extra}
     if args.over_memory is not None:
         from edge0.prerouter.files import parse_routing
@@ -455,7 +461,7 @@ def _say_adapter_superseded(args) -> None:
     from edge0.model.safetensors_header import read_header
     from edge0.prerouter.files import HEADS_FILENAME, heads_identities
 
-    model, heads = Path(args.model), Path(args.out) if args.out else Path(args.model) / HEADS_FILENAME
+    model, heads = Path(args.model), _heads_out(args)
     weights = model / ADAPTER_DIRNAME / WEIGHTS_FILE
     if heads != model / HEADS_FILENAME or not weights.is_file():
         return
@@ -463,6 +469,13 @@ def _say_adapter_superseded(args) -> None:
     if trained_under and trained_under not in heads_identities(heads):
         say(f"note: {weights.parent} was trained under the heads these replace, and the engine refuses it with "
             "these: generate with --adapter off, or retrain it on them (edge0 train sft)")
+
+
+def _heads_out(args) -> Path:
+    """Where ``train heads`` writes: --out, or prerouter.safetensors beside the checkpoint."""
+    from edge0.prerouter.files import HEADS_FILENAME
+
+    return Path(args.out) if args.out else Path(args.model) / HEADS_FILENAME
 
 
 def heads_report_table(report: dict) -> str:

@@ -14,7 +14,6 @@ model.  Models run with mlx-lm's resident classes in float32 activations.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -22,7 +21,9 @@ from pathlib import Path
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="edge0 eval", description=__doc__.splitlines()[0])
+    from edge0.cli_args import Parser
+
+    p = Parser(prog="edge0 eval", description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="checkpoint directory to evaluate (mlx-lm layout)")
     p.add_argument("--teacher", default=None, help="reference checkpoint (same tokenizer) for agreement and KL")
     p.add_argument("--data", required=True, help="held-out token ids (.npy) or text file")
