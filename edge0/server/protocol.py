@@ -25,6 +25,7 @@ from edge0.sampling import check_logit_bias
 from edge0.server import schema as S
 from edge0.server import scoring
 from edge0.server.api_error import MAX_NODES, APIError, bad, check_value
+from edge0.server.forced_tools import forced_call_grammar
 from edge0.server.scoring import IMPOSSIBLE_LOGPROB
 from edge0.server.tools import history_calls, parse_tools
 
@@ -100,6 +101,7 @@ class Checks:
     context: int | None  # the model's context in tokens (None: not known)
     template_vars: frozenset[str] | None = None  # the variables the chat template reads (None: not known)
     hidden: frozenset[str] = frozenset()  # model ids never shown to clients (a 404 lists the others)
+    tool_format: str | None = None  # the chat template's tool-call format (forced_tools.tool_format; None: none)
 
 
 def parse(body: Any, kind: str, checks: Checks) -> GenerationRequest:
@@ -123,7 +125,13 @@ def parse(body: Any, kind: str, checks: Checks) -> GenerationRequest:
         sampling["top_logprobs"] = top
     if kind == "chat":
         req.messages = _messages(r.messages)
-        req.tools = parse_tools(body).tools
+        tools = parse_tools(body)
+        req.tools = tools.tools
+        if tools.forced:
+            if "response_format" in sampling:
+                raise bad("'response_format' cannot be given with a 'tool_choice' that forces a call (the call is "
+                          "the answer's format)", "response_format")
+            sampling["grammar"] = forced_call_grammar(checks.tool_format, tools.tools, tools.forced)
         req.template_kwargs, req.role_mapping = r.chat_template_kwargs, r.role_mapping
         _check_template_kwargs(req.template_kwargs or {}, checks.template_vars)
     else:

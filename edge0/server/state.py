@@ -16,6 +16,7 @@ from edge0.logs import get_logger
 from edge0.prompts import template_variables
 from edge0.server import protocol as P
 from edge0.server.api_error import DEFAULT_MAX_BODY
+from edge0.server.forced_tools import tool_format
 from edge0.server.metrics import Metrics
 from edge0.server.sandbox import Sandbox, SandboxLimits
 
@@ -112,7 +113,8 @@ class ServerState:
             self.checks = P.Checks(self._models(engine), self._default_model(engine), self.settings.defaults,
                                    engine.vocab_size, engine.context_length,
                                    template_variables(*bnn.tokenizer_parts(engine.tokenizer)),
-                                   hidden=frozenset(self.settings.hidden_aliases))
+                                   hidden=frozenset(self.settings.hidden_aliases),
+                                   tool_format=tool_format(engine.tokenizer))
             self.sandbox = await anyio.to_thread.run_sync(Sandbox, sandbox_setup(engine.tokenizer, self.checks),
                                                           self.settings.sandbox)
         except Exception as e:  # noqa: BLE001 - reported by /health and the log, then the server stops
