@@ -30,6 +30,9 @@ from edge0.server.scoring import IMPOSSIBLE_LOGPROB
 from edge0.server.tools import history_calls, parse_tools
 
 
+NO_ADAPTER = "none"  # 'adapters': 'none' asks for the bare base
+
+
 @dataclass
 class GenerationRequest:
     """One checked request, ready for the engine."""
@@ -101,6 +104,7 @@ class Checks:
     context: int | None  # the model's context in tokens (None: not known)
     template_vars: frozenset[str] | None = None  # the variables the chat template reads (None: not known)
     hidden: frozenset[str] = frozenset()  # model ids never shown to clients (a 404 lists the others)
+    bare: str | None = None  # the id of the bare base, what 'adapters': 'none' gets (None: no such id)
     tool_format: str | None = None  # the chat template's tool-call format (forced_tools.tool_format; None: none)
 
 
@@ -174,6 +178,8 @@ def _model_and_adapter(r: S.ChatRequest | S.CompletionRequest, checks: Checks) -
     """The model id answered with and the engine's adapter argument, from ``model`` or ``adapters``."""
     models = checks.models
     shown = sorted(m for m in models if m not in checks.hidden)
+    if r.adapters == NO_ADAPTER and checks.bare is not None:
+        return checks.bare, models[checks.bare]
     if r.adapters is not None:
         if r.adapters not in models:
             raise APIError(404, f"no adapter {r.adapters!r:.80}; this server serves {shown}", param="adapters",
