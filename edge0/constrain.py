@@ -259,11 +259,29 @@ def compile_response_format(response_format, tokenizer, whitespace: str = "compa
     if kind == "json_schema":
         text = json.dumps(closed_objects(json.loads(text)))  # (a copy: the request's schema is not changed)
     ll = _llguidance()
-    lltok, eos = _grammar_tokenizer(tokenizer)
     try:
         grammar = ll.LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS[whitespace])
     except (ValueError, TypeError) as e:
         raise ConfigError(f"{where}: {e}") from None
+    return _compiled(ll, tokenizer, grammar, kind, schema, name, text, where)
+
+
+def compile_grammar(lark: str, tokenizer) -> Constraint:
+    """A ``Constraint`` for llguidance's Lark syntax (``SamplingParams.grammar``), bounded as a
+    ``response_format`` is; ``ConfigError("grammar: ...")`` for one the library refuses."""
+    where = "grammar"
+    if not isinstance(lark, str) or len(lark.encode("utf-8")) > MAX_SCHEMA_BYTES:
+        raise ConfigError(f"{where}: must be a Lark grammar of at most {MAX_SCHEMA_BYTES} bytes")
+    ll = _llguidance()
+    try:
+        grammar = ll.LLMatcher.grammar_from_lark(lark)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"{where}: {_one_line(str(e))}") from None
+    return _compiled(ll, tokenizer, grammar, "grammar", {}, None, lark, where)
+
+
+def _compiled(ll, tokenizer, grammar: str, kind: str, schema: dict, name, text: str, where: str) -> Constraint:
+    lltok, eos = _grammar_tokenizer(tokenizer)
     try:
         return _build(ll, lltok, eos, grammar, kind, schema, name, text, where)
     except ConfigError as e:
@@ -457,14 +475,16 @@ class ConstraintCache:
         with self._lock:
             return sum(c.nbytes for c in self._entries.values() if c is not None)
 
-    def get(self, response_format) -> Constraint | None:
-        if response_format is None:
+    def get(self, response_format, grammar: str | None = None) -> Constraint | None:
+        """The compiled ``response_format``, or ``grammar`` (llguidance's Lark) when given."""
+        if response_format is None and grammar is None:
             return None
-        key = json.dumps(response_format, sort_keys=True)
+        key = json.dumps([response_format, grammar], sort_keys=True)
         with self._lock:
             hit = self._entries.pop(key, _MISSING)
         if hit is _MISSING:
-            hit = compile_response_format(response_format, self.tokenizer, self.whitespace)
+            hit = compile_grammar(grammar, self.tokenizer) if grammar is not None else \
+                compile_response_format(response_format, self.tokenizer, self.whitespace)
         with self._lock:
             if hit is None or hit.nbytes <= self.max_bytes:
                 self._entries[key] = hit

@@ -226,7 +226,7 @@ class Engine:
         ids = self.encode(prompt)
         self._check_length(ids, params)
         params = params.for_vocab(self.vocab_size)
-        self._constraints.get(params.response_format)  # a schema the library refuses: ConfigError now
+        self._constraints.get(params.response_format, params.grammar)  # a schema the library refuses: ConfigError now
         return ids, params
 
 
@@ -266,7 +266,7 @@ class Engine:
         row.start = start
         # its format compiled (a cache hit after validate) and its matcher copied here, on the submitting
         # thread, before the row is counted in line (a large grammar's copy took 0.18 s)
-        constraint = self._constraints.get(params.response_format)
+        constraint = self._constraints.get(params.response_format, params.grammar)
         row.constraint = constraint.processor() if constraint is not None else None
         stager = self.streaming.stager
         # alone: a recording, a rotating cache, an oracle's step-by-step routing of one sequence, a KV

@@ -98,6 +98,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     max_kv_size: int | None = None  # a rotating KV cache of this many tokens (mlx-lm's --max-kv-size)
     response_format: dict | None = None  # OpenAI's: {"type": "json_object"} or a json_schema (edge0.constrain)
+    grammar: str | None = None  # llguidance's Lark syntax the text must match (the server's forced tool calls)
 
     def __post_init__(self):
         _int("max_tokens", self.max_tokens, 1, MAX_TOKENS)
@@ -141,6 +142,9 @@ class SamplingParams:
             from edge0.constrain import parse_response_format
 
             parse_response_format(self.response_format)  # the shape; the schema compiles with the tokenizer
+        if self.grammar is not None and (not isinstance(self.grammar, str) or self.response_format is not None):
+            raise ConfigError("grammar must be a string, and cannot be given with a response_format (one "
+                              "constraint a generation)")
 
     def for_vocab(self, vocab: int | None) -> SamplingParams:
         """These parameters checked against a model's vocabulary: token ids inside it, and a

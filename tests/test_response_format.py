@@ -320,12 +320,12 @@ def test_a_format_refused_once_its_generation_began_is_a_400(qwen, monkeypatch):
         cache = state.engine._constraints
         get, calls = cache.get, []
 
-        def second_refused(fmt):
+        def second_refused(fmt, grammar=None):
             calls.append(fmt)
             if len(calls) % 2 == 0:  # the generation's own compile, after the request's check
                 raise Refused("response_format.json_schema.schema: the schema is too expensive to enforce: "
                               "computing the step 2 token mask took 0.06 s (at most 0.05 s)")
-            return get(fmt)
+            return get(fmt, grammar)
 
         monkeypatch.setattr(cache, "get", second_refused)
         body = {"messages": [{"role": "user", "content": "x"}], "response_format": JSON_SCHEMA, "max_tokens": 4}

@@ -97,11 +97,12 @@ def chat(c, messages, model="tiny", **kw):
 
 def test_chat_matches_edge0_generate_and_counts_usage(server, model):
     url, state = server
-    d, _, _ = model
+    d, a, _ = model
     c = client(url)
     r = chat(c, [{"role": "user", "content": PROMPT}], model="tiny", max_tokens=16)
+    # the base's id serves what edge0 generate runs: the base with the server's default adapter
     cli = subprocess.run([sys.executable, "-m", "edge0", "generate", "--model", str(d), "--prompt", PROMPT,
-                          "--max-tokens", "16", "--verbose", "false", "--adapter", "off"],
+                          "--max-tokens", "16", "--verbose", "false", "--adapter", str(a)],
                          capture_output=True, text=True, check=True)
     assert r.choices[0].message.content == cli.stdout[:-1]  # print() adds the newline
     tok = state.engine.tokenizer
@@ -122,8 +123,8 @@ def test_chat_matches_edge0_generate_and_counts_usage(server, model):
 def test_completions_streamed_and_not(server):
     url, state = server
     c = client(url)
-    r = c.completions.create(model="tiny", prompt="import os\n", max_tokens=10, temperature=0)
-    streamed = list(c.completions.create(model="tiny", prompt="import os\n", max_tokens=10, temperature=0,
+    r = c.completions.create(model="tiny:base", prompt="import os\n", max_tokens=10, temperature=0)
+    streamed = list(c.completions.create(model="tiny:base", prompt="import os\n", max_tokens=10, temperature=0,
                                          stream=True))
     assert "".join(ch.choices[0].text for ch in streamed) == r.choices[0].text
     assert r.usage.prompt_tokens == len(state.engine.tokenizer.encode("import os\n"))
@@ -135,9 +136,14 @@ def test_completions_streamed_and_not(server):
 def test_models_lists_the_base_and_every_adapter(server):
     url, _ = server
     ids = {m.id: m for m in client(url).models.list().data}
-    assert set(ids) == {"tiny", "alpha", "beta", "default_model"}
+    assert set(ids) == {"tiny", "tiny:base", "alpha", "beta", "default_model"}
     assert ids["alpha"].parent == "tiny" and ids["tiny"].parent is None  # type: ignore[attr-defined]
     assert ids["default_model"].parent == "tiny"  # type: ignore[attr-defined]  (the default adapter, alpha)
+    serves = {name: (m.edge0["base"], m.edge0["adapter"]) for name, m in ids.items()}  # type: ignore[attr-defined]
+    assert serves == {"tiny": ("tiny", "alpha"), "tiny:base": ("tiny", None), "alpha": ("tiny", "alpha"),
+                      "beta": ("tiny", "beta"), "default_model": ("tiny", "alpha")}
+    assert ids["tiny:base"].edge0["description"] == "tiny without an adapter"  # type: ignore[attr-defined]
+    assert "its default" in ids["tiny"].edge0["description"]  # type: ignore[attr-defined]
 
 
 def test_adapters_alternate_without_reloading_and_match_dedicated_servers(server, model):
@@ -147,16 +153,20 @@ def test_adapters_alternate_without_reloading_and_match_dedicated_servers(server
     engine_before = state.engine
     messages = [{"role": "user", "content": PROMPT}]
     answers = {}
-    for name in ("alpha", "tiny", "beta", "alpha", "tiny", "beta"):  # interleaved on one server
+    for name in ("alpha", "tiny:base", "beta", "alpha", "tiny:base", "beta"):  # interleaved on one server
         text = chat(c, messages, model=name).choices[0].message.content
         assert answers.setdefault(name, text) == text
     assert state.engine is engine_before  # nothing reloaded
     assert len(set(answers.values())) == 3  # each adapter changes the answer
+    assert chat(c, messages, model="tiny").choices[0].message.content == answers["alpha"]  # the default adapter
+    bare = c.chat.completions.create(model="tiny", messages=messages, temperature=0, max_tokens=12,
+                                     extra_body={"adapters": "none"})
+    assert bare.choices[0].message.content == answers["tiny:base"] and bare.model == "tiny:base"
     via_field = c.chat.completions.create(model="tiny", messages=messages, temperature=0, max_tokens=12,
                                           extra_body={"adapters": "beta"})
     assert via_field.choices[0].message.content == answers["beta"]
     for name, cfg in (("alpha", EngineConfig(adapter=str(a))), ("beta", EngineConfig(adapter=str(b))),
-                      ("tiny", EngineConfig(adapter="off"))):
+                      ("tiny:base", EngineConfig(adapter="off"))):
         with serving(d, cfg) as (alone, _):
             assert chat(client(alone), messages, model=name).choices[0].message.content == answers[name]
 
@@ -206,7 +216,7 @@ def test_sampling_fields_over_http_take_effect(server):
     messages = [{"role": "user", "content": PROMPT}]
 
     def post(**fields):
-        r = httpx.post(url + "/v1/chat/completions", json={"model": "tiny", "messages": messages, **fields},
+        r = httpx.post(url + "/v1/chat/completions", json={"model": "tiny:base", "messages": messages, **fields},
                        timeout=60)
         assert r.status_code == 200, r.text
         return r.json()
@@ -235,7 +245,7 @@ def test_penalties_and_logit_bias_over_http(server):
     ids = tok.encode(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
                      add_special_tokens=False)
     fields = dict(presence_penalty=2.0, frequency_penalty=-1.0, logit_bias={"11": 3.5, "40": -100})
-    r = httpx.post(url + "/v1/chat/completions", json={"model": "tiny", "messages": messages, "max_tokens": 12,
+    r = httpx.post(url + "/v1/chat/completions", json={"model": "tiny:base", "messages": messages, "max_tokens": 12,
                                                        "temperature": 0, **fields}, timeout=60)
     assert r.status_code == 200, r.text
     with Engine(state.settings.model_dir, EngineConfig(adapter="off")) as e:

@@ -31,8 +31,9 @@ def request_fault(error: BaseException) -> str | None:
     cache let it go, whose walk then took too long)."""
     if isinstance(error, FormatTooCostlyError):
         return "response_format"
-    if isinstance(error, ConfigError):
-        return "response_format" if str(error).startswith("response_format") else "messages"
+    if isinstance(error, ConfigError):  # a forced tool call's grammar is the request's tool_choice
+        return next((param for prefix, param in (("response_format", "response_format"), ("grammar", "tool_choice"))
+                     if str(error).startswith(prefix)), "messages")
     return None
 
 

@@ -154,12 +154,10 @@ def _models(state: ServerState, one: bool = False):
             _check_auth(state, request)
             _check_ready(state)
             created = P.now()
-            data = {name: S.ModelCard(id=name, created=created, owned_by="edge0",
-                                      parent=None if adapter is None else state.settings.model_id)
-                    for name, adapter in state.listed_models.items()}
+            data = {name: state.card(name, created) for name in state.listed_models}
             wanted = request.path_params.get("model_id") if one else None
             if one and wanted in state.settings.hidden_aliases:
-                data[wanted] = S.ModelCard(id=wanted, created=created, owned_by="edge0", parent=None)
+                data[wanted] = state.card(wanted, created)
             if one and wanted not in data:
                 raise P.APIError(404, f"the model {wanted!r:.80} does not exist; this server has {sorted(data)}",
                                  param="model", code="model_not_found")

@@ -22,7 +22,8 @@ def add_parser(sub) -> None:
         "serve", help="an OpenAI-compatible HTTP server (chat, completions, models, health, metrics)",
         description="Serves /v1/chat/completions, /v1/completions, /v1/models, /health and /metrics on the "
                     "async engine. Every adapter given stays resident and each request picks its own through "
-                    "'model' (the base's id, or an adapter's name) or 'adapters'. docs/SERVER.md.")
+                    "'model' (the base's id: with its default adapter, as edge0 generate runs it; ID:base: the bare base; "
+                    "or an adapter's name) or 'adapters'. docs/SERVER.md.")
     s.add_argument("--model", required=True,
                    help="an mlx-lm int4 MoE checkpoint: a directory, or a repo id (ORG/NAME) in the local Hugging "
                         "Face cache")

@@ -127,6 +127,7 @@ def prompt_ids(state: ServerState, req: P.GenerationRequest, abandoned: threadin
             out.append(engine.validate(prompt, **req.sampling)[0])
     except ConfigError as e:  # a sampling value the model refuses, or the prompt
         named = next((f for f in req.sampling if str(e).startswith(f)), None)
+        named = "tool_choice" if named == "grammar" else named  # the grammar of a forced tool call
         raise P.bad(str(e) if named else where + str(e), named or ("messages" if req.kind == "chat" else "prompt")
                     ) from None
     ctx, limit = engine.context_length, req.sampling["max_tokens"]

@@ -25,8 +25,12 @@ from edge0.sampling import check_logit_bias
 from edge0.server import schema as S
 from edge0.server import scoring
 from edge0.server.api_error import MAX_NODES, APIError, bad, check_value
+from edge0.server.forced_tools import forced_call_grammar
 from edge0.server.scoring import IMPOSSIBLE_LOGPROB
 from edge0.server.tools import history_calls, parse_tools
+
+
+NO_ADAPTER = "none"  # 'adapters': 'none' asks for the bare base
 
 
 @dataclass
@@ -101,6 +105,8 @@ class Checks:
     context: int | None  # the model's context in tokens (None: not known)
     template_vars: frozenset[str] | None = None  # the variables the chat template reads (None: not known)
     hidden: frozenset[str] = frozenset()  # model ids never shown to clients (a 404 lists the others)
+    bare: str | None = None  # the id of the bare base, what 'adapters': 'none' gets (None: no such id)
+    tool_format: str | None = None  # the chat template's tool-call format (forced_tools.tool_format; None: none)
 
 
 def parse(body: Any, kind: str, checks: Checks) -> GenerationRequest:
@@ -124,7 +130,13 @@ def parse(body: Any, kind: str, checks: Checks) -> GenerationRequest:
         sampling["top_logprobs"] = top
     if kind == "chat":
         req.messages = _messages(r.messages)
-        req.tools = parse_tools(body).tools
+        tools = parse_tools(body)
+        req.tools = tools.tools
+        if tools.forced:
+            if "response_format" in sampling:
+                raise bad("'response_format' cannot be given with a 'tool_choice' that forces a call (the call is "
+                          "the answer's format)", "response_format")
+            sampling["grammar"] = forced_call_grammar(checks.tool_format, tools.tools, tools.forced)
         req.template_kwargs, req.role_mapping = r.chat_template_kwargs, r.role_mapping
         _check_template_kwargs(req.template_kwargs or {}, checks.template_vars)
     else:
@@ -167,6 +179,8 @@ def _model_and_adapter(r: S.ChatRequest | S.CompletionRequest, checks: Checks) -
     """The model id answered with and the engine's adapter argument, from ``model`` or ``adapters``."""
     models = checks.models
     shown = sorted(m for m in models if m not in checks.hidden)
+    if r.adapters == NO_ADAPTER and checks.bare is not None:
+        return checks.bare, models[checks.bare]
     if r.adapters is not None:
         if r.adapters not in models:
             raise APIError(404, f"no adapter {r.adapters!r:.80}; this server serves {shown}", param="adapters",

@@ -138,7 +138,7 @@ EXPECT = {
     "cache_salt": f"a string of at most {MAX_ID_CHARS} characters",
     "logit_bias": "an object of token id -> bias",
     "response_format": "an object ({'type': 'text' | 'json_object' | 'json_schema', ...})",
-    "adapters": "the name of one adapter this server holds",
+    "adapters": "the name of one adapter this server holds, or 'none' (the bare base)",
     "tools": "a list of function definitions",
 }
 _TYPES = {"int": "an integer", "float": "a number", "bool": "true or false", "string": "a string",
@@ -352,12 +352,21 @@ class Completion(_Answer):
     usage: Usage | None = _omitted()
 
 
+class ModelServes(_Out):
+    """What a model id serves: the base, the adapter applied to it (None: none), in words."""
+
+    base: str
+    adapter: str | None
+    description: str
+
+
 class ModelCard(_Out):
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str
-    parent: str | None  # the base model an adapter applies to; None for the base
+    parent: str | None  # the base model an adapter applies to; None for the base's own names
+    edge0: ModelServes  # what the id serves (OpenAI's clients keep fields they do not know)
 
 
 class ModelList(_Out):

@@ -15,9 +15,14 @@ from edge0.config import EngineConfig
 from edge0.logs import get_logger
 from edge0.prompts import template_variables
 from edge0.server import protocol as P
+from edge0.server import schema as S
 from edge0.server.api_error import DEFAULT_MAX_BODY
+from edge0.server.forced_tools import tool_format
 from edge0.server.metrics import Metrics
 from edge0.server.sandbox import Sandbox, SandboxLimits
+
+
+BARE_SUFFIX = ":base"  # ID + this names the bare base (no adapter); ID alone serves its default adapter
 
 
 @dataclass
@@ -72,33 +77,55 @@ class ServerState:
 
     @property
     def models(self) -> dict[str, Any]:
-        """Model id -> the engine's adapter argument: the base (bare), every adapter, the
-        base's aliases (``model_aliases``) and mlx-lm's ``default_model`` (what a request
-        naming no model gets)."""
+        """Model id -> the adapter it serves (None: the bare base). The base's names (its id,
+        ``model_aliases`` and mlx-lm's ``default_model``, what a request naming no model
+        gets) serve what ``edge0 generate`` and ``edge0 demo`` run: the base with the
+        engine's default adapter when it has one; ``ID:base`` the bare base; each adapter's
+        name that adapter."""
         return self._models(self.engine)
 
     def _models(self, engine) -> dict[str, Any]:
-        out: dict[str, Any] = {self.settings.model_id: None}
+        default = self._default_adapter(engine)
+        out: dict[str, Any] = {self.settings.model_id: default, self.bare_id: None}
         for name in engine.adapters:
             out[name] = name
         for name in self.settings.model_aliases + self.settings.hidden_aliases:
-            out.setdefault(name, None)
-        out.setdefault("default_model", out[self._default_model(engine)])
+            out.setdefault(name, default)
+        out.setdefault("default_model", default)
         return out
+
+    @property
+    def bare_id(self) -> str:
+        """The id that names the base without any adapter."""
+        return self.settings.model_id + BARE_SUFFIX
+
+    def card(self, name: str, created: int) -> S.ModelCard:
+        """``/v1/models``'s entry for ``name``: OpenAI's fields, ``parent`` (the base, for a
+        name that applies an adapter to it) and ``edge0``: what the name serves."""
+        base, adapter = self.settings.model_id, self.models.get(name)
+        own = name in (base, self.bare_id, *self.settings.model_aliases, *self.settings.hidden_aliases)
+        if adapter is None:
+            what = f"{base} without an adapter"
+        else:
+            default = adapter == self._default_adapter(self.engine)
+            what = f"{base} with the adapter {adapter!r}" + (
+                " (its default: what edge0 generate and edge0 demo apply)" if default else "")
+        return S.ModelCard(id=name, created=created, owned_by="edge0", parent=None if own or adapter is None else base,
+                           edge0=S.ModelServes(base=base, adapter=adapter, description=what))
 
     @property
     def listed_models(self) -> dict[str, Any]:
         """``models`` without the names never shown to clients (``hidden_aliases``)."""
         return {k: v for k, v in self.models.items() if k not in self.settings.hidden_aliases}
 
-    @property
-    def default_model(self) -> str:
-        """What a request naming no model gets: the engine's default adapter if it has one."""
-        return self._default_model(self.engine)
-
     def _default_model(self, engine) -> str:
+        """The id a request naming no model is answered with: the engine's default adapter if
+        it has one."""
+        return self._default_adapter(engine) or self.settings.model_id
+
+    def _default_adapter(self, engine) -> str | None:
         adapters = engine.adapters
-        return adapters[0] if adapters and self.settings.config.adapter != "off" else self.settings.model_id
+        return adapters[0] if adapters and self.settings.config.adapter != "off" else None
 
     async def load(self) -> None:
         """The engine, then the request worker processes; ``engine`` is set (the server is
@@ -114,7 +141,8 @@ class ServerState:
             self.checks = P.Checks(self._models(engine), self._default_model(engine), self.settings.defaults,
                                    engine.vocab_size, engine.context_length,
                                    template_variables(*bnn.tokenizer_parts(engine.tokenizer)),
-                                   hidden=frozenset(self.settings.hidden_aliases))
+                                   hidden=frozenset(self.settings.hidden_aliases),
+                                   bare=self.bare_id, tool_format=tool_format(engine.tokenizer))
             self.sandbox = await anyio.to_thread.run_sync(Sandbox, sandbox_setup(engine.tokenizer, self.checks),
                                                           self.settings.sandbox)
         except Exception as e:  # noqa: BLE001 - reported by /health and the log, then the server stops

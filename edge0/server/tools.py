@@ -29,10 +29,12 @@ MAX_TOOLS = 128
 
 @dataclass(frozen=True)
 class ToolRequest:
-    """The checked ``tools`` (None: none) and ``tool_choice`` ("auto" or "none")."""
+    """The checked ``tools`` (None: none), ``tool_choice`` ("auto", "none", "required" or
+    "function") and, for a forced choice, the functions one of which must be called."""
 
     tools: list[dict] | None
     choice: str
+    forced: tuple[str, ...] | None = None  # "required": every tool's name; a named function: its name
 
 
 def parse_tools(body: dict) -> ToolRequest:
@@ -44,15 +46,30 @@ def parse_tools(body: dict) -> ToolRequest:
     choice = body.get("tool_choice")
     if choice is None:
         choice = "auto"
-    if choice in ("required",) or isinstance(choice, dict):
-        raise bad("tool_choice 'required' or a named function is not supported: this server lets the model "
-                   "choose ('auto') or gives it no tools ('none')", "tool_choice")
-    if choice not in ("auto", "none"):
-        raise bad(f"'tool_choice' must be 'auto' or 'none', got {choice!r:.40}", "tool_choice")
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
         raise bad("'parallel_tool_calls' must be true or false", "parallel_tool_calls")
-    return ToolRequest(tools if choice == "auto" else None, choice)
+    if choice in ("auto", "none"):
+        return ToolRequest(tools if choice == "auto" else None, choice)
+    names = tuple(t["function"]["name"] for t in tools or ())
+    forced = names if choice == "required" else (_named_choice(choice),)
+    if not names:
+        raise bad("'tool_choice' forces a tool call, but the request gives no 'tools' to call", "tool_choice")
+    unknown = [n for n in forced if n not in names]
+    if unknown:
+        raise bad(f"'tool_choice' names the function {unknown[0]!r:.80}, which is not among 'tools' "
+                  f"({', '.join(names):.400})", "tool_choice")
+    return ToolRequest(tools, "required" if choice == "required" else "function", forced)
+
+
+def _named_choice(choice: Any) -> str:
+    """The function a named ``tool_choice`` (``{"type": "function", "function": {"name": ..}}``) names."""
+    fn = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or set(choice) != {"type", "function"} \
+            or set(fn) != {"name"}:
+        raise bad("'tool_choice' must be 'auto', 'none', 'required' or {'type': 'function', 'function': "
+                  f"{{'name': NAME}}}}, got {choice!r:.80}", "tool_choice")
+    return fn["name"]
 
 
 def _tool(tool: Any, i: int) -> dict:
