@@ -91,8 +91,8 @@ def test_eval_reports_perplexity(tiny_model_factory, tmp_path, capsys):
 
 
 def test_readme_oracle_example_on_the_demo_which_ships_heads(tmp_path):
-    """README's record-routing then --oracle-file, as written, on the demo (which ships
-    prerouter heads): the recording holds every MoE layer at every step, and the staged replay
+    """record-routing then --oracle-file on the demo (which ships prerouter heads), without
+    --adapter off (the adapter's warning aside, the replay still equals the exact path): the recording holds every MoE layer at every step, and the staged replay
     writes the text of the exact path without heads."""
     from edge0.cli import PACKAGED_DEMO
 
