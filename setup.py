@@ -19,7 +19,8 @@ SOURCE = Path(__file__).resolve().parent / "edge0" / "backend" / "mlx" / "kernel
 
 class CMakeExtension(Extension):
     def __init__(self, name: str, source: Path):
-        super().__init__(name, sources=[])
+        # optional: an editable install copies into the source tree only what was built
+        super().__init__(name, sources=[], optional=True)
         self.source = source
 
 
