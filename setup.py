@@ -1,4 +1,4 @@
-"""Builds Edge0's CPU kernels (edge0/backend/mlx/kernels/csrc, an MLX extension) when the project is
+"""Builds Edge0's CPU kernels (src/edge0/backend/mlx/kernels/csrc, an MLX extension) when the project is
 installed. The build is optional: where it fails (no compiler, no cmake, an MLX without its
 CMake files), the install still succeeds and the engine runs on MLX's kernels
 (``kernels=auto`` says so in one log line; ``kernels=edge0`` is a ConfigError).
@@ -14,7 +14,7 @@ from pathlib import Path
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
-SOURCE = Path(__file__).resolve().parent / "edge0" / "backend" / "mlx" / "kernels" / "csrc"
+SOURCE = Path(__file__).resolve().parent / "src" / "edge0" / "backend" / "mlx" / "kernels" / "csrc"
 
 
 class CMakeExtension(Extension):

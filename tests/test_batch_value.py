@@ -16,7 +16,7 @@ from edge0.decoding import Batch, Decoder
 from edge0.exec.staged import Stager
 from edge0.prerouter.runtime import Observed
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[1] / "src"
 PROMPTS = ["def add(a, b):\n    return", "x = [i * i for i in range(10)]\nprint(", "class Point:\n    def"]
 
 

@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_no_name_is_defined_and_never_used():
-    r = subprocess.run([sys.executable, "-m", "vulture", "edge0", "tools", "tests", "tests/vulture_whitelist.py",
+    r = subprocess.run([sys.executable, "-m", "vulture", "src/edge0", "tools", "tests", "tests/vulture_whitelist.py",
                         "--min-confidence", "60", "--ignore-decorators", "@arm",  # bench arms: registered by name
                         "--ignore-names", "__class__,__cause__"],  # assigned for the interpreter to read
                        cwd=ROOT, capture_output=True, text=True)

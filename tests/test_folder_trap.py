@@ -51,3 +51,23 @@ def test_a_child_imports_this_processs_edge0(beside_a_clone):
     # working directory
     out = subprocess.run(python_module("site"), capture_output=True, text=True, check=True).stdout
     assert repr(str(Path(edge0.__file__).parent.parent)) in out and repr(str(beside_a_clone)) not in out
+
+
+def test_a_script_beside_a_clone_imports_the_installed_edge0(tmp_path):
+    """A script run from the folder a clone named ``edge0`` sits in (its folder first on the
+    import path) imports the installed package, not the clone's folder: the package lives in
+    the clone's ``src/``, so the clone's root is never a package named ``edge0``."""
+    import subprocess
+    import sys
+
+    import edge0
+
+    clone = Path(edge0.__file__).resolve().parents[2]
+    assert (clone / "src" / "edge0" / "__init__.py").exists(), "the package is laid out under src/"
+    beside = tmp_path / "projects"
+    (beside / "edge0" / "src").mkdir(parents=True)  # a clone of the same layout, beside the script
+    (beside / "script.py").write_text("import edge0\nfrom edge0 import Engine\nprint(edge0.__file__)\n")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, "script.py"], cwd=beside, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert Path(done.stdout.strip()).resolve() != (beside / "edge0").resolve()

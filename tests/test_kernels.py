@@ -22,7 +22,7 @@ from edge0.errors import ConfigError, KernelError
 
 pytestmark = pytest.mark.skipif(not K.available(), reason=f"kernels not built: {K.unavailable_reason()}")
 
-DEMO = "edge0/data/demo_model"
+DEMO = "src/edge0/data/demo_model"
 README_PROMPTS = ["def fibonacci(n):", "class Stack:\n    def __init__(self):", "import os\n\ndef read_lines(path):"]
 
 
@@ -289,7 +289,7 @@ def test_the_c_plus_plus_harness_builds_and_times_the_kernel(tmp_path):
     if shutil.which("g++") is None:
         pytest.skip("no g++")
     root = Path(__file__).resolve().parents[1]
-    csrc = root / "edge0" / "backend" / "mlx" / "kernels" / "csrc"
+    csrc = root / "src" / "edge0" / "backend" / "mlx" / "kernels" / "csrc"
     exe = tmp_path / "qmm_bench"
     subprocess.run(["g++", "-O2", "-std=c++17", "-I", str(csrc), str(root / "tools" / "qmm_bench.cpp"),
                     str(csrc / "qmm.cpp"), "-o", str(exe), "-lpthread"], check=True, timeout=300)

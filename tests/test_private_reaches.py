@@ -8,7 +8,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1] / "edge0"
+ROOT = Path(__file__).resolve().parents[1] / "src" / "edge0"
 
 THIRD_PARTY = {  # (module, expression): why there is no public way
     ("benchmark/llama_cpp.py", "llm._ctx"): "llama-cpp-python exposes no public handle to its context's timings",

@@ -1,5 +1,5 @@
 """The README is a manual that runs as pasted: every command of its `bash` blocks and every
-`python` block, from the root of a clone (a folder holding the clone's `edge0/` and
+`python` block, from the root of a clone (a folder holding the clone's `src/` and
 `teachers/`), with the set-up commands' environment on PATH; and the statements the code
 can check (the architecture table in docs/MODELS.md and its count)."""
 
@@ -42,7 +42,7 @@ def _bash_blocks() -> list[str]:
 
 def _clone(tmp_path: Path) -> Path:
     """A folder laid out as the clone's root: its package and teachers, nothing else."""
-    for name in ("edge0", "teachers"):
+    for name in ("src", "teachers"):
         (tmp_path / name).symlink_to(ROOT / name)
     return tmp_path
 

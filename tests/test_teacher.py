@@ -295,7 +295,7 @@ def test_the_kept_teacher_is_the_demos():
     from edge0.backend import nn as bnn
 
     root = Path(__file__).resolve().parents[1]
-    kept, demo = root / "teachers" / "demo-v2", root / "edge0" / "data" / "demo_model"
+    kept, demo = root / "teachers" / "demo-v2", root / "src" / "edge0" / "data" / "demo_model"
     prov = json.loads((kept / "provenance.json").read_text())
     want = json.loads((demo / "provenance.json").read_text())["teacher_weights_sha256"]["model.safetensors"]
     assert prov["float32_original"]["model.safetensors_sha256"] == want

@@ -83,7 +83,7 @@ async def run_batch(engine: Engine, b: int, tokens: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=str(ROOT / "edge0" / "data" / "demo_model"))
+    p.add_argument("--model", default=str(ROOT / "src" / "edge0" / "data" / "demo_model"))
     p.add_argument("--arms", default="exact,staged")
     p.add_argument("--batch", default="1,4,16")
     p.add_argument("--tokens", type=int, default=32)

@@ -37,7 +37,7 @@ def own_cpu_seconds() -> float:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=str(load_test.ROOT / "edge0" / "data" / "demo_model"))
+    ap.add_argument("--model", default=str(load_test.ROOT / "src" / "edge0" / "data" / "demo_model"))
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--sockets", type=int, default=260)
     ap.add_argument("serve_args", nargs="*", help="more `edge0 serve` flags, after --")

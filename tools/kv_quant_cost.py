@@ -9,7 +9,7 @@ routed experts are read), the prompt fed in chunks of ``--chunk`` tokens with ml
 it, with ``--start`` the quantized_kv_start (0: the whole context quantized but the first
 chunk's own attention).
 
-    python tools/kv_quant_cost.py [--model edge0/data/demo_model] [--windows 8 --window 1024]
+    python tools/kv_quant_cost.py [--model src/edge0/data/demo_model] [--windows 8 --window 1024]
 """
 
 from __future__ import annotations

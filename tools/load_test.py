@@ -279,7 +279,7 @@ def pct(values: list[float], q: float) -> float:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", "--serve-model", dest="model", default=str(ROOT / "edge0" / "data" / "demo_model"),
+    p.add_argument("--model", "--serve-model", dest="model", default=str(ROOT / "src" / "edge0" / "data" / "demo_model"),
                    help="checkpoint to serve on a free port, stopped after (default: the demo model)")
     p.add_argument("--server", choices=["edge0", "mlx-lm"], default="edge0",
                    help="the server to start (or, with --url, the kind running there): edge0 serve, or "

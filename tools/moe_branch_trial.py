@@ -83,7 +83,7 @@ def heldout_nll(student: StudentModel, tokens: list[int], window: int = 256) -> 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=str(Path(__file__).resolve().parents[1] / "edge0/data/demo_model"))
+    ap.add_argument("--model", default=str(Path(__file__).resolve().parents[1] / "src/edge0/data/demo_model"))
     ap.add_argument("--teacher", required=True)
     ap.add_argument("--work", required=True)
     ap.add_argument("--routing", default="replace", choices=["replace", "select"])

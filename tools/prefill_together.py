@@ -74,7 +74,7 @@ def one_run(model: Path, rows: int, length: int, repeat: int, grouped: bool) -> 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", type=Path, default=ROOT / "edge0" / "data" / "demo_model")
+    ap.add_argument("--model", type=Path, default=ROOT / "src" / "edge0" / "data" / "demo_model")
     ap.add_argument("--rows", type=int, default=8)
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)

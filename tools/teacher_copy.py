@@ -1,6 +1,6 @@
 """Keep a rebuilt float32 teacher as a bfloat16 copy the repository can carry.
 
-    python tools/teacher_copy.py TEACHER_DIR OUT_DIR [--expect-sha256 HEX] [--demo edge0/data/demo_model]
+    python tools/teacher_copy.py TEACHER_DIR OUT_DIR [--expect-sha256 HEX] [--demo src/edge0/data/demo_model]
 
 TEACHER_DIR is ``OUT/teacher`` of ``edge0 train teacher`` (float32, mlx-lm layout). Checks
 the sha256 of its ``model.safetensors`` against the one the demo checkpoint's
