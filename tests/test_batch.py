@@ -15,7 +15,7 @@ from edge0 import Engine, EngineConfig
 from edge0.errors import StalledConsumerError
 from tests.test_adapters import random_adapter
 
-DEMO = Path(__file__).resolve().parent.parent / "edge0" / "data" / "demo_model"
+DEMO = Path(__file__).resolve().parent.parent / "src" / "edge0" / "data" / "demo_model"
 PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n", "class Stack:\n    def", "for i in range(10):",
            "x", "    return self._value\n\n    def __eq__(self, other):\n"]
 

@@ -289,6 +289,10 @@ def test_an_arm_with_a_source_runs_on_that_trees_edge0(tmp_path):
     options = arm_options([f"exact@old:source={tree},compute_threads=1", "exact:compute_threads=2"], ("exact", "exact@old"))
     assert options == {"exact@old": {"compute_threads": 1, "source": str(tree.resolve())},
                        "exact": {"compute_threads": 2}}
+    clone = tmp_path / "clone"  # a clone of the src layout: its package under src/
+    (clone / "src").mkdir(parents=True)
+    (clone / "src" / "edge0").symlink_to(tree / "edge0")
+    assert arm_options([f"exact@new:source={clone}"], ("exact@new",)) == {"exact@new": {"source": str((clone / "src").resolve())}}
     replay = {"prompt": [1], "continuation": [2]}
     out = harness.run_arm_process("exact@old", tmp_path, replay, {"arm_options": options})
     assert out["edge0_from"] == str(tree / "edge0" / "__init__.py")

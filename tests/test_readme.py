@@ -41,9 +41,11 @@ def _bash_blocks() -> list[str]:
 
 
 def _clone(tmp_path: Path) -> Path:
-    """A folder laid out as the clone's root: its package and teachers, nothing else."""
+    """A folder laid out as the clone's root after the first set-up command: its package,
+    teachers and the environment (`.venv`: the one running these tests), nothing else."""
     for name in ("src", "teachers"):
         (tmp_path / name).symlink_to(ROOT / name)
+    (tmp_path / ".venv").symlink_to(Path(sys.prefix))
     return tmp_path
 
 

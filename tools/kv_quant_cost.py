@@ -50,7 +50,7 @@ def window_nll(model, tokens: np.ndarray, chunk: int, bits: int | None, group: i
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=str(Path(__file__).resolve().parent.parent / "edge0" / "data" / "demo_model"))
+    ap.add_argument("--model", default=str(Path(__file__).resolve().parent.parent / "src" / "edge0" / "data" / "demo_model"))
     ap.add_argument("--windows", type=int, default=8)
     ap.add_argument("--window", type=int, default=1024)
     ap.add_argument("--chunk", type=int, default=128)

@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("teacher")
     p.add_argument("out")
-    p.add_argument("--demo", default=str(Path(__file__).resolve().parent.parent / "edge0" / "data" / "demo_model"))
+    p.add_argument("--demo", default=str(Path(__file__).resolve().parent.parent / "src" / "edge0" / "data" / "demo_model"))
     p.add_argument("--expect-sha256", default=None, help="default: the demo's teacher_weights_sha256")
     a = p.parse_args(argv)
     src, out = Path(a.teacher), Path(a.out)

@@ -159,10 +159,13 @@ def arm_options(items: list[str], arms: tuple[str, ...]) -> dict:
         values = parse_settings(rest, f"--arm-option {item!r}") if rest.strip() else {}
         resolve_config(environ={}, **values)  # typed checks now, not in a child process later
         for source in sources[-1:]:
-            if not (Path(source) / "edge0" / "benchmark" / "arms.py").is_file():
+            # a clone (its package in src/, or at its root before the src layout) or the folder above the package
+            tree = next((t for t in (Path(source) / "src", Path(source))
+                         if (t / "edge0" / "benchmark" / "arms.py").is_file()), None)
+            if tree is None:
                 raise ConfigError(f"--arm-option {item!r}: source {source} is not an Edge0 source tree "
-                                  "(no edge0/benchmark/arms.py in it)")
-            values["source"] = str(Path(source).resolve())
+                                  "(no src/edge0/benchmark/arms.py or edge0/benchmark/arms.py in it)")
+            values["source"] = str(tree.resolve())
         out.setdefault(arm, {}).update(values)
     return out
 
