@@ -300,3 +300,25 @@ def test_an_arm_with_a_source_runs_on_that_trees_edge0(tmp_path):
     with pytest.raises(ConfigError, match=f"source {tmp_path} is not an Edge0 source tree"):
         arm_options([f"exact@old:source={tmp_path}"], ("exact@old",))
     assert harness._portable({"arm_options": options})["arm_options"]["exact@old"]["source"] == "other"
+
+
+@pytest.mark.parametrize("how, says", [
+    ("os.kill(os.getpid(), signal.SIGILL)", r"was ended by SIGILL: an instruction this CPU does not run.*AMX"),
+    ("sys.exit(3)", r"failed \(exit status 3\):\n\(it printed nothing on stderr\)"),
+])
+def test_an_arm_that_crashes_is_named_with_its_signal_and_what_to_do(tmp_path, how, says):
+    """An arm's process that dies (llama.cpp's SIGILL at an AMX tile load in a VM, with
+    nothing on stderr) is a typed error naming the arm, the signal and what to do, never an
+    empty message."""
+    from edge0.errors import BenchArmError
+    from edge0.benchmark.command import arm_options
+
+    tree = tmp_path / "crashing"
+    (tree / "edge0" / "benchmark").mkdir(parents=True)
+    (tree / "edge0" / "__init__.py").write_text("")
+    (tree / "edge0" / "benchmark" / "__init__.py").write_text("")
+    (tree / "edge0" / "benchmark" / "arms.py").write_text(f"import os, signal, sys\n{how}\n")
+    options = arm_options([f"exact@crash:source={tree}"], ("exact@crash",))
+    with pytest.raises(BenchArmError, match=says) as failed:
+        harness.run_arm_process("exact@crash", tmp_path, {"prompt": [1], "continuation": [2]}, {"arm_options": options})
+    assert failed.value.arm == "exact@crash" and str(failed.value).startswith("exact@crash ")

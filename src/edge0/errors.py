@@ -23,7 +23,9 @@ Edge0Error
  |    |                       its processor was fed another generation's tokens
  |    +-- FormatTooCostlyError    one token's mask took longer than the bound (the format's fault)
  +-- KernelError              Edge0's kernels were handed inputs they cannot compute (shape,
-                              dtype, bits, group size)
+ |                            dtype, bits, group size)
+ +-- BenchArmError            a benchmark arm's process failed: its exit status or signal, its
+                              last words, and what to do about a crash
 
 Each error carries the offending file / tensor / parameter as attributes and names them
 in its message, so a test (or a user) can see what was wrong without a traceback.
@@ -155,3 +157,12 @@ class KernelError(Edge0Error, ValueError):
 class DistributedError(Edge0Error):
     """A group of ranks (``mlx.launch``) could not form or lost a rank: the other ranks did
     not connect in time, or joining the group failed."""
+
+
+class BenchArmError(Edge0Error):
+    """A benchmark arm's process failed (``edge0 bench``): ``arm``, ``returncode`` (negative:
+    the signal that ended it, as ``subprocess`` reports it) and what it printed last."""
+
+    def __init__(self, message: str, arm: str, returncode: int):
+        super().__init__(message)
+        self.arm, self.returncode = arm, returncode

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -23,7 +24,7 @@ from typing import Callable
 from edge0.benchmark import machine
 from edge0.benchmark.arms import ARMS, BASELINE, base_arm
 from edge0.child_python import python_code, python_module
-from edge0.errors import ConfigError
+from edge0.errors import BenchArmError, ConfigError
 
 SCHEMA_VERSION = 2  # 2: the machine it ran on
 FIGURES = ("decode_tps", "step_ms_median", "prefill_tps", "peak_active_memory", "peak_rss", "expert_bytes_per_token",
@@ -177,7 +178,7 @@ def _child(job: dict, memory_limit: int | None = None, source: str | None = None
     if info is not None and info["oom_killed"]:
         return {"out_of_memory": True, "memory_cap": info}
     if out.returncode:
-        raise RuntimeError(f"{job.get('arm') or 'oracle recording'} failed:\n{out.stderr[-3000:]}")
+        raise arm_failed(job.get("arm") or "oracle recording", out.returncode, out.stderr)
     result = json.loads(out.stdout.strip().splitlines()[-1])
     if info is not None:
         result["memory_cap"] = info
@@ -191,6 +192,33 @@ def record_oracle(model_dir: Path, replay: dict, path: Path) -> int:
 
 
 # an arm's process on another source tree: that tree's edge0 first on the path, then its arm runner
+# what to do when an arm dies by a signal
+CRASHES = {
+    signal.SIGILL: "an instruction this CPU does not run: a build for another CPU, or llama.cpp's AMX tiles, "
+                   "which virtual machines may report but not run; rebuild llama-cpp-python without them "
+                   "(docs/BENCHMARKS.md, \"llama.cpp built for this CPU\")",
+    signal.SIGKILL: "killed from outside: the kernel's out-of-memory killer (no --memory-limit cgroup caught it) "
+                    "or another process",
+    signal.SIGSEGV: "a crash inside the process (a native library's fault)",
+    signal.SIGBUS: "a mapped file's pages could not be read (the checkpoint or GGUF file changed or its disk failed)",
+    signal.SIGABRT: "the process aborted (a native library's assertion)",
+}
+
+
+def arm_failed(arm: str, returncode: int, stderr: str) -> BenchArmError:
+    """The error of an arm's process that failed: its exit status, or the signal that ended
+    it and what that usually means, and the end of what it printed (or that it printed nothing)."""
+    said = stderr.strip()[-3000:] or "(it printed nothing on stderr)"
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        why = CRASHES.get(-returncode, "ended by a signal")
+        return BenchArmError(f"{arm} was ended by {name}: {why}\n{said}", arm, returncode)
+    return BenchArmError(f"{arm} failed (exit status {returncode}):\n{said}", arm, returncode)
+
+
 SOURCE_RUNNER = ("import runpy, sys; sys.path.insert(0, sys.argv.pop(1)); "
                  "runpy.run_module('edge0.benchmark.arms', run_name='__main__', alter_sys=True)")
 
