@@ -121,6 +121,9 @@ def test_the_llama_cpp_arm_replays_the_benchs_sequence(bench_gguf, tmp_path):
     assert doc["gguf_bytes"] == path.stat().st_size
     table = markdown(doc)
     assert "| llama.cpp |" in table and "n/a" in table and "the same weights in Q4_1" in table
+    build = ll["runs"][0]["info"]["build"]  # the CPU features its build uses, in the results and the report
+    assert build and all(f == f.strip().upper() and ":" not in f for f in build)
+    assert f"Its build uses: {', '.join(build)}." in table
 
 
 def test_the_bench_command_passes_the_gguf_file_and_threads(tmp_path):

@@ -35,6 +35,14 @@ def available() -> str | None:
     return None
 
 
+def build_features(llama_cpp) -> list[str]:
+    """The CPU features the llama.cpp build uses (its system info's ``NAME = 1`` entries)."""
+    info = llama_cpp.llama_print_system_info()
+    text = info.decode() if isinstance(info, bytes) else str(info)
+    return [name.split(":")[-1].strip() for name, _, on in (part.partition("=") for part in text.split("|"))
+            if on.strip() == "1"]
+
+
 def _read_bytes() -> int:
     with open("/proc/self/io", encoding="ascii") as f:
         for line in f:
@@ -96,7 +104,7 @@ def replay(name: str, prompt: list[int], continuation: list[int], settings: dict
                 "decode_user_s": usage.ru_utime - usage0.ru_utime, "decode_system_s": usage.ru_stime - usage0.ru_stime,
                 "rss_anon_mib_at_end": _status_kib("RssAnon") / 1024,
                 "rss_file_mib_at_end": _status_kib("RssFile") / 1024,
-                "llama_cpp_python": getattr(llama_cpp, "__version__", "?")}
+                "llama_cpp_python": getattr(llama_cpp, "__version__", "?"), "build": build_features(llama_cpp)}
     finally:
         llm.close()
     return dict(

@@ -71,10 +71,13 @@ def markdown(doc: dict) -> str:
                "no MLX memory")
             + (f" ({', '.join(what)})" if what else ""))
     if doc.get("gguf_bytes"):
+        builds = {", ".join(r["info"]["build"]) for a in doc["arms"].values() for r in a.get("runs", [])
+                  if r.get("info", {}).get("build")}
+        built = f" Its build uses: {'; '.join(sorted(builds))}." if builds else ""
         lines += ["", f"llama.cpp runs the GGUF copy of the checkpoint (the same weights in Q4_1, "
                       f"{doc['gguf_bytes'] / 1e9:.2f} GB); its MiB/token is what the kernel read from the disk for "
                       "it per token (`/proc/self/io`: every weight a step touched that was not in the page cache), "
-                      "and its read wait is inside its step (page faults), n/a here."]
+                      f"and its read wait is inside its step (page faults), n/a here.{built}"]
     ov = doc.get("overlap")
     if ov:
         lines += ["", f"Staged+oracle decode step {ov['staged_step_ms']:.1f} ms = {ov['staged_over_max']:.3f} x "
