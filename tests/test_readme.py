@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -115,8 +116,11 @@ def _server_block(block: str, cwd: Path) -> None:
     kill = lines.index("kill %1")
     script = "\n".join([*(f"{c}; echo" if c.startswith("curl") else c for c in lines[:kill]),
                         *(f"{sys.executable} client{i}.py" for i in range(len(clients))), *lines[kill:]])
+    with socket.socket() as probe:  # the README's port: another server there would answer instead
+        assert probe.connect_ex(("127.0.0.1", 8080)) != 0, "something already listens on port 8080"
     done = _run(script, cwd, timeout=300)
     assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-4000:])
+    assert "ready on http://127.0.0.1:8080" in done.stderr, done.stderr[-3000:]  # the README's server answered
     answers = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     curls = [c for c in lines if c.startswith("curl") and "/health" not in c]
     assert len(answers) == len(curls), done.stdout

@@ -286,3 +286,17 @@ def test_a_large_body_is_checked_in_a_request_worker_the_same(tool_server):
     assert small.status_code == big.status_code == 200 and big.json() == small.json()
     bad = httpx.post(url + "/v1/messages", json={**ask, "tools": [big_tool]}, timeout=60)
     assert bad.status_code == 400 and bad.json()["error"]["message"].startswith("'max_tokens' is required")
+
+
+def test_count_tokens_counts_a_prompt_longer_than_the_context(server):
+    """An agent asks whether its conversation still fits: a prompt over the model's context
+    is counted, not refused (a message of it is refused, naming the context)."""
+    url, state = server
+    context = state.engine.context_length
+    assert context, "the test model states its context"
+    ask = {"model": "tiny", "messages": [{"role": "user", "content": "x " * (2 * context)}]}
+    counted = httpx.post(url + "/v1/messages/count_tokens", json=ask, timeout=60)
+    assert counted.status_code == 200, counted.text
+    assert counted.json()["input_tokens"] > context
+    refused = httpx.post(url + "/v1/messages", json={**ask, "max_tokens": 4}, timeout=60)
+    assert refused.status_code == 400 and refused.json()["type"] == "error"

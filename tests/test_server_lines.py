@@ -79,7 +79,7 @@ def test_serve_says_when_it_is_ready_and_logs_each_request(model):  # noqa: F811
         lines, url = server.until_ready()
         assert lines[0].startswith(f"[edge0] serving {d.name} on {url} (loading")
         assert f"model {d.name} ({d};" in lines[-1]
-        assert "serving POST /v1/chat/completions, /v1/completions; GET /v1/models, /health, /metrics" in lines[-1]
+        assert "serving POST /v1/chat/completions, /v1/completions, /v1/messages, /v1/messages/count_tokens; GET /v1/models, /health, /metrics" in lines[-1]
         _requests(url)
         log = server.stop()
     requests = [line for line in log.splitlines() if "http.request" in line]

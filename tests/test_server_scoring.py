@@ -178,3 +178,30 @@ def test_the_openai_client_reads_echoed_lists_and_choices(server):
     assert r.choices[0].logprobs.token_logprobs[0] is None and r.usage.completion_tokens == 8
     chat = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], n=3, max_tokens=2)
     assert [ch.index for ch in chat.choices] == [0, 1, 2]
+
+
+def test_every_choice_takes_its_place_in_the_line(model):  # noqa: F811
+    """A request's generations (prompts times ``n``) each take a place in the engine's line:
+    more than the batch and ``max_queue`` hold together is a 400, more than would fit beside
+    what already waits is a 429 that keeps no place, and what fits is answered."""
+    import threading
+    import time
+
+    with serving(model[0], EngineConfig(adapter="off", max_batch=1), max_queue=1) as (url, state):
+        for body, param in (({"n": 3}, "n"), ({"prompt": ["a", "b", "c"]}, "prompt")):
+            r = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2, **body})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+            assert "at most 2" in r.json()["error"]["message"]
+        assert len(_post(url, prompt="x", max_tokens=2, n=2)["choices"]) == 2  # one runs, one waits
+        done = {}
+        long = threading.Thread(target=lambda: done.update(r=httpx.post(
+            url + "/v1/completions", json={"prompt": "x", "max_tokens": 300}, timeout=120).status_code))
+        long.start()
+        while state.in_flight < 1:
+            time.sleep(0.01)
+        refused = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2, "n": 2})
+        assert refused.status_code == 429 and "this request asks for 2" in refused.json()["error"]["message"]
+        assert state.engine.metrics().queued == 0  # the refused request kept no place
+        assert len(_post(url, prompt="y", max_tokens=2)["choices"]) == 1  # waits its turn, then answered
+        long.join()
+        assert done["r"] == 200

@@ -158,9 +158,9 @@ def _logged(record: dict, req: P.GenerationRequest, picked: list[Choice]) -> Non
 
 
 async def complete(state: ServerState, request: Request, req: P.GenerationRequest, prompt_ids: list[list[int]],
-                   admission, shape, record: dict) -> dict | None:
-    """A whole (non-streamed) answer; None when the client went away first. The request's
-    admission goes with its first generation (the line counts the others as they run);
+                   admissions: list, shape, record: dict) -> dict | None:
+    """A whole (non-streamed) answer; None when the client went away first. Each choice's
+    generation takes its own place in the engine's line (``admissions``, one a choice);
     ``record``: the access log's entry."""
     picked = choices(state, req, prompt_ids)
     gone = False
@@ -188,7 +188,7 @@ async def complete(state: ServerState, request: Request, req: P.GenerationReques
         tg.start_soon(watch_disconnect, tg.cancel_scope)
         async with anyio.create_task_group() as generations:
             for k, choice in enumerate(picked):
-                generations.start_soon(run, choice, admission if k == 0 else None, tg.cancel_scope)
+                generations.start_soon(run, choice, admissions[k], tg.cancel_scope)
         tg.cancel_scope.cancel()
     _logged(record, req, picked)
     error = errors[0] if errors else None

@@ -218,25 +218,26 @@ def _endpoint(state: ServerState, kind: str, shape=answers.OPENAI):
     name = {"chat": "chat", "completion": "completions"}.get(kind, kind)
 
     async def handler(request: Request) -> Response:
-        admission = None
+        admissions: list = []
         try:
             _check_auth(state, request)
             _check_ready(state)
             req = await intake.parse(state, request, kind)
             req.tenant = _tenant(request, req)
-            if kind == "count_tokens":
+            if kind == "count_tokens":  # counted as rendered: a prompt over the context too, to tell it so
+                req.count_only = True
                 ids = await intake.until_gone(request, intake.prompt_ids, state, req)
                 state.metrics.count(name, 200)
                 return JSONResponse({"input_tokens": len(ids[0])})
-            admission = _admit(state)  # before any work for the request
+            admissions = _admit(state, req)  # before any work for the request
             ids = await intake.until_gone(request, intake.prompt_ids, state, req)
             if req.stream:
-                stream = answers.stream(state, req, ids, admission, shape, entry(request.scope))
-                admission = None  # the stream owns it from here
+                stream = answers.stream(state, req, ids, admissions[0], shape, entry(request.scope))
+                admissions = []  # the stream owns its one from here
                 state.metrics.count(name, 200)
                 return StreamingResponse(stream, media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            result = await answers.complete(state, request, req, ids, admission, shape, entry(request.scope))
+            result = await answers.complete(state, request, req, ids, admissions, shape, entry(request.scope))
             state.metrics.count(name, 200 if result is not None else 499)
             return JSONResponse(result) if result is not None else Response(status_code=499)
         except P.APIError as e:
@@ -257,15 +258,29 @@ def _endpoint(state: ServerState, kind: str, shape=answers.OPENAI):
             state.metrics.count(name, 500)
             return _error(P.APIError(500, f"internal error: {type(e).__name__}: {e}", kind="server_error"), shape)
         finally:
-            if admission is not None:
+            for admission in admissions:
                 admission.release()
     return handler
 
 
-def _admit(state: ServerState):
-    """The request's place in the engine's line, or 429 when ``max_queue`` already wait."""
+def _admit(state: ServerState, req: P.GenerationRequest) -> list:
+    """A place in the engine's line for each of the request's generations (its prompts times
+    ``n``), or 429 when ``max_queue`` generations would then wait beyond the batch; a request
+    that asks for more than the batch and the line hold together is a 400."""
+    count = req.n * len(req.prompts or [None])
+    room, line = state.engine.config.max_batch, state.settings.max_queue
+    if line is not None and count > room + line:
+        raise P.APIError(400, f"this request asks for {count} generations (its prompts times 'n'); the server runs "
+                              f"{room} together and lets {line} wait (--max-batch, --max-queue): at most {room + line}",
+                         param="n" if req.n > 1 else "prompt")
+    places: list = []
     try:
-        return state.engine.admit(state.settings.max_queue)
+        for _ in range(count):
+            places.append(state.engine.admit(line))
     except EngineBusyError as e:
-        raise P.APIError(429, f"{e.waiting} requests are waiting (max_queue {e.limit}); retry later",
+        for place in places:
+            place.release()
+        asked = f"; this request asks for {count}" if count > 1 else ""
+        raise P.APIError(429, f"{e.waiting} requests are waiting (max_queue {e.limit}){asked}; retry later",
                          headers={"Retry-After": str(state.settings.retry_after_s)}) from None
+    return places

@@ -19,8 +19,9 @@ def add_parser(sub) -> None:
     from edge0.server.api_error import DEFAULT_MAX_BODY
 
     s = sub.add_parser(
-        "serve", help="an OpenAI-compatible HTTP server (chat, completions, models, health, metrics)",
-        description="Serves /v1/chat/completions, /v1/completions, /v1/models, /health and /metrics on the "
+        "serve", help="an HTTP server with OpenAI's and Anthropic's APIs (chat, completions, messages, ...)",
+        description="Serves /v1/chat/completions, /v1/completions, /v1/messages (Anthropic's), "
+                    "/v1/messages/count_tokens, /v1/models, /health and /metrics on the "
                     "async engine. Every adapter given stays resident and each request picks its own through "
                     "'model' (the base's id: with its default adapter, as edge0 generate runs it; ID:base: the bare base; "
                     "or an adapter's name) or 'adapters'. docs/SERVER.md.")
@@ -32,7 +33,7 @@ def add_parser(sub) -> None:
     s.add_argument("--max-queue", type=int, default=16,
                    help="requests that may wait for their turn; more get 429 with Retry-After (default 16)")
     s.add_argument("--api-key", default=None,
-                   help=f"require 'Authorization: Bearer KEY' on /v1 and /metrics (env {API_KEY_ENV})")
+                   help=f"require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on /v1, /metrics (env {API_KEY_ENV})")
     s.add_argument("--max-tokens", type=int, default=512,
                    help="tokens generated when a request does not say (default 512)")
     s.add_argument("--temp", type=float, default=0.0, help="temperature when a request does not say (default 0)")
@@ -184,7 +185,8 @@ def _follow(settings, group) -> int:
     return 0
 
 
-SERVED = "POST /v1/chat/completions, /v1/completions; GET /v1/models, /health, /metrics (each /v1 route also without it)"
+SERVED = ("POST /v1/chat/completions, /v1/completions, /v1/messages, /v1/messages/count_tokens; "
+          "GET /v1/models, /health, /metrics (each OpenAI /v1 route also without it)")
 
 
 class _Lines:

@@ -124,14 +124,14 @@ def prompt_ids(state: ServerState, req: P.GenerationRequest, abandoned: threadin
         out = []
         for i, prompt in enumerate(sources):
             where = f"prompt[{i}]: " if len(sources) > 1 else ""
-            out.append(engine.validate(prompt, **req.sampling)[0])
+            out.append(prompt if req.count_only else engine.validate(prompt, **req.sampling)[0])
     except ConfigError as e:  # a sampling value the model refuses, or the prompt
         named = next((f for f in req.sampling if str(e).startswith(f)), None)
         named = "tool_choice" if named == "grammar" else named  # the grammar of a forced tool call
         raise P.bad(str(e) if named else where + str(e), named or ("messages" if req.kind == "chat" else "prompt")
                     ) from None
     ctx, limit = engine.context_length, req.sampling["max_tokens"]
-    for i, ids in enumerate(out):
+    for i, ids in enumerate([] if req.count_only else out):
         if req.max_tokens_given and ctx is not None and len(ids) + limit > ctx:  # a default limit is clipped instead
             where = f"prompt[{i}]: " if len(out) > 1 else ""
             raise P.bad(f"{where}the prompt ({len(ids)} tokens) and max_tokens ({limit}) exceed the model's context "

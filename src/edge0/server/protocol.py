@@ -45,6 +45,7 @@ class GenerationRequest:
     n: int = 1  # choices per prompt
     echo: bool = False  # a completion's text (and logprobs) start with its prompt's
     score_only: bool = False  # max_tokens 0 with echo: the prompt scored, nothing generated
+    count_only: bool = False  # Anthropic's count_tokens: the prompt's tokens counted, whatever its length
     sampling: dict = field(default_factory=dict)
     stream: bool = False
     include_usage: bool = False
