@@ -190,7 +190,8 @@ def test_prefill_response_is_written_as_mlx_lm_writes_it(tiny_model_factory):
     with Engine(d) as e:
         assert e.prompt_ids("write f", prefill_response="def f(x):") == want
         assert e.prompt_ids("write f") != want
-        with pytest.raises(ConfigError, match="prefill_response needs the tokenizer's chat template"):
+        with pytest.raises(ConfigError, match=r"prefill_response \(the start of the answer; over HTTP, a last "
+                                              r"assistant message\) needs the tokenizer's chat template"):
             e.prompt_ids("write f", chat_template=False, prefill_response="def f(x):")
     r = run_cli("generate", "--model", str(d), "--prompt", "write f", "--prefill-response", "def f(x):",
                 "--max-tokens", "4")

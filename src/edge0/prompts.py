@@ -37,8 +37,9 @@ def prompt_ids(tok, encode: Callable[[str], list[int]], prompt: str | None = Non
     ``apply_chat_template``, here; the server's runs in a process it can stop)."""
     templated = chat_template and getattr(tok, "has_chat_template", False)
     if prefill_response is not None and not templated:
-        raise ConfigError("prefill_response needs the tokenizer's chat template (this prompt is plain text: put the "
-                          "answer's start at the end of the prompt instead)")
+        raise ConfigError("prefill_response (the start of the answer; over HTTP, a last assistant message) needs the "
+                          "tokenizer's chat template (this prompt is plain text: put the answer's start at the end "
+                          "of the prompt instead)")
     if tools and not (templated and getattr(tok, "has_tool_calling", False)):
         raise ConfigError("this model's chat template has no tool-call format: it cannot be given tools")
     if messages is None:
