@@ -104,6 +104,10 @@ def test_cancelling_a_staged_step_signals_its_layers_failed(running):
     store = FakeStore(gate=gate)
     s, loop = running(store, {0: 2}, readers=1, signal=signals)
     loop.portal.call(s.stage, None, [plan(0, [(0, [1, 2])])])
+    deadline = time.monotonic() + 10
+    while not store.concurrent and time.monotonic() < deadline:  # the read is in the store, held
+        time.sleep(0.001)
+    assert store.concurrent == 1
     cancelled = loop.portal.start_task_soon(s.cancel, 0)  # waits for the read in flight
     assert signals.wait(1)[0][:3] == (0, 0, False)  # at once: a graph waiting on it raises, never hangs
     assert isinstance(s.job_error(0, 0), SchedulerError)  # what the compute thread is told it failed with
