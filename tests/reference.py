@@ -75,22 +75,17 @@ def rel_l2(a, b) -> float:
 def record_staging(engine, prompt, max_tokens: int):
     """Run a greedy generation on ``engine``; returns (plans, used, events): per decode step
     and staged layer, the experts the step's plan staged and the experts the layer's block
-    routed to (steps that were planned only)."""
+    routed to (steps that were planned only), whether the experts come from slots or from
+    the checkpoint's mapping."""
     s = engine.streaming
     stager = s.stager
     plans, used = {}, {}
-    stage = stager.scheduler.stage
-
-    def record_plans(release, steps=()):
-        for plan in steps:
-            plans[plan.step] = {lp.layer: set(lp.experts) for lp in plan.layers}
-        return stage(release, steps)
-
-    stager.scheduler.stage = record_plans
     switches = s.switches()
 
     def observe(layer, inds, previous):
-        if inds.size == inds.shape[-1] and layer in stager.layers and stager.step in stager.now.submitted:
+        plan = stager.plan
+        if inds.size == inds.shape[-1] and layer in stager.layers and plan is not None and plan.step == stager.step:
+            plans[plan.step] = {l: set(plan.experts[l]) for l in stager.layers}  # (a later generation: its own)
             used.setdefault(stager.step, {})[layer] = set(np.array(inds).reshape(-1).tolist())
         if previous is not None:
             previous(layer, inds)

@@ -83,6 +83,7 @@ def test_every_path_matches_mlx_lm(tiny_model_factory, monkeypatch, model_type):
     if K.available():
         with Engine(d, EngineConfig(kernels="edge0")) as engine:
             assert engine.streaming.kernels == "edge0"
+            assert engine.streaming.plan.source == "mapping"  # auto: the experts computed where the file's mapping holds them
             tokens["edge0"] = [e.token for e in engine.stream(PROMPT, max_tokens=8)]
             oracles["edge0"] = engine.record_routing(ids, max_tokens=8)
             mine = engine.streaming.model(mx.array([ids]))
@@ -90,14 +91,25 @@ def test_every_path_matches_mlx_lm(tiny_model_factory, monkeypatch, model_type):
 
     # Under one kernel setting every path gives the exact path's logits, bit for bit: hot and
     # whole-layer on a fixed token sequence; staged on the greedy one its oracle recorded (as
-    # mlx-lm's generation loop: the prompt's last token is the first decode step)
+    # mlx-lm's generation loop: the prompt's last token is the first decode step); on Edge0's
+    # kernels the exact path over slots is the reference, and exact and staged also run with
+    # the experts computed in place from the checkpoint's mapping
     for kernels in tokens:
-        for path, continuation, extra in (("hot", CONTINUATION, {}), ("whole_layer", CONTINUATION, {}),
-                                          ("staged", tokens[kernels][:8], {"oracle": oracles[kernels]})):
+        runs = [("hot", CONTINUATION, {}, "slots"), ("whole_layer", CONTINUATION, {}, "slots"),
+                ("staged", tokens[kernels][:8], {"oracle": oracles[kernels]}, "slots")]
+        if kernels == "edge0":
+            runs += [("exact", tokens[kernels][:8], {}, "mapping"),
+                     ("staged", tokens[kernels][:8], {"oracle": oracles[kernels]}, "mapping")]
+        reference = {}
+        for path, continuation, extra, source in runs:
             steps = [ids[-1]] + continuation
-            exact = step_logits(d, EngineConfig(kernels=kernels), ids[:-1], steps)
-            other = step_logits(d, EngineConfig(decode_path=path, kernels=kernels), ids[:-1], steps, **extra)
-            assert mx.array_equal(other, exact).item(), (kernels, path, mx.abs(other - exact).max().item())
+            if tuple(steps) not in reference:
+                reference[tuple(steps)] = step_logits(d, EngineConfig(kernels=kernels, expert_source="slots"),
+                                                      ids[:-1], steps)
+            exact = reference[tuple(steps)]
+            other = step_logits(d, EngineConfig(decode_path=path, kernels=kernels, expert_source=source), ids[:-1],
+                                steps, **extra)
+            assert mx.array_equal(other, exact).item(), (kernels, path, source, mx.abs(other - exact).max().item())
 
 
 @pytest.mark.parametrize("model_type", [m for m in SUPPORTED_MODEL_TYPES if m not in NO_PREROUTER])

@@ -154,7 +154,7 @@ def test_staged_slots_grow_for_a_batchs_union_within_their_budget(budget):
     grow (default: up to 4x, here every one of the demo's 32 experts) or, with no budget
     left, the layer runs exact for that step; tokens as alone either way, and the slots go
     back to their size at open when the batch empties."""
-    config = EngineConfig(slot_budget_mb=budget)
+    config = EngineConfig(slot_budget_mb=budget, expert_source="slots")
     alone = _alone(DEMO, config, PROMPTS, max_tokens=20)
 
     async def together(engine, seen):

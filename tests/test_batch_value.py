@@ -81,7 +81,7 @@ def test_the_prerouter_keeps_nothing_of_the_sequences_and_the_batch_keeps_a_row_
     order; a step planned ahead for a batch that changed since is planned again; each
     row's tokens are those it gets alone."""
     d = heads_model
-    lengths = (12, 4, 8)
+    lengths = (64, 4, 8)  # the first row still decoding when the others arrive
     with Engine(d) as engine:
         alone = [[ev.token for ev in engine.stream(p, max_tokens=n, temp=0.0)] for p, n in zip(PROMPTS, lengths)]
     sizes, replans = [], []
@@ -106,7 +106,7 @@ def test_the_prerouter_keeps_nothing_of_the_sequences_and_the_batch_keeps_a_row_
             return [ev.token async for ev in engine.generate(prompt, max_tokens=n, temp=0.0) if ev is not None]
 
         async def main():
-            return await asyncio.gather(*(one(p, 0.05 * i, n) for i, (p, n) in enumerate(zip(PROMPTS, lengths))))
+            return await asyncio.gather(*(one(p, 0.02 * i, n) for i, (p, n) in enumerate(zip(PROMPTS, lengths))))
 
         together = asyncio.run(main())
         assert _state(pre) == before

@@ -118,7 +118,7 @@ def test_real_arms_replay_the_same_tokens(bench_model, tmp_path):
     """Two rounds of real child processes, cold cache: identical inputs (and, since exact
     reproduces resident, identical outputs) in every run; stable JSON schema."""
     settings = harness.BenchSettings(arms=("resident", "exact"), rounds=2, cache="cold", prompt_tokens=12,
-                                     decode_tokens=4)
+                                     decode_tokens=4, arm_options={"exact": {"expert_source": "slots"}})
     doc = harness.run_bench(bench_model, settings)
     assert set(doc) == RESULT_KEYS and doc["schema"] == harness.SCHEMA_VERSION
     machine = doc["machine"]  # what it ran on, in the document and its report
@@ -204,8 +204,9 @@ def test_variants_are_compared_with_their_base_arm_round_by_round(bench_model, t
     adapter_bytes = sum(w.nbytes for w in weights.values())
     settings = harness.BenchSettings(arms=("exact", "exact@lora", "exact@k2"), rounds=2, cache="warm",
                                      prompt_tokens=8, decode_tokens=4,
-                                     arm_options={"exact@lora": {"adapter": str(adapter)},
-                                                  "exact@k2": {"experts_per_token": 2}})
+                                     arm_options={"exact": {"expert_source": "slots"},
+                                                  "exact@lora": {"adapter": str(adapter), "expert_source": "slots"},
+                                                  "exact@k2": {"experts_per_token": 2, "expert_source": "slots"}})
     doc = harness.run_bench(bench_model, settings)
     arms = doc["arms"]
     assert "vs_base_arm" not in arms["exact"]

@@ -144,7 +144,7 @@ def test_ctrl_c_inside_a_string_eval_still_exits_130(tmp_path):
 
 def test_debug_logs_cover_the_exact_path(qwen):
     r = run("generate", "--model", str(qwen), "--prompt", "x", "--max-tokens", "3", "--verbose", "f",
-            "--log-format", "json", "--log-level", "debug")
+            "--log-format", "json", "--log-level", "debug", "--expert-source", "slots")
     events = [json.loads(line) for line in r.stderr.splitlines() if line.startswith("{")]
     reads = [e for e in events if e["event"] == "exact.read"]
     assert reads and all({"layer", "experts", "bytes", "ms"} <= set(e) for e in reads)

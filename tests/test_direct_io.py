@@ -255,7 +255,7 @@ def test_the_stats_line_says_how_experts_were_read(setups):
     d, cfg, oracle, _ = setups["exact"]
     lines = {}
     for mode in ("off", "on"):
-        with Engine(d, EngineConfig(direct_io=mode)) as engine:
+        with Engine(d, EngineConfig(direct_io=mode, expert_source="slots")) as engine:
             lines[mode] = list(engine.stream(PROMPT, max_tokens=2))[-1].stats.line()
     assert lines["off"].endswith("| reads buffered")
     if dio.open_direct(str(next(d.glob("model*.safetensors")))) is not None:

@@ -35,10 +35,14 @@ def test_sync_stream_reports_stats(engine):
     assert s.prompt_tokens == len(engine.encode(PROMPT)) and s.generated_tokens == 12
     assert s.prefill_tps > 0 and s.decode_tps > 0
     assert s.peak_active_memory > 0 and s.peak_rss > s.peak_active_memory
-    # each decode step reads at least k experts of every MoE layer it did not already hold
-    min_bytes = engine.spec.k * engine.index.layers[engine.spec.moe_layers[0]].expert_bytes
-    assert s.expert_bytes_per_token >= min_bytes
+    # the checkpoint fits: its experts are computed where its mapping holds them, nothing read
+    assert s.reads == "mapped" and s.expert_bytes_per_token == 0
     assert "tok/s" in s.line() and "MiB/token" in s.line()
+    # over slots each decode step reads at least k experts of every MoE layer it did not already hold
+    with Engine(engine.model_dir, EngineConfig(expert_source="slots")) as slots:
+        s = list(slots.stream(PROMPT, max_tokens=12))[-1].stats
+    min_bytes = engine.spec.k * engine.index.layers[engine.spec.moe_layers[0]].expert_bytes
+    assert s.reads == "buffered" and s.expert_bytes_per_token >= min_bytes
 
 
 @pytest.mark.asyncio
@@ -184,23 +188,26 @@ def test_bad_engine_config(kwargs, match):
         EngineConfig(**kwargs)
 
 
-def test_truncated_checkpoint_fails_the_request_not_the_engine(tiny_model_factory, tmp_path):
+@pytest.mark.parametrize("source", ["slots", "mapping"])
+def test_truncated_checkpoint_fails_the_request_not_the_engine(tiny_model_factory, tmp_path, source):
     """A shard truncated after open: the request fails with a typed error naming the file,
-    tensor, layer and expert; once the file is whole again the engine serves correctly."""
+    tensor, layer and expert (over the mapping: the file and layer); once the file is whole
+    again the engine serves correctly."""
     from edge0.errors import ExpertReadError
     from tests.ckpt_tools import copy_model
 
     d = copy_model(tiny_model_factory("qwen3_moe"), tmp_path / "m")
     shard = d / "model.safetensors"
     original = shard.read_bytes()
-    with Engine(d) as engine:
+    with Engine(d, EngineConfig(expert_source=source)) as engine:
         expected = [e.token for e in engine.stream(PROMPT, max_tokens=6)]
         with open(shard, "r+b") as f:
             f.truncate(len(original) // 2)
-        with pytest.raises(ExpertReadError, match="short read") as err:
+        with pytest.raises(ExpertReadError, match="short read" if source == "slots" else "short: the file holds") as err:
             list(engine.stream(PROMPT, max_tokens=6))
-        assert err.value.file == str(shard) and ".switch_mlp." in err.value.tensor
-        assert err.value.layer is not None and err.value.expert is not None
+        assert err.value.file == str(shard) and err.value.layer is not None
+        if source == "slots":
+            assert ".switch_mlp." in err.value.tensor and err.value.expert is not None
         shard.write_bytes(original)
         assert [e.token for e in engine.stream(PROMPT, max_tokens=6)] == expected
 

@@ -85,7 +85,7 @@ def test_failed_opens_leak_no_file_descriptors(setups, tmp_path):
 
 def test_routing_mismatch_does_not_poison_the_engine(setups):
     d, cfg, oracle, expected = setups["staged+oracle"]
-    with Engine(d, cfg, oracle=oracle) as engine:
+    with Engine(d, EngineConfig(**{**cfg.__dict__, "expert_source": "slots"}), oracle=oracle) as engine:
         with pytest.raises(RoutingMismatchError):
             list(engine.stream("x = [1, 2, 3]\nprint(x)\n", max_tokens=N))
         assert [ev.token for ev in engine.stream(PROMPT, max_tokens=N)] == expected
@@ -136,9 +136,11 @@ def test_file_overwritten_under_a_running_engine(setups, tmp_path, config, overw
         assert engine.resources()["pinned_slots"] == 0
 
 
-def test_read_error_invalidates_cached_experts(setups, tmp_path):
+@pytest.mark.parametrize("source", ["slots", "mapping"])
+def test_read_error_invalidates_cached_experts(setups, tmp_path, source):
     """A read that fails mid-request (file truncated) fails the request with a typed error;
-    once the file is whole again, every cached expert is read anew."""
+    once the file is whole again, every cached expert is read anew (over the mapping: the
+    file is mapped anew)."""
     from edge0.errors import ExpertReadError
     from tests.ckpt_tools import copy_model
 
@@ -146,13 +148,14 @@ def test_read_error_invalidates_cached_experts(setups, tmp_path):
     d = copy_model(d0, tmp_path / "m")
     shard = d / "model.safetensors"
     original = shard.read_bytes()
-    with Engine(d, cfg) as engine:
+    with Engine(d, EngineConfig(**{**cfg.__dict__, "expert_source": source})) as engine:
         assert [ev.token for ev in engine.stream(PROMPT, max_tokens=N)] == expected
         with open(shard, "r+b") as f:
             f.truncate(len(original) // 2)
         with pytest.raises(ExpertReadError):
             list(engine.stream(PROMPT, max_tokens=N))
-        assert all(s != "ready" for t in engine.streaming.hot.tables.values() for s in t.state)
+        if source == "slots":
+            assert all(s != "ready" for t in engine.streaming.hot.tables.values() for s in t.state)
         shard.write_bytes(original)
         assert [ev.token for ev in engine.stream(PROMPT, max_tokens=N)] == expected
 

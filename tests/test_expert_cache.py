@@ -4,7 +4,9 @@ Through the engine on every path (exact, hot, whole-layer, staged with heads und
 and select, staged on an oracle), sync and async: the tokens equal the cache-off tokens, and
 a second generation is served from the cache. The cache never holds more than its budget;
 its bytes are the file's; a failed read never enters it; a changed checkpoint empties it;
-its policies evict what they say."""
+its policies evict what they say. Every engine here reads its experts into buffers
+(``expert_source="slots"``): over the checkpoint's mapping nothing is read and no cache is
+planned (tests/test_expert_source.py)."""
 
 from __future__ import annotations
 
@@ -34,10 +36,10 @@ def _assert_entries_are_the_files(cache: ExpertCache, index, limit: int | None =
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_tokens_equal_with_the_cache_on_and_off_and_the_second_generation_is_served_from_it(setups, config):
     d, cfg, oracle, expected = setups[config]
-    with Engine(d, EngineConfig(**{**cfg.__dict__, "cache_mb": 0}), oracle=oracle) as off:
+    with Engine(d, EngineConfig(**{**cfg.__dict__, "expert_source": "slots", "cache_mb": 0}), oracle=oracle) as off:
         assert off.streaming.reader.cache is None
         assert [e.token for e in off.stream(PROMPT, max_tokens=N)] == expected
-    with Engine(d, EngineConfig(**{**cfg.__dict__, "cache_mb": 64}), oracle=oracle) as on:
+    with Engine(d, EngineConfig(**{**cfg.__dict__, "expert_source": "slots", "cache_mb": 64}), oracle=oracle) as on:
         stats = on.streaming.reader.stats
         assert [e.token for e in on.stream(PROMPT, max_tokens=N)] == expected
         disk, hits = stats.bytes, stats.cache_hits
@@ -55,7 +57,7 @@ def test_tokens_equal_with_the_cache_on_and_off_and_the_second_generation_is_ser
 
 def test_a_small_cache_never_holds_more_than_its_budget_and_serves_the_files_bytes(setups):
     d, _, _, expected = setups["exact"]
-    with Engine(d, EngineConfig(cache_mb=1, cache_policy="lru")) as engine:
+    with Engine(d, EngineConfig(expert_source="slots", cache_mb=1, cache_policy="lru")) as engine:
         reader = engine.streaming.reader
         assert reader.cache.budget == 2**20
         per = max(layer.expert_bytes for layer in engine.streaming.index.layers.values())
@@ -79,7 +81,7 @@ def test_a_failed_read_is_not_cached_and_a_changed_checkpoint_empties_the_cache(
 
     d, _, _, expected = setups["exact"]
     model = copy_model(d, tmp_path / "m")
-    with Engine(model, EngineConfig(cache_mb=64)) as engine:
+    with Engine(model, EngineConfig(expert_source="slots", cache_mb=64)) as engine:
         cache, reader = engine.streaming.reader.cache, engine.streaming.reader
         reader.pread = Faults("persistent_eio")
         with pytest.raises(ExpertReadError):
@@ -98,7 +100,7 @@ def test_a_failed_read_is_not_cached_and_a_changed_checkpoint_empties_the_cache(
 
 def test_the_stats_line_and_metrics_name_the_cache(setups):
     d, _, _, _ = setups["exact"]
-    with Engine(d, EngineConfig(cache_mb=64, cache_policy="lru")) as engine:
+    with Engine(d, EngineConfig(expert_source="slots", cache_mb=64, cache_policy="lru")) as engine:
         list(engine.stream(PROMPT, max_tokens=N))
         _, stats = engine.generate_text(PROMPT, max_tokens=N)
         assert "| expert cache " in stats.line() and "(lru, 64 MiB)" in stats.line()
@@ -107,7 +109,7 @@ def test_the_stats_line_and_metrics_name_the_cache(setups):
 
         text = Metrics().render(engine.metrics(), loaded=True)
         assert f"expert_cache_hits_total {float(engine.metrics().expert_cache_hits)}" in text
-    with Engine(d, EngineConfig(cache_mb=0)) as engine:
+    with Engine(d, EngineConfig(expert_source="slots", cache_mb=0)) as engine:
         _, stats = engine.generate_text(PROMPT, max_tokens=N)
         assert "expert cache" not in stats.line() and stats.expert_cache is None
 
@@ -174,7 +176,7 @@ def test_auto_keeps_a_cache_where_reads_bypass_the_page_cache(setups, direct_io)
     from edge0.io_sched.direct import memory_limit
 
     d, _, _, _ = setups["exact"]
-    with Engine(d, EngineConfig(direct_io=direct_io)) as engine:
+    with Engine(d, EngineConfig(expert_source="slots", direct_io=direct_io)) as engine:
         reader = engine.streaming.reader
         assert (reader.cache is not None) == reader.direct  # a filesystem refusing O_DIRECT reads buffered
         if reader.cache is not None:
@@ -187,7 +189,7 @@ def test_an_automatic_cache_is_within_the_memory_left_and_none_when_too_small_to
     from edge0.plan import make
 
     d, _, _, _ = setups["exact"]
-    auto = EngineConfig(direct_io="on")
+    auto = EngineConfig(expert_source="slots", direct_io="on")
     monkeypatch.setattr(budget, "process_rss", lambda: 100 * 2**20)  # the process itself, fixed
     plan = make(d, auto)["plan"]
     if not plan["direct"]:
@@ -203,13 +205,13 @@ def test_an_automatic_cache_is_within_the_memory_left_and_none_when_too_small_to
             assert engine.streaming.plan.cache == expected
             assert (engine.streaming.reader.cache.budget if expected else engine.streaming.reader.cache) == (
                 expected or None)
-    assert make(d, EngineConfig(cache_mb=3))["plan"]["cache"] == 3 * 2**20
+    assert make(d, EngineConfig(expert_source="slots", cache_mb=3))["plan"]["cache"] == 3 * 2**20
 
 
 @pytest.mark.parametrize("config", ["staged+heads", "exact"])
 def test_a_generation_cancelled_while_it_generates_leaves_the_cache_whole_and_the_resources_at_baseline(setups, config):
     d, cfg, oracle, expected = setups[config]
-    with Engine(d, EngineConfig(**{**cfg.__dict__, "cache_mb": 64}), oracle=oracle) as engine:
+    with Engine(d, EngineConfig(**{**cfg.__dict__, "expert_source": "slots", "cache_mb": 64}), oracle=oracle) as engine:
         baseline = engine.resources()
         cache = engine.streaming.reader.cache
 

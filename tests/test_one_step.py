@@ -124,7 +124,7 @@ def watched_run(engine, monkeypatch, mode: str) -> StepWatch:
 def test_a_staged_step_costs_the_same_at_7_and_39_staged_layers(staged_models, monkeypatch, mode):
     per_size = {}
     for layers, d in staged_models.items():
-        with Engine(d, EngineConfig(prerouter_flush="mlx")) as engine:
+        with Engine(d, EngineConfig(prerouter_flush="mlx", expert_source="slots")) as engine:
             stager = engine.streaming.stager
             assert stager is not None and stager.layers == list(range(1, layers))  # 7, 39 staged layers
             assert stager.pool.flags.in_graph  # each layer's wait is an op of the step's graph
@@ -149,12 +149,38 @@ def test_a_staged_step_costs_the_same_at_7_and_39_staged_layers(staged_models, m
         assert handoffs == {"call": 1, "result": 2, **consumer}, handoffs
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_over_the_mapping_a_staged_step_is_one_read_and_one_delivery_at_7_and_39_layers(staged_models, monkeypatch,
+                                                                                         mode):
+    """Where the checkpoint fits (the default, ``expert_source`` auto: the experts computed
+    where its mapping holds them), a staged step is one evaluation, the tokens' read that
+    also brings the next step's plan; nothing goes to the scheduler or the readers (the
+    first MoE layer's exact path reads no routing either), the one hand-off is the token's
+    delivery; the same at 7 and 39 staged layers."""
+    per_size = {}
+    for layers, d in staged_models.items():
+        with Engine(d, EngineConfig(prerouter_flush="mlx")) as engine:
+            assert engine.streaming.plan.source == "mapping" and engine.streaming.stager.pool is None
+            watch = watched_run(engine, monkeypatch, mode)
+        steps = [s for s in watch.steps[1:] if s["rows"] == 1]
+        assert len(steps) >= TOKENS - 3
+        assert watch.writes == []
+        per_size[layers] = steps
+    small, large = ([(s["syncs"], s["handoffs"]) for s in per_size[n]] for n in (8, 40))
+    assert small == large
+    for syncs, handoffs in small:
+        assert syncs == {"numpy": 1}, syncs
+        assert handoffs == ({"notify_all": 1} if mode == "sync" else {"notify_all": 1, "call_soon_threadsafe": 1}), \
+            handoffs
+
+
 def test_a_step_whose_first_moe_layer_is_resident_evaluates_once(staged_models, monkeypatch):
     """With the layer no head predicts held resident whole (a hot set of every expert), a staged
     step is one evaluation: the tokens' read, which also brings the next step's plan; the
     only hand-offs are the plan's one call into the scheduler and the token's delivery."""
     d = staged_models[8]
-    config = EngineConfig(prerouter_flush="mlx", layer_paths=((0, "decode", "hot"),), hot_experts=4096)
+    config = EngineConfig(prerouter_flush="mlx", layer_paths=((0, "decode", "hot"),), hot_experts=4096,
+                          expert_source="slots")
     with Engine(d, config) as engine:
         watch = watched_run(engine, monkeypatch, "sync")
     steps = [s for s in watch.steps[1:] if s["rows"] == 1]

@@ -62,7 +62,7 @@ def test_staged_oracle_generation_equals_exact(tiny_model, tiny_model_factory, s
     k = {"k": 1, "2k": 2, "3k": 3}[slots]
     from edge0.model.open import load_spec
 
-    cfg = EngineConfig(decode_path="staged", slots_per_layer=k * load_spec(tiny_model).k)
+    cfg = EngineConfig(decode_path="staged", slots_per_layer=k * load_spec(tiny_model).k, expert_source="slots")
     with Engine(tiny_model, cfg, oracle=oracle) as e:
         got = [ev.token for ev in e.stream(PROMPT, max_tokens=10)]
         again = [ev.token for ev in e.stream(PROMPT, max_tokens=10)]  # reset + sticky slots across runs
@@ -70,38 +70,46 @@ def test_staged_oracle_generation_equals_exact(tiny_model, tiny_model_factory, s
     assert got == expected and again == expected
 
 
-@pytest.mark.parametrize("path,extra", [
-    ("whole_layer", {}),  # every expert of the layer read, routing used as it is
-    ("staged", {"slots_per_layer": 4}),  # S = k
-    ("hot", {"hot_experts": 4}),  # H = k: misses every step
-    ("hot", {"hot_experts": 16}),  # H = E: hits after warm-up
-    ("hot", {"hot_experts": 4096}),  # every expert of each layer resident: the routing never read
+@pytest.mark.parametrize("path,extra,source", [
+    ("whole_layer", {}, "slots"),  # every expert of the layer read, routing used as it is
+    ("staged", {"slots_per_layer": 4}, "slots"),  # S = k
+    ("hot", {"hot_experts": 4}, "slots"),  # H = k: misses every step
+    ("hot", {"hot_experts": 16}, "slots"),  # H = E: hits after warm-up
+    ("hot", {"hot_experts": 4096}, "slots"),  # every expert of each layer resident: the routing never read
+    ("exact", {}, "mapping"),  # computed where the checkpoint's mapping holds the experts
+    ("staged", {}, "mapping"),
+    ("hot", {}, "mapping"),
+    ("whole_layer", {}, "mapping"),
 ])
-def test_decode_paths_are_bit_identical_to_exact(tiny_model, path, extra):
+def test_decode_paths_are_bit_identical_to_exact(tiny_model, path, extra, source):
+    """Against the exact path over its bundle; each path with its experts read into its
+    buffers (slots) and computed where the checkpoint's mapping holds them."""
     oracle, tokens, ids = record(tiny_model, n=8)
-    base = replay_logits(tiny_model, EngineConfig(), ids, tokens)
-    other = replay_logits(tiny_model, EngineConfig(decode_path=path, **extra), ids, tokens, oracle=oracle)
+    base = replay_logits(tiny_model, EngineConfig(expert_source="slots"), ids, tokens)
+    other = replay_logits(tiny_model, EngineConfig(decode_path=path, expert_source=source, **extra), ids, tokens,
+                          oracle=oracle)
     assert len(base) == len(other) == len(tokens) + 1
     for step, (a, b) in enumerate(zip(base, other)):
         assert mx.array_equal(a, b).item(), f"step {step}: max diff {mx.abs(a - b).max().item()}"
 
 
-@pytest.mark.parametrize("path,extra", [
-    ("whole_layer", {}),
-    ("hot", {"hot_experts": 4}),  # more distinct experts than the hot set: falls to exact
-    ("hot", {"hot_experts": 16}),
-    ("exact", {"bundle_capacity": 4}),  # more distinct experts than the bundle: chunks
+@pytest.mark.parametrize("path,extra,source", [
+    ("whole_layer", {}, "slots"),
+    ("hot", {"hot_experts": 4}, "slots"),  # more distinct experts than the hot set: falls to exact
+    ("hot", {"hot_experts": 16}, "slots"),
+    ("exact", {"bundle_capacity": 4}, "slots"),  # more distinct experts than the bundle: chunks
+    ("exact", {}, "mapping"),  # every row's experts where the mapping holds them
 ])
-def test_prefill_paths_are_bit_identical_to_exact(tiny_model, path, extra):
+def test_prefill_paths_are_bit_identical_to_exact(tiny_model, path, extra, source):
     _, tokens, ids = record(tiny_model, n=2)
-    base = replay_logits(tiny_model, EngineConfig(), ids, tokens)
-    other = replay_logits(tiny_model, EngineConfig(prefill_path=path, **extra), ids, tokens)
+    base = replay_logits(tiny_model, EngineConfig(expert_source="slots"), ids, tokens)
+    other = replay_logits(tiny_model, EngineConfig(prefill_path=path, expert_source=source, **extra), ids, tokens)
     assert all(mx.array_equal(a, b).item() for a, b in zip(base, other))
 
 
 def test_mixed_paths_per_layer_and_phase(qwen):
     oracle, expected, _ = record(qwen)
-    cfg = EngineConfig(decode_path="staged", prefill_path="whole_layer", oracle_file=None,
+    cfg = EngineConfig(decode_path="staged", prefill_path="whole_layer", oracle_file=None, expert_source="slots",
                        layer_paths=((0, "decode", "hot"), (1, "decode", "exact"), (3, "prefill", "exact")))
     with Engine(qwen, cfg, oracle=oracle) as e:
         assert [ev.token for ev in e.stream(PROMPT, max_tokens=10)] == expected
@@ -130,16 +138,18 @@ def test_staged_decode_needs_no_host_sync_per_layer(qwen):
 
     n_layers = 4
     # exact: per layer, the routing comes to the host (and the bundle's last reader is settled)
-    assert all(c["numpy"] == n_layers for c in syncs_per_step(EngineConfig()))
+    assert all(c["numpy"] == n_layers for c in syncs_per_step(EngineConfig(expert_source="slots")))
     # staged: no layer evaluates or waits in the building thread (each waits for its slots
     # inside the graph); once per step the routing-mismatch counter is read: O(1) per step
     # (the previous step, evaluated by whoever read its logits, is not evaluated again)
-    assert syncs_per_step(EngineConfig(decode_path="staged")) == [{"numpy": 1}] * 4
+    assert syncs_per_step(EngineConfig(decode_path="staged", expert_source="slots")) == [{"numpy": 1}] * 4
+    # over the checkpoint's mapping neither path reads anything to the host during the step
+    assert syncs_per_step(EngineConfig(expert_source="mapping")) == [{}] * 4
 
 
 def test_wrong_oracle_is_detected_not_silent(qwen, tiny_model_factory):
     other, _, _ = record(qwen, prompt="x = [1, 2, 3]\nprint(x)\n", n=6)
-    with Engine(qwen, EngineConfig(decode_path="staged"), oracle=other) as e:
+    with Engine(qwen, EngineConfig(decode_path="staged", expert_source="slots"), oracle=other) as e:
         with pytest.raises(RoutingMismatchError, match="routed to an expert its plan did not stage"):
             list(e.stream(PROMPT, max_tokens=6))
 

@@ -66,10 +66,10 @@ def test_the_plan_command_and_engine_open_make_the_same_plan_and_the_engine_allo
 @pytest.mark.parametrize("config", ["staged+heads", "exact"])
 def test_the_plan_says_the_prefetch_depth_the_scheduler_runs_with(setups, config):
     d, cfg, _, _ = setups[config]
-    code, doc, _ = _plan_cli("--model", str(d), "--json", "--prefetch-depth", "3")
-    _, _, text = _plan_cli("--model", str(d), "--prefetch-depth", "3")
+    code, doc, _ = _plan_cli("--model", str(d), "--json", "--prefetch-depth", "3", "--expert-source", "slots")
+    _, _, text = _plan_cli("--model", str(d), "--prefetch-depth", "3", "--expert-source", "slots")
     assert code == 0
-    with Engine(d, EngineConfig(**{**cfg.__dict__, "prefetch_depth": 3})) as engine:
+    with Engine(d, EngineConfig(**{**cfg.__dict__, "prefetch_depth": 3, "expert_source": "slots"})) as engine:
         stager = engine.streaming.stager
         depth = stager.pool.scheduler.prefetch_depth if stager is not None else None
     assert doc["prefetch_depth"] == depth and (depth == 3) == (config != "exact")
@@ -78,7 +78,8 @@ def test_the_plan_says_the_prefetch_depth_the_scheduler_runs_with(setups, config
 
 def test_the_plan_names_every_part_in_its_text(setups):
     d, _, _, _ = setups["staged+heads"]
-    code, _, text = _plan_cli("--model", str(d), "--memory", "6G", "--plan-context", "8192", "--plan-batch", "2")
+    code, _, text = _plan_cli("--model", str(d), "--memory", "6G", "--plan-context", "8192", "--plan-batch", "2",
+                              "--expert-source", "slots")
     assert code == 0
     for part in ("memory the process may use", "6.00 GiB  (--memory)", "the process itself", "resident weights",
                  "expert buffers at open", "slots grown for a batch", "KV caches", "(2 x 8192 tokens", "expert cache",
@@ -145,7 +146,7 @@ def test_the_forecast_of_a_recorded_run_is_what_the_engine_reads_from_the_disk(s
     from edge0.plan import make
 
     d, _, _, _ = setups["exact"]
-    config = EngineConfig(cache_mb=cache_mb, cache_policy="lfu")
+    config = EngineConfig(cache_mb=cache_mb, cache_policy="lfu", expert_source="slots")
     with Engine(d, config) as engine:
         routing = engine.record_routing(PROMPT, max_tokens=N)
     with Engine(d, config) as engine:

@@ -149,8 +149,10 @@ def test_host_syncs_per_step_do_not_grow_with_layers(tiny_model_factory, tmp_pat
         d = copy_model(tiny_model_factory("qwen3_moe", layers=layers), tmp_path / f"m{layers}")
         train_heads(d, tokens=600, heldout_tokens=300, steps=2, width=32, seq_len=64)
         for flush in ("mlx", "numpy"):
-            results[layers, flush] = _staged_step_syncs(d, monkeypatch, EngineConfig(prerouter_flush=flush))
-    for (layers, flush), (per_step, inside, n_staged) in results.items():
+            for source in ("slots", "mapping"):
+                results[layers, flush, source] = _staged_step_syncs(d, monkeypatch, EngineConfig(
+                    prerouter_flush=flush, expert_source=source))
+    for (layers, flush, source), (per_step, inside, n_staged) in results.items():
         assert n_staged == layers - 1
         # a staged layer calls nothing of MLX's evaluator: its wait for its slots is an op
         # of the step's graph
@@ -161,9 +163,13 @@ def test_host_syncs_per_step_do_not_grow_with_layers(tiny_model_factory, tmp_pat
         # head predicts, routes itself on the exact path: its routing comes to the host
         # (numpy) and its bundle's last reader is settled (eval). A flush in NumPy reads the
         # heads' inputs (computed already) to the host once more. Nothing grows with the
-        # number of staged layers.
+        # number of staged layers. Over the checkpoint's mapping layer 0 reads nothing to the
+        # host either: the step's one read is the predicted sets.
         for counts in per_step:
-            assert counts == {"eval": 1, "numpy": 2 + (flush == "numpy")}, counts
+            if source == "slots":
+                assert counts == {"eval": 1, "numpy": 2 + (flush == "numpy")}, counts
+            else:
+                assert counts == {"numpy": 1 + (flush == "numpy")}, counts
 
 
 def test_quality_guard_reports_recall(trained):

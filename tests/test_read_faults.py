@@ -56,10 +56,16 @@ class Faults:
         return os.preadv(fd, buffers, offset)
 
 
+def over_slots(cfg: EngineConfig) -> EngineConfig:
+    """``cfg`` with every path reading its experts into its buffers (what these tests fault)."""
+    return EngineConfig(**{**cfg.__dict__, "expert_source": "slots"})
+
+
 @pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("kind", ["eio", "eintr", "short"])
 def test_transient_faults_are_retried_and_output_is_unchanged(setups, config, kind):
     d, cfg, oracle, expected = setups[config]
+    cfg = over_slots(cfg)
     with Engine(d, cfg, oracle=oracle) as engine:
         faults = Faults(kind)
         engine.reader.pread = faults
@@ -71,6 +77,7 @@ def test_transient_faults_are_retried_and_output_is_unchanged(setups, config, ki
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_persistent_fault_fails_the_request_not_the_engine(setups, config):
     d, cfg, oracle, expected = setups[config]
+    cfg = over_slots(cfg)
     with Engine(d, cfg, oracle=oracle) as engine:
         engine.reader.pread = Faults("persistent_eio")
         with pytest.raises(ExpertReadError, match="injected EIO") as err:
@@ -84,7 +91,7 @@ def test_persistent_fault_fails_the_request_not_the_engine(setups, config):
 
 def test_latency_is_logged_and_never_deadlocks(setups, capsys):
     d, _, _, expected = setups["staged+heads"]
-    cfg = EngineConfig(log_format="json", log_level="debug")
+    cfg = EngineConfig(log_format="json", log_level="debug", expert_source="slots")
     with Engine(d, cfg) as engine:
         engine.reader.pread = Faults("none", delay=0.02)
         t0 = time.perf_counter()
@@ -102,7 +109,8 @@ def test_requests_that_need_no_reads_do_not_wait_on_slow_disk(setups):
     """A hot set holding every expert serves a request without a single read, however slow
     the disk has become."""
     d, _, _, expected = setups["exact"]
-    with Engine(d, EngineConfig(decode_path="hot", prefill_path="hot", hot_experts=64)) as engine:
+    with Engine(d, EngineConfig(decode_path="hot", prefill_path="hot", hot_experts=64,
+                                expert_source="slots")) as engine:
         assert [ev.token for ev in engine.stream(PROMPT, max_tokens=N)] == expected
         faults = Faults("none", delay=0.5)
         engine.reader.pread = faults
@@ -119,7 +127,7 @@ def test_slow_reads_are_waited_for_inside_the_step(setups, config, kernels):
     (MLX's cast of their scales included, on its own kernels) still runs after the reads, so
     each token's log-probability is the same number as with a fast disk."""
     d, cfg, oracle, _ = setups[config]
-    cfg = EngineConfig(**{**cfg.__dict__, "kernels": kernels})
+    cfg = EngineConfig(**{**cfg.__dict__, "kernels": kernels, "expert_source": "slots"})
 
     def run(delay):
         with Engine(d, cfg, oracle=oracle) as engine:

@@ -166,7 +166,7 @@ def test_select_adds_no_host_sync(heads, monkeypatch):
 
     per_step, inside, n_staged = _staged_step_syncs(heads("qwen3_moe"), monkeypatch,
                                                     EngineConfig(routing="select", stage_extra=2,
-                                                                 prerouter_flush="numpy"))
+                                                                 prerouter_flush="numpy", expert_source="slots"))
     assert len(inside) == 4 * n_staged and all(c == {} for c in inside), inside
     for counts in per_step:  # as replace: tests/test_prerouter.py::test_host_syncs_per_step_do_not_grow_with_layers
         assert counts == {"eval": 1, "numpy": 3}, counts
@@ -253,11 +253,11 @@ def test_select_settings_are_checked(heads):
     with pytest.raises(ConfigError, match="more than the 16 experts"):
         load_streaming_model(d, EngineConfig(routing="select", stage_extra=13))
     with pytest.raises(ConfigError, match="cannot hold"):
-        load_streaming_model(d, EngineConfig(routing="select", stage_extra=4, slots_per_layer=6))
+        load_streaming_model(d, EngineConfig(routing="select", stage_extra=4, slots_per_layer=6, expert_source="slots"))
     ds = heads("deepseek_v3")
     with pytest.raises(ConfigError, match="expert groups"):
         load_streaming_model(ds, EngineConfig(routing="select", stage_extra=6))
-    s = load_streaming_model(d, EngineConfig(routing="select"))  # no count given: 2k staged
+    s = load_streaming_model(d, EngineConfig(routing="select", expert_source="slots"))  # no count given: 2k staged
     try:
         assert s.routing == ("select", s.spec.k) and s.stager.slots == min(4 * s.spec.k, s.spec.num_experts)
     finally:

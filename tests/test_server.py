@@ -715,7 +715,7 @@ def _process_counts(url) -> dict:
 def test_metrics_show_the_staged_slots_and_mlx_memory():
     """/metrics carries the engine's slot bytes and over-slot count, and MLX's memory."""
     demo = Path(__file__).resolve().parent.parent / "src" / "edge0" / "data" / "demo_model"
-    with serving(demo, EngineConfig()) as (url, state):
+    with serving(demo, EngineConfig(expert_source="slots")) as (url, state):
         r = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 4}, timeout=120)
         assert r.status_code == 200, r.text
         values = {line.split()[0]: float(line.split()[1]) for line in httpx.get(url + "/metrics").text.splitlines()

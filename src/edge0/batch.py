@@ -282,7 +282,8 @@ class Batcher:
             stats.adapter = host.describe_adapter(row.adapter)
             stats.compute_dtype = host.streaming.compute_dtype
             stats.kernels = host.streaming.kernels_label
-            stats.reads = "direct" if host.reader.direct else "buffered"
+            stats.reads = ("mapped" if host.streaming.plan.source == "mapping" else
+                           "direct" if host.reader.direct else "buffered")
             cache = host.reader.cache
             stats.expert_cache = f"{cache.name}, {cache.budget / 2**20:.0f} MiB" if cache is not None else None
             row.events = RowEvents(row, host.tokenizer, stats, host.reader, host.streaming.stager,

@@ -234,6 +234,15 @@ class EngineConfig:
         "over compute_threads threads; float32 activations), \"mlx\" (MLX's, bit for bit mlx-lm's numbers), or "
         "\"auto\" = edge0 on MLX's CPU device with compute_dtype float32 when the kernels are built, else mlx.",
         choices=KERNELS)
+    expert_source: str = setting(
+        "auto",
+        "Where the routed experts are computed from: \"slots\" (each path reads the experts it needs into its "
+        "buffers: the exact bundle, the staged slots, hot sets), \"mapping\" (Edge0's kernels read them where a "
+        "read-only mapping of the checkpoint holds them, in the page cache: no read into a buffer and no copy; "
+        "every path keeps its routing, hot and whole-layer layers compute as exact), or \"auto\" = mapping "
+        "when kernels resolve to edge0, reads are buffered (direct_io off) and the checkpoint's files fit in "
+        "memory beside everything else planned, else slots. The stats line says which ran.",
+        choices=("auto", "mapping", "slots"))
     hot_experts: int = setting(
         16,
         "Hot path: resident experts per layer (LRU). At least the layer's experts: every one is held, read at "

@@ -11,6 +11,7 @@ engine (``edge0.engine``) runs it.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from edge0.config import PATHS, PHASES, EngineConfig
 from edge0.errors import ConfigError
 from edge0.exec.budget import MemoryPlan, kv_bytes_per_token, plan_memory
 from edge0.exec.hot import HotExecutor
+from edge0.exec.mapped import MappedExperts
 from edge0.exec.oracle import OracleRouting, RoutingRecorder
 from edge0.exec.pipeline import pipeline_part
 from edge0.exec.rows import ExactExecutor, Split, resolve_threads
@@ -49,9 +51,11 @@ def make_plan(config: EngineConfig, opened, pipe, layers: list[int], on: dict, w
     """The memory plan of an opened checkpoint skeleton (``edge0.model.open``): no tensor
     byte of it read. ``Engine.open`` and ``edge0 plan`` both make it here."""
     kv, note = kv_bytes_per_token(opened.model, DTYPE_BYTES[compute_dtype], config.kv_bits, config.kv_group_size)
+    kernels = bk.resolve(config.kernels, cpu=B.is_cpu(), compute_dtype=compute_dtype)
+    files = {t.file for l in layers for t in opened.index.layers[l].tensors}
     return plan_memory(config, opened.index, opened.spec, pipe, layers, on, width, direct=direct, kv_per_token=kv,
                        kv_note=note, compute_bytes=DTYPE_BYTES[compute_dtype], heads=heads, limit=limit,
-                       runtime=runtime)
+                       runtime=runtime, kernels=kernels, files_bytes=sum(os.path.getsize(f) for f in files))
 
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -179,7 +183,7 @@ def lay_out(model_dir: Path, config: EngineConfig, oracle: OracleRouting | None 
     plan = make_plan(config, opened, pipe, layers, on, spec.k + extra, compute_dtype,
                      direct=direct_reads(config.direct_io, index.files, limit), heads=_heads_bytes(config, heads),
                      limit=limit, runtime=runtime)
-    if on["staged"] and extra and plan.slots < spec.k + extra:  # (fewer than k: the Stager says so)
+    if on["staged"] and extra and plan.source == "slots" and plan.slots < spec.k + extra:  # (fewer than k: the Stager says so)
         raise ConfigError(f"slots_per_layer={plan.slots} cannot hold the {spec.k + extra} experts select routing "
                           f"stages per layer (k={spec.k} + stage_extra={extra})")
     chose_over = over and (routing, extra) != resolve_routing(config, heads_meta, spec, heads_path)
@@ -199,31 +203,31 @@ def load_streaming_model(model_dir: str | Path, config: EngineConfig, *, oracle:
     pipe, config, layers, path_of, on, compute_dtype, plan = lay.pipe, lay.config, lay.layers, lay.path_of, lay.on, \
         lay.compute_dtype, lay.plan
     model, spec, raw, index, templates = opened.model, opened.spec, opened.raw, opened.index, opened.templates
-    slots = plan.slots
     if plan.direct and heads_path is not None:  # the heads file's pages: memory the plan gave the cache
         drop_cached([heads_path])
     reader = ExpertReader(index, config.reader_threads, log=log, direct=wants_direct(config.direct_io, index.files))
     context, stager = StepContext(), None  # what each forward pass is: its Step, installed by the step hook
     try:
         kernels, split = _kernels(config, compute_dtype, [templates[layer] for layer in layers])
-        exact = ExactExecutor(index, reader, config.bundle_capacity, templates, log=log)
+        mapped = MappedExperts(index, templates, layers) if plan.source == "mapping" else None
+        exact = ExactExecutor(index, reader, config.bundle_capacity, templates, log=log, mapped=mapped)
         exact.split = split
         recorder = exact.recorder = RoutingRecorder() if record else None
-        hot = HotExecutor(index, reader, config.hot_experts, exact, log=log) if on["hot"] else None
+        # with the mapping every expert is where the kernels read it: hot and whole-layer compute as exact
+        hot = HotExecutor(index, reader, config.hot_experts, exact, log=log) if on["hot"] and not mapped else None
         whole = (WholeLayerExecutor(index, reader, on["whole_layer"], templates, log=log, split=exact.split)
-                 if on["whole_layer"] else None)
+                 if on["whole_layer"] and not mapped else None)
         prerouter = _make_prerouter(config, heads, spec.k + extra if routing == "select" else None)
         reader.cache = _expert_cache(plan, index, layers)  # after the heads' loaded copy is freed
         probes, embed = Probes(model, spec, context), _embedding(lay, model)  # (their probes: once it is wired)
         if on["staged"]:
             planner = (PrerouterPlanner(prerouter, on["staged"], routing, probes.route, embed)
                        if prerouter is not None else None)
-            stager = Stager(index, on["staged"], slots, reader, None if prerouter is not None else oracle,
+            stager = Stager(index, on["staged"], plan.slots, reader, None if prerouter is not None else oracle,
                             readers=config.reader_threads, prefetch_depth=config.prefetch_depth, log=log,
                             planner=planner, fallback=exact, guard_every=config.guard_every,
-                            max_slots=plan.ceiling)
-        paths = {"exact": exact, "hot": hot, "whole_layer": whole,
-                 "staged": stager}
+                            max_slots=plan.ceiling, in_place=mapped is not None)
+        paths = {"exact": exact, "hot": hot or exact, "whole_layer": whole or exact, "staged": stager}
         for layer in layers:
             template = templates[layer]
             width_out = bnn.switch_output_width(template)

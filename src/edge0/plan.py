@@ -98,6 +98,7 @@ def _gib(n: float) -> str:
 def text(doc: dict) -> str:
     """The plan as ``edge0 plan`` prints it."""
     p, f = doc["plan"], doc["forecast"]
+    mapped = p["source"] == "mapping"
     routing = doc["routing"] + (f" (+{doc['stage_extra']} staged)" if doc["stage_extra"] else "")
     if doc.get("over_memory_routing"):
         routing += ", the heads file's choice for a checkpoint larger than the memory"
@@ -109,10 +110,12 @@ def text(doc: dict) -> str:
         f"  resident weights         {_gib(p['resident'])}  (every tensor but the routed experts, in the compute "
         "dtype)",
         f"  prerouter heads          {_gib(p['heads'])}  (as the prerouter holds them)",
-        f"  expert buffers at open   {_gib(p['others'] + p['slots_bytes'])}  ({p['staged']} staged layers x "
-        f"{p['slots']} slots, the exact bundle, hot sets, whole-layer buffers)",
-        f"  slots grown for a batch  {_gib(p['ceiling_bytes'] - p['slots_bytes'])}  (up to {p['ceiling']} "
-        "slots a staged layer)",
+        f"  expert buffers at open   {_gib(p['others'] + p['slots_bytes'])}  "
+        + ("(none: expert_source mapping, the kernels read each expert where the checkpoint's mapping holds it)"
+           if mapped else f"({p['staged']} staged layers x {p['slots']} slots, the exact bundle, hot sets, "
+                          "whole-layer buffers)"),
+        *([] if mapped else [f"  slots grown for a batch  {_gib(p['ceiling_bytes'] - p['slots_bytes'])}  (up to "
+                             f"{p['ceiling']} slots a staged layer)"]),
         f"  KV caches                {_gib(p['kv_bytes'])}  ({p['batch']} x {p['context']} tokens, "
         f"{p['kv_per_token'] / 1024:.1f} KiB a token{'; ' + p['kv_note'] if p['kv_note'] else ''})",
         f"  expert cache             {_gib(p['cache'])}  ({p['policy']}, {p['cache'] / max(1, p['held']):.0%} of the "
@@ -120,10 +123,16 @@ def text(doc: dict) -> str:
         f"  margin                   {_gib(p['margin'])}  (activations, MLX's buffer cache; left unplanned)",
         f"  planned in all           {_gib(p['planned'])}",
     ]
-    if doc["prefetch_depth"]:
+    if mapped:
+        lines.append(f"  + mapped checkpoint      {_gib(p['mapped'])}  (its files, held by the page cache: they fit "
+                     "beside the plan, so experts are computed in place)")
+    if doc["prefetch_depth"] and not mapped:
         lines.append(f"prefetch depth {doc['prefetch_depth']}: reads run up to {doc['prefetch_depth']} staged layers "
                      "ahead of compute, into the slots above (no memory of its own)")
-    if f["disk_bytes_per_token"] is not None:
+    if mapped:
+        lines.append("forecast: no expert reads (0 MiB/token into buffers); the first pass over an expert not in the "
+                     "page cache faults its pages in from the disk")
+    elif f["disk_bytes_per_token"] is not None:
         source = "from the disk" if p["direct"] else "read (buffered: the page cache may hold them)"
         lines.append(f"forecast: {f['disk_bytes_per_token'] / 2**20:.1f} MiB/token {source}, "
                      f"{f['expert_bytes_per_token'] / 2**20:.1f} MiB/token of experts into the slots; "

@@ -42,7 +42,9 @@ class GenerationStats:
     kernels: str = ""  # which kernels computed the quantized matmuls: "mlx" or "edge0 (avx2, 2 threads)"
     heads: str | None = None  # the prerouter heads in use (they change the output), or None
     adapter: str | None = None  # the adapter applied, or None
-    reads: str = "buffered"  # how experts were read: "direct" (O_DIRECT) or "buffered" (page cache)
+    # how experts reached the kernels: "direct" (O_DIRECT reads), "buffered" (reads through the page
+    # cache) or "mapped" (computed where the checkpoint's mapping holds them: nothing read, no copy)
+    reads: str = "buffered"
     pipeline: str | None = None  # the pipeline's ranks and their layers, or None (one process)
     rank_expert_bytes: list | None = None  # a pipeline: each rank's decode expert bytes (the totals above sum them)
     expert_cache: str | None = None  # the expert cache ("lfu, 512 MiB"), or None (off)

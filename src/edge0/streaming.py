@@ -11,7 +11,8 @@ from pathlib import Path
 
 from edge0.backend import core as B
 from edge0.backend import nn as bnn
-from edge0.errors import ConfigError
+from edge0.errors import ConfigError, ExpertReadError
+from edge0.exec.mapped import MAPPED_TRUNCATED
 from edge0.exec.taps import AdapterBank, Step, StepContext, eye_gate, replaced
 from edge0.prerouter.runtime import Observing
 
@@ -159,6 +160,8 @@ class Streaming:
                 cache.invalidate()
         if self.reader.cache is not None:
             self.reader.cache.clear()
+        if self.exact.mapped is not None:  # the files mapped anew: a changed one as it is now
+            self.exact.mapped.remap()
 
     def check_files(self, log=None) -> None:
         """Before a generation: a shard changed in place since the last one (size or
@@ -171,7 +174,11 @@ class Streaming:
 
     def explain(self, error: BaseException) -> BaseException:
         """``error`` raised by evaluating a step, as the typed error behind it (a staged
-        layer's failed reads raise inside the step's graph)."""
+        layer's failed reads raise inside the step's graph; a mapped file truncated under a
+        step is named by the kernels' guard)."""
+        if isinstance(error, RuntimeError) and str(error).startswith(MAPPED_TRUNCATED):
+            file = str(error)[len(MAPPED_TRUNCATED):].partition(" was truncated")[0]
+            return ExpertReadError("truncated while mapped: the experts past its new end cannot be read", file=file)
         return self.stager.explain(error) if self.stager is not None else error
 
     def pinned_slots(self) -> int:

@@ -19,6 +19,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from edge0.benchmark.machine import proc_read_bytes
+
 ArmFactory = Callable[[str, dict], "Loaded"]
 ARMS: dict[str, ArmFactory] = {}
 BASELINE = "resident"
@@ -106,9 +108,11 @@ def _streaming(model_dir: str, settings: dict, oracle=None, **paths) -> Loaded:
     info["adapter_bytes"] = bank.nbytes if bank is not None and bank.active is not None else 0
     cache = s.reader.cache
     info["expert_cache"] = f"{cache.name}, {cache.budget / 2**20:.0f} MiB" if cache is not None else None
+    info["expert_source"] = s.plan.source  # slots, or the checkpoint's mapping (nothing read into buffers)
     stats = s.reader.stats  # the expert bytes put into buffers: read from the disk, or copied from the cache
-    return Loaded(StepModel(s), lambda: stats.bytes + stats.cache_bytes, stall, s.close, info=info,
-                  disk_bytes=lambda: stats.bytes)
+    # over the mapping, what the disk gave this process (its page faults) is its kernel counter's
+    disk = proc_read_bytes if s.plan.source == "mapping" else (lambda: stats.bytes)
+    return Loaded(StepModel(s), lambda: stats.bytes + stats.cache_bytes, stall, s.close, info=info, disk_bytes=disk)
 
 
 def _oracle(settings: dict):

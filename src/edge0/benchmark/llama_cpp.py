@@ -21,6 +21,8 @@ import os
 import resource
 import time
 
+from edge0.benchmark.machine import proc_read_bytes
+
 INSTALL = ("the llama.cpp arm needs llama-cpp-python and gguf: pip install 'edge0[llamacpp]' "
            "(pip builds llama.cpp from its source package: about 20 minutes on 2 cores)")
 
@@ -41,14 +43,6 @@ def build_features(llama_cpp) -> list[str]:
     text = info.decode() if isinstance(info, bytes) else str(info)
     return [name.split(":")[-1].strip() for name, _, on in (part.partition("=") for part in text.split("|"))
             if on.strip() == "1"]
-
-
-def _read_bytes() -> int:
-    with open("/proc/self/io", encoding="ascii") as f:
-        for line in f:
-            if line.startswith("read_bytes:"):
-                return int(line.split()[1])
-    return 0
 
 
 def _status_kib(key: str) -> int:
@@ -79,20 +73,20 @@ def replay(name: str, prompt: list[int], continuation: list[int], settings: dict
     load_seconds = time.perf_counter() - t0
     n_vocab = llm.n_vocab()
     try:
-        faults0, read0 = resource.getrusage(resource.RUSAGE_SELF).ru_majflt, _read_bytes()
+        faults0, read0 = resource.getrusage(resource.RUSAGE_SELF).ru_majflt, proc_read_bytes()
         t0 = time.perf_counter()
         llm.eval(prompt)
         prefill_seconds = time.perf_counter() - t0
         argmax = [int(_last_logits(llm, n_vocab).argmax())]
-        prefill_bytes = _read_bytes() - read0
+        prefill_bytes = proc_read_bytes() - read0
         steps, step_bytes = [], []
         usage0 = resource.getrusage(resource.RUSAGE_SELF)
         for token in continuation:
-            b = _read_bytes()
+            b = proc_read_bytes()
             t0 = time.perf_counter()
             llm.eval([token])
             steps.append(time.perf_counter() - t0)
-            step_bytes.append(_read_bytes() - b)
+            step_bytes.append(proc_read_bytes() - b)
             argmax.append(int(_last_logits(llm, n_vocab).argmax()))
         usage = resource.getrusage(resource.RUSAGE_SELF)
         faults = usage.ru_majflt - faults0

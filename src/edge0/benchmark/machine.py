@@ -51,3 +51,17 @@ def line(machine: dict | None) -> str:
     flags = f" ({', '.join(machine['cpu_flags'])})" if machine.get("cpu_flags") else ""
     disk = f", disk {machine['disk']}" if machine.get("disk") else ""
     return f"Machine: {machine['cpu']}{flags}, {machine['cores']} cores{memory}{disk}; {machine['system']}."
+
+
+def proc_read_bytes() -> int:
+    """Bytes this process has had read from the disk (``/proc/self/io``'s ``read_bytes``: its
+    reads and its page faults on mapped files that missed the page cache); 0 where there is
+    no such file."""
+    try:
+        with open("/proc/self/io", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("read_bytes:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0

@@ -1,7 +1,8 @@
 """The memory plan, made before one tensor byte is read: the staged slots at open and how
 far they may grow, the ``memory_budget_mb`` check of the expert buffers, the KV budget, the
-expert cache (what ``cache_mb`` auto means) and the check that it all fits in the memory the
-process may use. ``Engine.open`` allocates by it and ``edge0 plan`` prints it, so the two
+expert cache (what ``cache_mb`` auto means), where the experts are computed from (slots, or
+the checkpoint's mapping where it fits: ``expert_source``) and the check that it all fits in
+the memory the process may use. ``Engine.open`` allocates by it and ``edge0 plan`` prints it, so the two
 cannot disagree."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from dataclasses import dataclass, replace
 
 from edge0.config import EngineConfig
 from edge0.errors import CheckpointError, ConfigError
+from edge0.exec.mapped import resolve_source
 from edge0.io_sched.direct import cgroup_current, cgroup_limit, memory_limit
 
 
@@ -127,14 +129,16 @@ class MemoryPlan:
     policy: str
     direct: bool  # expert reads bypass the page cache
     kv_note: str = ""  # what the KV estimate leaves out
+    source: str = "slots"  # where the experts are computed from: "slots" (read into buffers) or "mapping"
+    mapped: int = 0  # with the mapping: the bytes of the checkpoint files it spans (held in the page cache)
 
     @property
     def slots_bytes(self) -> int:
-        return self.staged * self.slots * self.per_expert
+        return 0 if self.source == "mapping" else self.staged * self.slots * self.per_expert
 
     @property
     def ceiling_bytes(self) -> int:
-        return self.staged * self.ceiling * self.per_expert
+        return 0 if self.source == "mapping" else self.staged * self.ceiling * self.per_expert
 
     @property
     def kv_bytes(self) -> int:
@@ -167,7 +171,8 @@ def kv_bytes_per_token(model, dtype_bytes: int, kv_bits: int | None, kv_group_si
 
 def plan_memory(config: EngineConfig, index, spec, pipe, layers: list[int], on: dict, width: int, *,
                 direct: bool, kv_per_token: int, kv_note: str = "", compute_bytes: int | None = None, heads: int = 0,
-                limit: int | None = None, runtime: int | None = None) -> MemoryPlan:
+                limit: int | None = None, runtime: int | None = None, kernels: str = "mlx",
+                files_bytes: int = 0) -> MemoryPlan:
     """The plan for the ``layers`` this process holds, ``on`` each path's layers, ``width``
     experts staged per step: the staged slots (``slots_per_layer``, 0: twice the width) and
     their ceiling, the other expert buffers (refused over ``memory_budget_mb``), the KV
@@ -176,7 +181,10 @@ def plan_memory(config: EngineConfig, index, spec, pipe, layers: list[int], on: 
     and the margin (an eighth of ``limit``, at least 1 GiB), at most the experts held, none
     under ``CACHE_MIN_SHARE`` of them (on the 40-layer bench checkpoint a cache of 4% of its
     experts decoded at 0.98x no cache, 13% at 1.15x, 21% at 1.31x); with buffered reads none
-    (the page cache keeps what was read). Refuses (CheckpointError) what cannot fit."""
+    (the page cache keeps what was read). ``expert_source`` (with ``kernels``, what the
+    engine computes with, and ``files_bytes``, the checkpoint files of the layers held):
+    with the mapping no expert buffer is allocated and nothing is cached. Refuses
+    (CheckpointError) what cannot fit."""
     limit = memory_limit() if limit is None else limit
     slots = staged_slots(config, spec, width)
     others = check_budget(spec, index, config, on["staged"], on["hot"], on["whole_layer"], slots)
@@ -198,6 +206,10 @@ def plan_memory(config: EngineConfig, index, spec, pipe, layers: list[int], on: 
     else:
         cache = 0
     plan = replace(plan, cache=cache if cache >= max(per_expert, 1) else 0)
+    bare = plan.runtime + plan.resident + plan.heads + plan.kv_bytes + plan.margin  # no expert buffer, no cache
+    source = resolve_source(config.expert_source, kernels=kernels, direct=direct, fits=bare + files_bytes <= limit)
+    if source == "mapping":
+        plan = replace(plan, source=source, mapped=files_bytes, others=0, cache=0)
     check_fits(plan, index.model_dir)
     return plan
 

@@ -179,8 +179,13 @@ class Split:
 class ExactExecutor:
     """On-demand, deduplicated expert execution over a shared bundle (host sync per layer)."""
 
-    def __init__(self, index: CheckpointIndex, reader: ExpertReader, capacity: int, templates: dict, log=None):
+    def __init__(self, index: CheckpointIndex, reader: ExpertReader, capacity: int, templates: dict, log=None,
+                 mapped=None):
+        """``mapped``: an ``edge0.exec.mapped.MappedExperts``: every layer computes from the
+        checkpoint's mapping on its routing as it is (no read, no bundle, no host sync but a
+        recorder's)."""
         self.index = index
+        self.mapped = mapped
         self.reader = reader
         self.num_experts = index.spec.num_experts
         self.capacity = max(capacity, index.spec.k)
@@ -210,6 +215,10 @@ class ExactExecutor:
                            ms=round(1e3 * (time.perf_counter() - t1), 3), settle_ms=round(1e3 * (t1 - t0), 3))
 
     def __call__(self, layer_id: int, x, inds):
+        if self.mapped is not None:
+            if self.recorder is not None:
+                self.recorder.record(layer_id, B.to_host(inds))
+            return self.mapped.run(self.split, layer_id, x, inds)
         layer = self.index.layers[layer_id]
         bundle = self.bundle_for(layer)
         ids = B.to_host(inds)  # the host sync the exact path pays per layer

@@ -78,13 +78,16 @@ class Stager:
     def __init__(self, index: CheckpointIndex, layers: list[int], slots: int, reader: ExpertReader,
                  oracle: OracleRouting | None, *, readers: int, prefetch_depth: int, log=None,
                  planner: PrerouterPlanner | None = None, fallback=None, guard_every: int = 0,
-                 max_slots: int | None = None):
+                 max_slots: int | None = None, in_place: bool = False):
         """``planner``: the prerouter's (``PrerouterPlanner``: under "replace" routing the
         prediction is the staged layers' routing; under "select" it stages candidates and
         each staged layer's own router chooses among them); else ``oracle``'s, a recorded
         routing. ``max_slots``: how far a
         layer's ``slots`` may grow when a step's set outgrows them (a batch's union; back to
-        ``slots`` at ``reset``); None = never."""
+        ``slots`` at ``reset``); None = never. ``in_place``: the experts are computed where
+        the checkpoint's mapping holds them (``fallback`` computes so): the Stager plans each
+        step (the plan's routes are the staged layers' routing) and reads nothing; it has no
+        slots."""
         spec = index.spec
         if slots < spec.k:
             raise ConfigError(f"slots_per_layer must be >= k = {spec.k}, got {slots}")
@@ -92,8 +95,9 @@ class Stager:
         self.layers = list(layers)
         self.oracle = oracle
         self.log = log
-        self.pool = SlotPool(index, self.layers, slots, reader, readers=readers, prefetch_depth=prefetch_depth,
-                             max_slots=max_slots, log=log)  # the slots and the scheduler that fills them
+        self.pool = None if in_place else SlotPool(index, self.layers, slots, reader, readers=readers,
+                                                   prefetch_depth=prefetch_depth, max_slots=max_slots,
+                                                   log=log)  # the slots and the scheduler that fills them
         self.now = StepState(misses=self._zero_misses())  # the step being run and what it submitted
         self.check_routing = True  # off only for timing runs that compute on unread slots
         # prediction as routing: the prerouter plans each step, and its prediction is the
@@ -109,10 +113,10 @@ class Stager:
     step = property(lambda self: self.now.step)
     plan = property(lambda self: self.now.plan)
     predicted = property(lambda self: self.now.predicted)
-    rows = property(lambda self: self.pool.rows)
-    slots = property(lambda self: self.pool.slots)
-    portal = property(lambda self: self.pool.portal)
-    scheduler = property(lambda self: self.pool.scheduler)
+    rows = property(lambda self: self.pool.rows if self.pool is not None else {})
+    slots = property(lambda self: self.pool.slots if self.pool is not None else 0)
+    portal = property(lambda self: self.pool.portal if self.pool is not None else None)
+    scheduler = property(lambda self: self.pool.scheduler if self.pool is not None else None)
 
     def _route_of(self, layer: int, logits):
         return self.planner.route(layer, logits)
@@ -145,7 +149,8 @@ class Stager:
         for step in sorted(self.now.submitted):
             self.portal.call(self.scheduler.cancel, step)
         self.now.submitted.clear()
-        self.pool.tickets.clear()  # steps count from 0 again: their tickets are new ones
+        if self.pool is not None:
+            self.pool.tickets.clear()  # steps count from 0 again: their tickets are new ones
         self.now.maps.clear()
         self.now.tables = {}
         self.now.ahead.clear()
@@ -157,7 +162,8 @@ class Stager:
         self.now.step = -1
         self.now.outputs = []
         self.now.misses = self._zero_misses()  # a mismatch raised last time must not poison the next run
-        self.pool.shrink()
+        if self.pool is not None:
+            self.pool.shrink()
 
     @staticmethod
     def _zero_misses():
@@ -168,16 +174,21 @@ class Stager:
     def invalidate(self) -> None:
         """Forget every slot's expert (after a read error or a changed file): the next
         plans read them again. Call after ``reset`` (no step holds a slot)."""
+        if self.pool is None:
+            return
+
         def forget():
             for table in self.scheduler.tables.values():
                 table.invalidate()
         self.portal.call(forget)
 
     def pinned_slots(self) -> int:
+        if self.pool is None:
+            return 0
         return self.portal.call(lambda: sum(t.pinned() for t in self.scheduler.tables.values()))
 
     def pending_reads(self) -> int:
-        return self.portal.call(self.scheduler.pending_reads)
+        return self.portal.call(self.scheduler.pending_reads) if self.pool is not None else 0
 
     def _set_plan(self, plan: DecodePlan | None, predicted: dict) -> None:
         """Make ``plan`` the current step's."""
@@ -190,14 +201,17 @@ class Stager:
 
     def slot_bytes(self) -> int:
         """Bytes the staged layers' slots hold now (more than at open while a batch grew them)."""
-        return self.pool.nbytes()
+        return self.pool.nbytes() if self.pool is not None else 0
 
     def _stage(self, release: int | None, plans: list[DecodePlan]) -> None:
         """The step's one call into the scheduler: unpin step ``release``'s slots, submit
         ``plans``' expert sets (layers in execution order) with their slots claimed, and take
         the slot maps claimed. A layer whose set does not fit its slots (a batch's union of
         many rows' sets), even grown to ``max_slots``, is not staged at that step: it
-        computes on its fallback path, routed by the same plan."""
+        computes on its fallback path, routed by the same plan. In place (no slots): nothing to
+        read, every layer computes on its fallback path."""
+        if self.pool is None:
+            return
         if release is not None and any(len(p.experts[l]) > self.pool.rows[l].capacity for p in plans for l in self.layers):
             self.portal.call(self.scheduler.stage, release, [])  # unpinned first: the slots may grow
             self._released(release)
@@ -303,9 +317,10 @@ class Stager:
         """The current step was planned ahead for a batch that changed since: its reads
         cancelled and its slots unpinned, so that it is planned again."""
         step = self.now.step
-        self.portal.call(self.scheduler.cancel, step)
+        if self.pool is not None:
+            self.portal.call(self.scheduler.cancel, step)
+            self.pool.tickets.pop(step, None)  # (its flags: a fresh ticket)
         self._released(step)
-        self.pool.tickets.pop(step, None)  # (its flags: a fresh ticket)
         self.now.tables = {}
         self._set_plan(None, {})
         self.guard.reset(keep_report=True)  # (its counts were read with the plan made ahead)
@@ -379,12 +394,18 @@ class Stager:
                 release = self.now.step
         self.now.step += 1
         self.now.tables = {}
-        self.now.waited0 = self.pool.flags.waited_ns()
-        self.now.io0 = (self.scheduler.stats.reads, self.scheduler.stats.bytes, self.scheduler.stats.hits,
-                        self.scheduler.stats.misses)
+        if self.pool is not None:
+            self.now.waited0 = self.pool.flags.waited_ns()
+            self.now.io0 = (self.scheduler.stats.reads, self.scheduler.stats.bytes, self.scheduler.stats.hits,
+                            self.scheduler.stats.misses)
         return release
 
     def _end_step(self) -> None:
+        if self.pool is None:  # nothing read, nothing waited
+            self._stats = StageStats(self._stats.steps_run + 1, self._stats.stall_seconds)
+            if self.log is not None:
+                self.log.info("step", step=self.now.step, stall_ms=0.0, reads=0, bytes=0, hits=0, misses=0)
+            return
         waited = self.pool.flags.waited_ns() - self.now.waited0  # (set when the step started)
         stall = float(waited.sum()) / 1e9
         self._stats = StageStats(self._stats.steps_run + 1, self._stats.stall_seconds + stall)

@@ -8,14 +8,18 @@ transpose=True)`` computes for SwitchGLU / SwitchMLP) and the dense quantized ma
 when the CPU has them), portable loops elsewhere; output rows are split over a thread pool,
 never the reduction, so results do not depend on the thread count. Activations are float32.
 
+The same product can read the experts' stacked tensors where a read-only mapping of the
+checkpoint file holds them (``MappedSwitchLinear``, ``mapping``): no copy into a slot.
+
 ``_loader`` loads the extension (``available()``, and why not); ``ops`` holds the MLX-facing
 ops, the modules that use them and the engine setting's resolution.
 """
 
 from edge0.backend.mlx.kernels._loader import available, ext, get_threads, isa, set_threads, unavailable_reason
 from edge0.backend.mlx.kernels.ops import (BITS, CHOICES, GROUP_SIZES, Edge0QuantizedLinear, Edge0SwitchLinear,
-                                           describe, gather_qmm, quantized_matmul, resolve, supported, use_edge0)
+                                           MappedSwitchLinear, describe, gather_qmm, mapping, quantized_matmul,
+                                           resolve, supported, use_edge0)
 
-__all__ = ["BITS", "CHOICES", "GROUP_SIZES", "Edge0QuantizedLinear", "Edge0SwitchLinear", "available", "describe",
-           "ext", "gather_qmm", "get_threads", "isa", "quantized_matmul", "resolve", "set_threads", "supported",
-           "unavailable_reason", "use_edge0"]
+__all__ = ["BITS", "CHOICES", "GROUP_SIZES", "Edge0QuantizedLinear", "Edge0SwitchLinear", "MappedSwitchLinear",
+           "available", "describe", "ext", "gather_qmm", "get_threads", "isa", "mapping", "quantized_matmul",
+           "resolve", "set_threads", "supported", "unavailable_reason", "use_edge0"]

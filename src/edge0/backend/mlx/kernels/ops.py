@@ -24,7 +24,8 @@ GROUP_SIZES = (32, 64, 128)
 CHOICES = ("auto", "edge0", "mlx")
 
 
-_qmm = None  # the extension's entry point, looked up once
+_qmm = None  # the extension's entry points, looked up once
+_qmm_at = None
 
 
 def _call(x, w, scales, biases, indices, bits, group_size, x_repeat=1):
@@ -46,14 +47,12 @@ def _check(bits, group_size, biases):
         raise KernelError("edge0 kernels: the affine layout needs biases")
 
 
-def gather_qmm(x, w, scales, biases, indices, *, bits: int = 4, group_size: int = 64):
-    """``mx.gather_qmm(x, w, scales, biases, rhs_indices=indices, transpose=True)`` on
-    Edge0's kernels: x [..., M, K], indices broadcast against x's batch dims."""
-    _check(bits, group_size, biases)
+def _gathered(x, indices):
+    """``x`` [..., M, K] and ``indices`` broadcast as ``mx.gather_qmm`` broadcasts them, flat
+    as the kernels take them: (x [Bx, M, K] float32, indices [B], x_repeat, batch shape)."""
     if x.ndim < 2:
         raise KernelError(f"edge0 kernels: x must have at least 2 dimensions, got shape {tuple(x.shape)}")
-    dtype = x.dtype
-    if dtype != mx.float32:
+    if x.dtype != mx.float32:
         x = x.astype(mx.float32)
     if indices.dtype not in (mx.int32, mx.uint32):
         indices = indices.astype(mx.uint32)
@@ -70,15 +69,20 @@ def gather_qmm(x, w, scales, biases, indices, *, bits: int = 4, group_size: int 
     while j > 0 and xa[j - 1] == 1 and batch[j - 1] != 1:
         j -= 1
     if ia == batch and xa[:j] == batch[:j] and all(d == 1 for d in xa[j:]):
-        repeat = math.prod(batch[j:])
-        flat_x = x.reshape(math.prod(batch[:j]), m, k)
-        flat_i = indices.reshape(-1)
-    else:  # a general broadcast: materialise both
-        repeat = 1
-        flat_x = mx.broadcast_to(x, (*batch, m, k)).reshape(-1, m, k)
-        flat_i = mx.broadcast_to(indices, batch).reshape(-1)
+        return x.reshape(math.prod(batch[:j]), m, k), indices.reshape(-1), math.prod(batch[j:]), batch
+    # a general broadcast: materialise both
+    return (mx.broadcast_to(x, (*batch, m, k)).reshape(-1, m, k), mx.broadcast_to(indices, batch).reshape(-1), 1,
+            batch)
+
+
+def gather_qmm(x, w, scales, biases, indices, *, bits: int = 4, group_size: int = 64):
+    """``mx.gather_qmm(x, w, scales, biases, rhs_indices=indices, transpose=True)`` on
+    Edge0's kernels: x [..., M, K], indices broadcast against x's batch dims."""
+    _check(bits, group_size, biases)
+    dtype = x.dtype
+    flat_x, flat_i, repeat, batch = _gathered(x, indices)
     y = _call(flat_x, w, scales, biases, flat_i, bits, group_size, repeat)
-    y = y.reshape(*batch, m, w.shape[-2])
+    y = y.reshape(*batch, x.shape[-2], w.shape[-2])
     return y if dtype == mx.float32 else y.astype(dtype)
 
 
@@ -114,6 +118,53 @@ class Edge0QuantizedLinear(nn.QuantizedLinear):
         if "bias" in self:
             y = y + self["bias"]
         return y
+
+
+def mapping(path: str):
+    """A read-only mapping of the file at ``path`` (the extension's ``Mapping``): what
+    ``MappedSwitchLinear`` computes from. Unmapped when the last module and pending
+    computation holding it are gone."""
+    try:
+        return K.ext().Mapping(str(path))
+    except RuntimeError as e:
+        raise KernelError(str(e)) from None
+
+
+class MappedSwitchLinear(nn.Module):
+    """A ``QuantizedSwitchLinear``'s computation with its stacked weight, scales and biases
+    read where a file mapping holds them (``stacks``: name -> (mapping, byte offset, dtype
+    name) for ``weight``, ``scales``, ``biases``, each in its own file or one), never copied; ``bias`` (gpt-oss's
+    per-expert output bias, small) resident. The same kernel, the same bytes: the same
+    numbers as the module over rows holding those experts."""
+
+    def __init__(self, stacks: dict, num_experts: int, output_dims: int, bits: int, group_size: int, bias=None):
+        super().__init__()
+        (wmap, w_off, _), (smap, s_off, sdtype), (bmap, b_off, bdtype) = (stacks[n] for n in ("weight", "scales",
+                                                                                             "biases"))
+        if sdtype != bdtype:
+            raise KernelError(f"edge0 kernels: a mapped projection's scales ({sdtype}) and biases ({bdtype}) must "
+                              "share one dtype")
+        _check(bits, group_size, True)
+        object.__setattr__(self, "_at", (wmap, w_off, smap, s_off, bmap, b_off, sdtype, num_experts, output_dims,
+                                         bits, group_size))
+        if bias is not None:
+            self.bias = bias
+
+    def __call__(self, x, indices, sorted_indices=False):
+        dtype = x.dtype
+        flat_x, flat_i, repeat, batch = _gathered(x, indices)
+        global _qmm_at
+        if _qmm_at is None:
+            _qmm_at = K.ext().qmm_at
+        wmap, w_off, smap, s_off, bmap, b_off, sdtype, e, n, bits, gs = self._at
+        try:
+            y = _qmm_at(flat_x, flat_i, wmap, w_off, smap, s_off, bmap, b_off, sdtype, e, n, bits, gs, repeat)
+        except ValueError as err:
+            raise KernelError(str(err)) from None
+        y = y.reshape(*batch, x.shape[-2], n)
+        if "bias" in self:
+            y = y + mx.expand_dims(self["bias"][indices], -2)
+        return y if dtype == mx.float32 else y.astype(dtype)
 
 
 def supported(module) -> bool:

@@ -65,20 +65,28 @@ inline float f16_to_f32(uint16_t h) {
   return f;
 }
 
+// A 16-bit value at any address: a checkpoint mapped in place keeps the file's offsets,
+// which safetensors does not align (plain loads on x86, never an aligned vector load).
+inline uint16_t load_u16(const unsigned char* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
+
 // scales or biases [i0, i0 + n) as float32
 void load_params(const void* p, ScaleType t, int64_t i0, int64_t n, float* dst) {
   switch (t) {
     case ScaleType::F32:
-      std::memcpy(dst, static_cast<const float*>(p) + i0, n * sizeof(float));
+      std::memcpy(dst, static_cast<const unsigned char*>(p) + i0 * 4, n * sizeof(float));
       break;
     case ScaleType::BF16: {
-      auto q = static_cast<const uint16_t*>(p) + i0;
-      for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_f32(q[i]);
+      auto q = static_cast<const unsigned char*>(p) + i0 * 2;
+      for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_f32(load_u16(q + 2 * i));
       break;
     }
     case ScaleType::F16: {
-      auto q = static_cast<const uint16_t*>(p) + i0;
-      for (int64_t i = 0; i < n; ++i) dst[i] = f16_to_f32(q[i]);
+      auto q = static_cast<const unsigned char*>(p) + i0 * 2;
+      for (int64_t i = 0; i < n; ++i) dst[i] = f16_to_f32(load_u16(q + 2 * i));
       break;
     }
   }
@@ -88,7 +96,9 @@ void load_params(const void* p, ScaleType t, int64_t i0, int64_t n, float* dst) 
 template <int BITS>
 inline int quant_at(const uint32_t* wrow, int64_t k) {
   constexpr int per = 32 / BITS;
-  return int((wrow[k / per] >> ((k % per) * BITS)) & ((1u << BITS) - 1));
+  uint32_t word;  // (any address: see load_u16)
+  std::memcpy(&word, wrow + k / per, 4);
+  return int((word >> ((k % per) * BITS)) & ((1u << BITS) - 1));
 }
 
 // res[r] = sum_g sc[g] * sum_{k in g} q[k] * xr[r][k]

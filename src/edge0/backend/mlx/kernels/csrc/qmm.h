@@ -4,6 +4,9 @@
 // [E, N, K * bits / 32], element k of row n in word k * bits / 32, bits (k % (32 / bits))
 // * bits from the low end; scales and biases [E, N, K / group_size] in float32, bfloat16
 // or float16. Dequantized w[e, n, k] = scale[e, n, g] * q + bias[e, n, g], g = k / group_size.
+// The weight, scales and biases may sit at any byte address (a checkpoint file mapped in
+// place keeps its offsets, which safetensors does not align): they are read with unaligned
+// loads.
 #pragma once
 
 #include <cstdint>
