@@ -454,10 +454,10 @@ def test_slot_budget_must_be_none_zero_or_mib(value):
         EngineConfig(slot_budget_mb=value)
 
 
-def test_prerouter_flush_is_auto_mlx_or_numpy():
-    for good in ("auto", "mlx", "numpy"):
+def test_prerouter_flush_is_auto_edge0_mlx_or_numpy():
+    for good in ("auto", "edge0", "mlx", "numpy"):
         EngineConfig(prerouter_flush=good)
-    with pytest.raises(ConfigError, match="prerouter_flush must be auto, mlx or numpy, got 'host'"):
+    with pytest.raises(ConfigError, match="prerouter_flush must be auto, edge0, mlx or numpy, got 'host'"):
         EngineConfig(prerouter_flush="host")
 
 

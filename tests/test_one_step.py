@@ -149,17 +149,18 @@ def test_a_staged_step_costs_the_same_at_7_and_39_staged_layers(staged_models, m
         assert handoffs == {"call": 1, "result": 2, **consumer}, handoffs
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("mode,flush", [("sync", "mlx"), ("async", "mlx"), ("sync", "edge0")])
 def test_over_the_mapping_a_staged_step_is_one_read_and_one_delivery_at_7_and_39_layers(staged_models, monkeypatch,
-                                                                                         mode):
+                                                                                         mode, flush):
     """Where the checkpoint fits (the default, ``expert_source`` auto: the experts computed
     where its mapping holds them), a staged step is one evaluation, the tokens' read that
     also brings the next step's plan; nothing goes to the scheduler or the readers (the
     first MoE layer's exact path reads no routing either), the one hand-off is the token's
-    delivery; the same at 7 and 39 staged layers."""
+    delivery; the same at 7 and 39 staged layers; with the heads' flush in MLX or on Edge0's
+    kernels in 8-bit weights (both in the step's graph)."""
     per_size = {}
     for layers, d in staged_models.items():
-        with Engine(d, EngineConfig(prerouter_flush="mlx")) as engine:
+        with Engine(d, EngineConfig(prerouter_flush=flush)) as engine:
             assert engine.streaming.plan.source == "mapping" and engine.streaming.stager.pool is None
             watch = watched_run(engine, monkeypatch, mode)
         steps = [s for s in watch.steps[1:] if s["rows"] == 1]

@@ -5,7 +5,8 @@
                                          [--rows 1] [--token-dim 0]
 
 Prints the median time of a flush as served (``EngineConfig.prerouter_flush``): in MLX
-(stacked weights, float16 and float32) and in NumPy (float32), the same flush per head,
+(stacked weights, float16 and float32), in NumPy (float32) and on Edge0's kernels (8-bit
+weights, where the kernels are built), the same flush per head,
 and MLX's heads evaluated one by one. Run it with the other core idle: the flush streams
 every head's weights through memory, so a neighbour's traffic shows in it.
 """
@@ -18,7 +19,9 @@ import mlx.core as mx
 import numpy as np
 from _timing import median_ms
 
+from edge0.backend.mlx import kernels as K
 from edge0.prerouter.heads import PrerouterHeads
+from edge0.prerouter.quantized import QuantizedHeads
 from edge0.prerouter.runtime import HostHeads
 
 
@@ -55,6 +58,11 @@ def main() -> None:
     ht = np.array(tok).reshape(r, -1) if tok is not None else None
     t = median_ms(lambda: host.logits(hx, hi, hi, ht))
     print(f"| numpy float32 | {host.nbytes / 1e6:.0f} | {t:.1f} | {t / h_:.2f} | |")
+    if K.available():
+        heads.set_dtype(mx.float32)
+        quantized = QuantizedHeads(heads)
+        t = median_ms(lambda: mx.eval(quantized.logits(x, inds, inds, tok)))
+        print(f"| edge0 8-bit | {quantized.nbytes / 1e6:.0f} | {t:.1f} | {t / h_:.2f} | |")
 
 
 if __name__ == "__main__":

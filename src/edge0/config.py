@@ -25,7 +25,7 @@ PREROUTER_MODES = ("auto", "on", "off")
 ROUTINGS = ("auto", "replace", "select")
 AUTO_ON_OFF = ("auto", "on", "off")
 PREROUTER_DTYPES = ("auto", "float16", "float32")
-PREROUTER_FLUSHES = ("auto", "mlx", "numpy")
+PREROUTER_FLUSHES = ("auto", "edge0", "mlx", "numpy")
 PIPELINES = ("auto", "off")
 KERNELS = ("auto", "edge0", "mlx")
 JSON_WHITESPACES = ("compact", "flexible")
@@ -183,6 +183,9 @@ class EngineConfig:
         "Where the heads' one flush per decode step runs: \"mlx\" (on MLX's device, in prerouter_dtype), "
         "\"numpy\" (float32 NumPy products, NumPy's BLAS held to one thread during the flush: a flush of 39 heads "
         "at 35B shapes measured 16 ms against MLX's 40 ms on the CPU backend, 48 against 975 ms for 16 rows), or "
+        "\"edge0\" (the heads' weights quantized to 8 bits once at open and multiplied on Edge0's kernels, both "
+        "cores: a quarter of the bytes a step; its predictions differ from the float32 flushes' by that rounding, "
+        "so the routing may too), or "
         "\"auto\" = numpy on the CPU backend (where NumPy's OpenBLAS thread count can be set and prerouter_dtype "
         "is float32), else mlx.",
         choices=PREROUTER_FLUSHES)

@@ -35,6 +35,7 @@ from edge0.io_sched.reader import ExpertCache, ExpertReader
 from edge0.model.files import check_entry
 from edge0.model.open import open_model
 from edge0.prerouter.files import HEADS_FILENAME, load_heads, serving_of
+from edge0.prerouter.quantized import planned_bytes as quantized_heads_bytes
 from edge0.prerouter.runtime import Prerouter, blas_threads_controllable
 from edge0.exec.taps import RouterTap, StepContext, StreamingSwitch
 from edge0.streaming import Parts, Probes, Streaming, TokenEmbedding
@@ -113,19 +114,21 @@ def _prerouter_mode(config: EngineConfig) -> tuple[str, str]:
     flush = config.prerouter_flush
     if flush == "auto":  # NumPy's float32 products on the CPU backend, held to one BLAS thread; else MLX
         flush = "numpy" if B.is_cpu() and dtype == "float32" and blas_threads_controllable() else "mlx"
-    if flush == "numpy" and dtype != "float32":
-        raise ConfigError(f"prerouter_flush numpy computes in float32; prerouter_dtype {dtype} needs "
+    if flush in ("numpy", "edge0") and dtype != "float32":
+        raise ConfigError(f"prerouter_flush {flush} computes in float32; prerouter_dtype {dtype} needs "
                           "prerouter_flush mlx (or auto)")
     return dtype, flush
 
 
 def _heads_bytes(config: EngineConfig, heads) -> int:
     """The heads' memory as the prerouter will hold them: the flush's copy (NumPy's float32
-    one on the host, else MLX's stacked in the flush's dtype); the loaded copy is freed once
-    it is made, before the expert cache is allocated."""
+    one on the host, the 8-bit one of Edge0's kernels, else MLX's stacked in the flush's
+    dtype); the loaded copy is freed once it is made, before the expert cache is allocated."""
     if heads is None:
         return 0
     dtype, flush = _prerouter_mode(config)
+    if flush == "edge0":
+        return quantized_heads_bytes(heads)
     per_element = 4 if flush == "numpy" else DTYPE_BYTES[dtype]
     return sum(per_element * a.size for a in bnn.parameters_flat(heads).values())
 
@@ -137,7 +140,7 @@ def _make_prerouter(config: EngineConfig, heads, width: int | None) -> Prerouter
     if heads is None:
         return None
     dtype, flush = _prerouter_mode(config)
-    return Prerouter(heads, dtype=B.dtype(dtype), on_host=flush == "numpy", width=width)
+    return Prerouter(heads, dtype=B.dtype(dtype), on_host=flush == "numpy", width=width, quantized=flush == "edge0")
 
 
 @dataclass

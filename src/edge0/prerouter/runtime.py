@@ -44,6 +44,7 @@ import numpy as np
 
 from edge0.backend import core as B
 from edge0.prerouter.heads import PrerouterHeads
+from edge0.prerouter.quantized import QuantizedHeads
 
 
 _EMPTY: Mapping = MappingProxyType({})
@@ -127,15 +128,18 @@ class Observing:
 
 
 class Prerouter:
-    def __init__(self, heads: PrerouterHeads, dtype=None, on_host: bool = False, width: int | None = None):
-        """``on_host``: the flush runs as float32 NumPy products (``HostHeads``, below),
+    def __init__(self, heads: PrerouterHeads, dtype=None, on_host: bool = False, width: int | None = None,
+                 quantized: bool = False):
+        """``on_host``: the flush runs as float32 NumPy products (``HostHeads``, below);
+        ``quantized``: on Edge0's kernels in 8-bit weights (``edge0.prerouter.quantized``);
         else as MLX's on its device, in ``dtype``; ``width``: experts staged per consumer
         (select routing), None: k (the prediction is the routing). Complete when made: a
         flush is a function of what the heads observed (``Observed``), which the batch
         owns."""
         self.heads = heads
         self.host = HostHeads(heads) if on_host else None
-        if not on_host:
+        self.quantized = QuantizedHeads(heads) if quantized else None
+        if not on_host and not quantized:
             heads.freeze_for_inference(dtype or heads.head(heads.owners[0]).residual.weight.dtype)
         heads.drop_weights()  # the flush has its own copy: the loaded one is memory the cache can use
         B.clear_cache()
@@ -168,6 +172,8 @@ class Prerouter:
         """Every head's predicted router logits [H, R, E] (float32) from their inputs
         (``PrerouterHeads.predict_all``'s), on the device or, with ``on_host``, in NumPy after
         one host read of the inputs (computed already: the step before is evaluated)."""
+        if self.quantized is not None:
+            return self.quantized.logits(x, inds, prev, tok)
         if self.host is None:
             return self.heads.predict_all(x, inds, prev, tok).astype(B.float32)
         parts = [x, inds, prev] + ([] if tok is None else [tok])

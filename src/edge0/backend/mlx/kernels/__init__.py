@@ -17,9 +17,9 @@ ops, the modules that use them and the engine setting's resolution.
 
 from edge0.backend.mlx.kernels._loader import available, ext, get_threads, isa, set_threads, unavailable_reason
 from edge0.backend.mlx.kernels.ops import (BITS, CHOICES, GROUP_SIZES, Edge0QuantizedLinear, Edge0SwitchLinear,
-                                           MappedSwitchLinear, describe, gather_qmm, mapping, quantized_matmul,
-                                           resolve, supported, use_edge0)
+                                           MappedSwitchLinear, describe, gather_qmm, mapping, quantize,
+                                           quantized_matmul, resolve, supported, use_edge0)
 
 __all__ = ["BITS", "CHOICES", "GROUP_SIZES", "Edge0QuantizedLinear", "Edge0SwitchLinear", "MappedSwitchLinear",
-           "available", "describe", "ext", "gather_qmm", "get_threads", "isa", "mapping", "quantized_matmul",
+           "available", "describe", "ext", "gather_qmm", "get_threads", "isa", "mapping", "quantize", "quantized_matmul",
            "resolve", "set_threads", "supported", "unavailable_reason", "use_edge0"]

@@ -120,6 +120,14 @@ class Edge0QuantizedLinear(nn.QuantizedLinear):
         return y
 
 
+def quantize(w, *, bits: int, group_size: int) -> tuple:
+    """MLX's affine quantization of ``w`` [..., N, K] along K, as these kernels read it:
+    (weight, scales, biases), the scales and biases in float32."""
+    _check(bits, group_size, True)
+    wq, s, b = mx.quantize(w, group_size=group_size, bits=bits)
+    return wq, s.astype(mx.float32), b.astype(mx.float32)
+
+
 def mapping(path: str):
     """A read-only mapping of the file at ``path`` (the extension's ``Mapping``): what
     ``MappedSwitchLinear`` computes from. Unmapped when the last module and pending

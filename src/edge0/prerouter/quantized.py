@@ -1,0 +1,97 @@
+"""The heads' flush on Edge0's kernels, in 8-bit weights (``prerouter_flush edge0``).
+
+A decode step's flush is bound by how fast the heads' weights stream through the cores: at
+the 35B tier's shapes each head's products of the hidden state and of the token's embedding
+read two 2048 x 768 float32 matrices, 140 MB a step for 11 heads, about 9 ms of one core in
+NumPy. Here those matrices, and fc2's, are quantized once when the engine opens (MLX's
+affine layout, 8 bits, groups of 64: a quarter of the bytes) and multiplied by Edge0's
+gather kernel, one call for all heads (the head is the kernel's expert index), on the
+kernels' threads; the multi-hot inputs stay row gathers of fc1's float32 rows. The graph is
+lazy, so the flush joins the step's graph as MLX's does (one host read a step).
+
+The predictions are the float heads' up to the 8-bit rounding of their weights (each
+weight within half a step of its group's 255 steps): close, not equal, so under replace
+routing the routing, and so the text, may differ from the float32 flushes' where two
+experts' predicted logits are that close. It is an option, not the default.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from edge0.backend import core as B
+from edge0.backend import kernels as bk
+from edge0.backend import nn as bnn
+from edge0.errors import ConfigError
+
+BITS = 8
+
+
+def _group(*dims: int) -> int:
+    for g in (64, 32):
+        if all(d % g == 0 for d in dims):
+            return g
+    raise ConfigError(f"prerouter_flush edge0 quantizes the heads in groups of 64 or 32 inputs; their widths {dims} "
+                      "are not multiples of 32 (prerouter_flush numpy or mlx)")
+
+
+def planned_bytes(heads) -> int:
+    """What ``QuantizedHeads(heads)`` will hold, from the heads' shapes: the quantized
+    matrices (a byte a weight, a float32 scale and bias a group) and the float32 rest."""
+    d, t, e = heads.hidden, heads.token_dim, heads.experts
+    width = heads.head(heads.owners[0]).fc1.weight.shape[0]
+    group = _group(d, t or d, width)
+    quantized = (e + width) * (d + t) + e * width
+    floats = 2 * e * width + width + e
+    return len(heads.owners) * int(quantized * (1 + 8 / group) + 4 * floats)
+
+
+class QuantizedHeads:
+    def __init__(self, heads):
+        """``heads``: a ``PrerouterHeads`` (its weights are copied, quantized; it is frozen
+        while serving)."""
+        if not bk.available():
+            raise ConfigError(f"prerouter_flush edge0 runs on Edge0's kernels: {bk.unavailable_reason()}")
+        hs = [heads.head(o) for o in heads.owners]
+        d, t, e = heads.hidden, heads.token_dim, heads.experts
+        width = hs[0].fc1.weight.shape[0]
+        self.experts = e
+        self.group = _group(d, t or d, width)
+        f32 = lambda w: w.astype(B.float32)  # noqa: E731
+        # [N, K] per head (the kernel multiplies by the transpose): the residual path's and
+        # fc1's products of the hidden state as one matrix, likewise the token's, then fc2
+        self.hidden = self._quantized([B.concat([f32(h.residual.weight), f32(h.fc1.weight)[:, :d]]) for h in hs])
+        self.token = (self._quantized([B.concat([f32(h.token.weight), f32(h.fc1.weight)[:, d:d + t]]) for h in hs])
+                      if t else None)
+        self.w2 = self._quantized([f32(h.fc2.weight) for h in hs])
+        self.onehot = B.stack([f32(h.fc1.weight)[:, d + t:].T for h in hs])  # [H, 2E, width]: rows gathered
+        self.b1 = B.stack([f32(h.fc1.bias)[None] for h in hs])  # [H, 1, width]
+        self.b2 = B.stack([f32(h.fc2.bias)[None] for h in hs])  # [H, 1, E]
+        self.index = B.array(np.arange(len(hs), dtype=np.uint32))  # head h: the kernel's expert h
+        self.rows = B.array(np.arange(len(hs), dtype=np.int32)).reshape(-1, 1, 1)
+        B.eval([*self.hidden, *self.w2, self.onehot, self.b1, self.b2, *(self.token or ())])
+
+    def _quantized(self, mats: list) -> tuple:
+        return bk.quantize(B.stack(mats), bits=BITS, group_size=self.group)
+
+    @property
+    def nbytes(self) -> int:
+        parts = [*self.hidden, *self.w2, self.onehot, self.b1, self.b2, *(self.token or ())]
+        return sum(p.nbytes for p in parts)
+
+    def _mm(self, x, stack):
+        return bk.gather_qmm(x, *stack, self.index, bits=BITS, group_size=self.group)
+
+    def logits(self, h, inds_t, inds_prev, tok=None):
+        """As ``PrerouterHeads.predict_all``: h [H, R, D], inds_* [H, R, k] (inds_prev rows
+        of -1: no previous token), tok [1, R, token_dim] -> logits [H, R, E] (lazy)."""
+        e = self.experts
+        a = self._mm(h.astype(B.float32), self.hidden)  # [H, R, E + width]
+        if self.token is not None:
+            if tok is None:
+                raise ValueError("these heads see the token being decoded: logits(..., tok) needs it")
+            a = a + self._mm(tok.astype(B.float32), self.token)  # one embedding row per sequence, every head
+        has_prev = (inds_prev[..., :1] >= 0).astype(B.float32)[..., None]  # [H, R, 1, 1]
+        pre = (a[..., e:] + self.b1 + self.onehot[self.rows, inds_t].sum(axis=2)
+               + (self.onehot[self.rows, e + B.maximum(inds_prev, 0)] * has_prev).sum(axis=2))
+        return a[..., :e] + self._mm(bnn.silu(pre), self.w2) + self.b2
