@@ -59,7 +59,7 @@ def test_gather_qmm_matches_a_float64_reference(isa, bits, group_size, scale_dty
     wq, s, b = quantized((E, N, D), bits, group_size, scale_dtype)
     ref_w = dequantized64(wq, s, b, bits, group_size)
     rng = np.random.default_rng(bits * group_size)
-    for rows in (1, 4, 16):
+    for rows in (1, 4, 16, 96):  # 96 x 4 rows over 16 experts: the rows of an expert tiled (from 8)
         x = mx.array(rng.standard_normal((rows, 1, 1, D)).astype(np.float32))  # SwitchGLU's gate/up call
         idx = mx.array(rng.integers(0, E, size=(rows, k)).astype(np.int32))
         y = K.gather_qmm(x, wq, s, b, idx, bits=bits, group_size=group_size)
@@ -75,7 +75,7 @@ def test_quantized_matmul_matches_a_float64_reference(isa, bits, scale_dtype):
     N, D = 200, 384
     wq, s, b = quantized((N, D), bits, 64, scale_dtype, seed=3)
     ref_w = dequantized64(wq, s, b, bits, 64)
-    for lead in ((1,), (2, 5), (16,)):
+    for lead in ((1,), (2, 5), (16,), (70,)):
         x = mx.random.normal((*lead, D), key=mx.random.key(len(lead)))
         y = K.quantized_matmul(x, wq, s, b, bits=bits, group_size=64)
         assert y.shape == (*lead, N)
@@ -92,6 +92,21 @@ def test_widths_that_are_not_whole_blocks_match_the_reference(isa, bits, k):
     ref_w, xn, ii = dequantized64(wq, s, b, bits, 32), np.array(x, dtype=np.float64), np.array(idx)
     ref = np.stack([np.stack([xn[r, 0] @ ref_w[ii[r, j]].T for j in range(2)]) for r in range(3)])
     assert rel_l2(K.gather_qmm(x, wq, s, b, idx, bits=bits, group_size=32), ref) < 1e-5
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_rows_product_does_not_depend_on_the_rows_beside_it(isa, bits):
+    """From 8 rows against one expert's weights each weight row is decoded once and the rows'
+    products are tiles: a row's result is the same, bit for bit, whatever rows share its
+    call and wherever the tiles' boundaries fall."""
+    wq, s, b = quantized((4, 100, 256), bits, 32, mx.bfloat16, seed=9)
+    x = mx.random.normal((40, 1, 256), key=mx.random.key(11))
+    idx = mx.array([0] * 20 + [3] * 20, dtype=mx.uint32)
+    whole = K.gather_qmm(x, wq, s, b, idx, bits=bits, group_size=32)
+    part = K.gather_qmm(x[3:14], wq, s, b, idx[3:14], bits=bits, group_size=32)  # 11 rows of expert 0
+    assert mx.array_equal(whole[3:14], part).item()
+    dense = K.quantized_matmul(x[:, 0], wq[3], s[3], b[3], bits=bits, group_size=32)
+    assert mx.array_equal(dense[20:], whole[20:, 0]).item()  # the dense call: its rows tiled alike
 
 
 def test_the_sorted_and_the_down_projection_calls_match_mlx():

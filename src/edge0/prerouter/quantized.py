@@ -72,7 +72,17 @@ class QuantizedHeads:
         B.eval([*self.hidden, *self.w2, self.onehot, self.b1, self.b2, *(self.token or ())])
 
     def _quantized(self, mats: list) -> tuple:
-        return bk.quantize(B.stack(mats), bits=BITS, group_size=self.group)
+        """Each head's matrix quantized and evaluated on its own (so that opening holds one
+        head's float32 copy at a time, not every head's), then stacked: (weight, scales,
+        biases) [H, N, ...]."""
+        parts = []
+        for m in mats:
+            q = bk.quantize(m, bits=BITS, group_size=self.group)
+            B.eval(list(q))
+            parts.append(q)
+        stacked = tuple(B.stack([p[i] for p in parts]) for i in range(3))
+        B.eval(list(stacked))
+        return stacked
 
     @property
     def nbytes(self) -> int:

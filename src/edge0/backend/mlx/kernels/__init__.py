@@ -5,7 +5,8 @@ and biases in float32, bfloat16 or float16 read as stored.
 One primitive serves the routed-expert matmul with indices (what ``mx.gather_qmm(...,
 transpose=True)`` computes for SwitchGLU / SwitchMLP) and the dense quantized matmul
 (attention, shared experts, lm_head, quantized routers). AVX2+FMA loops on x86-64 (chosen
-when the CPU has them), portable loops elsewhere; output rows are split over a thread pool,
+when the CPU has them; from 8 rows against one expert's weights, its rows decoded once and
+tiled), portable loops elsewhere; output rows are split over a thread pool,
 never the reduction, so results do not depend on the thread count. Activations are float32.
 
 The same product can read the experts' stacked tensors where a read-only mapping of the

@@ -5,7 +5,12 @@
 // once per group of rows sharing an expert, decoded in registers (AVX2: broadcast, variable
 // shift, mask, convert) and multiplied into float32 accumulators; the group's scale
 // multiplies the group's partial sum, and its bias multiplies the sum of x over the group
-// (computed once per row), so w = scale * q + bias is never materialised.
+// (computed once per row), so w = scale * q + bias is never materialised. From 8 rows against
+// one expert's weights (prefill, large batches) the decoding would be repeated for every 4
+// rows: there each weight row is decoded once into float32 (scale * q + bias) and the rows'
+// products are register tiles of 4 rows by 3 weight rows, as a matmul is blocked (at 512
+// tokens 1.9x the rows' loop here). A product's sum runs over k in the same order in every
+// tile, so a row's result does not depend on the rows beside it.
 //
 // Threads split the output rows n, never the reduction over k: each output element is one
 // thread's loop in a fixed order, so the result does not depend on the thread count.
@@ -188,6 +193,69 @@ __attribute__((target("avx2,fma"))) void dot_avx2(const uint32_t* wrow, const fl
   for (int r = 0; r < RB; ++r) res[r] = hsum(tot[r]);
 }
 
+// Many rows against one expert's weights (prefill, batches): each weight row is decoded once
+// into float32 (scale * q + bias, in the permuted order the AVX2 loops read x in), then the
+// dot products are register tiles of MB rows of x by NB weight rows, one accumulator per
+// pair, the k blocks in order: a pair's sum does not depend on the tile it was computed in.
+template <int BITS>
+__attribute__((target("avx2,fma"))) void dequant_avx2(const uint32_t* wrow, const float* sc, const float* bi,
+                                                      int64_t K, int gs, float* out) {
+  constexpr int per = 32 / BITS;
+  const __m256i mask = _mm256_set1_epi32((1 << BITS) - 1);
+  for (int64_t k0 = 0; k0 < K; k0 += kBlock<BITS>) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wrow + k0 / per));
+    const __m256 scale = block_scale<BITS>(sc, k0, gs), bias = block_scale<BITS>(bi, k0, gs);
+#pragma GCC unroll 8
+    for (int s = 0; s < per; ++s) {
+      const __m256 q = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, s * BITS), mask));
+      _mm256_storeu_ps(out + k0 + s * 8, _mm256_fmadd_ps(q, scale, bias));
+    }
+  }
+}
+
+template <int MB, int NB>
+__attribute__((target("avx2,fma"))) void tile_avx2(const float* const* xr, const float* wf, int64_t K, float* res) {
+  __m256 acc[MB][NB];
+#pragma GCC unroll 4
+  for (int m = 0; m < MB; ++m)
+#pragma GCC unroll 3
+    for (int n = 0; n < NB; ++n) acc[m][n] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 8) {
+    __m256 w[NB];
+#pragma GCC unroll 3
+    for (int n = 0; n < NB; ++n) w[n] = _mm256_loadu_ps(wf + n * K + k);
+#pragma GCC unroll 4
+    for (int m = 0; m < MB; ++m) {
+      const __m256 x = _mm256_loadu_ps(xr[m] + k);
+#pragma GCC unroll 3
+      for (int n = 0; n < NB; ++n) acc[m][n] = _mm256_fmadd_ps(x, w[n], acc[m][n]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int m = 0; m < MB; ++m)
+#pragma GCC unroll 3
+    for (int n = 0; n < NB; ++n) res[m * NB + n] = hsum(acc[m][n]);
+}
+
+constexpr int kTileM = 4, kTileN = 3;
+
+template <int MB>
+void tile_n(int nb, const float* const* xr, const float* wf, int64_t K, float* res) {
+  if (nb == 3) return tile_avx2<MB, 3>(xr, wf, K, res);
+  if (nb == 2) return tile_avx2<MB, 2>(xr, wf, K, res);
+  tile_avx2<MB, 1>(xr, wf, K, res);
+}
+
+// res [mb][nb] = rows xr[0, mb) . the nb decoded weight rows at wf (K floats each)
+void tile(int mb, int nb, const float* const* xr, const float* wf, int64_t K, float* res) {
+  switch (mb) {
+    case 4: return tile_n<4>(nb, xr, wf, K, res);
+    case 3: return tile_n<3>(nb, xr, wf, K, res);
+    case 2: return tile_n<2>(nb, xr, wf, K, res);
+    default: return tile_n<1>(nb, xr, wf, K, res);
+  }
+}
+
 bool cpu_has_avx2() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
@@ -333,6 +401,8 @@ int g_threads = [] {
 
 // below this many weight elements per call, waking another thread costs more than it saves
 constexpr int64_t kParallelMin = int64_t(1) << 16;
+// from this many rows against one expert's weights, decode each weight row once and tile
+constexpr int64_t kTileRows = 8;
 
 template <typename I>
 int64_t first_bad_index(const void* p, int64_t n, int64_t E) {
@@ -413,8 +483,33 @@ void run_qmm(const QmmArgs& a) {
   auto part = [&](int p, int parts) {
     const int64_t n0 = a.N * p / parts, n1 = a.N * (p + 1) / parts;
     std::vector<float> sc(G), bi(G);
+#ifdef EDGE0_X86
+    std::vector<float> wf;  // the tiles' decoded weight rows
+#endif
     for (size_t gi = 0; gi + 1 < start.size(); ++gi) {
       const int64_t e = expert[gi], s0 = start[gi], s1 = start[gi + 1];
+#ifdef EDGE0_X86
+      if (avx2 && s1 - s0 >= kTileRows) {
+        wf.resize(size_t(kTileN) * a.K);
+        for (int64_t n = n0; n < n1; n += kTileN) {
+          const int nb = int(std::min<int64_t>(kTileN, n1 - n));
+          for (int j = 0; j < nb; ++j) {
+            const int64_t row = e * a.N + n + j;
+            load_params(a.scales, a.scale_type, row * G, G, sc.data());
+            load_params(a.biases, a.scale_type, row * G, G, bi.data());
+            dequant_avx2<BITS>(a.w + row * words, sc.data(), bi.data(), a.K, a.group_size, wf.data() + j * a.K);
+          }
+          for (int64_t s = s0; s < s1; s += kTileM) {
+            const int mb = int(std::min<int64_t>(kTileM, s1 - s));
+            float res[kTileM * kTileN];
+            tile(mb, nb, xd_of.data() + s, wf.data(), a.K, res);
+            for (int i = 0; i < mb; ++i)
+              for (int j = 0; j < nb; ++j) out_of[s + i][n + j] = res[i * nb + j];
+          }
+        }
+        continue;
+      }
+#endif
       for (int64_t n = n0; n < n1; ++n) {
         const int64_t row = e * a.N + n;
         const uint32_t* wrow = a.w + row * words;
