@@ -208,3 +208,16 @@ def test_a_file_truncated_during_a_generation_fails_it_typed_and_the_engine_serv
     assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
     assert "failed: file " in out.stdout and "truncated while mapped" in out.stdout, out.stdout
     assert "whole again: True" in out.stdout, out.stdout
+
+
+def test_closing_the_engine_unmaps_the_checkpoint(tmp_path):
+    """A mapped file's pages stay in the page cache while any process maps it (a later engine
+    with direct reads could not drop them): closing the engine lets go of its mappings."""
+    from tests.ckpt_tools import copy_model
+
+    d = copy_model(DEMO_PATH, tmp_path / "m")
+    shard = str(sorted(d.resolve().glob("model*.safetensors"))[0])
+    with Engine(d, EngineConfig(prerouter="off", adapter="off")) as engine:
+        list(engine.stream(PROMPT, max_tokens=4))
+        assert engine.streaming.plan.source == "mapping" and shard in Path("/proc/self/maps").read_text()
+    assert shard not in Path("/proc/self/maps").read_text()

@@ -186,6 +186,8 @@ class Streaming:
 
     def close(self) -> None:
         try:
+            if self.exact.mapped is not None:
+                self.exact.mapped.close()
             if self.stager is not None:
                 self.stager.close()
             if self.whole is not None:

@@ -120,6 +120,12 @@ class MappedExperts:
                                   "(it changed under the engine)", file=file, layer=layer)
         return split(self.kernels[layer], x, inds)
 
+    def close(self) -> None:
+        """Let go of the mappings (unmapped once no pending computation holds them): a file
+        a process maps keeps its pages in the page cache, which a direct-reads engine opened
+        later drops to give the memory to its own cache."""
+        self.kernels, self.maps, self.short = {}, {}, {}
+
     def resident_bytes(self) -> int:
         """Bytes of the mapped files in memory now (the page cache's pages they map)."""
         return sum(m.resident() for m in self.maps.values())
