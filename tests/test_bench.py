@@ -140,6 +140,29 @@ def test_real_arms_replay_the_same_tokens(bench_model, tmp_path):
     assert table.count("\n| ") == 3 and "| exact |" in table and "cold" in table
 
 
+def test_an_arm_over_the_mapping_reads_nothing_and_counts_the_disk_by_its_page_faults(bench_model, tmp_path):
+    """An Edge0 arm whose experts are computed where the checkpoint's mapping holds them (the
+    default where it fits): the same outputs as resident, nothing read into buffers, the
+    source in its info; what the disk gave it is the kernel's count of the process's reads
+    (``/proc/self/io``), which a read of pages not in the page cache moves."""
+    from edge0.benchmark.machine import proc_read_bytes
+    from edge0.io_sched.direct import drop_cached
+
+    settings = harness.BenchSettings(arms=("resident", "exact"), rounds=1, cache="warm", prompt_tokens=8,
+                                     decode_tokens=4)
+    doc = harness.run_bench(bench_model, settings)
+    exact = doc["arms"]["exact"]
+    assert {r["info"]["expert_source"] for r in exact["runs"]} == {"mapping"}
+    assert exact["expert_bytes_per_token"]["median"] == 0
+    assert len({d for a in doc["arms"].values() for d in a["argmax_digest"]}) == 1
+    f = tmp_path / "cold.bin"
+    f.write_bytes(os.urandom(4 * 2**20))
+    drop_cached([str(f)], strict=True)
+    before = proc_read_bytes()
+    f.read_bytes()
+    assert proc_read_bytes() - before >= 4 * 2**20
+
+
 def test_memory_limit_parsing_and_errors(monkeypatch):
     from edge0.benchmark import cgroup
 

@@ -130,10 +130,6 @@ class MappedExperts:
         """Bytes of the mapped files in memory now (the page cache's pages they map)."""
         return sum(m.resident() for m in self.maps.values())
 
-    def nbytes(self) -> int:
-        """Bytes the mappings span (the checkpoint's files)."""
-        return sum(m.size for m in self.maps.values())
-
 
 def _rows(loc, num_experts: int):
     """A small stacked tensor (a per-expert output bias) read whole into memory."""

@@ -543,9 +543,7 @@ NB_MODULE(_ext, m) {
   nb::class_<Mapping>(m, "Mapping")
       .def(nb::init<const std::string&>(), "path"_a)
       .def_prop_ro("size", &Mapping::size)
-      .def_prop_ro("path", &Mapping::path)
-      .def("resident", &Mapping::resident)
-      .def_prop_ro("poisoned", &Mapping::poisoned);
+      .def("resident", &Mapping::resident);
   m.def("qmm_at", &qmm_at_op, "x"_a, "indices"_a, "w_mapping"_a, "w_offset"_a, "s_mapping"_a, "s_offset"_a,
         "b_mapping"_a, "b_offset"_a, "scale_dtype"_a, "E"_a, "N"_a, "bits"_a, "group_size"_a, "x_repeat"_a = 1);
   m.def("wait_flag", &wait_op, "x"_a, "flags"_a, "waited"_a, "index"_a, "value"_a, "timeout_s"_a);
