@@ -222,3 +222,28 @@ def test_closing_the_engine_unmaps_the_checkpoint(tmp_path):
         list(engine.stream(PROMPT, max_tokens=4))
         assert engine.streaming.plan.source == "mapping" and shard in Path("/proc/self/maps").read_text()
     assert shard not in Path("/proc/self/maps").read_text()
+
+
+def test_a_pass_failed_by_a_truncated_mapping_is_a_read_error_in_a_prefill_too(monkeypatch):
+    """What the kernels' guard raises when a mapped file is truncated under a pass reaches the
+    request as an ExpertReadError naming the file, from a prompt's prefill as from a decode
+    step (the engine names a pass's failure in one place, ``Runtime.typed``)."""
+    import edge0.prefill as prefill
+    from edge0.errors import ExpertReadError
+    from edge0.exec.mapped import MAPPED_TRUNCATED
+
+    real, raised = prefill.score, []
+
+    def truncated(*args, **kwargs):
+        if not raised:
+            raised.append(1)
+            raise RuntimeError(f"{MAPPED_TRUNCATED}/data/model.safetensors was truncated while mapped: its experts "
+                               "past the new end read as nothing")
+        return real(*args, **kwargs)
+
+    with Engine(DEMO, EngineConfig(prerouter="off", adapter="off")) as engine:
+        monkeypatch.setattr(prefill, "score", truncated)
+        with pytest.raises(ExpertReadError, match="file /data/model.safetensors: truncated while mapped") as err:
+            list(engine.stream(PROMPT, max_tokens=4))
+        assert err.value.file == "/data/model.safetensors" and raised
+        assert len(list(engine.stream(PROMPT, max_tokens=4))) == 4  # and the engine serves on

@@ -104,7 +104,7 @@ class Decoder:
     def typed(self, error: BaseException) -> BaseException:
         """``error`` as the coordinator names it (under a pipeline, a failed transfer is a
         ``DistributedError`` naming this rank's pipeline)."""
-        return self.host.coord.typed(self.host.streaming.explain(error))
+        return self.host.typed(error)
 
     def step(self, batch: Batch) -> list:
         """One forward pass of ``batch``'s rows (one token each), each row's token sampled and

@@ -135,6 +135,7 @@ def together(host, rows: list[Row]) -> tuple[Batch | None, int]:
         for row, s in zip(rows, scores):
             keep_scores(row, s)
     except BaseException as e:  # the pass itself: every row of it fails
+        e = host.typed(e)
         for row in rows:
             row.error = e
         return None, width * len(rows)
@@ -162,7 +163,7 @@ def chunk(host, row: Row) -> tuple[int, int]:
         B.eval([c.state for c in row.cache], scores if scores is not None else [])
         keep_scores(row, scores)
     except BaseException as e:
-        row.error = e
+        row.error = host.typed(e)
         return n, 0
     row.pos += n
     if sink is not None:

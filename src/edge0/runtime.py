@@ -49,6 +49,13 @@ class Runtime:
             self.streaming.set_recorder(None)
         B.trim_buffer_cache()
 
+    def typed(self, error: BaseException) -> BaseException:
+        """``error`` raised by a pass (prefill or decode) as the engine names it: the typed
+        error behind a staged layer's failed wait or a mapped file truncated under the pass
+        (``Streaming.explain``), and under a pipeline a failed transfer as a
+        ``DistributedError`` naming this rank's pipeline (the coordinator's)."""
+        return self.coord.typed(self.streaming.explain(error))
+
     def after_read_error(self, e: ExpertReadError) -> None:
         """What was read from a file that just failed may not match it: forget it all."""
         self.log.warning("io.read_failed", error=str(e), action="cached experts invalidated")
