@@ -57,6 +57,43 @@ def test_each_decode_step_has_one_frozen_plan_that_the_routers_follow(staged, ro
     assert stager.routes() == {} and context.now.routes == {} and context.now.decode is None
 
 
+@pytest.mark.parametrize("source", ["slots", "mapping"])
+def test_each_staged_layer_reads_where_its_experts_are_from_the_step(staged, source):
+    """Over slots, the step's ``Step`` gives each staged layer its slot route, made when the
+    step's reads were issued: its lookup row maps exactly the plan's experts of the layer,
+    each to its own slot, and its flag is the one the step's reads set. Over the mapping
+    nothing is read and the Step holds no slot route."""
+    import numpy as np
+
+    with Engine(staged, EngineConfig(expert_source=source)) as engine:
+        stager = engine.streaming.stager
+        context = engine.streaming.context
+        switches = {l: engine.streaming.blocks()[l] for l in stager.layers}
+        seen = []
+        for layer in stager.layers:
+            cls = type(switches[layer])
+
+            def call(inner, x, _cls=cls, _l=layer):
+                if x.shape[-2] == 1 and stager.plan is not None:
+                    flag = stager.pool.flag(_l, stager.step) if stager.pool is not None else None
+                    seen.append((_l, stager.plan, context.now.slots.get(_l), flag))
+                return _cls.__call__(inner, x)
+
+            switches[layer].__class__ = type(f"Seen{cls.__name__}", (cls,), {"__call__": call})
+        engine.generate_text(PROMPT, max_tokens=10)
+        assert len({id(p) for _, p, _, _ in seen}) >= 8
+        for layer, plan, route, flag in seen:
+            if source == "mapping":
+                assert route is None
+                continue
+            lookup = np.array(route.lookup)
+            staged_experts = np.flatnonzero(lookup >= 0)
+            assert set(staged_experts.tolist()) == set(plan.experts[layer])
+            assert len(set(lookup[staged_experts].tolist())) == len(staged_experts)  # a slot each
+            assert (route.flag, route.ticket) == flag  # the step's own
+    assert context.now.slots == {}
+
+
 def test_a_route_says_what_it_is():
     with pytest.raises(ValueError, match="mode must be 'replace' or 'select'"):
         LayerRoute("both")

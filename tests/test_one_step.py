@@ -120,14 +120,13 @@ def watched_run(engine, monkeypatch, mode: str) -> StepWatch:
     return watch
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
-def test_a_staged_step_costs_the_same_at_7_and_39_staged_layers(staged_models, monkeypatch, mode):
+def counted_at_both_sizes(staged_models, monkeypatch, mode: str, config: EngineConfig, opened) -> list:
+    """Each decode step's (syncs, hand-offs) at 7 staged layers, checked to be those at 39;
+    ``opened(engine)`` checks each engine before it runs."""
     per_size = {}
     for layers, d in staged_models.items():
-        with Engine(d, EngineConfig(prerouter_flush="mlx", expert_source="slots")) as engine:
-            stager = engine.streaming.stager
-            assert stager is not None and stager.layers == list(range(1, layers))  # 7, 39 staged layers
-            assert stager.pool.flags.in_graph  # each layer's wait is an op of the step's graph
+        with Engine(d, config) as engine:
+            opened(engine)
             watch = watched_run(engine, monkeypatch, mode)
         steps = [s for s in watch.steps[1:] if s["rows"] == 1]  # the first is planned from the prefill's state
         assert len(steps) >= TOKENS - 3
@@ -135,7 +134,18 @@ def test_a_staged_step_costs_the_same_at_7_and_39_staged_layers(staged_models, m
         per_size[layers] = steps
     small, large = ([(s["syncs"], s["handoffs"]) for s in per_size[n]] for n in (8, 40))
     assert small == large  # nothing per staged layer
-    for syncs, handoffs in small:
+    return small
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_staged_step_costs_the_same_at_7_and_39_staged_layers(staged_models, monkeypatch, mode):
+    def opened(engine):
+        stager = engine.streaming.stager
+        assert stager is not None and stager.layers == list(range(1, engine.spec.num_layers))  # 7, 39 staged layers
+        assert stager.pool.flags.in_graph  # each layer's wait is an op of the step's graph
+
+    config = EngineConfig(prerouter_flush="mlx", expert_source="slots", unpredicted_layers="exact")
+    for syncs, handoffs in counted_at_both_sizes(staged_models, monkeypatch, mode, config, opened):
         # evaluations: the sampled tokens' read, with the next step's predicted sets (its
         # plan made ahead: one read for both); the exact first layer's (which no head
         # predicts: its routing read, its bundle's last reader settled); no evaluation and
@@ -158,21 +168,35 @@ def test_over_the_mapping_a_staged_step_is_one_read_and_one_delivery_at_7_and_39
     first MoE layer's exact path reads no routing either), the one hand-off is the token's
     delivery; the same at 7 and 39 staged layers; with the heads' flush in MLX or on Edge0's
     kernels in 8-bit weights (both in the step's graph)."""
-    per_size = {}
-    for layers, d in staged_models.items():
-        with Engine(d, EngineConfig(prerouter_flush=flush)) as engine:
-            assert engine.streaming.plan.source == "mapping" and engine.streaming.stager.pool is None
-            watch = watched_run(engine, monkeypatch, mode)
-        steps = [s for s in watch.steps[1:] if s["rows"] == 1]
-        assert len(steps) >= TOKENS - 3
-        assert watch.writes == []
-        per_size[layers] = steps
-    small, large = ([(s["syncs"], s["handoffs"]) for s in per_size[n]] for n in (8, 40))
-    assert small == large
-    for syncs, handoffs in small:
+    def opened(engine):
+        assert engine.streaming.plan.source == "mapping" and engine.streaming.stager.pool is None
+
+    for syncs, handoffs in counted_at_both_sizes(staged_models, monkeypatch, mode, EngineConfig(prerouter_flush=flush),
+                                                 opened):
         assert syncs == {"numpy": 1}, syncs
         assert handoffs == ({"notify_all": 1} if mode == "sync" else {"notify_all": 1, "call_soon_threadsafe": 1}), \
             handoffs
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_over_slots_with_the_unpredicted_layer_resident_a_step_is_one_read_one_call_one_delivery(staged_models,
+                                                                                                 monkeypatch, mode):
+    """Where the experts are read into slots with direct reads (a checkpoint larger than the
+    memory: the engine's own expert cache), ``unpredicted_layers`` resident holds the first
+    MoE layer, which no head predicts, whole in memory (its bytes out of the cache): a staged
+    step is one evaluation, the tokens' read that also brings the next step's plan; its
+    hand-offs are the plan's one call into the scheduler and the token's delivery; the same
+    at 7 and 39 staged layers."""
+    def opened(engine):
+        plan = engine.streaming.plan
+        assert plan.source == "slots" and plan.direct and plan.cache > 0 and plan.whole_layers == 1
+        assert engine.streaming.hot.resident == {0}
+
+    config = EngineConfig(prerouter_flush="mlx", direct_io="on", unpredicted_layers="resident")
+    for syncs, handoffs in counted_at_both_sizes(staged_models, monkeypatch, mode, config, opened):
+        assert syncs == {"numpy": 1}, syncs
+        consumer = {"notify_all": 1} if mode == "sync" else {"notify_all": 1, "call_soon_threadsafe": 1}
+        assert handoffs == {"call": 1, **consumer}, handoffs
 
 
 def test_a_step_whose_first_moe_layer_is_resident_evaluates_once(staged_models, monkeypatch):

@@ -63,6 +63,35 @@ def test_the_plan_command_and_engine_open_make_the_same_plan_and_the_engine_allo
     assert doc["staged_layers"] == plan.staged and (plan.staged == 0) == (config == "exact")
 
 
+def test_a_layer_no_head_predicts_held_whole_is_planned_as_the_engine_holds_it(setups):
+    """``unpredicted_layers`` resident over slots: the plan counts the first MoE layer's
+    every expert among the buffers and says so, the engine holds exactly those bytes once it
+    decodes, and the text is the same as exact's; over the mapping nothing is held."""
+    d, cfg, _, _ = setups["staged+heads"]
+    flags = ("--model", str(d), "--direct-io", "on")
+    base = {**cfg.__dict__, "direct_io": "on"}
+    _, exact, _ = _plan_cli(*flags, "--json")
+    _, held, _ = _plan_cli(*flags, "--json", "--unpredicted-layers", "resident")
+    _, _, text = _plan_cli(*flags, "--unpredicted-layers", "resident")
+    texts = {}
+    for mode in ("exact", "resident"):
+        with Engine(d, EngineConfig(**{**base, "unpredicted_layers": mode})) as engine:
+            texts[mode] = engine.generate_text(PROMPT, max_tokens=N)[0]
+            hot, spec, plan = engine.streaming.hot, engine.spec, engine.plan
+            if mode == "resident":
+                first = spec.moe_layers[0]
+                assert hot.resident == {first} and plan.whole_layers == 1
+                assert hot.rows[first].nbytes == spec.num_experts * engine.streaming.index.layers[first].expert_bytes
+                assert held["plan"]["others"] - exact["plan"]["others"] == spec.num_experts * plan.per_expert
+                assert held["plan"]["others"] == plan.others
+            else:
+                assert hot is None and plan.whole_layers == 0
+    assert texts["exact"] == texts["resident"]
+    assert "1 unpredicted layer held whole" in text
+    _, mapped, _ = _plan_cli("--model", str(d), "--json", "--unpredicted-layers", "resident", "--direct-io", "off")
+    assert mapped["plan"]["source"] == "mapping" and mapped["plan"]["whole_layers"] == 0
+
+
 @pytest.mark.parametrize("config", ["staged+heads", "exact"])
 def test_the_plan_says_the_prefetch_depth_the_scheduler_runs_with(setups, config):
     d, cfg, _, _ = setups[config]

@@ -9,6 +9,11 @@ steps after a warm-up. The checkpoint: the bench's 35B-shaped one (``edge0 bench
 it; ``--layers`` as the bench's), warm-start heads written beside the results on first use.
 
     python tools/step_breakdown.py [--layers 12] [--steps 40] [--out step-breakdown.json]
+        [--flushes numpy,mlx] [--no-resident]
+
+Under a memory cap (the 40-layer checkpoint under 8 GiB), run it inside a memory cgroup
+with ``--no-resident`` (mlx-lm's model holds every expert): the staged step then reads
+into slots with direct reads through the expert cache, as ``edge0 bench --memory-limit``.
 """
 
 from __future__ import annotations
@@ -70,6 +75,9 @@ def staged(model_dir: Path, heads: Path, n: int, warm: int, reads: bool, flush: 
                                                      compute_dtype="float32", prerouter_flush=flush))
     stager = s.stager
     stager.reset()
+    if not reads and stager.pool is None:  # over the mapping nothing is read: reads off is reads on
+        s.close()
+        return {}
     if not reads:
         stager.scheduler.store = _NoReads()
         stager.check_routing = False  # unread slots give other activations, hence other routing
@@ -120,17 +128,22 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--out", default="step-breakdown.json")
+    p.add_argument("--flushes", default="numpy,mlx", help="the heads' flushes to time the staged step with")
+    p.add_argument("--no-resident", action="store_true", help="leave out resident@edge0")
     args = p.parse_args()
     model_dir = default_bench_model(args.layers)
     heads = Path(args.out).with_suffix(".heads.safetensors")
     if not heads.exists():
         make_warm_heads(model_dir, heads)
     result = {"model": model_dir.name, "steps": args.steps, "warmup": args.warmup, "ms": {}}
-    result["ms"]["resident@edge0"] = resident(model_dir, args.steps, args.warmup)
-    for flush in ("numpy", "mlx"):
+    if not args.no_resident:
+        result["ms"]["resident@edge0"] = resident(model_dir, args.steps, args.warmup)
+    for flush in args.flushes.split(","):
         for reads in (True, False):
             name = f"staged+prerouter ({flush} flush, reads {'on' if reads else 'off'})"
-            result["ms"][name] = staged(model_dir, heads, args.steps, args.warmup, reads, flush)
+            parts = staged(model_dir, heads, args.steps, args.warmup, reads, flush)
+            if parts:
+                result["ms"][name] = parts
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     for name, parts in result["ms"].items():
         print(f"{name:48s} " + "  ".join(f"{k} {v}" for k, v in parts.items()))

@@ -106,6 +106,17 @@ def _paths(config: EngineConfig, layers: list[int], heads) -> dict[tuple[int, st
     return path_of
 
 
+def _unpredicted(config: EngineConfig, layers: list[int], path_of: dict, heads) -> set[tuple[int, str]]:
+    """(layer, "decode") of the MoE layers that decode exact because no head predicts them
+    while others decode staged on the heads (the first MoE layer), and that ``layer_paths``
+    does not name: those ``unpredicted_layers`` may hold resident."""
+    if heads is None or not any(path_of[l, "decode"] == "staged" for l in layers):
+        return set()
+    explicit = {l for l, ph, _ in config.layer_paths if ph == "decode"}
+    return {(l, "decode") for l in layers
+            if path_of[l, "decode"] == "exact" and l not in heads.consumers() and l not in explicit}
+
+
 def _prerouter_mode(config: EngineConfig) -> tuple[str, str]:
     """(dtype, flush) that ``prerouter_dtype`` and ``prerouter_flush`` resolve to."""
     dtype = config.prerouter_dtype
@@ -181,11 +192,19 @@ def lay_out(model_dir: Path, config: EngineConfig, oracle: OracleRouting | None 
     pipe, config, heads = pipeline_part(config, opened.model, spec, index, heads)
     layers = [l for l in spec.moe_layers if pipe is None or pipe.layout.holds(l)]
     path_of = _paths(config, layers, heads)
-    on = {p: [l for l in layers if p in (path_of[l, "prefill"], path_of[l, "decode"])] for p in PATHS}
     compute_dtype = resolve_compute_dtype(config.compute_dtype, opened.raw)
-    plan = make_plan(config, opened, pipe, layers, on, spec.k + extra, compute_dtype,
-                     direct=direct_reads(config.direct_io, index.files, limit), heads=_heads_bytes(config, heads),
-                     limit=limit, runtime=runtime)
+
+    def planned(paths):
+        on = {p: [l for l in layers if p in (paths[l, "prefill"], paths[l, "decode"])] for p in PATHS}
+        on["resident"] = [l for l in layers if paths[l, "decode"] == "hot" and (l, "decode") in unpredicted]
+        return paths, on, make_plan(config, opened, pipe, layers, on, spec.k + extra, compute_dtype,
+                                    direct=direct_reads(config.direct_io, index.files, limit),
+                                    heads=_heads_bytes(config, heads), limit=limit, runtime=runtime)
+
+    unpredicted = _unpredicted(config, layers, path_of, heads)
+    path_of, on, plan = planned(path_of)  # (over the mapping exact reads nothing: no layer is held whole)
+    if unpredicted and config.unpredicted_layers == "resident" and plan.source == "slots":
+        path_of, on, plan = planned({**path_of, **{key: "hot" for key in unpredicted}})
     if on["staged"] and extra and plan.source == "slots" and plan.slots < spec.k + extra:  # (fewer than k: the Stager says so)
         raise ConfigError(f"slots_per_layer={plan.slots} cannot hold the {spec.k + extra} experts select routing "
                           f"stages per layer (k={spec.k} + stage_extra={extra})")
@@ -216,8 +235,8 @@ def load_streaming_model(model_dir: str | Path, config: EngineConfig, *, oracle:
         exact = ExactExecutor(index, reader, config.bundle_capacity, templates, log=log, mapped=mapped)
         exact.split = split
         recorder = exact.recorder = RoutingRecorder() if record else None
-        # with the mapping every expert is where the kernels read it: hot and whole-layer compute as exact
-        hot = HotExecutor(index, reader, config.hot_experts, exact, log=log) if on["hot"] and not mapped else None
+        hot = (HotExecutor(index, reader, config.hot_experts, exact, log=log, resident=on["resident"])
+               if on["hot"] and not mapped else None)  # (with the mapping, hot and whole-layer compute as exact)
         whole = (WholeLayerExecutor(index, reader, on["whole_layer"], templates, log=log, split=exact.split)
                  if on["whole_layer"] and not mapped else None)
         prerouter = _make_prerouter(config, heads, spec.k + extra if routing == "select" else None)
@@ -229,7 +248,7 @@ def load_streaming_model(model_dir: str | Path, config: EngineConfig, *, oracle:
             stager = Stager(index, on["staged"], plan.slots, reader, None if prerouter is not None else oracle,
                             readers=config.reader_threads, prefetch_depth=config.prefetch_depth, log=log,
                             planner=planner, fallback=exact, guard_every=config.guard_every,
-                            max_slots=plan.ceiling, in_place=mapped is not None)
+                            max_slots=plan.ceiling, in_place=mapped is not None, context=context)
         paths = {"exact": exact, "hot": hot or exact, "whole_layer": whole or exact, "staged": stager}
         for layer in layers:
             template = templates[layer]

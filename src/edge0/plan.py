@@ -73,7 +73,8 @@ def make(model_dir: str | Path, config, *, memory: int | None = None, trace: str
     staged = set(lay.on["staged"])
     width = spec.k + lay.extra
     fc = forecast(routing, staged=staged, slots=plan.slots, capacity=plan.cache // max(1, plan.per_expert),
-                  policy=plan.policy, expert_bytes={l: index.layers[l].expert_bytes for l in lay.layers},
+                  policy=plan.policy,
+                  expert_bytes={l: index.layers[l].expert_bytes for l in lay.layers if l not in lay.on["resident"]},
                   scale=width / spec.k)
     return {"model": str(model_dir), "model_type": spec.model_type, "moe_layers": len(lay.layers),
             "experts": spec.num_experts, "k": spec.k, "staged_layers": len(staged), "routing": lay.routing,
@@ -112,8 +113,9 @@ def text(doc: dict) -> str:
         f"  prerouter heads          {_gib(p['heads'])}  (as the prerouter holds them)",
         f"  expert buffers at open   {_gib(p['others'] + p['slots_bytes'])}  "
         + ("(none: expert_source mapping, the kernels read each expert where the checkpoint's mapping holds it)"
-           if mapped else f"({p['staged']} staged layers x {p['slots']} slots, the exact bundle, hot sets, "
-                          "whole-layer buffers)"),
+           if mapped else f"({p['staged']} staged layers x {p['slots']} slots, the exact bundle, "
+                          + (f"{p['whole_layers']} unpredicted layer{'s' * (p['whole_layers'] > 1)} held whole, "
+                             if p["whole_layers"] else "") + "hot sets, whole-layer buffers)"),
         *([] if mapped else [f"  slots grown for a batch  {_gib(p['ceiling_bytes'] - p['slots_bytes'])}  (up to "
                              f"{p['ceiling']} slots a staged layer)"]),
         f"  KV caches                {_gib(p['kv_bytes'])}  ({p['batch']} x {p['context']} tokens, "

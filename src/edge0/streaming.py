@@ -122,14 +122,16 @@ class Streaming:
 
     def step(self, decode: bool, adapters=None, rows: int = 1, heads=None) -> Step:
         """The ``Step`` of a forward pass of ``rows`` rows: its phase, the staged layers'
-        routes (a decode step's plan), each row's adapter deltas (``adapters``: a name or
+        routes (a decode step's plan) and slot routes (where the plan's reads put their
+        experts), each row's adapter deltas (``adapters``: a name or
         None per row; None: the default adapter for every row), where the prerouter's
         owners put what they observe (``heads``, an ``Observing``)."""
-        routes = self.stager.routes() if decode and self.stager is not None else {}
+        staged = decode and self.stager is not None
         deltas = None
         if self.adapters is not None:
             deltas = self.adapters.deltas(adapters if adapters is not None else [self.adapters.active] * rows)
-        return Step(decode=decode, routes=routes, deltas=deltas, heads=heads)
+        return Step(decode=decode, routes=self.stager.routes() if staged else {},
+                    slots=self.stager.slot_routes() if staged else {}, deltas=deltas, heads=heads)
 
     @property
     def embed_dim(self) -> int:

@@ -46,15 +46,18 @@ def slot_ceiling(config: EngineConfig, index, staged: list[int], slots: int, oth
     return max(slots, budget // (len(staged) * per_expert))
 
 
-def check_budget(spec, index, config: EngineConfig, staged, hot, whole, slots: int) -> int:
+def check_budget(spec, index, config: EngineConfig, staged, hot, whole, slots: int, resident=()) -> int:
     """Refuse (ConfigError) expert buffers over ``memory_budget_mb``; return the bytes of the
-    buffers other than the staged slots."""
+    buffers other than the staged slots. ``resident``: hot layers holding every expert."""
     per_expert = max(le.expert_bytes for le in index.layers.values())
     parts = {"exact bundle": config.bundle_capacity * per_expert}
     if staged:
         parts["staged slots"] = len(staged) * max(slots, spec.k) * per_expert
-    if hot:
-        parts["hot sets"] = len(hot) * min(max(config.hot_experts, spec.k), spec.num_experts) * per_expert
+    if set(hot) - set(resident):
+        parts["hot sets"] = (len(set(hot) - set(resident)) * min(max(config.hot_experts, spec.k), spec.num_experts)
+                             * per_expert)
+    if resident:
+        parts["resident layers"] = len(resident) * spec.num_experts * per_expert
     if whole:
         parts["whole-layer buffers"] = 2 * spec.num_experts * per_expert
     total = sum(parts.values())
@@ -131,6 +134,7 @@ class MemoryPlan:
     kv_note: str = ""  # what the KV estimate leaves out
     source: str = "slots"  # where the experts are computed from: "slots" (read into buffers) or "mapping"
     mapped: int = 0  # with the mapping: the bytes of the checkpoint files it spans (held in the page cache)
+    whole_layers: int = 0  # layers held whole in memory (``unpredicted_layers`` resident), in ``others``
 
     @property
     def slots_bytes(self) -> int:
@@ -187,7 +191,8 @@ def plan_memory(config: EngineConfig, index, spec, pipe, layers: list[int], on: 
     (CheckpointError) what cannot fit."""
     limit = memory_limit() if limit is None else limit
     slots = staged_slots(config, spec, width)
-    others = check_budget(spec, index, config, on["staged"], on["hot"], on["whole_layer"], slots)
+    others = check_budget(spec, index, config, on["staged"], on["hot"], on["whole_layer"], slots,
+                          on.get("resident", ()))
     per_expert = max(index.layers[l].expert_bytes for l in layers) if layers else 0
     plan = MemoryPlan(limit=limit, runtime=held_now(limit) if runtime is None else runtime,
                       resident=resident_bytes(index, spec, pipe, compute_bytes), per_expert=per_expert, heads=heads,
@@ -197,7 +202,7 @@ def plan_memory(config: EngineConfig, index, spec, pipe, layers: list[int], on: 
                       others=others, held=sum(index.layers[l].expert_bytes * spec.num_experts for l in layers),
                       kv_per_token=kv_per_token, context=config.plan_context, batch=config.plan_batch,
                       margin=max(limit // MARGIN_SHARE, MARGIN_MIN), cache=0, policy=config.cache_policy,
-                      direct=direct, kv_note=kv_note)
+                      direct=direct, kv_note=kv_note, whole_layers=len(on.get("resident", ())))
     if config.cache_mb is not None:
         cache = config.cache_mb * 2**20
     elif direct:

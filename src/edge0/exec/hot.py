@@ -7,8 +7,9 @@ more distinct experts than the set holds (a long prefill) is handed to exact who
 Like exact, it brings the routing to the host once per layer, except where the set holds
 every expert of its layer (``hot_experts`` at least the layer's experts): that layer is
 read whole at its first call and computes from then on without its routing on the host, so
-a step through it evaluates nothing (the first MoE layer of a staged model, which no head
-predicts, kept resident this way: one evaluation per decode step).
+a step through it evaluates nothing. The first MoE layer of a staged model, which no head
+predicts, is kept resident this way (``unpredicted_layers``: one evaluation per decode step),
+whatever ``hot_experts`` is for other hot layers.
 """
 
 from __future__ import annotations
@@ -23,11 +24,15 @@ from edge0.io_sched.slots import SlotTable
 
 
 class HotExecutor:
-    def __init__(self, index: CheckpointIndex, reader: ExpertReader, size: int, exact: ExactExecutor, log=None):
+    def __init__(self, index: CheckpointIndex, reader: ExpertReader, size: int, exact: ExactExecutor, log=None,
+                 resident=()):
+        """``resident``: layers whose set holds every expert whatever ``size`` is (the
+        layers no prerouter head predicts, held so by ``unpredicted_layers``)."""
         self.index = index
         self.reader = reader
         self.size = min(max(size, index.spec.k), index.spec.num_experts)
-        self.resident = self.size == index.spec.num_experts  # every expert held: no routing read
+        self.every = self.size == index.spec.num_experts  # every layer's set holds every expert
+        self.resident = set(resident)
         self.lookup: dict[int, object] = {}  # a resident layer -> its expert -> slot row (device), once read
         self.exact = exact
         self.log = log
@@ -36,10 +41,15 @@ class HotExecutor:
         self.hits = 0
         self.misses = 0
 
+    def holds_all(self, layer: int) -> bool:
+        """Whether ``layer``'s set holds every expert of it: no routing read."""
+        return self.every or layer in self.resident
+
     def _layer(self, layer: int) -> tuple[ExpertRows, SlotTable]:
         if layer not in self.rows:
-            self.rows[layer] = ExpertRows(self.index.layers[layer], self.size)
-            self.tables[layer] = SlotTable(layer, self.size)
+            size = self.index.spec.num_experts if self.holds_all(layer) else self.size
+            self.rows[layer] = ExpertRows(self.index.layers[layer], size)
+            self.tables[layer] = SlotTable(layer, size)
         return self.rows[layer], self.tables[layer]
 
     def invalidate(self) -> None:
@@ -52,7 +62,7 @@ class HotExecutor:
         return sum(t.pinned() for t in self.tables.values())
 
     def __call__(self, layer: int, x, inds):
-        if self.resident:
+        if self.holds_all(layer):
             return self._whole(layer, x, inds)
         distinct = np.unique(B.to_host(inds))
         if len(distinct) > self.size:

@@ -37,6 +37,19 @@ class Executor(Protocol):
 
 
 @dataclass(frozen=True)
+class SlotRoute:
+    """Where a staged layer's experts are at a decode step: ``lookup`` (device, one entry per
+    expert: its slot, -1 where the step staged none) and the readiness flag the step's
+    reads set (``flag``, the flag's index; ``ticket``, the value that says ready). Made when
+    the step's reads are issued; the layer's computation maps its routing through ``lookup``
+    and waits on the flag inside the step's graph."""
+
+    lookup: object
+    flag: int
+    ticket: int
+
+
+@dataclass(frozen=True)
 class LayerRoute:
     """What a router does in place of returning its own output.
 

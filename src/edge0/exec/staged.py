@@ -6,11 +6,12 @@ Before a decode step the ``Stager`` makes the step's ``DecodePlan`` (edge0.exec.
 its planner (the prerouter's heads, or an oracle file) and makes its one call into the
 async ``PrefetchScheduler``: the step before unpinned, the plan's expert sets submitted,
 every layer's slot map back (the misses are read into free slots while the step runs; the
-reader that completes a layer sets its flag). The plan's routes are the step's (the
-``Step`` the staged routers read). A staged layer then, inside the step's graph:
+reader that completes a layer sets its flag). The plan's routes and the slot routes made
+from those maps are the step's (``Step.routes``, which the staged routers read, and
+``Step.slots``, which the staged layers read). A staged layer then, inside the step's graph:
 
-1. maps its routing indices to slots with ``take`` through its lookup row (made on the
-   host from the slot maps; the indices never leave the device),
+1. maps its routing indices to slots with ``take`` through its slot route's lookup row
+   (made on the host from the slot maps; the indices never leave the device),
 2. runs the same gather matmul as exact on its slots' rows, each passed through the
    layer's slot wait first (``core.ReadyFlags.gate``: an op that returns once the flag
    holds the step's ticket). The wait happens where the rows are consumed; the thread
@@ -38,8 +39,10 @@ from edge0.backend import core as B
 from edge0.model.checkpoint import CheckpointIndex
 from edge0.errors import ConfigError, RoutingMismatchError, SchedulerError
 from edge0.exec.oracle import OracleRouting
-from edge0.exec.plan import DecodePlan, LayerRoute, OraclePlanner, Planner, PrerouterPlanner, QualityGuard, StageStats
+from edge0.exec.plan import (DecodePlan, LayerRoute, OraclePlanner, Planner, PrerouterPlanner, QualityGuard,
+                             SlotRoute, StageStats)
 from edge0.exec.rows import SlotPool
+from edge0.exec.taps import StepContext
 from edge0.io_sched.reader import ExpertReader
 from edge0.io_sched.scheduler import LayerPlan, StepPlan
 
@@ -78,7 +81,7 @@ class Stager:
     def __init__(self, index: CheckpointIndex, layers: list[int], slots: int, reader: ExpertReader,
                  oracle: OracleRouting | None, *, readers: int, prefetch_depth: int, log=None,
                  planner: PrerouterPlanner | None = None, fallback=None, guard_every: int = 0,
-                 max_slots: int | None = None, in_place: bool = False):
+                 max_slots: int | None = None, in_place: bool = False, context: StepContext | None = None):
         """``planner``: the prerouter's (``PrerouterPlanner``: under "replace" routing the
         prediction is the staged layers' routing; under "select" it stages candidates and
         each staged layer's own router chooses among them); else ``oracle``'s, a recorded
@@ -87,7 +90,8 @@ class Stager:
         ``slots`` at ``reset``); None = never. ``in_place``: the experts are computed where
         the checkpoint's mapping holds them (``fallback`` computes so): the Stager plans each
         step (the plan's routes are the staged layers' routing) and reads nothing; it has no
-        slots."""
+        slots. ``context``: the model's ``StepContext``, whose ``Step`` gives each staged
+        layer's slot route while it computes."""
         spec = index.spec
         if slots < spec.k:
             raise ConfigError(f"slots_per_layer must be >= k = {spec.k}, got {slots}")
@@ -95,6 +99,7 @@ class Stager:
         self.layers = list(layers)
         self.oracle = oracle
         self.log = log
+        self.context = context or StepContext()
         self.pool = None if in_place else SlotPool(index, self.layers, slots, reader, readers=readers,
                                                    prefetch_depth=prefetch_depth, max_slots=max_slots,
                                                    log=log)  # the slots and the scheduler that fills them
@@ -198,6 +203,12 @@ class Stager:
         """The current step's routes, staged layer -> ``LayerRoute`` (empty: the layers route
         on their own gates): what the step's ``Step`` gives the staged routers."""
         return self.now.plan.routes if self.now.plan is not None else {}
+
+    def slot_routes(self) -> dict:
+        """The current step's slot routes, staged layer -> ``SlotRoute`` (the layers whose
+        slots were claimed for it: the lookup rows made when its reads were issued, the flag
+        its reads set): what the step's ``Step`` gives the staged layers."""
+        return {l: SlotRoute(t, *self.pool.flag(l, self.now.step)) for l, t in self.now.tables.items()}
 
     def slot_bytes(self) -> int:
         """Bytes the staged layers' slots hold now (more than at open while a batch grew them)."""
@@ -450,14 +461,13 @@ class Stager:
         """Layer ``layer``'s staged computation, built into the step's graph: its slots' rows
         gated on the layer's readiness flag (the wait happens where the rows are consumed),
         its routing mapped to slots through the plan's lookup row, the layer's own switch
-        module run on the slots' rows."""
-        table = self.now.tables.get(layer)
-        if table is None:  # an unplanned step (no prerouter state yet), or a batch's union over the layer's slots
+        module run on the slots' rows; all three from the step's ``SlotRoute``."""
+        route = self.context.now.slots.get(layer)
+        if route is None:  # an unplanned step (no prerouter state yet), or a batch's union over the layer's slots
             return self.fallback(layer, x, inds)
-        index, ticket = self.pool.flag(layer, self.now.step)
-        raw = B.take(table, inds)
+        raw = B.take(route.lookup, inds)
         self.now.misses = self.now.misses + (raw < 0).sum()
         out = self.rows[layer].run(self.fallback.split, self.fallback.templates[layer], x, B.maximum(raw, 0),
-                                   gate=lambda view: self.pool.flags.gate(view, index, ticket))
+                                   gate=lambda view: self.pool.flags.gate(view, route.flag, route.ticket))
         self.now.outputs.append(out)
         return out

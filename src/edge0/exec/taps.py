@@ -49,7 +49,7 @@ from typing import Mapping
 from edge0.backend import core as B
 from edge0.backend import nn as bnn
 from edge0.errors import ConfigError
-from edge0.exec.plan import Executor, LayerRoute
+from edge0.exec.plan import Executor, LayerRoute, SlotRoute
 
 
 def bind(template, views: dict):
@@ -86,7 +86,9 @@ class Step:
     """What one forward pass of the model is, as its taps read it. ``decode`` True: a decode
     step, one new token for each row of a batch; False: a prefill; None (outside the step
     hook: training, tools): a call on one token is a decode step. ``routes``: each planned
-    layer's ``LayerRoute`` (a staged decode step's plan; a training sequence's). ``deltas``:
+    layer's ``LayerRoute`` (a staged decode step's plan; a training sequence's). ``slots``:
+    each staged layer's ``SlotRoute`` at a decode step (where its experts are; a layer
+    without one computes on the staged path's fallback). ``deltas``:
     each adapted projection's low-rank deltas, ``(a, b, scale, rows)`` with ``rows`` a bool
     mask over the batch's rows or None (every row); None: not given for this pass (the
     projections apply their own adapter, ``AdaptedLinear.set_delta``). ``probe``: the router
@@ -96,6 +98,7 @@ class Step:
 
     decode: bool | None = None
     routes: Mapping[int, LayerRoute] = field(default_factory=lambda: NO_ROUTES)
+    slots: Mapping[int, SlotRoute] = field(default_factory=lambda: NO_ROUTES)
     deltas: Mapping[str, tuple] | None = None
     probe: object = None
     heads: object = None
