@@ -220,6 +220,8 @@ def test_the_plan_counts_the_resident_weights_and_the_heads_as_the_loaded_engine
             assert tree_flatten(s.prerouter.heads.parameters()) == []  # the loaded copy: freed once the flush has its own
             if s.prerouter.host is not None:  # the host flush's float32 copy
                 held = s.prerouter.host.nbytes
+            elif s.prerouter.quantized is not None:  # the 8-bit copy on Edge0's kernels (auto there)
+                held = s.prerouter.quantized.nbytes
             else:  # the MLX flush's stacked copy
                 held = sum(v.nbytes for v in s.prerouter.heads._stacked.values())
             assert plan.heads == held > 0

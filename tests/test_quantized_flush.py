@@ -5,7 +5,8 @@
 - through the engine, sync and async, under the demo's select routing and under replace: the
   same greedy text as the NumPy flush, the stats line naming the heads as before;
 - its memory as planned (a quarter of NumPy's float32 copy, about);
-- refused where it cannot run (no kernels, a float16 prerouter_dtype).
+- refused where it cannot run (no kernels, a float16 prerouter_dtype);
+- the default on the CPU backend where the kernels resolve to edge0 and the heads quantize.
 """
 
 from __future__ import annotations
@@ -68,6 +69,29 @@ def test_the_engine_decodes_the_numpy_flushs_text_sync_and_async(routing):
             return "".join([e.text async for e in engine.generate(PROMPT, max_tokens=48, temp=0.0) if e is not None])
 
     assert anyio.run(run) == texts["numpy"]
+
+
+def test_it_is_the_default_on_edge0s_kernels_where_the_heads_quantize(tiny_model_factory, tmp_path):
+    """prerouter_flush auto on the CPU backend: the 8-bit flush where the kernels resolve to
+    edge0 and the heads' widths are multiples of 32 (the demo's shipped heads); NumPy's on
+    MLX's kernels, and for heads of another width; the plan counts the flush it runs."""
+    from edge0.loader import lay_out
+    from edge0.train.heads import make_warm_heads
+    from tests.ckpt_tools import copy_model
+
+    for config, quantized in ((EngineConfig(), True), (EngineConfig(kernels="mlx"), False)):
+        with Engine(PACKAGED_DEMO, config) as engine:
+            pr = engine.streaming.prerouter
+            assert (pr.quantized is not None) == quantized and (pr.host is not None) == (not quantized)
+        flush = "edge0" if quantized else "numpy"
+        assert lay_out(PACKAGED_DEMO, config).plan.heads == lay_out(
+            PACKAGED_DEMO, EngineConfig(kernels=config.kernels, prerouter_flush=flush)).plan.heads
+    d = copy_model(tiny_model_factory("qwen3_moe"), tmp_path / "m")
+    make_warm_heads(d, d / "prerouter.safetensors", width=24)  # fc1's 24 outputs: not in groups of 32
+    with Engine(d, EngineConfig()) as engine:
+        assert engine.streaming.prerouter.quantized is None and engine.streaming.prerouter.host is not None
+    with pytest.raises(ConfigError, match="not multiples of 32"):
+        Engine(d, EngineConfig(prerouter_flush="edge0"))
 
 
 def test_its_memory_is_planned_and_its_settings_checked(monkeypatch):

@@ -387,8 +387,9 @@ def test_a_numpy_flush_in_float16_is_refused(heads):
         assert engine.streaming.prerouter.host is None
 
 
-def test_on_the_cpu_backend_the_default_flush_is_numpys_on_one_blas_thread(heads):
-    """prerouter_flush auto: on the CPU backend the heads flush in float32 NumPy, and every
+def test_on_the_cpu_backend_on_mlxs_kernels_the_default_flush_is_numpys_on_one_blas_thread(heads):
+    """prerouter_flush auto: on the CPU backend with MLX's kernels (Edge0's take the heads in
+    8 bits: tests/test_quantized_flush.py) the heads flush in float32 NumPy, and every
     flush holds NumPy's BLAS to the calling thread (its threads would compete with MLX's
     compute threads and the readers for the cores), the count before put back after."""
     from edge0.prerouter import runtime as host
@@ -397,7 +398,7 @@ def test_on_the_cpu_backend_the_default_flush_is_numpys_on_one_blas_thread(heads
         pytest.skip("NumPy's OpenBLAS thread count cannot be set here")
     get, set_ = host._blas_threads()
     set_(2)
-    with Engine(heads("qwen3_moe"), EngineConfig()) as engine:
+    with Engine(heads("qwen3_moe"), EngineConfig(kernels="mlx")) as engine:
         pr = engine.streaming.prerouter
         assert pr.host is not None  # auto = numpy here
         counts, inner = [], pr.host._logits

@@ -12,8 +12,10 @@ it; ``--layers`` as the bench's), warm-start heads written beside the results on
         [--flushes numpy,mlx] [--no-resident]
 
 Under a memory cap (the 40-layer checkpoint under 8 GiB), run it inside a memory cgroup
-with ``--no-resident`` (mlx-lm's model holds every expert): the staged step then reads
-into slots with direct reads through the expert cache, as ``edge0 bench --memory-limit``.
+with ``--no-resident`` (mlx-lm's model holds every expert) and one ``--flushes`` and
+``--reads`` a process, a fresh cgroup each (an engine plans by what its cgroup holds): the
+staged step then reads into slots with direct reads through the expert cache, as
+``edge0 bench --memory-limit``.
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ def staged(model_dir: Path, heads: Path, n: int, warm: int, reads: bool, flush: 
     from edge0.backend import nn as bnn
     from edge0.config import EngineConfig
     from edge0.loader import load_streaming_model
+    from edge0.prerouter.runtime import Observing
     from edge0.streaming import StepModel
 
     s = load_streaming_model(model_dir, EngineConfig(prerouter="on", prerouter_file=str(heads), adapter="off",
@@ -101,12 +104,14 @@ def staged(model_dir: Path, heads: Path, n: int, warm: int, reads: bool, flush: 
         flush_s.clear()
         t0 = time.perf_counter()
         inputs = mx.array([[tok[0]]])
-        model.plan(inputs, True)
+        heads = Observing(model.observed)  # what the heads observed of the sequence: it plans the step
+        model.plan(inputs, True, heads)
         t1 = time.perf_counter()
-        logits = model.forward(inputs, cache=cache, decode=True)
+        logits = model.forward(inputs, cache=cache, decode=True, heads=heads)
         t2 = time.perf_counter()
         tok[0] = int(mx.argmax(logits[0, -1]).item()) % 500
         t3 = time.perf_counter()
+        model.observed = heads.after()
         flushed = sum(flush_s)
         return {"flush": flushed, "plan_rest": t1 - t0 - flushed, "build": t2 - t1, "eval": t3 - t2, "step": t3 - t0}
 
@@ -130,6 +135,8 @@ def main() -> None:
     p.add_argument("--out", default="step-breakdown.json")
     p.add_argument("--flushes", default="numpy,mlx", help="the heads' flushes to time the staged step with")
     p.add_argument("--no-resident", action="store_true", help="leave out resident@edge0")
+    p.add_argument("--reads", choices=("on", "off", "both"), default="both",
+                   help="the staged step with its reads, without them (compute only), or both")
     args = p.parse_args()
     model_dir = default_bench_model(args.layers)
     heads = Path(args.out).with_suffix(".heads.safetensors")
@@ -139,7 +146,7 @@ def main() -> None:
     if not args.no_resident:
         result["ms"]["resident@edge0"] = resident(model_dir, args.steps, args.warmup)
     for flush in args.flushes.split(","):
-        for reads in (True, False):
+        for reads in {"on": (True,), "off": (False,), "both": (True, False)}[args.reads]:
             name = f"staged+prerouter ({flush} flush, reads {'on' if reads else 'off'})"
             parts = staged(model_dir, heads, args.steps, args.warmup, reads, flush)
             if parts:

@@ -35,7 +35,7 @@ from edge0.io_sched.reader import ExpertCache, ExpertReader
 from edge0.model.files import check_entry
 from edge0.model.open import open_model
 from edge0.prerouter.files import HEADS_FILENAME, load_heads, serving_of
-from edge0.prerouter.quantized import planned_bytes as quantized_heads_bytes
+from edge0.prerouter.quantized import planned_bytes as quantized_heads_bytes, quantizable
 from edge0.prerouter.runtime import Prerouter, blas_threads_controllable
 from edge0.exec.taps import RouterTap, StepContext, StreamingSwitch
 from edge0.streaming import Parts, Probes, Streaming, TokenEmbedding
@@ -117,14 +117,22 @@ def _unpredicted(config: EngineConfig, layers: list[int], path_of: dict, heads) 
             if path_of[l, "decode"] == "exact" and l not in heads.consumers() and l not in explicit}
 
 
-def _prerouter_mode(config: EngineConfig) -> tuple[str, str]:
-    """(dtype, flush) that ``prerouter_dtype`` and ``prerouter_flush`` resolve to."""
+def _prerouter_mode(config: EngineConfig, heads=None) -> tuple[str, str]:
+    """(dtype, flush) that ``prerouter_dtype`` and ``prerouter_flush`` resolve to for
+    ``heads``. auto on the CPU backend in float32: Edge0's kernels in 8-bit weights where
+    the kernels resolve to edge0 and the heads' widths quantize, else NumPy's products held
+    to one BLAS thread; MLX elsewhere."""
     dtype = config.prerouter_dtype
     if dtype == "auto":
         dtype = "float32" if B.is_cpu() else "float16"
     flush = config.prerouter_flush
-    if flush == "auto":  # NumPy's float32 products on the CPU backend, held to one BLAS thread; else MLX
-        flush = "numpy" if B.is_cpu() and dtype == "float32" and blas_threads_controllable() else "mlx"
+    if flush == "auto" and B.is_cpu() and dtype == "float32":
+        compute = "float32" if config.compute_dtype == "auto" else config.compute_dtype
+        on_edge0 = bk.resolve(config.kernels, cpu=True, compute_dtype=compute) == "edge0"
+        flush = ("edge0" if on_edge0 and heads is not None and quantizable(heads)
+                 else "numpy" if blas_threads_controllable() else "mlx")
+    elif flush == "auto":
+        flush = "mlx"
     if flush in ("numpy", "edge0") and dtype != "float32":
         raise ConfigError(f"prerouter_flush {flush} computes in float32; prerouter_dtype {dtype} needs "
                           "prerouter_flush mlx (or auto)")
@@ -137,7 +145,7 @@ def _heads_bytes(config: EngineConfig, heads) -> int:
     dtype); the loaded copy is freed once it is made, before the expert cache is allocated."""
     if heads is None:
         return 0
-    dtype, flush = _prerouter_mode(config)
+    dtype, flush = _prerouter_mode(config, heads)
     if flush == "edge0":
         return quantized_heads_bytes(heads)
     per_element = 4 if flush == "numpy" else DTYPE_BYTES[dtype]
@@ -150,7 +158,7 @@ def _make_prerouter(config: EngineConfig, heads, width: int | None) -> Prerouter
     consumer (select routing), None: k (the prediction is the routing)."""
     if heads is None:
         return None
-    dtype, flush = _prerouter_mode(config)
+    dtype, flush = _prerouter_mode(config, heads)
     return Prerouter(heads, dtype=B.dtype(dtype), on_host=flush == "numpy", width=width, quantized=flush == "edge0")
 
 
