@@ -94,6 +94,34 @@ def test_each_staged_layer_reads_where_its_experts_are_from_the_step(staged, sou
     assert context.now.slots == {}
 
 
+def test_a_staged_layer_computes_from_its_slots_only_where_the_step_gives_their_route(staged, monkeypatch):
+    """The Stager takes a staged layer's slots from the step's ``Step``: with the slot routes
+    left out of every decode step's Step, each staged layer computes on its fallback (the
+    exact path, on the same plan's routing: the same text), never on the slots."""
+    from edge0.exec.rows import ExactExecutor
+    from edge0.streaming import Streaming
+
+    def run(drop: bool):
+        fell_back = []
+        exact_call = ExactExecutor.__call__
+        with monkeypatch.context() as m:
+            m.setattr(ExactExecutor, "__call__", lambda ex, layer, x, inds: (fell_back.append(layer),
+                                                                              exact_call(ex, layer, x, inds))[1])
+            if drop:
+                step = Streaming.step
+                m.setattr(Streaming, "step", lambda s, *a, **k: dataclasses.replace(step(s, *a, **k), slots={}))
+            with Engine(staged, EngineConfig(expert_source="slots")) as engine:
+                layers = set(engine.streaming.stager.layers)
+                text = engine.generate_text(PROMPT, max_tokens=8, temp=0.0)[0]
+        return text, [layer for layer in fell_back if layer in layers]
+
+    text, fell_back = run(drop=False)
+    assert len(fell_back) == len(set(fell_back))  # no layer twice: at most the first step, unplanned, fell back
+    dropped_text, dropped = run(drop=True)
+    assert len(dropped) >= 6 * len(set(dropped)) and set(dropped)  # every planned step fell back
+    assert dropped_text == text
+
+
 def test_a_route_says_what_it_is():
     with pytest.raises(ValueError, match="mode must be 'replace' or 'select'"):
         LayerRoute("both")

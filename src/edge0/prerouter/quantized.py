@@ -30,7 +30,15 @@ from edge0.errors import ConfigError
 BITS = 8
 
 
-def _group(*dims: int) -> int:
+def _width(heads) -> int:
+    """fc1's outputs, the same in every head."""
+    return heads.head(heads.owners[0]).fc1.weight.shape[0]
+
+
+def _group(heads) -> int:
+    """The quantization group of ``heads``' products: 64, else 32, inputs (ConfigError when
+    a width is a multiple of neither)."""
+    dims = (heads.hidden, heads.token_dim or heads.hidden, _width(heads))
     for g in (64, 32):
         if all(d % g == 0 for d in dims):
             return g
@@ -40,21 +48,19 @@ def _group(*dims: int) -> int:
 
 def quantizable(heads) -> bool:
     """Whether ``heads``' widths quantize in groups (``prerouter_flush`` auto flushes them in
-    8 bits only then) and Edge0's kernels are built."""
-    width = heads.head(heads.owners[0]).fc1.weight.shape[0]
+    8 bits only then)."""
     try:
-        _group(heads.hidden, heads.token_dim or heads.hidden, width)
+        _group(heads)
     except ConfigError:
         return False
-    return bk.available()
+    return True
 
 
 def planned_bytes(heads) -> int:
     """What ``QuantizedHeads(heads)`` will hold, from the heads' shapes: the quantized
     matrices (a byte a weight, a float32 scale and bias a group) and the float32 rest."""
     d, t, e = heads.hidden, heads.token_dim, heads.experts
-    width = heads.head(heads.owners[0]).fc1.weight.shape[0]
-    group = _group(d, t or d, width)
+    width, group = _width(heads), _group(heads)
     quantized = (e + width) * (d + t) + e * width
     floats = 2 * e * width + width + e
     return len(heads.owners) * int(quantized * (1 + 8 / group) + 4 * floats)
@@ -68,9 +74,8 @@ class QuantizedHeads:
             raise ConfigError(f"prerouter_flush edge0 runs on Edge0's kernels: {bk.unavailable_reason()}")
         hs = [heads.head(o) for o in heads.owners]
         d, t, e = heads.hidden, heads.token_dim, heads.experts
-        width = hs[0].fc1.weight.shape[0]
         self.experts = e
-        self.group = _group(d, t or d, width)
+        self.group = _group(heads)
         f32 = lambda w: w.astype(B.float32)  # noqa: E731
         # [N, K] per head (the kernel multiplies by the transpose): the residual path's and
         # fc1's products of the hidden state as one matrix, likewise the token's, then fc2
