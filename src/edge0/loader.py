@@ -117,7 +117,7 @@ def _unpredicted(config: EngineConfig, layers: list[int], path_of: dict, heads) 
             if path_of[l, "decode"] == "exact" and l not in heads.consumers() and l not in explicit}
 
 
-def _prerouter_mode(config: EngineConfig, heads=None) -> tuple[str, str]:
+def prerouter_mode(config: EngineConfig, heads=None) -> tuple[str, str]:
     """(dtype, flush) that ``prerouter_dtype`` and ``prerouter_flush`` resolve to for
     ``heads``. auto on the CPU backend in float32: Edge0's kernels in 8-bit weights where
     the kernels resolve to edge0 and the heads' widths quantize, else NumPy's products held
@@ -145,7 +145,7 @@ def _heads_bytes(config: EngineConfig, heads) -> int:
     dtype); the loaded copy is freed once it is made, before the expert cache is allocated."""
     if heads is None:
         return 0
-    dtype, flush = _prerouter_mode(config, heads)
+    dtype, flush = prerouter_mode(config, heads)
     if flush == "edge0":
         return quantized_heads_bytes(heads)
     per_element = 4 if flush == "numpy" else DTYPE_BYTES[dtype]
@@ -158,7 +158,7 @@ def _make_prerouter(config: EngineConfig, heads, width: int | None) -> Prerouter
     consumer (select routing), None: k (the prediction is the routing)."""
     if heads is None:
         return None
-    dtype, flush = _prerouter_mode(config, heads)
+    dtype, flush = prerouter_mode(config, heads)
     return Prerouter(heads, dtype=B.dtype(dtype), on_host=flush == "numpy", width=width, quantized=flush == "edge0")
 
 

@@ -1,6 +1,7 @@
 """``edge0 plan``: what opening a checkpoint will hold, and what it will read, before loading.
 
-    edge0 plan [--model DIR] [--memory 8G] [--plan-context 4096 --plan-batch 1] [--trace FILE] [--json]
+    edge0 plan [--model DIR] [--memory 8G] [--plan-context 4096 --plan-batch 1] [--trace FILE]
+               [--speed [--prompt-tokens 512]] [--json]
 
 Reads config.json and the weight files' headers (no tensor byte of the checkpoint; the
 prerouter heads beside it are loaded, as the plan counts them) and makes the memory plan
@@ -12,7 +13,9 @@ is refused with the error ``Engine.open`` would raise. Then the forecast: the di
 token, replaying a recorded routing trace through the plan's slots and cache
 (``edge0.exec.forecast``): ``--trace``, else ``routing-trace.json`` beside the checkpoint
 (``edge0 record-routing --out DIR/routing-trace.json``), else a stated assumption (each step's
-experts drawn uniformly at random).
+experts drawn uniformly at random). ``--speed`` adds decode tok/s and the time to the first
+token of a ``--prompt-tokens`` prompt on this machine (``edge0.speed``: the drive, the kernels
+and a tiny replica of the checkpoint measured once, cached).
 """
 
 from __future__ import annotations
@@ -52,8 +55,10 @@ def assumed_trace(layers: list[int], num_experts: int, k: int, seed: int = 0) ->
 
 
 def make(model_dir: str | Path, config, *, memory: int | None = None, trace: str | Path | None = None,
-         runtime: int | None = None) -> dict:
-    """The plan and the forecast of ``model_dir`` under ``config``, as a dict (``--json``)."""
+         runtime: int | None = None, speed: int | None = None) -> dict:
+    """The plan and the forecast of ``model_dir`` under ``config``, as a dict (``--json``);
+    ``speed``: also the speed forecast (``edge0.speed``) with the time to the first token of a
+    prompt of that many tokens."""
     from edge0.exec.forecast import forecast
     from edge0.exec.oracle import OracleRouting
     from edge0.loader import lay_out
@@ -76,13 +81,18 @@ def make(model_dir: str | Path, config, *, memory: int | None = None, trace: str
                   policy=plan.policy,
                   expert_bytes={l: index.layers[l].expert_bytes for l in lay.layers if l not in lay.on["resident"]},
                   scale=width / spec.k)
-    return {"model": str(model_dir), "model_type": spec.model_type, "moe_layers": len(lay.layers),
+    doc = {"model": str(model_dir), "model_type": spec.model_type, "moe_layers": len(lay.layers),
             "experts": spec.num_experts, "k": spec.k, "staged_layers": len(staged), "routing": lay.routing,
             "stage_extra": lay.extra, "over_memory_routing": lay.over_memory_routing,
             "compute_dtype": lay.compute_dtype,
             "prefetch_depth": lay.config.prefetch_depth if staged else None,
             "limit_source": limit_source(memory), "plan": _plan_dict(plan),
             "forecast": {**fc, "source": source}}
+    if speed is not None:
+        from edge0.speed import forecast_speed
+
+        doc["speed"] = forecast_speed(lay, doc["forecast"], prompt_tokens=speed)
+    return doc
 
 
 def _plan_dict(plan) -> dict:
@@ -139,7 +149,24 @@ def text(doc: dict) -> str:
         lines.append(f"forecast: {f['disk_bytes_per_token'] / 2**20:.1f} MiB/token {source}, "
                      f"{f['expert_bytes_per_token'] / 2**20:.1f} MiB/token of experts into the slots; "
                      f"{f['source']}")
+    if doc.get("speed"):
+        lines += speed_lines(doc["speed"])
     return "\n".join(lines)
+
+
+def speed_lines(sp: dict) -> list[str]:
+    """The speed forecast as ``edge0 plan --speed`` prints it."""
+    if sp.get("unavailable"):
+        return [f"speed forecast: none ({sp['unavailable']})"]
+    t = sp["terms_ms"]
+    return [f"speed forecast on this machine: {sp['decode_tok_s']:.2f} tok/s decode (a step {sp['step_ms']:.1f} ms: "
+            f"the engine's own {t['replica_step']:.1f} + the kernels at the real widths {t['kernels']:.1f} + the "
+            f"heads' flush {t['heads_flush']:.1f} + reads "
+            f"waited for {t['reads_exposed']:.1f} of {t['reads']:.1f}); time to the first token of a "
+            f"{sp['prompt_tokens']}-token prompt {sp['ttft_s']:.2f} s (the engine's own {t['prefill_replica'] / 1e3:.2f}"
+            f" + the kernels {t['prefill_kernels'] / 1e3:.2f} + attention {t['prefill_attention'] / 1e3:.2f} + reads "
+            f"{t['prompt_reads'] / 1e3:.2f})",
+            *(f"  assumed: {a}" for a in sp["assumptions"])]
 
 
 def add_parser(sub, default_model) -> None:
@@ -162,6 +189,12 @@ def add_parser(sub, default_model) -> None:
     p.add_argument("--trace", default=None, metavar="FILE",
                    help=f"routing recorded by `edge0 record-routing --out` (default: {TRACE_FILENAME} beside the "
                         "checkpoint, else uniform routing assumed)")
+    p.add_argument("--speed", action="store_true",
+                   help="also forecast decode tok/s and the time to the first token on this machine (measures the "
+                        "drive, the kernels and a tiny replica of the checkpoint once, cached: a minute or two the "
+                        "first time)")
+    p.add_argument("--prompt-tokens", type=int, default=512, metavar="N",
+                   help="the prompt length whose time to the first token --speed forecasts (default 512)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     add_config_flags(p)
     p.set_defaults(func=cmd_plan, default_model=default_model)
@@ -172,8 +205,13 @@ def cmd_plan(args) -> int:
     from edge0.config_sources.resolve import resolve_config
     from edge0.hub import resolve_model
 
+    from edge0.errors import ConfigError
+
     memory = parse_size(args.memory, "--memory") if args.memory is not None else None
+    if args.prompt_tokens < 1:
+        raise ConfigError(f"--prompt-tokens must be at least 1, got {args.prompt_tokens}")
     model = resolve_model(args.model) if args.model is not None else args.default_model()
-    doc = make(model, resolve_config(args), memory=memory, trace=args.trace)
+    doc = make(model, resolve_config(args), memory=memory, trace=args.trace,
+               speed=args.prompt_tokens if args.speed else None)
     print(json.dumps(doc, indent=1) if args.json else text(doc))
     return 0

@@ -76,7 +76,7 @@ def base_arm(name: str) -> str:
     return name.split("@", 1)[0]
 
 
-def _engine_config(settings: dict, **paths):
+def engine_config(settings: dict, **paths):
     from edge0.config import EngineConfig
 
     keys = ("bundle_capacity", "reader_threads", "slots_per_layer", "prefetch_depth", "hot_experts")
@@ -94,7 +94,7 @@ def _streaming(model_dir: str, settings: dict, oracle=None, **paths) -> Loaded:
     from edge0.loader import load_streaming_model
     from edge0.streaming import StepModel
 
-    cfg = _engine_config(settings, **paths)
+    cfg = engine_config(settings, **paths)
     s = load_streaming_model(model_dir, cfg, oracle=oracle)
     if s.stager is not None:
         s.stager.reset()

@@ -44,6 +44,9 @@ def add_parser(sub) -> None:
     b.add_argument("--decode-tokens", type=int, default=16)
     b.add_argument("--compute-dtype", choices=[d for d in COMPUTE_DTYPES if d != "auto"], default="float32",
                    help="activation dtype of every arm (default float32)")
+    b.add_argument("--forecast", action="store_true",
+                   help="print edge0 plan's speed forecast (edge0 plan --speed) beside what each Edge0 arm "
+                        "(exact, hot, staged+prerouter and their variants) measured")
     b.add_argument("--kernels", choices=["auto", "edge0", "mlx"], default="auto",
                    help="kernels of every arm that runs Edge0 (default auto: Edge0's own on the CPU; "
                         "--arm-option ARM:kernels=mlx for one arm); the resident arm is mlx-lm's, on MLX's")
@@ -111,7 +114,7 @@ def run(args) -> int:
                                  memory_limit=limit, extra=_extra(args))
         bar = _RunBar(mode, args.rounds * len(arms), enabled=not args.no_progress)
         try:
-            doc = run_bench(model, settings, progress=bar.say)
+            doc = run_bench(model, settings, progress=bar.say, forecaster=forecasts if args.forecast else None)
         finally:
             bar.close()
         (out / f"bench-{mode}.json").write_text(json.dumps(doc, indent=2))
@@ -122,6 +125,30 @@ def run(args) -> int:
         chart(docs, out / "bench.png")
     print(f"[bench] results in {out}/", file=sys.stderr)
     return 0
+
+
+FORECAST_ARMS = {"exact": {}, "hot": {"decode_path": "hot"}, "staged+prerouter": {"prerouter": "on"}}
+
+
+def forecasts(model_dir: Path, settings: BenchSettings, arm_settings: dict, progress) -> dict:
+    """``edge0 plan --speed``'s forecast for each Edge0 arm that has one, made before the arm
+    runs, under the arm's settings and the run's memory cap, its bytes from the replay's
+    routing (the oracle the exact path recorded) and its TTFT for the run's prompt."""
+    from edge0.benchmark.arms import base_arm, engine_config
+    from edge0.plan import make
+
+    out = {}
+    for name in settings.arms:
+        paths = FORECAST_ARMS.get(base_arm(name))
+        if paths is None:
+            continue
+        if base_arm(name) == "staged+prerouter":
+            paths = {**paths, "prerouter_file": arm_settings["prerouter_file"]}
+        progress(f"forecasting {name}'s speed (edge0 plan --speed)")
+        config = engine_config({**arm_settings, "arm": name}, **paths)
+        out[name] = make(model_dir, config, memory=settings.memory_limit, trace=arm_settings["oracle_file"],
+                         speed=settings.prompt_tokens)["speed"]
+    return out
 
 
 def _extra(args) -> dict:

@@ -239,8 +239,11 @@ def summarize(values: list[float]) -> dict:
 
 
 def run_bench(model_dir: str | Path, settings: BenchSettings, progress: Callable[[str], None] = lambda s: None,
-              runner=run_arm_process) -> dict:
-    """Run every arm ``settings.rounds`` times in rotating order; returns the result document."""
+              runner=run_arm_process, forecaster=None) -> dict:
+    """Run every arm ``settings.rounds`` times in rotating order; returns the result document.
+    ``forecaster(model_dir, settings, arm_settings, progress)``: forecasts made before the
+    rounds (arm name -> forecast, kept in the arm's document), once the replay's oracle and
+    the heads are written."""
     settings.validate()
     model_dir = Path(model_dir)
     files = checkpoint_files(model_dir)
@@ -250,7 +253,7 @@ def run_bench(model_dir: str | Path, settings: BenchSettings, progress: Callable
     replay = make_replay(model_dir, settings.prompt_tokens, settings.decode_tokens)
     arm_settings = settings.arm_settings()
     with tempfile.TemporaryDirectory(prefix="edge0-bench-") as tmp:
-        if any(base_arm(a) in STAGED_ARMS for a in settings.arms):
+        if any(base_arm(a) in STAGED_ARMS for a in settings.arms) or forecaster is not None:
             progress("recording the oracle routing of the replay sequence")
             oracle = Path(tmp) / "oracle.json"
             record_oracle(model_dir, replay, oracle)
@@ -261,12 +264,15 @@ def run_bench(model_dir: str | Path, settings: BenchSettings, progress: Callable
             _child({"warm_heads": str(heads), "model": str(model_dir)})
             arm_settings["prerouter_file"] = str(heads)
             arm_settings["heads"] = "warm start (untrained)"
+        forecasts = forecaster(model_dir, settings, arm_settings, progress) if forecaster is not None else {}
         gguf = None
         if LLAMA_CPP in {base_arm(a) for a in settings.arms}:
             gguf = _gguf_for(model_dir, arm_settings, progress)
             arm_settings["gguf_file"] = str(gguf)
         runs, orders = _rounds(model_dir, files, settings, replay, arm_settings, progress, runner, gguf)
     doc = _document(model_dir, files, settings, replay, runs, orders)
+    for name, forecast in forecasts.items():
+        doc["arms"][name]["forecast"] = forecast
     if gguf is not None:
         doc["gguf_bytes"] = gguf.stat().st_size
     return doc

@@ -78,6 +78,7 @@ def markdown(doc: dict) -> str:
                       f"{doc['gguf_bytes'] / 1e9:.2f} GB); its MiB/token is what the kernel read from the disk for "
                       "it per token (`/proc/self/io`: every weight a step touched that was not in the page cache), "
                       f"and its read wait is inside its step (page faults), n/a here.{built}"]
+    lines += _forecast_lines(doc)
     ov = doc.get("overlap")
     if ov:
         lines += ["", f"Staged+oracle decode step {ov['staged_step_ms']:.1f} ms = {ov['staged_over_max']:.3f} x "
@@ -86,6 +87,25 @@ def markdown(doc: dict) -> str:
                          f"{ov['compute_only_step_ms'] + ov['read_only_step_ms']:.1f} ms" if "exact_step_ms" in ov else "")
                       + " (median step times)."]
     return "\n".join(lines) + "\n"
+
+
+def _forecast_lines(doc: dict) -> list[str]:
+    """``edge0 bench --forecast``: each arm's forecast beside what it measured."""
+    s, lines = doc["settings"], []
+    forecasts = [(name, a) for name, a in doc["arms"].items() if a.get("forecast") and "decode_tps" in a]
+    if forecasts:
+        lines = ["", "`edge0 plan --speed`'s forecast, made before the arm ran, beside what it measured:", "",
+                  "| arm | forecast decode tok/s | measured | forecast / measured | forecast TTFT s | measured prefill s |",
+                  "|---|---:|---:|---:|---:|---:|"]
+    for name, a in forecasts:
+        f, dec = a["forecast"], a["decode_tps"]["median"]
+        if f.get("unavailable"):
+            lines.append(f"| {name} | none: {f['unavailable']} | {dec:.2f} | | | |")
+            continue
+        prefill = s["prompt_tokens"] / a["prefill_tps"]["median"]
+        lines.append(f"| {name} | {f['decode_tok_s']:.2f} | {dec:.2f} | {f['decode_tok_s'] / dec:.2f}x "
+                     f"| {f['ttft_s']:.2f} | {prefill:.2f} |")
+    return lines
 
 
 def chart(docs: list[dict], path: str | Path) -> None:

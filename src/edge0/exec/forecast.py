@@ -78,14 +78,15 @@ def forecast(trace, *, staged: set[int], slots: int, capacity: int, policy: str,
     """Replay ``trace`` (an ``OracleRouting``): its prompt chunks first (the exact path: no
     slots; what they read may enter the cache), then each decode step through the ``staged``
     layers' ``slots`` and the cache of ``capacity`` experts. Returns the mean bytes per step
-    read from the disk, and those the slots miss (from the cache or the disk). ``scale``:
+    read from the disk, those the slots miss (from the cache or the disk), and the (layer,
+    expert) pairs the prompt's chunks touch. ``scale``:
     the experts a staged layer reads per step over the trace's (select routing stages more
     than the k the trace routed to)."""
     layers = set(expert_bytes)
     chunks = [{l: e for l, e in c.items() if l in layers} for c in trace.prefill]
     steps = [{l: e for l, e in s.items() if l in layers} for s in trace.steps]
     if not steps:
-        return {"steps": 0, "disk_bytes_per_token": None, "expert_bytes_per_token": None}
+        return {"steps": 0, "disk_bytes_per_token": None, "expert_bytes_per_token": None, "prompt_experts": 0}
     prompt = slot_misses(chunks, lambda layer: 0)
     decode = slot_misses(steps, lambda layer: slots if layer in staged else 0)
     missed = cache_misses(prompt + decode, capacity, policy)[len(prompt):]
@@ -93,6 +94,7 @@ def forecast(trace, *, staged: set[int], slots: int, capacity: int, policy: str,
     def weighed(pairs) -> float:
         return sum(expert_bytes[l] * (scale if l in staged else 1.0) for l, _ in pairs)
 
-    return {"steps": len(steps), "prompt_chunks": len(chunks),
+    prompt_experts = len({(l, e) for c in chunks for l, es in c.items() for e in es})
+    return {"steps": len(steps), "prompt_chunks": len(chunks), "prompt_experts": prompt_experts,
             "disk_bytes_per_token": sum(weighed(m) for m in missed) / len(steps),
             "expert_bytes_per_token": sum(weighed(m) for m in decode) / len(steps)}

@@ -30,15 +30,15 @@ from edge0.errors import ConfigError
 BITS = 8
 
 
-def _width(heads) -> int:
+def width_of(heads) -> int:
     """fc1's outputs, the same in every head."""
     return heads.head(heads.owners[0]).fc1.weight.shape[0]
 
 
-def _group(heads) -> int:
+def group_of(heads) -> int:
     """The quantization group of ``heads``' products: 64, else 32, inputs (ConfigError when
     a width is a multiple of neither)."""
-    dims = (heads.hidden, heads.token_dim or heads.hidden, _width(heads))
+    dims = (heads.hidden, heads.token_dim or heads.hidden, width_of(heads))
     for g in (64, 32):
         if all(d % g == 0 for d in dims):
             return g
@@ -50,7 +50,7 @@ def quantizable(heads) -> bool:
     """Whether ``heads``' widths quantize in groups (``prerouter_flush`` auto flushes them in
     8 bits only then)."""
     try:
-        _group(heads)
+        group_of(heads)
     except ConfigError:
         return False
     return True
@@ -60,7 +60,7 @@ def planned_bytes(heads) -> int:
     """What ``QuantizedHeads(heads)`` will hold, from the heads' shapes: the quantized
     matrices (a byte a weight, a float32 scale and bias a group) and the float32 rest."""
     d, t, e = heads.hidden, heads.token_dim, heads.experts
-    width, group = _width(heads), _group(heads)
+    width, group = width_of(heads), group_of(heads)
     quantized = (e + width) * (d + t) + e * width
     floats = 2 * e * width + width + e
     return len(heads.owners) * int(quantized * (1 + 8 / group) + 4 * floats)
@@ -75,7 +75,7 @@ class QuantizedHeads:
         hs = [heads.head(o) for o in heads.owners]
         d, t, e = heads.hidden, heads.token_dim, heads.experts
         self.experts = e
-        self.group = _group(heads)
+        self.group = group_of(heads)
         f32 = lambda w: w.astype(B.float32)  # noqa: E731
         # [N, K] per head (the kernel multiplies by the transpose): the residual path's and
         # fc1's products of the hidden state as one matrix, likewise the token's, then fc2

@@ -1,5 +1,5 @@
 """MLX implementation of the backend facade."""
 
-from edge0.backend.mlx import core, dist, io, kernels, nn
+from edge0.backend.mlx import core, dist, io, kernels, nn, timing
 
-__all__ = ["core", "dist", "io", "kernels", "nn"]
+__all__ = ["core", "dist", "io", "kernels", "nn", "timing"]

@@ -1,0 +1,139 @@
+"""The drive's read rate at a plan's request sizes, idle and beside a step's compute, and a
+memory copy's rate: what ``edge0.speed`` forecasts a token's reads from."""
+
+from __future__ import annotations
+
+import os
+import random
+import statistics
+import time
+from pathlib import Path
+
+DRIVE_BYTES = 256 * 2**20  # what a drive measurement reads (each pass)
+
+
+def drive_key(path: Path) -> dict:
+    """The drive under ``path``: the kernel's name for its block device, and its model."""
+    st = os.stat(path)
+    major, minor = os.major(st.st_dev), os.minor(st.st_dev)
+    name = None
+    try:
+        name = Path(os.path.realpath(f"/sys/dev/block/{major}:{minor}")).name
+        parent = Path(os.path.realpath(f"/sys/dev/block/{major}:{minor}")).parent.name
+        if (Path("/sys/block") / parent).exists():
+            name = parent  # a partition: the whole disk
+    except OSError:
+        pass
+    model = None
+    if name:
+        try:
+            model = Path(f"/sys/block/{name}/device/model").read_text().strip()
+        except OSError:
+            pass
+    return {"device": name or f"{major}:{minor}", "model": model}
+
+
+def _expert_ranges(index, seed: int) -> list[tuple[str, int, int]]:
+    """``DRIVE_BYTES`` of random experts' byte ranges: each expert tensor's rows, as a reader
+    reads them."""
+    rng = random.Random(seed)
+    layers = sorted(index.layers)
+    ranges, total = [], 0
+    while total < DRIVE_BYTES:
+        layer = index.layers[rng.choice(layers)]
+        e = rng.randrange(index.spec.num_experts)
+        for t in layer.tensors:
+            ranges.append((str(t.file), t.offset + e * t.row_bytes, t.row_bytes))
+            total += t.row_bytes
+    return ranges
+
+
+def _read_ranges(ranges, threads: int, direct: bool) -> tuple[float, float, int]:
+    """(wall seconds, CPU seconds, bytes) of reading ``ranges`` with ``threads`` threads into
+    page-aligned buffers faulted in once (as slots), the page cache bypassed (O_DIRECT, else
+    the ranges dropped from it first)."""
+    import mmap
+    import resource
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    flags = os.O_RDONLY | (getattr(os, "O_DIRECT", 0) if direct else 0)
+    try:
+        fds = {p: os.open(p, flags) for p in {r[0] for r in ranges}}
+    except OSError:  # a filesystem that refuses O_DIRECT (tmpfs) is read buffered
+        fds = {p: os.open(p, os.O_RDONLY) for p in {r[0] for r in ranges}}
+    for p, off, n in ranges:
+        os.posix_fadvise(fds[p], off, n, os.POSIX_FADV_DONTNEED)
+    local = threading.local()
+
+    def read(r):
+        p, off, n = r
+        start, end = off & ~4095, (off + n + 4095) & ~4095
+        if getattr(local, "size", 0) < end - start:
+            local.buf, local.size = mmap.mmap(-1, end - start), end - start
+            local.buf.write(b"\1" * local.size)
+        return os.preadv(fds[p], [memoryview(local.buf)[: end - start]], start)
+
+    def cpu() -> float:
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime + r.ru_stime
+    try:
+        c0, t0 = cpu(), time.perf_counter()
+        with ThreadPoolExecutor(max(1, threads)) as pool:
+            got = max(1, sum(pool.map(read, ranges)))
+        return time.perf_counter() - t0, cpu() - c0, got
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
+def drive_seconds_per_byte(index, threads: int, direct: bool, busy=None) -> dict:
+    """The drive at the plan's request sizes (``_read_ranges``). ``wall``: seconds a byte;
+    ``cpu``: this process's CPU seconds a byte (user and system, its threads' too);
+    ``wall_busy``: seconds a byte of other experts read while a step's products run over and
+    over on the cores, as staged reads run beside the compute (``busy()``: made and run in a
+    thread of its own, as MLX's arrays belong to the thread that made them, returns what runs
+    one step)."""
+    import threading
+
+    wall, cpu, got = _read_ranges(_expert_ranges(index, 0), threads, direct)
+    out = {"wall": wall / got, "cpu": cpu / got, "wall_busy": wall / got}
+    if busy is None:
+        return out
+    ready, stop, failed = threading.Event(), threading.Event(), []
+
+    def load():
+        try:
+            step = busy()
+            ready.set()
+            while not stop.is_set():
+                step()
+        except BaseException as e:  # said where the reads wait for it
+            failed.append(e)
+            ready.set()
+    worker = threading.Thread(target=load, daemon=True)
+    worker.start()
+    try:
+        ready.wait()
+        if failed:
+            raise failed[0]
+        wall, _, got = _read_ranges(_expert_ranges(index, 1), threads, direct)
+    finally:
+        stop.set()
+        worker.join()
+    out["wall_busy"] = wall / got
+    return out
+
+
+def copy_seconds_per_byte() -> float:
+    """A memory copy's rate (an expert out of the expert cache or the page cache into a slot)."""
+    import numpy as np
+
+    src = np.ones(64 * 2**20, dtype=np.uint8)
+    dst = np.empty_like(src)
+    times = []
+    for _ in range(7):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) / src.nbytes

@@ -1,0 +1,379 @@
+"""The speed forecast (``edge0 plan --speed``): decode tokens per second and the time to the
+first token of a stated prompt, on this machine, before the checkpoint is loaded.
+
+A decode step is forecast from measured terms:
+
+- **the engine's own step**: a replica of the checkpoint (its architecture, decoder and MoE
+  layers, experts and k, at tiny widths: ``edge0.tiny``) is benchmarked as ``edge0 bench``
+  runs an arm, under the same settings. Its step holds what does not grow with the widths:
+  the graph's ops, the engine's planning, the reads' hand-offs;
+- **the kernels at the real widths**: the step's quantized products (each resident
+  projection; each MoE layer's routed experts, k a row) in the checkpoint's order on random
+  weights of its shapes, evaluated together, less the same at the replica's shapes; the
+  heads' flush at the real widths likewise;
+- **the reads** (the plan computes over slots): the plan's disk bytes a token over the
+  drive's rate at the plan's request sizes (positional reads, as many threads as the
+  engine's readers, the page cache bypassed), the other expert bytes (the expert cache's)
+  at the memory's copy rate.
+
+Layers decoding exact read on demand: the step waits for all of it. Staged layers' reads are
+issued ahead and run beside the compute, their CPU work (the drive's system time, the
+copies) taking its share of the cores from it: the step is the longer of the two. Prefill
+adds the chunks' attention at the real heads (timed at one chunk, scaled by query x key
+positions) and, over slots from the drive, every expert the prompt touches read once. Each
+measurement is cached per CPU (kernels, replica) or per drive (``$EDGE0_CACHE/speed``), so a
+second forecast measures nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+import tempfile
+from pathlib import Path
+
+REPLICA_WIDTHS = dict(hidden=64, moe_intermediate=64)
+# config.json keys that say which layers are MoE, dense or of which attention: copied into the replica
+PATTERN_KEYS = ("mlp_only_layers", "decoder_sparse_step", "first_k_dense_replace", "moe_layer_freq",
+                "full_attention_interval", "layer_types", "moe_layers_enum", "sliding_window_pattern")
+# the engine settings the replica's step depends on (paths, kernels, threads, flush); file settings and
+# memory settings are the real checkpoint's business
+REPLICA_SETTINGS = ("decode_path", "prefill_path", "kernels", "compute_threads", "reader_threads", "prefetch_depth",
+                    "slots_per_layer", "stage_extra", "prerouter_flush", "prerouter_dtype", "unpredicted_layers",
+                    "bundle_capacity", "hot_experts", "experts_per_token", "prefill_step_size", "routing",
+                    "layer_paths", "guard_every")
+POOL_BYTES = 2**30  # at most this much weight a kernel measurement holds (a stack of experts: 256 MiB)
+DECODE_TOKENS = 24
+REPLICA_PROMPT = 1024  # longer prompts: the replica's prefill rate at this many tokens
+
+
+def speed_dir() -> Path:
+    from edge0.cache import cache_dir
+
+    return cache_dir() / "speed"
+
+
+def cpu_key() -> dict:
+    """What a kernel or replica measurement holds for: the CPU, the cores this process may
+    run on, MLX's version and which of Edge0's kernels run."""
+    from edge0.backend import kernels as bk
+    from edge0.backend import timing
+    from edge0.benchmark.machine import describe
+
+    m = describe(".")
+    return {"cpu": m["cpu"], "flags": m["cpu_flags"], "cores": len(os.sched_getaffinity(0)), "mlx": timing.version(),
+            "isa": bk.isa() if bk.available() else None}
+
+
+def cached(kind: str, key: dict, measure):
+    """``measure()`` once per ``key``, kept as JSON in ``speed_dir()``."""
+    digest = hashlib.sha256(json.dumps([kind, key], sort_keys=True, default=str).encode()).hexdigest()[:20]
+    path = speed_dir() / f"{kind}-{digest}.json"
+    if path.exists():
+        try:
+            return json.loads(path.read_text())["value"]
+        except (ValueError, KeyError):
+            pass  # a damaged entry is measured again
+    value = measure()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"kind": kind, "key": key, "value": value}, default=str))
+    os.replace(tmp, path)
+    return value
+
+
+# ---------------------------------------------------------------- the kernels at real widths
+def _quant_of(spec, module: str):
+    """(bits, group) of the quantized module ``module``, by the checkpoint's config."""
+    override = spec.quant_overrides.get(module)
+    base = spec.quant
+    if isinstance(override, dict):
+        return int(override.get("bits", base.bits)), int(override.get("group_size", base.group_size))
+    return base.bits, base.group_size
+
+
+def products(spec, index) -> dict:
+    """The quantized products one decode token makes, in the checkpoint's order: ``calls``,
+    each ``("dense", [out, in], bits, group)`` (attention, shared experts, dense MLPs,
+    routers, the head: every quantized weight but the embedding tables, which are gathered)
+    or ``("routed", [out, in], bits, group)`` (a MoE layer's stacked expert weight, k experts
+    a row); the scales' dtype, experts and k."""
+    if spec.quant is None:
+        return {}
+    entries = {name: e for name, (_, e) in index.entries.items()}
+    scale_dtype = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+    calls, dtype = [], "float32"
+
+    def order(name):  # layer by layer, the head last
+        parts = name.split(".")
+        layer = next((int(p) for p in parts if p.isdigit()), 1 << 30)
+        return layer, name
+    for name in sorted(entries, key=order):
+        e = entries[name]
+        if not name.endswith(".weight") or name[: -len("weight")] + "scales" not in entries or e.dtype != "U32":
+            continue
+        module = name[: -len(".weight")]
+        scales = entries[module + ".scales"]
+        dtype = scale_dtype.get(scales.dtype, "float32")
+        bits, group = _quant_of(spec, module)
+        shape = [e.shape[-2], scales.shape[-1] * group]
+        if spec.is_expert_key(name):
+            calls.append(("routed", shape, bits, group))
+        elif "embed" not in module.rsplit(".", 1)[-1]:
+            calls.append(("dense", shape, bits, group))
+    return {"calls": calls, "scale_dtype": dtype, "experts": spec.num_experts, "k": spec.k}
+
+
+def kernel_seconds(prods: dict, kernels: str, rows: int = 1) -> float:
+    """Seconds of a step's quantized products at ``rows`` rows on this CPU, made in the
+    step's order as one evaluation, each on weights of its own (from memory, not the CPU's
+    caches), each routed one on k experts of each row drawn at random (cached per CPU)."""
+    from edge0.backend import kernels as bk
+    from edge0.backend import timing
+
+    if kernels == "edge0":
+        bk.set_threads(len(os.sched_getaffinity(0)))
+    key = {**cpu_key(), "kernels": kernels, "rows": rows, **prods}
+    return cached("kernels", key, lambda: timing.step_seconds(
+        prods["calls"], prods["scale_dtype"], prods["experts"], prods["k"], kernels, rows, POOL_BYTES,
+        repeats=9 if rows == 1 else 3))
+
+
+# ---------------------------------------------------------------- the replica
+def replica_config(spec, raw: dict) -> dict:
+    """make_tiny's arguments for the checkpoint's replica: its architecture, layers, experts
+    and k, its layer pattern's config keys, tiny widths."""
+    text = raw.get("text_config", raw) if isinstance(raw.get("text_config"), dict) else raw
+    pattern = {key: text[key] for key in PATTERN_KEYS if key in text}
+    return {"family": spec.model_type, "layers": spec.num_layers, "experts": spec.num_experts, "k": spec.k,
+            **REPLICA_WIDTHS, **pattern}
+
+
+def replica_dir(rc: dict) -> Path:
+    """The replica's checkpoint, built once into the speed cache."""
+    from edge0.tiny import make_tiny
+
+    digest = hashlib.sha256(json.dumps(rc, sort_keys=True).encode()).hexdigest()[:16]
+    out = speed_dir() / f"replica-{rc['family']}-{digest}"
+    if not (out / "config.json").exists():
+        rc = dict(rc)
+        speed_dir().mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix="replica-", dir=speed_dir()))
+        make_tiny(rc.pop("family"), tmp, overwrite=True, **rc)
+        try:
+            os.replace(tmp, out)
+        except OSError:  # built beside us meanwhile
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def replica_arm(lay) -> tuple[str, dict]:
+    """The bench arm and engine settings that run the replica as the plan runs the checkpoint."""
+    config = lay.config
+    options = {k: getattr(config, k) for k in REPLICA_SETTINGS if getattr(config, k) is not None}
+    options["layer_paths"] = list(options.get("layer_paths", ()))
+    options["expert_source"] = lay.plan.source  # as the real plan resolved it (the replica always fits)
+    options["direct_io"] = "off"  # the reads' cost is the drive term's
+    if not options["layer_paths"]:
+        del options["layer_paths"]
+    arm = "staged+prerouter" if lay.on["staged"] and lay.heads is not None else "exact"
+    return arm, options
+
+
+def replica_seconds(lay, prompt_tokens: int, rounds: int = 3) -> dict:
+    """The replica's decode step (1 / its median decode tok/s) and prefill of ``prompt_tokens``
+    (at the prefill rate of at most ``REPLICA_PROMPT`` tokens), benchmarked as ``edge0 bench``
+    runs the arm (warm, ``rounds`` rounds)."""
+    from edge0.benchmark.harness import BenchSettings, run_bench
+
+    rc = replica_config(lay.opened.spec, lay.opened.raw)
+    arm, options = replica_arm(lay)
+    prompt = min(prompt_tokens, REPLICA_PROMPT)
+    key = {**cpu_key(), "replica": rc, "arm": arm, "options": options, "prompt": prompt, "dtype": lay.compute_dtype}
+
+    def measure():
+        doc = run_bench(replica_dir(rc), BenchSettings(arms=(arm,), rounds=rounds, cache="warm",
+                                                       prompt_tokens=prompt, decode_tokens=DECODE_TOKENS,
+                                                       compute_dtype=lay.compute_dtype, arm_options={arm: options}))
+        a = doc["arms"][arm]
+        return {"step_s": 1 / a["decode_tps"]["median"], "prefill_tps": a["prefill_tps"]["median"]}
+    value = cached("replica", key, measure)
+    return {"step_s": value["step_s"], "prefill_s": prompt_tokens / value["prefill_tps"]}
+
+
+def attention_seconds(raw: dict, prompt: int, chunk: int) -> tuple[float, str | None]:
+    """The prompt's attention products (softmax(q k^T) v) at the real heads, one layer: one
+    chunk timed on this CPU (cached), scaled by the chunks' query x key positions. (0, why)
+    where config.json does not say the heads as standard attention does."""
+    from edge0.backend import timing
+
+    text = raw.get("text_config", raw) if isinstance(raw.get("text_config"), dict) else raw
+    heads = text.get("num_attention_heads")
+    if not heads or not text.get("hidden_size"):
+        return 0.0, "attention's cost at the real heads not counted: config.json names no num_attention_heads"
+    kv = text.get("num_key_value_heads") or heads
+    dim = text.get("head_dim") or text["hidden_size"] // heads
+    q0 = min(prompt, chunk, 256)
+    one = cached("attention", {**cpu_key(), "heads": heads, "kv": kv, "dim": dim, "q": q0},
+                 lambda: timing.attention_seconds(heads, kv, dim, q0))
+    area = sum(min(chunk, prompt - s) * min(prompt, s + chunk) for s in range(0, prompt, chunk))
+    return one * area / (q0 * q0), None
+
+
+# ---------------------------------------------------------------- the forecast
+def forecast_speed(lay, fc: dict, prompt_tokens: int = 512) -> dict:
+    """Decode tok/s and the time to the first token of ``prompt_tokens`` for the laid-out
+    checkpoint ``lay`` with the plan's byte forecast ``fc`` (``edge0.exec.forecast``): the
+    terms, their sum and the assumptions said."""
+    from edge0.backend import core as B
+    from edge0.backend import kernels as bk
+    from edge0.model.open import open_checkpoint
+
+    spec, index, plan, config = lay.opened.spec, lay.opened.index, lay.plan, lay.config
+    kernels = bk.resolve(config.kernels, cpu=B.is_cpu(), compute_dtype=lay.compute_dtype)
+    from edge0.tiny import ARCHITECTURES
+
+    prods = products(spec, index)
+    if not prods:
+        return {"unavailable": "the checkpoint is not quantized: the forecast times quantized products"}
+    if spec.model_type not in ARCHITECTURES:
+        return {"unavailable": f"no replica of {spec.model_type} can be built (edge0.tiny builds {len(ARCHITECTURES)} "
+                               "architectures)"}
+    from edge0.errors import BenchArmError
+
+    try:
+        rep = replica_seconds(lay, prompt_tokens)
+    except (RuntimeError, BenchArmError) as e:  # make_tiny's degenerate routing, the replica's arm failing
+        return {"unavailable": f"the replica could not be measured: {str(e).splitlines()[0]}"}
+    rdir = replica_dir(replica_config(spec, lay.opened.raw))
+    rspec, rindex, _ = open_checkpoint(rdir)
+    rprods = products(rspec, rindex)
+
+    def extra(rows):
+        return max(0.0, kernel_seconds(prods, kernels, rows) - kernel_seconds(rprods, kernels, rows))
+    flush = _flush_seconds(lay, kernels)
+    compute = rep["step_s"] + extra(1) + flush
+    reads, exposed, assumptions = _reads(lay, fc, compute, kernels)
+    step = compute + exposed
+    chunk = max(1, min(prompt_tokens, config.prefill_step_size))
+    attention, why = attention_seconds(lay.opened.raw, prompt_tokens, chunk)
+    if why:
+        assumptions.append(why)
+    # (the replica's prefill holds its own attention, at its heads)
+    attention = max(0.0, attention - attention_seconds(json.loads((rdir / "config.json").read_text()),
+                                                       prompt_tokens, chunk)[0])
+    prefill = rep["prefill_s"] + extra(chunk) * prompt_tokens / chunk + attention * spec.num_layers
+    prompt_reads, why = _prompt_reads(lay, prompt_tokens, fc, kernels)
+    assumptions.append(why)
+    assumptions += [
+        f"the engine's own step measured on a replica (the checkpoint's architecture, {spec.num_layers} layers, "
+        f"{spec.num_experts} experts, k={spec.k}, widths {REPLICA_WIDTHS['hidden']}) under the same settings",
+        f"the kernels ({kernels}) timed at the checkpoint's shapes with weights from memory",
+        "attention at every decoder layer",
+    ]
+    return {"decode_tok_s": 1.0 / step, "step_ms": step * 1e3, "prompt_tokens": prompt_tokens,
+            "ttft_s": prefill + prompt_reads, "terms_ms": {
+                "replica_step": rep["step_s"] * 1e3, "kernels": extra(1) * 1e3, "heads_flush": flush * 1e3,
+                "reads": reads * 1e3,
+                "reads_exposed": exposed * 1e3, "prefill_replica": rep["prefill_s"] * 1e3,
+                "prefill_kernels": extra(chunk) * prompt_tokens / chunk * 1e3,
+                "prefill_attention": attention * spec.num_layers * 1e3, "prompt_reads": prompt_reads * 1e3},
+            "kernels": kernels, "assumptions": assumptions}
+
+
+def _flush_seconds(lay, kernels: str) -> float:
+    """The heads' flush at the real widths less the replica's (whose heads see its tiny hidden
+    state): their products in 8 bits on Edge0's kernels, as ``prerouter_flush`` edge0 makes
+    them; 0 without staged heads or with another flush (its cost is then the replica's only)."""
+    from edge0.backend import timing
+    from edge0.loader import prerouter_mode
+    from edge0.prerouter.quantized import group_of, width_of
+
+    heads = lay.heads
+    if heads is None or not lay.on["staged"] or prerouter_mode(lay.config, heads)[1] != "edge0":
+        return 0.0
+    e, width, group, tiny = heads.experts, width_of(heads), group_of(heads), REPLICA_WIDTHS["hidden"]
+
+    def one(hidden, token):
+        shapes = [(e + width, hidden), (e, width)] + ([(e + width, token)] if token else [])
+        return sum(cached("dense", {**cpu_key(), "kernels": kernels, "rows": 1, "dtype": "float32", "shape": s,
+                                    "bits": 8, "group": group},
+                          lambda s=s: timing.dense_seconds(s, 8, group, "float32", kernels, 1, POOL_BYTES))
+                   for s in shapes)
+    token = heads.token_dim
+    return len(heads.owners) * max(0.0, one(heads.hidden, token) - one(tiny, tiny if token else 0))
+
+
+def _drive(lay, direct: bool, kernels: str = "edge0") -> dict:
+    """The drive's rates (cached per drive and CPU), the busy one while the checkpoint's step
+    products (``kernels``) run."""
+    from edge0.backend import timing
+    from edge0.io_sched.drive_rate import drive_key, drive_seconds_per_byte
+
+    index = lay.opened.index
+    key = {**drive_key(Path(index.files[0])), "threads": lay.config.reader_threads, "direct": direct,
+           "cpu": cpu_key(), "kernels": kernels}
+
+    def measure():
+        prods = products(lay.opened.spec, index)
+        busy = (lambda: timing.step_runner(prods["calls"], prods["scale_dtype"], prods["experts"], prods["k"],
+                                           kernels, 1, POOL_BYTES)) if prods else None
+        return drive_seconds_per_byte(index, lay.config.reader_threads, direct, busy)
+    return cached("drive", key, measure)
+
+
+def _from_disk(lay) -> bool:
+    """Whether the plan's reads come from the drive (else the page cache holds the checkpoint)."""
+    plan = lay.plan
+    return plan.direct or lay.opened.index.total_bytes() + plan.planned > plan.limit
+
+
+def _reads(lay, fc: dict, compute: float, kernels: str = "edge0") -> tuple[float, float, list[str]]:
+    """(a token's reads, what they add to the step, assumptions). Layers decoding exact read
+    on demand: the step waits for all of it. Staged layers' reads run beside the compute,
+    their CPU work (the drive's system time, the copies) taking its share of the cores from
+    it: the step is the longer of the two."""
+    if lay.plan.source == "mapping":
+        return 0.0, 0.0, ["over the mapping: no reads (the checkpoint's pages in the page cache)"]
+    disk, into = fc["disk_bytes_per_token"] or 0.0, fc["expert_bytes_per_token"] or 0.0
+    from edge0.io_sched.drive_rate import copy_seconds_per_byte
+
+    copy = cached("copy", cpu_key(), copy_seconds_per_byte)
+    from_disk = _from_disk(lay)
+    drive = _drive(lay, lay.plan.direct, kernels) if from_disk else {"wall": copy, "cpu": copy, "wall_busy": copy}
+    copied = max(0.0, into - disk)
+    reads = disk * drive["wall"] + copied * copy
+    moe = lay.opened.spec.moe_layers
+    share = len([l for l in moe if l not in set(lay.on["staged"])]) / max(1, len(moe))
+    said = [f"reads: {disk / 2**20:.1f} MiB a token from the {'drive' if from_disk else 'page cache'} at "
+            f"{1 / drive['wall'] / 1e9:.2f} GB/s ({1 / drive['wall_busy'] / 1e9:.2f} while the kernels compute; "
+            f"{drive['cpu'] * 1e9:.2f} CPU s a GB), {copied / 2**20:.1f} MiB copied at {1 / copy / 1e9:.2f} GB/s"]
+    if share == 1:
+        return reads, reads, said
+    cores = max(1, len(os.sched_getaffinity(0)))
+    beside = (disk * drive["cpu"] + copied * copy) * (1 - share) / cores
+    during = compute * drive["wall"] / drive["wall_busy"]  # what the reads get done while the step computes
+    said.append(f"staged layers' reads run beside the compute (issued ahead), at the drive's rate while the kernels "
+                f"compute, their CPU work taking its share of the {cores} cores; what is left when the compute ends "
+                "runs at the idle rate; layers decoding exact read on demand (their share of the bytes taken as "
+                "their share of the MoE layers)")
+    return reads, reads * share + max(beside, reads * (1 - share) - during), said
+
+
+def _prompt_reads(lay, prompt: int, fc: dict, kernels: str) -> tuple[float, str]:
+    """Over slots from the drive: every expert the prompt touches read once, the trace's
+    prompt's experts where the trace has a prompt, else uniform routing."""
+    if lay.plan.source == "mapping" or not _from_disk(lay):
+        return 0.0, "the prompt's experts in memory (no reads)"
+    spec, index = lay.opened.spec, lay.opened.index
+    per = statistics.mean(index.layers[l].expert_bytes for l in spec.moe_layers)
+    if fc.get("prompt_experts") and not str(fc.get("source", "")).startswith("assumed"):
+        touched, why = fc["prompt_experts"], "the prompt's experts those of the trace's prompt"
+    else:
+        touched = len(spec.moe_layers) * spec.num_experts * (1 - (1 - spec.k / spec.num_experts) ** prompt)
+        why = "the prompt's experts drawn uniformly (no prompt in the trace)"
+    return touched * per * _drive(lay, lay.plan.direct, kernels)["wall"], why

@@ -1,0 +1,154 @@
+"""The speed forecast (``edge0 plan --speed``, ``edge0 bench --forecast``): a step is the
+replica's own step plus the kernels at the real widths plus the reads it waits for; each
+measurement is made once and cached; the replica keeps the checkpoint's layer pattern."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from edge0 import speed
+from edge0.cli import main
+from tests.test_async_misuse import setups  # noqa: F401
+
+
+@pytest.fixture
+def speed_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("EDGE0_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "speed"
+
+
+def _plan(*args: str) -> tuple[int, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["plan", *args])
+    return code, out.getvalue() + err.getvalue()
+
+
+def _no_measuring(monkeypatch) -> None:
+    """Every measurement fails: what a forecast then gives comes from the cache."""
+    def refuse(*a, **k):
+        raise AssertionError("measured again")
+    from edge0.backend import timing
+
+    for name in ("dense_seconds", "step_seconds", "attention_seconds"):
+        monkeypatch.setattr(timing, name, refuse)
+    from edge0.io_sched import drive_rate
+
+    for name in ("drive_seconds_per_byte", "copy_seconds_per_byte"):
+        monkeypatch.setattr(drive_rate, name, refuse)
+    import edge0.benchmark.harness as harness
+
+    monkeypatch.setattr(harness, "run_bench", refuse)
+
+
+@pytest.mark.parametrize("config", ["staged+heads", "exact"])
+def test_plan_forecasts_a_step_as_its_measured_terms_and_measures_once(setups, config, speed_cache, monkeypatch):
+    d, cfg, _, _ = setups[config]
+    flags = ["--prerouter", "on" if config == "staged+heads" else "off"]
+    code, out = _plan("--model", str(d), "--speed", "--prompt-tokens", "64", "--json", *flags)
+    assert code == 0, out
+    sp = json.loads(out)["speed"]
+    t = sp["terms_ms"]
+    assert t["replica_step"] > 0 and sp["prompt_tokens"] == 64
+    assert sp["step_ms"] == pytest.approx(t["replica_step"] + t["kernels"] + t["heads_flush"]
+                                                 + t["reads_exposed"])
+    assert sp["decode_tok_s"] == pytest.approx(1e3 / sp["step_ms"])
+    assert sp["ttft_s"] * 1e3 == pytest.approx(t["prefill_replica"] + t["prefill_kernels"] + t["prefill_attention"]
+                                               + t["prompt_reads"])
+    kinds = {p.name.split("-")[0] for p in speed_cache.glob("*.json")}
+    assert {"replica", "kernels", "attention"} <= kinds
+    _no_measuring(monkeypatch)  # a second forecast measures nothing and says the same
+    code, again = _plan("--model", str(d), "--speed", "--prompt-tokens", "64", "--json", *flags)
+    assert code == 0, again
+    assert json.loads(again)["speed"] == sp
+    code, text = _plan("--model", str(d), "--speed", "--prompt-tokens", "64", *flags)
+    assert f"speed forecast on this machine: {sp['decode_tok_s']:.2f} tok/s decode" in text
+    assert "64-token prompt" in text and "assumed: the engine's own step measured on a replica" in text
+
+
+def test_plan_refuses_a_prompt_of_no_tokens(setups):
+    d = setups["exact"][0]
+    code, out = _plan("--model", str(d), "--speed", "--prompt-tokens", "0")
+    assert code == 2 and "--prompt-tokens must be at least 1, got 0" in out
+
+
+def test_the_replica_keeps_the_checkpoints_architecture_and_moe_layers(tiny_model_factory, speed_cache):
+    from edge0.model.open import open_checkpoint
+
+    d = tiny_model_factory("qwen3_moe", layers=5, experts=24, k=3, mlp_only_layers=(0, 3))
+    spec, _, _ = open_checkpoint(d)
+    rc = speed.replica_config(spec, json.loads((d / "config.json").read_text()))
+    rspec, _, _ = open_checkpoint(speed.replica_dir(rc))
+    assert rspec.model_type == spec.model_type and rspec.num_layers == spec.num_layers
+    assert (rspec.num_experts, rspec.k) == (spec.num_experts, spec.k)
+    assert rspec.moe_layers == spec.moe_layers == (1, 2, 4)
+    assert rspec.hidden_size == speed.REPLICA_WIDTHS["hidden"]
+
+
+def _lay(staged: list[int], layers: int = 4, source: str = "slots", direct: bool = True):
+    spec = SimpleNamespace(moe_layers=tuple(range(layers)))
+    plan = SimpleNamespace(source=source, direct=direct, planned=0, limit=1)
+    return SimpleNamespace(plan=plan, on={"staged": staged}, opened=SimpleNamespace(spec=spec))
+
+
+@pytest.mark.parametrize("compute", [0.010, 0.500])
+def test_staged_reads_run_beside_the_compute_and_on_demand_reads_do_not(monkeypatch, speed_cache, compute):
+    import os
+
+    drive = {"wall": 1e-9, "cpu": 0.5e-9, "wall_busy": 2e-9}  # 1 GB/s, 0.5 while the kernels compute
+    monkeypatch.setattr(speed, "_drive", lambda lay, direct, kernels: drive)
+    from edge0.io_sched import drive_rate
+
+    monkeypatch.setattr(drive_rate, "copy_seconds_per_byte", lambda: 1e-10)  # 10 GB/s
+    fc = {"disk_bytes_per_token": 100e6, "expert_bytes_per_token": 300e6}
+    reads = 100e6 * 1e-9 + 200e6 * 1e-10  # 0.12 s
+    total, added, _ = speed._reads(_lay(staged=[]), fc, compute)
+    assert total == pytest.approx(reads) and added == pytest.approx(reads)  # exact: on the step's path
+    total, added, said = speed._reads(_lay(staged=[1, 2, 3]), fc, compute)
+    cpu = (100e6 * 0.5e-9 + 200e6 * 1e-10) * 3 / 4 / len(os.sched_getaffinity(0))
+    during = compute / 2  # the reads' time at the idle rate that the compute's time covers
+    assert added == pytest.approx(reads / 4 + max(cpu, reads * 3 / 4 - during))
+    assert "beside the compute" in said[1] and "0.50 while the kernels compute" in said[0]
+    assert speed._reads(_lay(staged=[1, 2, 3], source="mapping"), fc, compute)[:2] == (0.0, 0.0)
+
+
+def test_bench_prints_the_forecast_beside_what_each_arm_measured(setups, speed_cache, tmp_path):
+    d = setups["exact"][0]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        code = main(["bench", "--model", str(d), "--arms", "exact,resident", "--forecast", "--rounds", "1", "--cache",
+                     "warm", "--prompt-tokens", "8", "--decode-tokens", "4", "--no-progress", "--no-chart",
+                     "--out", str(tmp_path / "b")])
+    assert code == 0, out.getvalue()
+    doc = json.loads((tmp_path / "b" / "bench-warm.json").read_text())
+    forecast = doc["arms"]["exact"]["forecast"]
+    assert forecast["decode_tok_s"] > 0 and forecast["prompt_tokens"] == 8
+    assert "forecast" not in doc["arms"]["resident"]  # mlx-lm's own model: no plan to forecast
+    measured = doc["arms"]["exact"]["decode_tps"]["median"]
+    prefill = 8 / doc["arms"]["exact"]["prefill_tps"]["median"]
+    row = (f"| exact | {forecast['decode_tok_s']:.2f} | {measured:.2f} | "
+           f"{forecast['decode_tok_s'] / measured:.2f}x | {forecast['ttft_s']:.2f} | {prefill:.2f} |")
+    assert row in out.getvalue() and row in (tmp_path / "b" / "bench.md").read_text()
+
+
+def test_the_drive_is_read_idle_and_beside_a_step_of_products(setups, monkeypatch):
+    import time
+
+    from edge0.io_sched import drive_rate
+    from edge0.model.open import open_checkpoint
+
+    monkeypatch.setattr(drive_rate, "DRIVE_BYTES", 2**20)
+    _, index, _ = open_checkpoint(setups["exact"][0])
+    steps = []
+
+    def step():
+        steps.append(1)
+        time.sleep(0.001)
+    out = drive_rate.drive_seconds_per_byte(index, 2, direct=False, busy=lambda: step)
+    assert out["wall"] > 0 and out["cpu"] >= 0 and out["wall_busy"] > 0
+    assert steps  # the products ran while the second pass read
