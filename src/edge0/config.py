@@ -235,8 +235,9 @@ class EngineConfig:
     kernels: str = setting(
         "auto",
         "Which kernels compute the quantized matmuls (routed experts, attention, shared experts, lm_head, "
-        "quantized routers): \"edge0\" (Edge0's own CPU kernels, edge0/backend/mlx/kernels: output rows split "
-        "over compute_threads threads; float32 activations), \"mlx\" (MLX's, bit for bit mlx-lm's numbers), or "
+        "quantized routers) and a prompt's attention products (softmax(q k^T) v): \"edge0\" (Edge0's own CPU "
+        "kernels, edge0/backend/mlx/kernels: output rows split over compute_threads threads; float32 "
+        "activations), \"mlx\" (MLX's, bit for bit mlx-lm's numbers), or "
         "\"auto\" = edge0 on MLX's CPU device with compute_dtype float32 when the kernels are built, else mlx.",
         choices=KERNELS)
     expert_source: str = setting(

@@ -6,11 +6,13 @@ layer's own routing code on given logits (the prerouter's predictions become exp
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 
 from edge0.backend import core as B
 from edge0.backend import nn as bnn
+from edge0.backend import kernels as bk
 from edge0.errors import ConfigError, ExpertReadError
 from edge0.exec.mapped import MAPPED_TRUNCATED
 from edge0.exec.taps import AdapterBank, Step, StepContext, eye_gate, replaced
@@ -239,7 +241,9 @@ class StepModel:
         """The model's own forward pass (lazy), its staged layers on the plan; ``adapters``:
         each row's adapter name (None: the default adapter for every row); ``heads``: where
         the owners' observations go (an ``Observing``)."""
-        with self.streaming.context.installed(self.streaming.step(decode, adapters, inputs.shape[0], heads)):
+        prompt = not decode and self.streaming.kernels == "edge0"  # a prompt's attention on Edge0's kernel
+        with self.streaming.context.installed(self.streaming.step(decode, adapters, inputs.shape[0], heads)), \
+                (bk.attention.active() if prompt else contextlib.nullcontext()):
             return self.streaming.model(inputs, cache=cache, **kwargs)
 
     def __getattr__(self, name):

@@ -66,8 +66,26 @@ def resident(model_dir: str, settings: dict) -> Loaded:
     if options.get("kernels", "mlx") == "edge0":  # resident@edge0: mlx-lm's model on Edge0's kernels
         bk.set_threads(resolve_threads(options.get("compute_threads", 0)))
         bk.use_edge0(model)
+        model = PromptAttention(model)  # the prompt's attention too, as Edge0's engine computes it
         info["kernels"] = bk.describe()
     return Loaded(model, info=info)
+
+
+class PromptAttention:
+    """mlx-lm's model whose prompt passes (more than one token) compute their attention on
+    Edge0's kernel (``resident@edge0``, as Edge0's engine does); decode steps on MLX's."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, inputs, *args, **kwargs):
+        from edge0.backend import kernels as bk
+
+        with bk.attention.active(inputs.shape[-1] > 1):
+            return self.model(inputs, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
 
 
 def base_arm(name: str) -> str:

@@ -2,6 +2,9 @@
 installed) for MLX's affine quantized layout, 4 and 8 bits, groups of 32, 64 or 128, scales
 and biases in float32, bfloat16 or float16 read as stored.
 
+The prompt's attention (softmax(q k^T) v, causal, grouped-query) has a kernel of its own
+(``attention``): MLX's fused attention on the CPU backend is far slower.
+
 One primitive serves the routed-expert matmul with indices (what ``mx.gather_qmm(...,
 transpose=True)`` computes for SwitchGLU / SwitchMLP) and the dense quantized matmul
 (attention, shared experts, lm_head, quantized routers). AVX2+FMA loops on x86-64 (chosen
@@ -16,11 +19,12 @@ checkpoint file holds them (``MappedSwitchLinear``, ``mapping``): no copy into a
 ops, the modules that use them and the engine setting's resolution.
 """
 
+from edge0.backend.mlx.kernels import attention
 from edge0.backend.mlx.kernels._loader import available, ext, get_threads, isa, set_threads, unavailable_reason
 from edge0.backend.mlx.kernels.ops import (BITS, CHOICES, GROUP_SIZES, Edge0QuantizedLinear, Edge0SwitchLinear,
                                            MappedSwitchLinear, describe, gather_qmm, mapping, quantize,
                                            quantized_matmul, resolve, supported, use_edge0)
 
 __all__ = ["BITS", "CHOICES", "GROUP_SIZES", "Edge0QuantizedLinear", "Edge0SwitchLinear", "MappedSwitchLinear",
-           "available", "describe", "ext", "gather_qmm", "get_threads", "isa", "mapping", "quantize", "quantized_matmul",
-           "resolve", "set_threads", "supported", "unavailable_reason", "use_edge0"]
+           "attention", "available", "describe", "ext", "gather_qmm", "get_threads", "isa", "mapping", "quantize",
+           "quantized_matmul", "resolve", "set_threads", "supported", "unavailable_reason", "use_edge0"]

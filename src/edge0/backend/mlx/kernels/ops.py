@@ -17,6 +17,7 @@ import mlx.nn as nn
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
 from edge0.backend.mlx.kernels import _loader as K
+from edge0.backend.mlx.kernels.attention import install
 from edge0.errors import ConfigError, KernelError
 
 BITS = (4, 8)
@@ -195,6 +196,7 @@ def use_edge0(*trees) -> int:
             if twin is not None and supported(m):
                 m.__class__ = twin
                 n += 1
+    install()  # the prompt's attention too, where a forward pass asks for it (attention.active)
     return n
 
 

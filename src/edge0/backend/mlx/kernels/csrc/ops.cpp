@@ -158,6 +158,53 @@ class Edge0Qmm : public mx::UnaryPrimitive {
   bool dense_;
 };
 
+// softmax(q k^T * scale) v (edge0::attention): the prompt's attention on the CPU.
+class Edge0Attention : public mx::UnaryPrimitive {
+ public:
+  Edge0Attention(mx::Stream s, float scale, bool causal) : mx::UnaryPrimitive(s), scale_(scale), causal_(causal) {}
+
+  void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (auto& a : in) enc.set_input_array(a);
+    enc.set_output_array(out);
+    edge0::AttnArgs a;
+    a.out = out.data<float>();
+    a.B = in[0].shape(0);
+    a.Hq = in[0].shape(1);
+    a.L = in[0].shape(2);
+    a.D = in[0].shape(3);
+    a.Hkv = in[1].shape(1);
+    a.S = in[1].shape(2);
+    a.scale = scale_;
+    a.causal = causal_;
+    std::vector<Input> inputs;
+    inputs.reserve(in.size());
+    for (auto& t : in) inputs.emplace_back(t);
+    enc.dispatch([a, inputs = std::move(inputs)]() mutable {
+      a.q = static_cast<const float*>(inputs[0].ptr());
+      a.k = static_cast<const float*>(inputs[1].ptr());
+      a.v = static_cast<const float*>(inputs[2].ptr());
+      edge0::attention(a);
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("edge0 kernels run on the CPU device only");
+  }
+
+  const char* name() const override { return "Edge0Attention"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const Edge0Attention&>(other);
+    return scale_ == o.scale_ && causal_ == o.causal_;
+  }
+
+ private:
+  float scale_;
+  bool causal_;
+};
+
 // A file truncated under its mapping turns a read of the pages past its new end into
 // SIGBUS, which would end the process. Every live mapping is registered here; the handler,
 // for an address inside one, maps a page of zeros over the faulting page and marks the
@@ -520,6 +567,22 @@ mx::array wait_op(const mx::array& x, const mx::array& flags, const mx::array& w
 
 }  // namespace
 
+mx::array attention_op(const mx::array& q, const mx::array& k, const mx::array& v, float scale, bool causal) {
+  auto stream = mx::to_stream({});
+  if (stream.device.type != mx::Device::DeviceType::cpu) bad("the default device is not the CPU");
+  for (const auto* t : {&q, &k, &v})
+    if (t->dtype() != mx::float32 || t->ndim() != 4)
+      bad("q, k and v must be float32 [batch, heads, positions, head_dim], got shape " + shape_str(*t));
+  if (k.shape() != v.shape()) bad("k " + shape_str(k) + " and v " + shape_str(v) + " must have one shape");
+  if (k.shape(0) != q.shape(0) || k.shape(3) != q.shape(3) || k.shape(1) < 1 || q.shape(1) % k.shape(1) != 0)
+    bad("k " + shape_str(k) + " does not serve q " + shape_str(q) +
+        ": the same batch and head_dim, q's heads a multiple of k's");
+  if (causal && k.shape(2) < q.shape(2))
+    bad("causal attention needs at least as many keys as queries, got " + std::to_string(k.shape(2)) + " keys for " +
+        std::to_string(q.shape(2)) + " queries");
+  return mx::array(q.shape(), mx::float32, std::make_shared<Edge0Attention>(stream, scale, causal), {q, k, v});
+}
+
 NB_MODULE(_ext, m) {
   m.doc() = "Edge0's CPU kernels for MLX's affine quantized layout (edge0.kernels wraps them).";
   m.def("qmm", &qmm_op, "x"_a, "w"_a, "scales"_a, "biases"_a, "indices"_a.none(), "bits"_a, "group_size"_a,
@@ -548,6 +611,7 @@ NB_MODULE(_ext, m) {
         "b_mapping"_a, "b_offset"_a, "scale_dtype"_a, "E"_a, "N"_a, "bits"_a, "group_size"_a, "x_repeat"_a = 1);
   m.def("wait_flag", &wait_op, "x"_a, "flags"_a, "waited"_a, "index"_a, "value"_a, "timeout_s"_a);
   m.def("evaluated", [](const mx::array& a) { return a.is_available(); }, "a"_a);
+  m.def("attention", &attention_op, "q"_a, "k"_a, "v"_a, "scale"_a, "causal"_a);
   m.def("set_threads", &edge0::set_threads, "n"_a);
   m.def("get_threads", &edge0::get_threads);
   m.def("isa", []() { return std::string(edge0::isa()); });

@@ -266,7 +266,7 @@ bool cpu_has_avx2() { return false; }
 
 bool g_force_portable = false;
 
-bool use_avx2() {
+bool avx2_on() {
   static const bool has = cpu_has_avx2();
   return has && !g_force_portable;
 }
@@ -460,7 +460,7 @@ void run_qmm(const QmmArgs& a) {
     }
   }
   // the AVX2 loops read x block-transposed (permute_x), whole blocks of 8 words
-  const bool avx2 = use_avx2() && a.K % kBlock<BITS> == 0;
+  const bool avx2 = avx2_on() && a.K % kBlock<BITS> == 0;
   std::vector<float> xp;
   if (avx2) {
     const int64_t X = (a.B / a.x_repeat) * a.M;  // distinct rows of x
@@ -577,6 +577,12 @@ uint64_t stream_bytes(const char* const* ptrs, const int64_t* sizes, int64_t n) 
   for (auto v : sums) total ^= v;
   return total;
 }
+
+void parallel_rows(int64_t rows, const std::function<void(int, int)>& fn) {
+  pool().run(int(std::max<int64_t>(1, std::min<int64_t>(g_threads, rows))), fn);
+}
+
+bool use_avx2() { return avx2_on(); }
 
 void set_threads(int n) { g_threads = std::max(1, n); }
 int get_threads() { return g_threads; }

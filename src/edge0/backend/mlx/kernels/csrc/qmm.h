@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 
 namespace edge0 {
 
@@ -38,6 +39,24 @@ int64_t qmm(const QmmArgs& a);
 // (each thread a share of every range), and returns a checksum so nothing is optimised
 // away: the memory limit a kernel over the same bytes is measured against.
 uint64_t stream_bytes(const char* const* ptrs, const int64_t* sizes, int64_t n);
+
+// softmax(q k^T * scale) v for float32 q [B, Hq, L, D], k and v [B, Hkv, S, D], out [B, Hq, L, D],
+// row-contiguous; Hq a multiple of Hkv. causal: query i sees keys j <= S - L + i.
+struct AttnArgs {
+  const float* q = nullptr;
+  const float* k = nullptr;
+  const float* v = nullptr;
+  float* out = nullptr;
+  int64_t B = 0, Hq = 0, Hkv = 0, L = 0, S = 0, D = 0;
+  float scale = 1.0f;
+  bool causal = true;
+};
+void attention(const AttnArgs& a);
+
+// fn(part, parts) on the pool's threads, rows dealt among them (fewer parts for few rows).
+void parallel_rows(int64_t rows, const std::function<void(int, int)>& fn);
+// Whether the AVX2 loops run (the CPU has them and they are not forced off).
+bool use_avx2();
 
 // The number of threads qmm splits output rows over (1 = the calling thread only).
 void set_threads(int n);
