@@ -152,3 +152,18 @@ def test_the_drive_is_read_idle_and_beside_a_step_of_products(setups, monkeypatc
     out = drive_rate.drive_seconds_per_byte(index, 2, direct=False, busy=lambda: step)
     assert out["wall"] > 0 and out["cpu"] >= 0 and out["wall_busy"] > 0
     assert steps  # the products ran while the second pass read
+
+
+def test_a_forecast_leaves_the_kernels_thread_count_as_it_was(setups, speed_cache):
+    from edge0.backend import kernels as bk
+
+    if not bk.available():
+        pytest.skip("Edge0's kernels are not built")
+    before = bk.get_threads()
+    try:
+        bk.set_threads(1)  # an engine beside, on one thread
+        code, out = _plan("--model", str(setups["exact"][0]), "--speed", "--prompt-tokens", "8", "--json")
+        assert code == 0, out
+        assert json.loads(out)["speed"]["decode_tok_s"] > 0 and bk.get_threads() == 1
+    finally:
+        bk.set_threads(before)

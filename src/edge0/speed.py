@@ -130,11 +130,8 @@ def kernel_seconds(prods: dict, kernels: str, rows: int = 1) -> float:
     """Seconds of a step's quantized products at ``rows`` rows on this CPU, made in the
     step's order as one evaluation, each on weights of its own (from memory, not the CPU's
     caches), each routed one on k experts of each row drawn at random (cached per CPU)."""
-    from edge0.backend import kernels as bk
     from edge0.backend import timing
 
-    if kernels == "edge0":
-        bk.set_threads(len(os.sched_getaffinity(0)))
     key = {**cpu_key(), "kernels": kernels, "rows": rows, **prods}
     return cached("kernels", key, lambda: timing.step_seconds(
         prods["calls"], prods["scale_dtype"], prods["experts"], prods["k"], kernels, rows, POOL_BYTES,
@@ -228,30 +225,40 @@ def attention_seconds(raw: dict, prompt: int, chunk: int) -> tuple[float, str | 
 def forecast_speed(lay, fc: dict, prompt_tokens: int = 512) -> dict:
     """Decode tok/s and the time to the first token of ``prompt_tokens`` for the laid-out
     checkpoint ``lay`` with the plan's byte forecast ``fc`` (``edge0.exec.forecast``): the
-    terms, their sum and the assumptions said."""
+    terms, their sum and the assumptions said; ``{"unavailable": why}`` where it cannot be
+    made. The kernels' thread count is put back as it was (an engine may run beside)."""
     from edge0.backend import core as B
     from edge0.backend import kernels as bk
-    from edge0.model.open import open_checkpoint
-
-    spec, index, plan, config = lay.opened.spec, lay.opened.index, lay.plan, lay.config
-    kernels = bk.resolve(config.kernels, cpu=B.is_cpu(), compute_dtype=lay.compute_dtype)
+    from edge0.errors import BenchArmError
     from edge0.tiny import ARCHITECTURES
 
-    prods = products(spec, index)
+    spec = lay.opened.spec
+    kernels = bk.resolve(lay.config.kernels, cpu=B.is_cpu(), compute_dtype=lay.compute_dtype)
+    prods = products(spec, lay.opened.index)
     if not prods:
         return {"unavailable": "the checkpoint is not quantized: the forecast times quantized products"}
     if spec.model_type not in ARCHITECTURES:
         return {"unavailable": f"no replica of {spec.model_type} can be built (edge0.tiny builds {len(ARCHITECTURES)} "
                                "architectures)"}
-    from edge0.errors import BenchArmError
-
+    threads = bk.get_threads() if kernels == "edge0" else None
     try:
-        rep = replica_seconds(lay, prompt_tokens)
+        if threads is not None:
+            bk.set_threads(len(os.sched_getaffinity(0)))  # as an engine with compute_threads 0
+        return _forecast(lay, fc, prompt_tokens, kernels, prods)
     except (RuntimeError, BenchArmError) as e:  # make_tiny's degenerate routing, the replica's arm failing
         return {"unavailable": f"the replica could not be measured: {str(e).splitlines()[0]}"}
+    finally:
+        if threads is not None:
+            bk.set_threads(threads)
+
+
+def _forecast(lay, fc: dict, prompt_tokens: int, kernels: str, prods: dict) -> dict:
+    from edge0.model.open import open_checkpoint
+
+    spec = lay.opened.spec
+    rep = replica_seconds(lay, prompt_tokens)
     rdir = replica_dir(replica_config(spec, lay.opened.raw))
-    rspec, rindex, _ = open_checkpoint(rdir)
-    rprods = products(rspec, rindex)
+    rprods = products(*open_checkpoint(rdir)[:2])
 
     def extra(rows):
         return max(0.0, kernel_seconds(prods, kernels, rows) - kernel_seconds(rprods, kernels, rows))
@@ -259,7 +266,7 @@ def forecast_speed(lay, fc: dict, prompt_tokens: int = 512) -> dict:
     compute = rep["step_s"] + extra(1) + flush
     reads, exposed, assumptions = _reads(lay, fc, compute, kernels)
     step = compute + exposed
-    chunk = max(1, min(prompt_tokens, config.prefill_step_size))
+    chunk = max(1, min(prompt_tokens, lay.config.prefill_step_size))
     attention, why = attention_seconds(lay.opened.raw, prompt_tokens, chunk)
     if why:
         assumptions.append(why)
@@ -268,8 +275,8 @@ def forecast_speed(lay, fc: dict, prompt_tokens: int = 512) -> dict:
                                                        prompt_tokens, chunk)[0])
     prefill = rep["prefill_s"] + extra(chunk) * prompt_tokens / chunk + attention * spec.num_layers
     prompt_reads, why = _prompt_reads(lay, prompt_tokens, fc, kernels)
-    assumptions.append(why)
     assumptions += [
+        why,
         f"the engine's own step measured on a replica (the checkpoint's architecture, {spec.num_layers} layers, "
         f"{spec.num_experts} experts, k={spec.k}, widths {REPLICA_WIDTHS['hidden']}) under the same settings",
         f"the kernels ({kernels}) timed at the checkpoint's shapes with weights from memory",
@@ -278,8 +285,7 @@ def forecast_speed(lay, fc: dict, prompt_tokens: int = 512) -> dict:
     return {"decode_tok_s": 1.0 / step, "step_ms": step * 1e3, "prompt_tokens": prompt_tokens,
             "ttft_s": prefill + prompt_reads, "terms_ms": {
                 "replica_step": rep["step_s"] * 1e3, "kernels": extra(1) * 1e3, "heads_flush": flush * 1e3,
-                "reads": reads * 1e3,
-                "reads_exposed": exposed * 1e3, "prefill_replica": rep["prefill_s"] * 1e3,
+                "reads": reads * 1e3, "reads_exposed": exposed * 1e3, "prefill_replica": rep["prefill_s"] * 1e3,
                 "prefill_kernels": extra(chunk) * prompt_tokens / chunk * 1e3,
                 "prefill_attention": attention * spec.num_layers * 1e3, "prompt_reads": prompt_reads * 1e3},
             "kernels": kernels, "assumptions": assumptions}
