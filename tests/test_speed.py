@@ -144,14 +144,23 @@ def test_the_drive_is_read_idle_and_beside_a_step_of_products(setups, monkeypatc
 
     monkeypatch.setattr(drive_rate, "DRIVE_BYTES", 2**20)
     _, index, _ = open_checkpoint(setups["exact"][0])
-    steps = []
+    real = drive_rate.drive_seconds_per_byte(index, 2, direct=False)  # the real reads, idle only
+    assert real["wall"] > 0 and real["cpu"] >= 0 and real["wall_busy"] == real["wall"]
+    steps, seen = [], []
 
     def step():
         steps.append(1)
         time.sleep(0.001)
+
+    def reads(ranges, threads, direct):  # each pass: how many steps ran while it read
+        before = len(steps)
+        time.sleep(0.2)
+        seen.append(len(steps) - before)
+        return (0.2, 0.01, 1000) if len(seen) == 1 else (0.4, 0.01, 1000)
+    monkeypatch.setattr(drive_rate, "_read_ranges", reads)
     out = drive_rate.drive_seconds_per_byte(index, 2, direct=False, busy=lambda: step)
-    assert out["wall"] > 0 and out["cpu"] >= 0 and out["wall_busy"] > 0
-    assert steps  # the products ran while the second pass read
+    assert seen[0] == 0 and seen[1] > 0  # the products ran beside the second pass only
+    assert out["wall"] == pytest.approx(0.2 / 1000) and out["wall_busy"] == pytest.approx(0.4 / 1000)
 
 
 def test_a_forecast_leaves_the_kernels_thread_count_as_it_was(setups, speed_cache):

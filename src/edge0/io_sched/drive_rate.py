@@ -105,6 +105,7 @@ def drive_seconds_per_byte(index, threads: int, direct: bool, busy=None) -> dict
     def load():
         try:
             step = busy()
+            step()  # once before the reads start: the products' first run allocates and warms
             ready.set()
             while not stop.is_set():
                 step()
