@@ -27,6 +27,7 @@ second forecast measures nothing.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -55,16 +56,23 @@ def speed_dir() -> Path:
     return cache_dir() / "speed"
 
 
-def cpu_key() -> dict:
-    """What a kernel or replica measurement holds for: the CPU, the cores this process may
-    run on, MLX's version and which of Edge0's kernels run."""
+@functools.lru_cache(maxsize=1)
+def _cpu_key() -> tuple:
     from edge0.backend import kernels as bk
     from edge0.backend import timing
     from edge0.benchmark.machine import describe
 
-    m = describe(".")
-    return {"cpu": m["cpu"], "flags": m["cpu_flags"], "cores": len(os.sched_getaffinity(0)), "mlx": timing.version(),
-            "isa": bk.isa() if bk.available() else None}
+    m = describe(".")  # (reads /proc/cpuinfo and the disk's sysfs: once a process)
+    return (("cpu", m["cpu"]), ("flags", tuple(m["cpu_flags"])), ("mlx", timing.version()),
+            ("isa", bk.isa() if bk.available() else None))
+
+
+def cpu_key() -> dict:
+    """What a kernel or replica measurement holds for: the CPU, the cores this process may
+    run on, MLX's version and which of Edge0's kernels run."""
+    key = dict(_cpu_key())
+    return {"cpu": key["cpu"], "flags": list(key["flags"]), "cores": len(os.sched_getaffinity(0)),
+            "mlx": key["mlx"], "isa": key["isa"]}
 
 
 def cached(kind: str, key: dict, measure):
