@@ -2,7 +2,7 @@
 
 - every op within 1e-5 relative L2 of a float64 reference built from the dequantized
   weights, for 4 and 8 bits, groups of 32/64/128, scales in float32/bfloat16/float16, 1 to
-  16 rows, gathered and dense, on the AVX2 loops and the portable ones;
+  96 rows, gathered and dense, on the AVX-512 loops, the AVX2 ones and the portable ones;
 - the result does not depend on the thread count (output rows are split, not the sum);
 - hostile inputs get a KernelError naming what was wrong, or a correct answer (empty rows,
   non-contiguous inputs), never a crash; an index out of range is an error at evaluation;
@@ -41,14 +41,18 @@ def rel_l2(a, ref):
     return float(np.linalg.norm(np.asarray(a, dtype=np.float64) - ref) / np.linalg.norm(ref))
 
 
-@pytest.fixture(params=["avx2", "portable"])
+ISAS = ("avx512", "avx2", "portable")
+
+
+@pytest.fixture(params=ISAS)
 def isa(request):
-    if request.param == "avx2" and K.isa() != "avx2":
-        pytest.skip("this CPU has no AVX2+FMA")
-    K.ext().force_portable(request.param == "portable")
+    widest = K.isa()
+    if ISAS.index(request.param) < ISAS.index(widest):
+        pytest.skip(f"this CPU's widest loops are {widest}")
+    K.ext().limit_isa(request.param)
     assert K.isa() == request.param
     yield request.param
-    K.ext().force_portable(False)
+    K.ext().limit_isa("avx512")
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -82,10 +86,11 @@ def test_quantized_matmul_matches_a_float64_reference(isa, bits, scale_dtype):
         assert rel_l2(y, np.array(x, dtype=np.float64) @ ref_w.T) < 1e-5
 
 
-@pytest.mark.parametrize("bits, k", [(4, 96), (4, 32), (8, 96)])
+@pytest.mark.parametrize("bits, k", [(4, 96), (4, 32), (8, 96), (4, 192), (8, 160)])
 def test_widths_that_are_not_whole_blocks_match_the_reference(isa, bits, k):
-    """K not a multiple of the AVX2 loops' block (64 values at 4 bits, 32 at 8): the
-    portable loops compute it, as accurately."""
+    """K not a multiple of the AVX-512 loops' block (128 values at 4 bits, 64 at 8): the AVX2
+    loops compute it; not a multiple of theirs (64, 32) either: the portable loops, as
+    accurately."""
     wq, s, b = quantized((6, 40, k), bits, 32, mx.bfloat16, seed=5)
     x = mx.random.normal((3, 1, 1, k), key=mx.random.key(7))
     idx = mx.array([[0, 5], [2, 2], [4, 1]], dtype=mx.uint32)

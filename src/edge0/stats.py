@@ -39,7 +39,7 @@ class GenerationStats:
     peak_active_memory: int = 0  # bytes, MLX buffers
     peak_rss: int = 0  # bytes, whole process
     compute_dtype: str = ""  # the activation dtype the engine resolved
-    kernels: str = ""  # which kernels computed the quantized matmuls: "mlx" or "edge0 (avx2, 2 threads)"
+    kernels: str = ""  # which kernels computed the quantized matmuls: "mlx" or "edge0 (avx512, 2 threads)"
     heads: str | None = None  # the prerouter heads in use (they change the output), or None
     adapter: str | None = None  # the adapter applied, or None
     # how experts reached the kernels: "direct" (O_DIRECT reads), "buffered" (reads through the page

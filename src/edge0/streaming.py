@@ -241,9 +241,9 @@ class StepModel:
         """The model's own forward pass (lazy), its staged layers on the plan; ``adapters``:
         each row's adapter name (None: the default adapter for every row); ``heads``: where
         the owners' observations go (an ``Observing``)."""
-        prompt = not decode and self.streaming.kernels == "edge0"  # a prompt's attention on Edge0's kernel
+        edge0 = self.streaming.kernels == "edge0"  # norms, rope and a prompt's attention on Edge0's kernels
         with self.streaming.context.installed(self.streaming.step(decode, adapters, inputs.shape[0], heads)), \
-                (bk.attention.active() if prompt else contextlib.nullcontext()):
+                (bk.attention.active() if edge0 else contextlib.nullcontext()):
             return self.streaming.model(inputs, cache=cache, **kwargs)
 
     def __getattr__(self, name):

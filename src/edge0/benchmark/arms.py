@@ -72,8 +72,10 @@ def resident(model_dir: str, settings: dict) -> Loaded:
 
 
 class PromptAttention:
-    """mlx-lm's model whose prompt passes (more than one token) compute their attention on
-    Edge0's kernel (``resident@edge0``, as Edge0's engine does); decode steps on MLX's."""
+    """mlx-lm's model whose passes compute as Edge0's engine computes them on its kernels
+    (``resident@edge0``): norms and rotary embeddings on Edge0's row kernels, and a prompt's
+    attention (more than one token) on Edge0's attention kernel; decode steps' attention on
+    MLX's."""
 
     def __init__(self, model):
         self.model = model
@@ -81,7 +83,7 @@ class PromptAttention:
     def __call__(self, inputs, *args, **kwargs):
         from edge0.backend import kernels as bk
 
-        with bk.attention.active(inputs.shape[-1] > 1):
+        with bk.attention.active(True):
             return self.model(inputs, *args, **kwargs)
 
     def __getattr__(self, name):

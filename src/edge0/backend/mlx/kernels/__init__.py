@@ -3,13 +3,16 @@ installed) for MLX's affine quantized layout, 4 and 8 bits, groups of 32, 64 or 
 and biases in float32, bfloat16 or float16 read as stored.
 
 The prompt's attention (softmax(q k^T) v, causal, grouped-query) has a kernel of its own
-(``attention``): MLX's fused attention on the CPU backend is far slower.
+(``attention``): MLX's fused attention on the CPU backend is far slower; so do the layers'
+RMS norms and rotary embeddings (``attention.rms_norm``, ``attention.rope``), which MLX's CPU
+backend composes of several ops each.
 
 One primitive serves the routed-expert matmul with indices (what ``mx.gather_qmm(...,
 transpose=True)`` computes for SwitchGLU / SwitchMLP) and the dense quantized matmul
-(attention, shared experts, lm_head, quantized routers). AVX2+FMA loops on x86-64 (chosen
-when the CPU has them; from 8 rows against one expert's weights, its rows decoded once and
-tiled), portable loops elsewhere; output rows are split over a thread pool,
+(attention, shared experts, lm_head, quantized routers). AVX-512 loops on x86-64 CPUs that
+have AVX-512F, else AVX2+FMA loops (chosen at run time; from 8 rows against one expert's
+weights, its rows decoded once and tiled), portable loops elsewhere (``isa()`` says which;
+``EDGE0_KERNEL_ISA`` or the extension's ``limit_isa`` caps them); output rows are split over a thread pool,
 never the reduction, so results do not depend on the thread count. Activations are float32.
 
 The same product can read the experts' stacked tensors where a read-only mapping of the

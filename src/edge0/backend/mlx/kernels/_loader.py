@@ -55,7 +55,8 @@ def get_threads() -> int:
 
 
 def isa() -> str:
-    """``avx2`` or ``portable``: which loops run on this CPU."""
+    """``avx512``, ``avx2`` or ``portable``: which loops run on this CPU (the widest it has,
+    unless ``EDGE0_KERNEL_ISA`` or ``ext().limit_isa`` caps them)."""
     return ext().isa()
 
 

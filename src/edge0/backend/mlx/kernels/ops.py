@@ -14,10 +14,10 @@ import math
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwiGLU, SwitchGLU
 
 from edge0.backend.mlx.kernels import _loader as K
-from edge0.backend.mlx.kernels.attention import install
+from edge0.backend.mlx.kernels.attention import Edge0RMSNorm, Edge0RoPE, install
 from edge0.errors import ConfigError, KernelError
 
 BITS = (4, 8)
@@ -27,6 +27,7 @@ CHOICES = ("auto", "edge0", "mlx")
 
 _qmm = None  # the extension's entry points, looked up once
 _qmm_at = None
+_experts = None
 
 
 def _call(x, w, scales, biases, indices, bits, group_size, x_repeat=1):
@@ -159,6 +160,12 @@ class MappedSwitchLinear(nn.Module):
         if bias is not None:
             self.bias = bias
 
+    @property
+    def stack(self) -> tuple:
+        """Where its tensors lie: (weight's mapping, offset, scales' mapping, offset, biases'
+        mapping, offset, scales' dtype name, experts, output rows, bits, group size)."""
+        return self._at
+
     def __call__(self, x, indices, sorted_indices=False):
         dtype = x.dtype
         flat_x, flat_i, repeat, batch = _gathered(x, indices)
@@ -176,6 +183,58 @@ class MappedSwitchLinear(nn.Module):
         return y if dtype == mx.float32 else y.astype(dtype)
 
 
+def _stacks(glu):
+    """How ``glu``'s three projections are held, for the one-op path: ``"arrays"`` (Edge0
+    twins), ``"mapped"`` (mappings of the checkpoint), or None (another layout, an output
+    bias, another activation: SwitchGLU's own three calls)."""
+    projs = (glu.gate_proj, glu.up_proj, glu.down_proj)
+    if type(glu.activation) is not SwiGLU or any("bias" in p for p in projs):
+        return None
+    kinds = {type(p) for p in projs}
+    return "arrays" if kinds == {Edge0SwitchLinear} else "mapped" if kinds == {MappedSwitchLinear} else None
+
+
+def experts(glu, x, indices):
+    """``glu(x, indices)`` (a ``SwitchGLU``) as one op: gate, up, SwiGLU and down for each row
+    and each of its k experts, x [..., D] against indices [..., k] of the same leading shape;
+    returns [..., k, D]. None where the op does not compute this module (see ``_stacks``)."""
+    how = _stacks(glu)
+    if how is None or x.ndim < 1 or indices.ndim < 1 or tuple(x.shape[:-1]) != tuple(indices.shape[:-1]):
+        return None
+    global _experts
+    if _experts is None:
+        _experts = (K.ext().experts, K.ext().experts_at)
+    dtype, d, k = x.dtype, x.shape[-1], indices.shape[-1]
+    flat = x.reshape(-1, d) if dtype == mx.float32 else x.astype(mx.float32).reshape(-1, d)
+    idx = (indices if indices.dtype in (mx.int32, mx.uint32) else indices.astype(mx.uint32)).reshape(-1)
+    projs = (glu.gate_proj, glu.up_proj, glu.down_proj)
+    bits, sizes = [p.bits if how == "arrays" else p.stack[9] for p in projs], \
+        [p.group_size if how == "arrays" else p.stack[10] for p in projs]
+    try:
+        if how == "arrays":
+            stacks = [p[name] for p in projs for name in ("weight", "scales", "biases")]
+            y = _experts[0](flat, idx, k, stacks, bits, sizes, "swiglu")
+        else:
+            at = [p.stack for p in projs]
+            y = _experts[1](flat, idx, k, [m for a in at for m in (a[0], a[2], a[4])],
+                            [o for a in at for o in (a[1], a[3], a[5])], [a[6] for a in at], [a[7] for a in at],
+                            [a[8] for a in at], bits, sizes, "swiglu")
+    except ValueError as e:
+        raise KernelError(str(e)) from None
+    y = y.reshape(*x.shape[:-1], k, d)
+    return y if dtype == mx.float32 else y.astype(dtype)
+
+
+class Edge0SwitchGLU(SwitchGLU):
+    """A ``SwitchGLU`` whose routed experts are one op (``experts``) where its projections are
+    Edge0's (resident twins or mappings), its activation SwiGLU and none has an output bias;
+    SwitchGLU's own calls otherwise. The same parameters."""
+
+    def __call__(self, x, indices):
+        y = experts(self, x, indices)
+        return super().__call__(x, indices) if y is None else y
+
+
 def supported(module) -> bool:
     """Whether Edge0's kernels compute ``module``'s layout."""
     return (getattr(module, "mode", "affine") == "affine" and module.bits in BITS
@@ -184,11 +243,14 @@ def supported(module) -> bool:
 
 
 TWINS = {QuantizedSwitchLinear: Edge0SwitchLinear, nn.QuantizedLinear: Edge0QuantizedLinear}
+# each call decides: norms and rope by attention.active, the experts' block by its projections
+ROW_TWINS = {nn.RMSNorm: Edge0RMSNorm, nn.RoPE: Edge0RoPE, SwitchGLU: Edge0SwitchGLU}
 
 
 def use_edge0(*trees) -> int:
-    """Turn every supported quantized module under ``trees`` into its Edge0 twin; returns
-    how many. A module of a layout the kernels do not compute keeps MLX's kernel."""
+    """Turn every supported quantized module under ``trees`` into its Edge0 twin, and every
+    ``nn.RMSNorm`` and ``nn.RoPE`` into theirs; returns how many. A module of a layout the
+    kernels do not compute keeps MLX's kernel."""
     n = 0
     for tree in trees:
         for _, m in tree.named_modules():
@@ -196,12 +258,15 @@ def use_edge0(*trees) -> int:
             if twin is not None and supported(m):
                 m.__class__ = twin
                 n += 1
+            elif type(m) in ROW_TWINS:
+                m.__class__ = ROW_TWINS[type(m)]
+                n += 1
     install()  # the prompt's attention too, where a forward pass asks for it (attention.active)
     return n
 
 
 def describe() -> str:
-    """What the stats line names: ``edge0 (avx2, 2 threads)``."""
+    """What the stats line names: ``edge0 (avx512, 2 threads)``."""
     if not K.available():
         return "edge0 (unavailable)"
     n = K.get_threads()

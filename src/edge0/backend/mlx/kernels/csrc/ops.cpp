@@ -21,6 +21,8 @@
 #include <array>
 #include <atomic>
 #include <chrono>
+#include <cmath>
+#include <tuple>
 #include <cstring>
 #include <optional>
 #include <thread>
@@ -36,6 +38,7 @@
 #include "mlx/primitives.h"
 #include "mlx/utils.h"
 #include "mlx/version.h"
+#include "binding.h"
 #include "qmm.h"
 
 #include <fcntl.h>
@@ -50,6 +53,9 @@
 namespace mx = mlx::core;
 namespace nb = nanobind;
 using namespace nb::literals;
+using edge0_binding::bad;
+using edge0_binding::shape_str;
+using edge0_binding::cpu_stream;
 
 namespace {
 
@@ -101,16 +107,13 @@ void check_indices(const edge0::QmmArgs& a, int64_t bad) {
   throw std::out_of_range(msg.str());
 }
 
-class Edge0Qmm : public mx::UnaryPrimitive {
+class Edge0Qmm : public edge0_binding::CpuPrimitive {
  public:
   Edge0Qmm(mx::Stream s, int bits, int group_size, int64_t x_repeat, bool dense)
-      : mx::UnaryPrimitive(s), bits_(bits), gs_(group_size), x_repeat_(x_repeat), dense_(dense) {}
+      : CpuPrimitive(s), bits_(bits), gs_(group_size), x_repeat_(x_repeat), dense_(dense) {}
 
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    for (auto& a : in) enc.set_input_array(a);
-    enc.set_output_array(out);
+    auto& enc = begin(in, out);
     const auto& x = in[0];
     const auto& w = in[1];
     const auto& s = in[2];
@@ -141,10 +144,6 @@ class Edge0Qmm : public mx::UnaryPrimitive {
     });
   }
 
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("edge0 kernels run on the CPU device only");
-  }
-
   const char* name() const override { return "Edge0QuantizedMatmul"; }
 
   bool is_equivalent(const mx::Primitive& other) const override {
@@ -159,15 +158,12 @@ class Edge0Qmm : public mx::UnaryPrimitive {
 };
 
 // softmax(q k^T * scale) v (edge0::attention): the prompt's attention on the CPU.
-class Edge0Attention : public mx::UnaryPrimitive {
+class Edge0Attention : public edge0_binding::CpuPrimitive {
  public:
-  Edge0Attention(mx::Stream s, float scale, bool causal) : mx::UnaryPrimitive(s), scale_(scale), causal_(causal) {}
+  Edge0Attention(mx::Stream s, float scale, bool causal) : CpuPrimitive(s), scale_(scale), causal_(causal) {}
 
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    for (auto& a : in) enc.set_input_array(a);
-    enc.set_output_array(out);
+    auto& enc = begin(in, out);
     edge0::AttnArgs a;
     a.out = out.data<float>();
     a.B = in[0].shape(0);
@@ -187,10 +183,6 @@ class Edge0Attention : public mx::UnaryPrimitive {
       a.v = static_cast<const float*>(inputs[2].ptr());
       edge0::attention(a);
     });
-  }
-
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("edge0 kernels run on the CPU device only");
   }
 
   const char* name() const override { return "Edge0Attention"; }
@@ -320,19 +312,16 @@ class Mapping {
   Guarded* guard_ = nullptr;
 };
 
-class Edge0QmmAt : public mx::UnaryPrimitive {
+class Edge0QmmAt : public edge0_binding::CpuPrimitive {
  public:
   // maps: the files holding the weight, the scales and the biases (one file or several shards)
   Edge0QmmAt(mx::Stream s, std::array<std::shared_ptr<Mapping>, 3> maps, int64_t w_off, int64_t s_off,
              int64_t b_off, edge0::ScaleType st, int64_t E, int64_t K, int bits, int group_size, int64_t x_repeat)
-      : mx::UnaryPrimitive(s), maps_(std::move(maps)), w_off_(w_off), s_off_(s_off), b_off_(b_off), st_(st),
+      : CpuPrimitive(s), maps_(std::move(maps)), w_off_(w_off), s_off_(s_off), b_off_(b_off), st_(st),
         E_(E), K_(K), bits_(bits), gs_(group_size), x_repeat_(x_repeat) {}
 
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    for (auto& a : in) enc.set_input_array(a);
-    enc.set_output_array(out);
+    auto& enc = begin(in, out);
     edge0::QmmArgs a;
     a.scale_type = st_;
     a.out = out.data<float>();
@@ -363,10 +352,6 @@ class Edge0QmmAt : public mx::UnaryPrimitive {
     });
   }
 
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("edge0 kernels run on the CPU device only");
-  }
-
   const char* name() const override { return "Edge0QuantizedMatmulAt"; }
 
   bool is_equivalent(const mx::Primitive& other) const override {
@@ -384,21 +369,118 @@ class Edge0QmmAt : public mx::UnaryPrimitive {
   int64_t x_repeat_;
 };
 
+// One routed-expert block (mlx-lm's SwitchGLU) in one op: for each row t and each of its k
+// experts e, h = act(x_t W_gate[e]^T, x_t W_up[e]^T), y = h W_down[e]^T, out [T * k, D].
+// The three products are qmm's (rows grouped by expert inside, so no sort and no unsort
+// of the rows as SwitchGLU does from 64 pairs), the activation a loop between them; a row's
+// result is the same as the three calls' on the same rows but for the activation's exp.
+// Each stack is read from arrays (inputs after x and the indices) or from file mappings.
+struct Stack {
+  bool mapped = false;
+  std::array<std::shared_ptr<Mapping>, 3> maps;  // mapped: the weight's, scales' and biases' files
+  std::array<int64_t, 3> offs{};
+  edge0::ScaleType st = edge0::ScaleType::F32;
+  int64_t E = 0, N = 0;
+  int bits = 4, gs = 64;
+};
+
+edge0::ScaleType scale_type(const mx::array& s) {
+  return s.dtype() == mx::float32 ? edge0::ScaleType::F32
+         : s.dtype() == mx::bfloat16 ? edge0::ScaleType::BF16 : edge0::ScaleType::F16;
+}
+
+enum class Act : int { SwiGLU = 0 };
+
+class Edge0Experts : public edge0_binding::CpuPrimitive {
+ public:
+  Edge0Experts(mx::Stream s, std::array<Stack, 3> stacks, int64_t k, Act act)
+      : CpuPrimitive(s), stacks_(std::move(stacks)), k_(k), act_(act) {}
+
+  void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
+    auto& enc = begin(in, out);
+    const int64_t T = in[0].shape(0), D = in[0].shape(1), I = stacks_[0].N, k = k_;
+    std::array<edge0::QmmArgs, 3> args;
+    for (int j = 0; j < 3; ++j) {
+      auto& a = args[j];
+      const Stack& st = stacks_[j];
+      a.B = T * k, a.M = 1, a.N = st.N, a.K = j < 2 ? D : I, a.E = st.E;
+      a.x_repeat = j < 2 ? k : 1;
+      a.bits = st.bits, a.group_size = st.gs, a.scale_type = st.st;
+      a.indices_signed = in[1].dtype() == mx::int32;
+      if (st.mapped) {
+        a.w = reinterpret_cast<const uint32_t*>(st.maps[0]->base() + st.offs[0]);
+        a.scales = st.maps[1]->base() + st.offs[1];
+        a.biases = st.maps[2]->base() + st.offs[2];
+      } else {
+        a.scale_type = scale_type(in[2 + 3 * j + 1]);
+      }
+    }
+    std::vector<Input> inputs;
+    inputs.reserve(in.size());
+    for (auto& t : in) inputs.emplace_back(t);
+    float* o = out.data<float>();
+    enc.dispatch([args, inputs = std::move(inputs), stacks = stacks_, o, T, I, k]() mutable {
+      const float* x = static_cast<const float*>(inputs[0].ptr());
+      const void* idx = inputs[1].ptr();
+      for (int j = 0; j < 3; ++j) {
+        args[j].indices = idx;
+        if (!stacks[j].mapped) {
+          args[j].w = static_cast<const uint32_t*>(inputs[2 + 3 * j].ptr());
+          args[j].scales = inputs[2 + 3 * j + 1].ptr();
+          args[j].biases = inputs[2 + 3 * j + 2].ptr();
+        }
+      }
+      std::vector<float> gate(size_t(T * k * I)), up(size_t(T * k * I));
+      args[0].x = x, args[0].out = gate.data();
+      args[1].x = x, args[1].out = up.data();
+      check_indices(args[0], edge0::qmm(args[0]));
+      check_indices(args[1], edge0::qmm(args[1]));
+      for (size_t i = 0; i < gate.size(); ++i) {  // SwiGLU: silu(gate) * up
+        const float g = gate[i];
+        gate[i] = g / (1.0f + std::exp(-g)) * up[i];
+      }
+      args[2].x = gate.data(), args[2].out = o;
+      check_indices(args[2], edge0::qmm(args[2]));
+      for (const auto& st : stacks)
+        for (const auto& m : st.maps)
+          if (m && m->poisoned())
+            throw std::runtime_error("edge0: the checkpoint file " + m->path() +
+                                     " was truncated while mapped: its experts past the new end read as nothing");
+    });
+  }
+
+  const char* name() const override { return "Edge0Experts"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const Edge0Experts&>(other);
+    for (int j = 0; j < 3; ++j) {
+      const Stack &a = stacks_[j], &b = o.stacks_[j];
+      if (a.mapped != b.mapped || a.maps != b.maps || a.offs != b.offs || a.st != b.st || a.E != b.E ||
+          a.N != b.N || a.bits != b.bits || a.gs != b.gs)
+        return false;
+    }
+    return k_ == o.k_ && act_ == o.act_;
+  }
+
+ private:
+  std::array<Stack, 3> stacks_;
+  int64_t k_;
+  Act act_;
+};
+
 // edge0_wait(x, flags, index, value, timeout_s, waited) -> x, once flags[index] == value.
 // A staged layer's input passes through it, so everything the layer computes waits where
 // its data is consumed, inside the step's one graph, not in the thread that built it: the
 // reader that fills the layer's slots stores `value` (or -value: the reads failed) in the
 // flag. The wait spins briefly, then sleeps in short naps; `waited[index]` accumulates the
 // nanoseconds it waited. Past `timeout_s` it raises, as -value does (at evaluation).
-class Edge0Wait : public mx::UnaryPrimitive {
+class Edge0Wait : public edge0_binding::CpuPrimitive {
  public:
   Edge0Wait(mx::Stream s, int64_t index, int32_t value, double timeout_s)
-      : mx::UnaryPrimitive(s), index_(index), value_(value), timeout_s_(timeout_s) {}
+      : CpuPrimitive(s), index_(index), value_(value), timeout_s_(timeout_s) {}
 
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    for (auto& a : in) enc.set_input_array(a);
-    enc.set_output_array(out);
+    auto& enc = begin(in, out, false);
     out.copy_shared_buffer(in[0]);
     auto* flag = const_cast<int32_t*>(in[1].data<int32_t>()) + index_;
     auto* waited = const_cast<int64_t*>(in[2].data<int64_t>()) + index_;
@@ -427,10 +509,6 @@ class Edge0Wait : public mx::UnaryPrimitive {
     });
   }
 
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("edge0's slot wait runs on the CPU device only");
-  }
-
   const char* name() const override { return "Edge0SlotWait"; }
 
   bool is_equivalent(const mx::Primitive& other) const override {
@@ -444,33 +522,24 @@ class Edge0Wait : public mx::UnaryPrimitive {
   double timeout_s_;
 };
 
-[[noreturn]] void bad(const std::string& what) { throw std::invalid_argument("edge0 kernels: " + what); }
 
-std::string shape_str(const mx::array& a) {
-  std::ostringstream s;
-  s << "(";
-  for (int i = 0; i < a.ndim(); ++i) s << (i ? ", " : "") << a.shape(i);
-  s << (a.ndim() == 1 ? ",)" : ")");
-  return s.str();
-}
-
-mx::array qmm_op(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
-                 std::optional<mx::array> indices, int bits, int group_size, int64_t x_repeat) {
-  auto stream = mx::to_stream({});
-  if (stream.device.type != mx::Device::DeviceType::cpu) bad("the default device is not the CPU");
+void check_layout(int bits, int group_size) {
   if (bits != 4 && bits != 8) bad("bits must be 4 or 8, got " + std::to_string(bits));
   if (group_size != 32 && group_size != 64 && group_size != 128)
     bad("group_size must be 32, 64 or 128, got " + std::to_string(group_size));
-  if (x.dtype() != mx::float32) bad("x must be float32");
-  if (x.ndim() != 3) bad("x must be [batch, rows, K], got shape " + shape_str(x));
-  const bool dense = !indices.has_value();
+}
+
+// A weight stack (w, scales, biases) a product over rows of width K reads: its N (output
+// rows) and E (experts; 1 dense), or a ValueError naming what does not fit.
+std::pair<int64_t, int64_t> check_stack(const mx::array& w, const mx::array& scales, const mx::array& biases,
+                                        int64_t K, int bits, int group_size, bool dense) {
+  check_layout(bits, group_size);
   const int wd = dense ? 2 : 3;
   if (w.dtype() != mx::uint32 || w.ndim() != wd)
     bad("the weight must be uint32 of " + std::to_string(wd) + " dimensions, got shape " + shape_str(w));
   if (scales.dtype() != biases.dtype() ||
       (scales.dtype() != mx::float32 && scales.dtype() != mx::bfloat16 && scales.dtype() != mx::float16))
     bad("scales and biases must share one dtype of float32, bfloat16, float16");
-  const int64_t K = x.shape(2);
   if (K % group_size != 0)
     bad("K = " + std::to_string(K) + " is not a multiple of group_size " + std::to_string(group_size));
   const int64_t words = w.shape(-1);
@@ -482,17 +551,34 @@ mx::array qmm_op(const mx::array& x, const mx::array& w, const mx::array& scales
   if (scales.shape() != gshape || biases.shape() != gshape)
     bad("scales " + shape_str(scales) + " and biases " + shape_str(biases) + " must both be " +
         (dense ? "[N, K / group_size]" : "[E, N, K / group_size]") + " for the weight " + shape_str(w));
+  return {N, E};
+}
+
+void check_indices_shape(const mx::array& idx, int64_t B, const std::string& what) {
+  if (idx.ndim() != 1 || (idx.dtype() != mx::int32 && idx.dtype() != mx::uint32))
+    bad("indices must be a 1-D int32 or uint32 array, got shape " + shape_str(idx));
+  if (idx.shape(0) != B) bad("indices hold " + std::to_string(idx.shape(0)) + " entries, " + what);
+}
+
+std::string batch_str(const mx::array& x, int64_t x_repeat) {
+  return "x's batch " + std::to_string(x.shape(0)) + " x x_repeat " + std::to_string(x_repeat) + " = " +
+         std::to_string(x.shape(0) * x_repeat);
+}
+
+mx::array qmm_op(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
+                 std::optional<mx::array> indices, int bits, int group_size, int64_t x_repeat) {
+  auto stream = cpu_stream();
+  check_layout(bits, group_size);
+  if (x.dtype() != mx::float32) bad("x must be float32");
+  if (x.ndim() != 3) bad("x must be [batch, rows, K], got shape " + shape_str(x));
+  const bool dense = !indices.has_value();
+  const int64_t N = check_stack(w, scales, biases, x.shape(2), bits, group_size, dense).first;
   if (x_repeat < 1) bad("x_repeat must be >= 1");
   int64_t B = x.shape(0) * x_repeat;
   std::vector<mx::array> inputs = {x, w, scales, biases};
   if (!dense) {
-    const auto& idx = *indices;
-    if (idx.ndim() != 1 || (idx.dtype() != mx::int32 && idx.dtype() != mx::uint32))
-      bad("indices must be a 1-D int32 or uint32 array, got shape " + shape_str(idx));
-    if (idx.shape(0) != B)
-      bad("indices hold " + std::to_string(idx.shape(0)) + " entries, x's batch " +
-          std::to_string(x.shape(0)) + " x x_repeat " + std::to_string(x_repeat) + " = " + std::to_string(B));
-    inputs.push_back(idx);
+    check_indices_shape(*indices, B, batch_str(x, x_repeat));
+    inputs.push_back(*indices);
   } else if (x_repeat != 1) {
     bad("x_repeat must be 1 without indices");
   }
@@ -500,19 +586,13 @@ mx::array qmm_op(const mx::array& x, const mx::array& w, const mx::array& scales
                    std::make_shared<Edge0Qmm>(stream, bits, group_size, x_repeat, dense), std::move(inputs));
 }
 
-mx::array qmm_at_op(const mx::array& x, const mx::array& indices, std::shared_ptr<Mapping> w_map, int64_t w_off,
-                    std::shared_ptr<Mapping> s_map, int64_t s_off, std::shared_ptr<Mapping> b_map, int64_t b_off,
-                    const std::string& scale_dtype, int64_t E, int64_t N, int bits, int group_size,
-                    int64_t x_repeat) {
-  auto stream = mx::to_stream({});
-  if (stream.device.type != mx::Device::DeviceType::cpu) bad("the default device is not the CPU");
-  if (!w_map || !s_map || !b_map) bad("no mapping");
-  if (bits != 4 && bits != 8) bad("bits must be 4 or 8, got " + std::to_string(bits));
-  if (group_size != 32 && group_size != 64 && group_size != 128)
-    bad("group_size must be 32, 64 or 128, got " + std::to_string(group_size));
-  if (x.dtype() != mx::float32) bad("x must be float32");
-  if (x.ndim() != 3) bad("x must be [batch, rows, K], got shape " + shape_str(x));
-  const int64_t K = x.shape(2);
+// A stack held by file mappings: its scales' type, or a ValueError naming what does not fit
+// (a range past a file's end, a dtype the kernels do not read).
+edge0::ScaleType check_mapped(const std::array<std::shared_ptr<Mapping>, 3>& maps,
+                              const std::array<int64_t, 3>& offs, const std::string& scale_dtype, int64_t E,
+                              int64_t N, int64_t K, int bits, int group_size) {
+  if (!maps[0] || !maps[1] || !maps[2]) bad("no mapping");
+  check_layout(bits, group_size);
   if (K % group_size != 0)
     bad("K = " + std::to_string(K) + " is not a multiple of group_size " + std::to_string(group_size));
   if (E < 1 || N < 1) bad("E and N must be positive");
@@ -534,26 +614,96 @@ mx::array qmm_at_op(const mx::array& x, const mx::array& indices, std::shared_pt
       bad(std::string(what) + ": " + std::to_string(n) + " bytes at byte " + std::to_string(off) +
           ", past the end of " + m.path() + " (" + std::to_string(size) + " bytes)");
   };
-  inside(*w_map, w_off, wbytes, "the weight");
-  inside(*s_map, s_off, gbytes, "the scales");
-  inside(*b_map, b_off, gbytes, "the biases");
+  inside(*maps[0], offs[0], wbytes, "the weight");
+  inside(*maps[1], offs[1], gbytes, "the scales");
+  inside(*maps[2], offs[2], gbytes, "the biases");
+  return st;
+}
+
+mx::array qmm_at_op(const mx::array& x, const mx::array& indices, std::shared_ptr<Mapping> w_map, int64_t w_off,
+                    std::shared_ptr<Mapping> s_map, int64_t s_off, std::shared_ptr<Mapping> b_map, int64_t b_off,
+                    const std::string& scale_dtype, int64_t E, int64_t N, int bits, int group_size,
+                    int64_t x_repeat) {
+  auto stream = cpu_stream();
+  if (x.dtype() != mx::float32) bad("x must be float32");
+  if (x.ndim() != 3) bad("x must be [batch, rows, K], got shape " + shape_str(x));
+  const int64_t K = x.shape(2);
+  const std::array<std::shared_ptr<Mapping>, 3> maps{w_map, s_map, b_map};
+  const auto st = check_mapped(maps, {w_off, s_off, b_off}, scale_dtype, E, N, K, bits, group_size);
   if (x_repeat < 1) bad("x_repeat must be >= 1");
   const int64_t B = x.shape(0) * x_repeat;
-  if (indices.ndim() != 1 || (indices.dtype() != mx::int32 && indices.dtype() != mx::uint32))
-    bad("indices must be a 1-D int32 or uint32 array, got shape " + shape_str(indices));
-  if (indices.shape(0) != B)
-    bad("indices hold " + std::to_string(indices.shape(0)) + " entries, x's batch " + std::to_string(x.shape(0)) +
-        " x x_repeat " + std::to_string(x_repeat) + " = " + std::to_string(B));
+  check_indices_shape(indices, B, batch_str(x, x_repeat));
   return mx::array(mx::Shape{int(B), int(x.shape(1)), int(N)}, mx::float32,
-                   std::make_shared<Edge0QmmAt>(stream, std::array<std::shared_ptr<Mapping>, 3>{w_map, s_map, b_map},
-                                                w_off, s_off, b_off, st, E, K, bits, group_size, x_repeat),
+                   std::make_shared<Edge0QmmAt>(stream, maps, w_off, s_off, b_off, st, E, K, bits, group_size,
+                                                x_repeat),
                    {x, indices});
+}
+
+// x [T, D] float32, indices [T * k]; stacks: gate, up, down (their N: I, I, D)
+void check_experts(const mx::array& x, const mx::array& indices, int64_t k, const std::array<int64_t, 3>& N,
+                   const std::array<int64_t, 3>& E, const std::string& act) {
+  if (act != "swiglu") bad("the experts' activation must be swiglu, got '" + act + "'");
+  if (x.dtype() != mx::float32 || x.ndim() != 2) bad("x must be float32 [rows, D], got shape " + shape_str(x));
+  if (k < 1) bad("k must be >= 1");
+  check_indices_shape(indices, x.shape(0) * k, "x's rows " + std::to_string(x.shape(0)) + " x k " +
+                                                   std::to_string(k) + " = " + std::to_string(x.shape(0) * k));
+  if (N[0] != N[1] || N[2] != x.shape(1))
+    bad("the stacks do not chain: gate and up give " + std::to_string(N[0]) + " and " + std::to_string(N[1]) +
+        " values, down gives " + std::to_string(N[2]) + " for x of width " + std::to_string(x.shape(1)));
+  if (E[0] != E[1] || E[1] != E[2]) bad("the three stacks must hold as many experts");
+}
+
+mx::array experts_op(const mx::array& x, const mx::array& indices, int64_t k, const std::vector<mx::array>& stacks,
+                     const std::vector<int>& bits, const std::vector<int>& group_sizes, const std::string& act) {
+  auto stream = cpu_stream();
+  if (stacks.size() != 9 || bits.size() != 3 || group_sizes.size() != 3)
+    bad("experts takes 9 arrays (gate, up, down: weight, scales, biases) and 3 bits and group sizes");
+  if (x.ndim() != 2) bad("x must be float32 [rows, D], got shape " + shape_str(x));
+  std::array<Stack, 3> st;
+  std::array<int64_t, 3> N{}, E{};
+  for (int j = 0; j < 3; ++j) {
+    const int64_t K = j < 2 ? x.shape(1) : N[0];
+    std::tie(N[j], E[j]) = check_stack(stacks[3 * j], stacks[3 * j + 1], stacks[3 * j + 2], K, bits[j],
+                                       group_sizes[j], false);
+    st[j].E = E[j], st[j].N = N[j], st[j].bits = bits[j], st[j].gs = group_sizes[j];
+  }
+  check_experts(x, indices, k, N, E, act);
+  std::vector<mx::array> inputs{x, indices};
+  inputs.insert(inputs.end(), stacks.begin(), stacks.end());
+  return mx::array(mx::Shape{int(x.shape(0) * k), int(x.shape(1))}, mx::float32,
+                   std::make_shared<Edge0Experts>(stream, st, k, Act::SwiGLU), std::move(inputs));
+}
+
+// the same over file mappings: maps and offsets 3 a stack (weight, scales, biases)
+mx::array experts_at_op(const mx::array& x, const mx::array& indices, int64_t k,
+                        const std::vector<std::shared_ptr<Mapping>>& maps, const std::vector<int64_t>& offsets,
+                        const std::vector<std::string>& scale_dtypes, const std::vector<int64_t>& experts,
+                        const std::vector<int64_t>& outputs, const std::vector<int>& bits,
+                        const std::vector<int>& group_sizes, const std::string& act) {
+  auto stream = cpu_stream();
+  if (maps.size() != 9 || offsets.size() != 9 || scale_dtypes.size() != 3 || experts.size() != 3 ||
+      outputs.size() != 3 || bits.size() != 3 || group_sizes.size() != 3)
+    bad("experts_at takes 9 mappings and offsets and 3 of everything else (gate, up, down)");
+  if (x.ndim() != 2) bad("x must be float32 [rows, D], got shape " + shape_str(x));
+  std::array<Stack, 3> st;
+  std::array<int64_t, 3> N{}, E{};
+  for (int j = 0; j < 3; ++j) {
+    st[j].mapped = true;
+    st[j].maps = {maps[3 * j], maps[3 * j + 1], maps[3 * j + 2]};
+    st[j].offs = {offsets[3 * j], offsets[3 * j + 1], offsets[3 * j + 2]};
+    N[j] = outputs[j], E[j] = experts[j];
+    const int64_t K = j < 2 ? x.shape(1) : N[0];
+    st[j].st = check_mapped(st[j].maps, st[j].offs, scale_dtypes[j], E[j], N[j], K, bits[j], group_sizes[j]);
+    st[j].E = E[j], st[j].N = N[j], st[j].bits = bits[j], st[j].gs = group_sizes[j];
+  }
+  check_experts(x, indices, k, N, E, act);
+  return mx::array(mx::Shape{int(x.shape(0) * k), int(x.shape(1))}, mx::float32,
+                   std::make_shared<Edge0Experts>(stream, st, k, Act::SwiGLU), {x, indices});
 }
 
 mx::array wait_op(const mx::array& x, const mx::array& flags, const mx::array& waited, int64_t index,
                   int32_t value, double timeout_s) {
-  auto stream = mx::to_stream({});
-  if (stream.device.type != mx::Device::DeviceType::cpu) bad("the default device is not the CPU");
+  auto stream = cpu_stream();
   if (flags.dtype() != mx::int32 || flags.ndim() != 1 || !flags.is_available() || !flags.flags().row_contiguous)
     bad("flags must be an evaluated, contiguous 1-D int32 array");
   if (waited.dtype() != mx::int64 || waited.shape() != flags.shape() || !waited.is_available() ||
@@ -568,8 +718,7 @@ mx::array wait_op(const mx::array& x, const mx::array& flags, const mx::array& w
 }  // namespace
 
 mx::array attention_op(const mx::array& q, const mx::array& k, const mx::array& v, float scale, bool causal) {
-  auto stream = mx::to_stream({});
-  if (stream.device.type != mx::Device::DeviceType::cpu) bad("the default device is not the CPU");
+  auto stream = cpu_stream();
   for (const auto* t : {&q, &k, &v})
     if (t->dtype() != mx::float32 || t->ndim() != 4)
       bad("q, k and v must be float32 [batch, heads, positions, head_dim], got shape " + shape_str(*t));
@@ -612,10 +761,20 @@ NB_MODULE(_ext, m) {
   m.def("wait_flag", &wait_op, "x"_a, "flags"_a, "waited"_a, "index"_a, "value"_a, "timeout_s"_a);
   m.def("evaluated", [](const mx::array& a) { return a.is_available(); }, "a"_a);
   m.def("attention", &attention_op, "q"_a, "k"_a, "v"_a, "scale"_a, "causal"_a);
+  m.def("experts", &experts_op, "x"_a, "indices"_a, "k"_a, "stacks"_a, "bits"_a, "group_sizes"_a, "activation"_a);
+  m.def("experts_at", &experts_at_op, "x"_a, "indices"_a, "k"_a, "maps"_a, "offsets"_a, "scale_dtypes"_a,
+        "experts"_a, "outputs"_a, "bits"_a, "group_sizes"_a, "activation"_a);
+  bind_layer_ops(m);
   m.def("set_threads", &edge0::set_threads, "n"_a);
   m.def("get_threads", &edge0::get_threads);
   m.def("isa", []() { return std::string(edge0::isa()); });
-  m.def("force_portable", &edge0::force_portable, "on"_a);
+  m.def(
+      "limit_isa",
+      [](const std::string& name) {
+        if (!edge0::limit_isa(name.c_str()))
+          throw std::invalid_argument("edge0 kernels: isa must be avx512, avx2 or portable, got '" + name + "'");
+      },
+      "name"_a);
   m.def("mlx_version", []() {
     return std::to_string(MLX_VERSION_MAJOR) + "." + std::to_string(MLX_VERSION_MINOR) + "." +
            std::to_string(MLX_VERSION_PATCH);

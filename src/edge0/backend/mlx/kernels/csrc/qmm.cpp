@@ -24,6 +24,7 @@
 #include <cstring>
 #include <functional>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -238,6 +239,7 @@ __attribute__((target("avx2,fma"))) void tile_avx2(const float* const* xr, const
 }
 
 constexpr int kTileM = 4, kTileN = 3;
+constexpr int kTileM512 = 6, kTileN512 = 4;
 
 template <int MB>
 void tile_n(int nb, const float* const* xr, const float* wf, int64_t K, float* res) {
@@ -256,26 +258,203 @@ void tile(int mb, int nb, const float* const* xr, const float* wf, int64_t K, fl
   }
 }
 
+// ---------------------------------------------------------------- AVX-512 loops
+// The same loops on 16 lanes: one load is 16 words (128 values at 4 bits, 64 at 8), x is
+// read in the matching order (permute_x512), and a block's lanes may span several groups
+// (at 4 bits and groups of 64, lanes 0-7 the first group, 8-15 the second): each lane's
+// scale is picked from the block's groups by a permute (lane i: group (i * per) / gs).
+template <int BITS>
+constexpr int kBlock512 = 16 * (32 / BITS);  // elements per block: 128 (4-bit), 64 (8-bit)
+
+template <int BITS>
+void permute_x512(const float* x, int64_t K, float* out) {
+  constexpr int per = 32 / BITS;
+  for (int64_t k0 = 0; k0 < K; k0 += kBlock512<BITS>)
+    for (int s = 0; s < per; ++s)
+      for (int i = 0; i < 16; ++i) out[k0 + s * 16 + i] = x[k0 + i * per + s];
+}
+
+// what block_scale512 needs for a call's group size: each lane's group within the block, and
+// how many groups a block spans (the mask of the scales loaded); plain integers, so the
+// struct passes between code built with and without AVX-512
+struct Lanes512 {
+  alignas(64) int32_t group[16];
+  uint16_t load;
+};
+
+template <int BITS>
+Lanes512 lanes512(int gs) {
+  constexpr int per = 32 / BITS;
+  Lanes512 l{};
+  for (int i = 0; i < 16; ++i) l.group[i] = (i * per) / gs;
+  l.load = uint16_t((1u << std::max(1, kBlock512<BITS> / gs)) - 1);
+  return l;
+}
+
+template <int BITS>
+__attribute__((target("avx512f"))) inline __m512 block_scale512(const float* sc, int64_t k0, int gs,
+                                                                const Lanes512& l) {
+  return _mm512_permutexvar_ps(_mm512_load_si512(l.group), _mm512_maskz_loadu_ps(__mmask16(l.load), sc + k0 / gs));
+}
+
+template <int BITS, int RB>
+__attribute__((target("avx512f"))) void dot_avx512(const uint32_t* wrow, const float* sc, int64_t K, int gs,
+                                                   const Lanes512& l, const float* const* xr, float* res) {
+  constexpr int per = 32 / BITS;
+  constexpr int U = RB >= 4 ? 1 : 4 / RB;
+  const __m512i mask = _mm512_set1_epi32((1 << BITS) - 1);
+  __m512 tot[RB];
+#pragma GCC unroll 4
+  for (int r = 0; r < RB; ++r) tot[r] = _mm512_setzero_ps();
+  for (int64_t k0 = 0; k0 < K; k0 += kBlock512<BITS>) {
+    const __m512i v = _mm512_loadu_si512(wrow + k0 / per);
+    __m512 acc[RB][U];
+#pragma GCC unroll 4
+    for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 4
+      for (int u = 0; u < U; ++u) acc[r][u] = _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int s = 0; s < per; ++s) {
+      const __m512 wf = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v, s * BITS), mask));
+#pragma GCC unroll 4
+      for (int r = 0; r < RB; ++r)
+        acc[r][s % U] = _mm512_fmadd_ps(wf, _mm512_loadu_ps(xr[r] + k0 + s * 16), acc[r][s % U]);
+    }
+    const __m512 scale = block_scale512<BITS>(sc, k0, gs, l);
+#pragma GCC unroll 4
+    for (int r = 0; r < RB; ++r) {
+      __m512 a = acc[r][0];
+#pragma GCC unroll 4
+      for (int u = 1; u < U; ++u) a = _mm512_add_ps(a, acc[r][u]);
+      tot[r] = _mm512_fmadd_ps(a, scale, tot[r]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < RB; ++r) res[r] = _mm512_reduce_add_ps(tot[r]);
+}
+
+template <int BITS>
+__attribute__((target("avx512f"))) void dequant_avx512(const uint32_t* wrow, const float* sc, const float* bi,
+                                                       int64_t K, int gs, const Lanes512& l, float* out) {
+  constexpr int per = 32 / BITS;
+  const __m512i mask = _mm512_set1_epi32((1 << BITS) - 1);
+  for (int64_t k0 = 0; k0 < K; k0 += kBlock512<BITS>) {
+    const __m512i v = _mm512_loadu_si512(wrow + k0 / per);
+    const __m512 scale = block_scale512<BITS>(sc, k0, gs, l), bias = block_scale512<BITS>(bi, k0, gs, l);
+#pragma GCC unroll 8
+    for (int s = 0; s < per; ++s) {
+      const __m512 q = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v, s * BITS), mask));
+      _mm512_storeu_ps(out + k0 + s * 16, _mm512_fmadd_ps(q, scale, bias));
+    }
+  }
+}
+
+template <int MB, int NB>
+__attribute__((target("avx512f"))) void tile_avx512(const float* const* xr, const float* wf, int64_t K, float* res) {
+  __m512 acc[MB][NB];
+#pragma GCC unroll 6
+  for (int m = 0; m < MB; ++m)
+#pragma GCC unroll 4
+    for (int n = 0; n < NB; ++n) acc[m][n] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) {
+    __m512 w[NB];
+#pragma GCC unroll 4
+    for (int n = 0; n < NB; ++n) w[n] = _mm512_loadu_ps(wf + n * K + k);
+#pragma GCC unroll 6
+    for (int m = 0; m < MB; ++m) {
+      const __m512 x = _mm512_loadu_ps(xr[m] + k);
+#pragma GCC unroll 4
+      for (int n = 0; n < NB; ++n) acc[m][n] = _mm512_fmadd_ps(x, w[n], acc[m][n]);
+    }
+  }
+#pragma GCC unroll 6
+  for (int m = 0; m < MB; ++m)
+#pragma GCC unroll 4
+    for (int n = 0; n < NB; ++n) res[m * NB + n] = _mm512_reduce_add_ps(acc[m][n]);
+}
+
+template <int MB>
+void tile512_n(int nb, const float* const* xr, const float* wf, int64_t K, float* res) {
+  switch (nb) {
+    case 4: return tile_avx512<MB, 4>(xr, wf, K, res);
+    case 3: return tile_avx512<MB, 3>(xr, wf, K, res);
+    case 2: return tile_avx512<MB, 2>(xr, wf, K, res);
+    default: return tile_avx512<MB, 1>(xr, wf, K, res);
+  }
+}
+
+// res [mb][nb] = rows xr[0, mb) . the nb decoded weight rows at wf; tiles of up to 6 x 4
+// (24 accumulators of the 32 registers)
+void tile512(int mb, int nb, const float* const* xr, const float* wf, int64_t K, float* res) {
+  switch (mb) {
+    case 6: return tile512_n<6>(nb, xr, wf, K, res);
+    case 5: return tile512_n<5>(nb, xr, wf, K, res);
+    case 4: return tile512_n<4>(nb, xr, wf, K, res);
+    case 3: return tile512_n<3>(nb, xr, wf, K, res);
+    case 2: return tile512_n<2>(nb, xr, wf, K, res);
+    default: return tile512_n<1>(nb, xr, wf, K, res);
+  }
+}
+
+bool cpu_has_avx512() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") != 0;
+}
+
 bool cpu_has_avx2() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
+struct Lanes {
+  Lanes512 l512;
+};
 #else
 bool cpu_has_avx2() { return false; }
+bool cpu_has_avx512() { return false; }
+struct Lanes {};
 #endif
 
-bool g_force_portable = false;
+// the widest loops allowed (EDGE0_KERNEL_ISA at start-up, limit_isa later): the CPU's own
+// widest by default
+int g_isa_cap = [] {
+  const char* v = std::getenv("EDGE0_KERNEL_ISA");
+  if (v == nullptr) return int(Isa::Avx512);
+  const std::string name(v);
+  return name == "portable" ? int(Isa::Portable) : name == "avx2" ? int(Isa::Avx2) : int(Isa::Avx512);
+}();
 
-bool avx2_on() {
-  static const bool has = cpu_has_avx2();
-  return has && !g_force_portable;
+Isa current_isa() {
+  static const Isa has = cpu_has_avx512() ? Isa::Avx512 : cpu_has_avx2() ? Isa::Avx2 : Isa::Portable;
+  return Isa(std::min(int(has), g_isa_cap));
+}
+
+bool avx2_on() { return current_isa() >= Isa::Avx2; }
+
+// the loops a call over rows of width K runs: the widest allowed whose block divides K
+template <int BITS>
+Isa isa_for(int64_t K) {
+  Isa isa = current_isa();
+#ifdef EDGE0_X86
+  if (isa == Isa::Avx512 && K % kBlock512<BITS> != 0) isa = Isa::Avx2;
+  if (isa == Isa::Avx2 && K % kBlock<BITS> != 0) isa = Isa::Portable;
+#else
+  (void)K;
+#endif
+  return isa;
 }
 
 template <int BITS>
-void dot_rows(bool avx2, const uint32_t* wrow, const float* sc, int64_t K, int gs,
+void dot_rows(Isa isa, const Lanes& lanes, const uint32_t* wrow, const float* sc, int64_t K, int gs,
               const float* const* xr, int rb, float* res) {
 #ifdef EDGE0_X86
-  if (avx2) {
+  if (isa == Isa::Avx512) {
+    if (rb == 4) return dot_avx512<BITS, 4>(wrow, sc, K, gs, lanes.l512, xr, res);
+    if (rb == 2) return dot_avx512<BITS, 2>(wrow, sc, K, gs, lanes.l512, xr, res);
+    if (rb == 1) return dot_avx512<BITS, 1>(wrow, sc, K, gs, lanes.l512, xr, res);
+    dot_avx512<BITS, 2>(wrow, sc, K, gs, lanes.l512, xr, res);  // 3 rows: 2 + 1
+    return dot_avx512<BITS, 1>(wrow, sc, K, gs, lanes.l512, xr + 2, res + 2);
+  }
+  if (isa == Isa::Avx2) {
     if (rb == 4) return dot_avx2<BITS, 4>(wrow, sc, K, gs, xr, res);
     if (rb == 2) return dot_avx2<BITS, 2>(wrow, sc, K, gs, xr, res);
     if (rb == 1) return dot_avx2<BITS, 1>(wrow, sc, K, gs, xr, res);
@@ -283,7 +462,8 @@ void dot_rows(bool avx2, const uint32_t* wrow, const float* sc, int64_t K, int g
     return dot_avx2<BITS, 1>(wrow, sc, K, gs, xr + 2, res + 2);
   }
 #endif
-  (void)avx2;
+  (void)isa;
+  (void)lanes;
   dot_portable<BITS>(wrow, sc, K, gs, xr, rb, res);
 }
 
@@ -459,15 +639,24 @@ void run_qmm(const QmmArgs& a) {
       xsum[r * G + g] = s;
     }
   }
-  // the AVX2 loops read x block-transposed (permute_x), whole blocks of 8 words
-  const bool avx2 = avx2_on() && a.K % kBlock<BITS> == 0;
+  // the vector loops read x block-transposed (permute_x, permute_x512), whole blocks of words
+  const Isa use = isa_for<BITS>(a.K);
+  Lanes lanes{};
   std::vector<float> xp;
-  if (avx2) {
+#ifdef EDGE0_X86
+  if (use == Isa::Avx512) lanes.l512 = lanes512<BITS>(a.group_size);
+  if (use != Isa::Portable) {
     const int64_t X = (a.B / a.x_repeat) * a.M;  // distinct rows of x
     xp.resize(X * a.K);
-    for (int64_t i = 0; i < X; ++i) permute_x<BITS>(a.x + i * a.K, a.K, xp.data() + i * a.K);
+    for (int64_t i = 0; i < X; ++i) {
+      if (use == Isa::Avx512)
+        permute_x512<BITS>(a.x + i * a.K, a.K, xp.data() + i * a.K);
+      else
+        permute_x<BITS>(a.x + i * a.K, a.K, xp.data() + i * a.K);
+    }
   }
-  const float* xbase = avx2 ? xp.data() : a.x;
+#endif
+  const float* xbase = use != Isa::Portable ? xp.data() : a.x;
   auto xdot = [&](int64_t r) {  // the x a row's dot products read
     const int64_t b = r / a.M, m = r % a.M;
     return xbase + ((b / a.x_repeat) * a.M + m) * a.K;
@@ -485,24 +674,33 @@ void run_qmm(const QmmArgs& a) {
     std::vector<float> sc(G), bi(G);
 #ifdef EDGE0_X86
     std::vector<float> wf;  // the tiles' decoded weight rows
+    const bool wide = use == Isa::Avx512;
+    const int tm = wide ? kTileM512 : kTileM, tn = wide ? kTileN512 : kTileN;
 #endif
     for (size_t gi = 0; gi + 1 < start.size(); ++gi) {
       const int64_t e = expert[gi], s0 = start[gi], s1 = start[gi + 1];
 #ifdef EDGE0_X86
-      if (avx2 && s1 - s0 >= kTileRows) {
-        wf.resize(size_t(kTileN) * a.K);
-        for (int64_t n = n0; n < n1; n += kTileN) {
-          const int nb = int(std::min<int64_t>(kTileN, n1 - n));
+      if (use != Isa::Portable && s1 - s0 >= kTileRows) {
+        wf.resize(size_t(tn) * a.K);
+        for (int64_t n = n0; n < n1; n += tn) {
+          const int nb = int(std::min<int64_t>(tn, n1 - n));
           for (int j = 0; j < nb; ++j) {
             const int64_t row = e * a.N + n + j;
             load_params(a.scales, a.scale_type, row * G, G, sc.data());
             load_params(a.biases, a.scale_type, row * G, G, bi.data());
-            dequant_avx2<BITS>(a.w + row * words, sc.data(), bi.data(), a.K, a.group_size, wf.data() + j * a.K);
+            if (wide)
+              dequant_avx512<BITS>(a.w + row * words, sc.data(), bi.data(), a.K, a.group_size, lanes.l512,
+                                   wf.data() + j * a.K);
+            else
+              dequant_avx2<BITS>(a.w + row * words, sc.data(), bi.data(), a.K, a.group_size, wf.data() + j * a.K);
           }
-          for (int64_t s = s0; s < s1; s += kTileM) {
-            const int mb = int(std::min<int64_t>(kTileM, s1 - s));
-            float res[kTileM * kTileN];
-            tile(mb, nb, xd_of.data() + s, wf.data(), a.K, res);
+          for (int64_t s = s0; s < s1; s += tm) {
+            const int mb = int(std::min<int64_t>(tm, s1 - s));
+            float res[kTileM512 * kTileN512];
+            if (wide)
+              tile512(mb, nb, xd_of.data() + s, wf.data(), a.K, res);
+            else
+              tile(mb, nb, xd_of.data() + s, wf.data(), a.K, res);
             for (int i = 0; i < mb; ++i)
               for (int j = 0; j < nb; ++j) out_of[s + i][n + j] = res[i * nb + j];
           }
@@ -518,7 +716,7 @@ void run_qmm(const QmmArgs& a) {
         for (int64_t s = s0; s < s1; s += 4) {
           const int rb = int(std::min<int64_t>(4, s1 - s));
           float res[4];
-          dot_rows<BITS>(avx2, wrow, sc.data(), a.K, a.group_size, xd_of.data() + s, rb, res);
+          dot_rows<BITS>(use, lanes, wrow, sc.data(), a.K, a.group_size, xd_of.data() + s, rb, res);
           for (int i = 0; i < rb; ++i) {
             const float* xs = xs_of[s + i];
             float bias = 0.0f;
@@ -586,7 +784,18 @@ bool use_avx2() { return avx2_on(); }
 
 void set_threads(int n) { g_threads = std::max(1, n); }
 int get_threads() { return g_threads; }
-const char* isa() { return use_avx2() ? "avx2" : "portable"; }
-void force_portable(bool on) { g_force_portable = on; }
+const char* isa() {
+  switch (current_isa()) {
+    case Isa::Avx512: return "avx512";
+    case Isa::Avx2: return "avx2";
+    default: return "portable";
+  }
+}
+bool limit_isa(const char* name) {
+  const std::string n(name);
+  if (n != "avx512" && n != "avx2" && n != "portable") return false;
+  g_isa_cap = int(n == "portable" ? Isa::Portable : n == "avx2" ? Isa::Avx2 : Isa::Avx512);
+  return true;
+}
 
 }  // namespace edge0

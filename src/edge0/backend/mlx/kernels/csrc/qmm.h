@@ -55,15 +55,18 @@ void attention(const AttnArgs& a);
 
 // fn(part, parts) on the pool's threads, rows dealt among them (fewer parts for few rows).
 void parallel_rows(int64_t rows, const std::function<void(int, int)>& fn);
-// Whether the AVX2 loops run (the CPU has them and they are not forced off).
+// Which loops run: the widest the CPU has (AVX-512, then AVX2 with FMA), unless limited.
+enum class Isa : int { Portable = 0, Avx2 = 1, Avx512 = 2 };
+// Whether the AVX2 loops may run (the attention kernel's widest).
 bool use_avx2();
 
 // The number of threads qmm splits output rows over (1 = the calling thread only).
 void set_threads(int n);
 int get_threads();
-// Which inner loops run: "avx2" or "portable".
+// Which inner loops run: "avx512", "avx2" or "portable".
 const char* isa();
-// Force the portable loops (testing) or let the CPU decide.
-void force_portable(bool on);
+// The widest loops allowed ("avx512": the CPU decides; "avx2"; "portable"). Returns false
+// for another name. EDGE0_KERNEL_ISA sets it at start-up.
+bool limit_isa(const char* name);
 
 }  // namespace edge0
