@@ -98,6 +98,10 @@ void load_params(const void* p, ScaleType t, int64_t i0, int64_t n, float* dst) 
   }
 }
 
+// the group of position k0: group sizes are powers of two, so a shift (a division by a
+// run-time value is an integer divide each block, as slow as the block's arithmetic)
+inline int64_t group_of(int64_t k0, int gs) { return k0 >> __builtin_ctz(unsigned(gs)); }
+
 // ---------------------------------------------------------------- portable loops
 template <int BITS>
 inline int quant_at(const uint32_t* wrow, int64_t k) {
@@ -152,7 +156,7 @@ __attribute__((target("avx2,fma"))) inline __m256 block_scale(const float* sc, i
     const __m128 a = _mm_set1_ps(sc[k0 / 32]), b = _mm_set1_ps(sc[k0 / 32 + 1]);
     return _mm256_insertf128_ps(_mm256_castps128_ps256(a), b, 1);
   }
-  return _mm256_set1_ps(sc[k0 / gs]);
+  return _mm256_set1_ps(sc[group_of(k0, gs)]);
 }
 
 // RB rows of permuted x against one weight row; U independent accumulators per row keep
@@ -294,7 +298,7 @@ Lanes512 lanes512(int gs) {
 template <int BITS>
 __attribute__((target("avx512f"))) inline __m512 block_scale512(const float* sc, int64_t k0, int gs,
                                                                 const Lanes512& l) {
-  return _mm512_permutexvar_ps(_mm512_load_si512(l.group), _mm512_maskz_loadu_ps(__mmask16(l.load), sc + k0 / gs));
+  return _mm512_permutexvar_ps(_mm512_load_si512(l.group), _mm512_maskz_loadu_ps(__mmask16(l.load), sc + group_of(k0, gs)));
 }
 
 template <int BITS, int RB>
@@ -396,6 +400,51 @@ void tile512(int mb, int nb, const float* const* xr, const float* wf, int64_t K,
   }
 }
 
+// A row's scales or biases as float32 (load_params), and the bias term's dot product over
+// the groups: per output row these were scalar loops as long as a quarter of the row's
+// vector work at one row of x.
+__attribute__((target("avx2"))) void load_params_avx2(const void* p, ScaleType t, int64_t i0, int64_t n,
+                                                      float* dst) {
+  if (t != ScaleType::BF16) return load_params(p, t, i0, n, dst);
+  auto q = static_cast<const unsigned char*>(p) + i0 * 2;
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {  // bfloat16 is float32's upper half: widen and shift
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 2 * i));
+    _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+  }
+  if (i < n) load_params(p, t, i0 + i, n - i, dst + i);
+}
+
+__attribute__((target("avx512f"))) void load_params_avx512(const void* p, ScaleType t, int64_t i0, int64_t n,
+                                                           float* dst) {
+  if (t != ScaleType::BF16) return load_params(p, t, i0, n, dst);
+  auto q = static_cast<const unsigned char*>(p) + i0 * 2;
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 2 * i));
+    _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+  }
+  if (i < n) load_params(p, t, i0 + i, n - i, dst + i);
+}
+
+__attribute__((target("avx2,fma"))) float dot_groups_avx2(const float* a, const float* b, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  float tot = hsum(acc);
+  for (; i < n; ++i) tot += a[i] * b[i];
+  return tot;
+}
+
+__attribute__((target("avx512f"))) float dot_groups_avx512(const float* a, const float* b, int64_t n) {
+  __m512 acc = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+  float tot = _mm512_reduce_add_ps(acc);
+  for (; i < n; ++i) tot += a[i] * b[i];
+  return tot;
+}
+
 bool cpu_has_avx512() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") != 0;
@@ -441,6 +490,27 @@ Isa isa_for(int64_t K) {
   (void)K;
 #endif
   return isa;
+}
+
+void load_row_params(Isa isa, const void* p, ScaleType t, int64_t i0, int64_t n, float* dst) {
+#ifdef EDGE0_X86
+  if (isa == Isa::Avx512) return load_params_avx512(p, t, i0, n, dst);
+  if (isa == Isa::Avx2) return load_params_avx2(p, t, i0, n, dst);
+#endif
+  (void)isa;
+  load_params(p, t, i0, n, dst);
+}
+
+// sum_g a[g] * b[g] (the bias term: a row's biases against x's group sums)
+float dot_groups(Isa isa, const float* a, const float* b, int64_t n) {
+#ifdef EDGE0_X86
+  if (isa == Isa::Avx512) return dot_groups_avx512(a, b, n);
+  if (isa == Isa::Avx2) return dot_groups_avx2(a, b, n);
+#endif
+  (void)isa;
+  float tot = 0.0f;
+  for (int64_t g = 0; g < n; ++g) tot += a[g] * b[g];
+  return tot;
 }
 
 template <int BITS>
@@ -686,8 +756,8 @@ void run_qmm(const QmmArgs& a) {
           const int nb = int(std::min<int64_t>(tn, n1 - n));
           for (int j = 0; j < nb; ++j) {
             const int64_t row = e * a.N + n + j;
-            load_params(a.scales, a.scale_type, row * G, G, sc.data());
-            load_params(a.biases, a.scale_type, row * G, G, bi.data());
+            load_row_params(use, a.scales, a.scale_type, row * G, G, sc.data());
+            load_row_params(use, a.biases, a.scale_type, row * G, G, bi.data());
             if (wide)
               dequant_avx512<BITS>(a.w + row * words, sc.data(), bi.data(), a.K, a.group_size, lanes.l512,
                                    wf.data() + j * a.K);
@@ -711,18 +781,13 @@ void run_qmm(const QmmArgs& a) {
       for (int64_t n = n0; n < n1; ++n) {
         const int64_t row = e * a.N + n;
         const uint32_t* wrow = a.w + row * words;
-        load_params(a.scales, a.scale_type, row * G, G, sc.data());
-        load_params(a.biases, a.scale_type, row * G, G, bi.data());
+        load_row_params(use, a.scales, a.scale_type, row * G, G, sc.data());
+        load_row_params(use, a.biases, a.scale_type, row * G, G, bi.data());
         for (int64_t s = s0; s < s1; s += 4) {
           const int rb = int(std::min<int64_t>(4, s1 - s));
           float res[4];
           dot_rows<BITS>(use, lanes, wrow, sc.data(), a.K, a.group_size, xd_of.data() + s, rb, res);
-          for (int i = 0; i < rb; ++i) {
-            const float* xs = xs_of[s + i];
-            float bias = 0.0f;
-            for (int64_t g = 0; g < G; ++g) bias += bi[g] * xs[g];
-            out_of[s + i][n] = res[i] + bias;
-          }
+          for (int i = 0; i < rb; ++i) out_of[s + i][n] = res[i] + dot_groups(use, bi.data(), xs_of[s + i], G);
         }
       }
     }
