@@ -318,3 +318,23 @@ def test_the_c_plus_plus_harness_builds_and_times_the_kernel(tmp_path):
     p10, p50, p90 = map(float, re.search(r"p10 ([\d.]+) p50 ([\d.]+) p90 ([\d.]+) ms", out).groups())
     assert 0 < p10 <= p50 <= p90
     assert subprocess.run([str(exe), "--bogus", "1"], capture_output=True, timeout=60).returncode == 2
+
+
+@pytest.mark.parametrize("cap", ["avx2", "portable"])
+def test_edge0_kernel_isa_caps_the_loops_and_the_stats_line_says_which_ran(cap):
+    """EDGE0_KERNEL_ISA, read when the extension loads, caps the loops; the same numbers to
+    float32's rounding; the stats line names the loops that ran."""
+    import subprocess
+    import sys
+
+    if ISAS.index(cap) < ISAS.index(K.isa()):
+        pytest.skip(f"this CPU's widest loops are {K.isa()}")
+    code = ("from edge0 import Engine, EngineConfig\nfrom edge0.backend.mlx import kernels as K\n"
+            "with Engine('src/edge0/data/demo_model', EngineConfig(kernels='edge0')) as e:\n"
+            "    events = list(e.stream('def f(x):', max_tokens=4))\n"
+            "print(K.isa(), '|', events[-1].stats.line())\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**__import__("os").environ, "EDGE0_KERNEL_ISA": cap})
+    assert done.returncode == 0, done.stderr[-2000:]
+    isa, line = done.stdout.strip().splitlines()[-1].split(" | ", 1)
+    assert isa == cap and f"kernels edge0 ({cap}, " in line
