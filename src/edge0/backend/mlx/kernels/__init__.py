@@ -16,7 +16,9 @@ weights, its rows decoded once and tiled), portable loops elsewhere (``isa()`` s
 never the reduction, so results do not depend on the thread count. Activations are float32.
 
 The same product can read the experts' stacked tensors where a read-only mapping of the
-checkpoint file holds them (``MappedSwitchLinear``, ``mapping``): no copy into a slot.
+checkpoint file holds them (``MappedSwitchLinear``, ``mapping``): no copy into a slot. A MoE
+layer's routed experts (mlx-lm's ``SwitchGLU``: gate, up, SwiGLU, down) are one op over
+either (``ops.Edge0SwitchGLU``).
 
 ``_loader`` loads the extension (``available()``, and why not); ``ops`` holds the MLX-facing
 ops, the modules that use them and the engine setting's resolution.

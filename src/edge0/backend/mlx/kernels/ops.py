@@ -249,8 +249,8 @@ ROW_TWINS = {nn.RMSNorm: Edge0RMSNorm, nn.RoPE: Edge0RoPE, SwitchGLU: Edge0Switc
 
 def use_edge0(*trees) -> int:
     """Turn every supported quantized module under ``trees`` into its Edge0 twin, and every
-    ``nn.RMSNorm`` and ``nn.RoPE`` into theirs; returns how many. A module of a layout the
-    kernels do not compute keeps MLX's kernel."""
+    ``nn.RMSNorm``, ``nn.RoPE`` and ``SwitchGLU`` into theirs; returns how many. A module of
+    a layout the kernels do not compute keeps MLX's kernel."""
     n = 0
     for tree in trees:
         for _, m in tree.named_modules():
