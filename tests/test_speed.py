@@ -35,7 +35,7 @@ def _no_measuring(monkeypatch) -> None:
         raise AssertionError("measured again")
     from edge0.backend import timing
 
-    for name in ("dense_seconds", "step_seconds", "attention_seconds"):
+    for name in ("dense_seconds", "step_pair_seconds", "attention_seconds"):
         monkeypatch.setattr(timing, name, refuse)
     from edge0.io_sched import drive_rate
 
@@ -77,17 +77,35 @@ def test_plan_refuses_a_prompt_of_no_tokens(setups):
     assert code == 2 and "--prompt-tokens must be at least 1, got 0" in out
 
 
-def test_the_replica_keeps_the_checkpoints_architecture_and_moe_layers(tiny_model_factory, speed_cache):
+def test_the_replica_keeps_the_checkpoints_architecture_moe_layers_and_widths(tiny_model_factory, speed_cache,
+                                                                               monkeypatch):
     from edge0.model.open import open_checkpoint
 
-    d = tiny_model_factory("qwen3_moe", layers=5, experts=24, k=3, mlp_only_layers=(0, 3))
-    spec, _, _ = open_checkpoint(d)
-    rc = speed.replica_config(spec, json.loads((d / "config.json").read_text()))
+    d = tiny_model_factory("qwen3_moe", layers=5, experts=24, k=3, hidden=192, moe_intermediate=128,
+                           mlp_only_layers=(0, 3), num_attention_heads=3, num_key_value_heads=1, head_dim=48)
+    spec, index, _ = open_checkpoint(d)
+    raw = json.loads((d / "config.json").read_text())
+    rc = speed.replica_config(spec, raw, speed.products(spec, index))
     rspec, _, _ = open_checkpoint(speed.replica_dir(rc))
     assert rspec.model_type == spec.model_type and rspec.num_layers == spec.num_layers
     assert (rspec.num_experts, rspec.k) == (spec.num_experts, spec.k)
     assert rspec.moe_layers == spec.moe_layers == (1, 2, 4)
-    assert rspec.hidden_size == speed.REPLICA_WIDTHS["hidden"]
+    rraw = json.loads((speed.replica_dir(rc) / "config.json").read_text())
+    widths = ("hidden_size", "moe_intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim")
+    assert {w: rraw[w] for w in widths} == {w: raw[w] for w in widths} == {
+        "hidden_size": 192, "moe_intermediate_size": 128, "num_attention_heads": 3, "num_key_value_heads": 1,
+        "head_dim": 48}
+    assert rraw["vocab_size"] <= raw["vocab_size"]
+    # experts that would not fit the replica's budget: halved while 2k (and at least 8) stay
+    from edge0.backend import timing
+
+    routed = [c for c in speed.products(spec, index)["calls"] if c[0] == "routed"]
+    assert len(routed) == 3 * 3  # gate, up, down of 3 MoE layers, one expert's shape each
+    one = sum(timing.nbytes(c[1], c[2], c[3], 2) for c in routed)  # an expert's bytes over the layers
+    assert one == 3 * 3 * (128 * 192 // 2 + 2 * 128 * 192 // 64 * 2)  # 4-bit words, bfloat16 scales and biases
+    for budget, experts in ((30, 24), (13, 12), (1, 12)):
+        monkeypatch.setattr(speed, "REPLICA_EXPERT_BYTES", budget * one)
+        assert speed.replica_config(spec, raw, speed.products(spec, index))["experts"] == experts
 
 
 def _lay(staged: list[int], layers: int = 4, source: str = "slots", direct: bool = True):
@@ -176,3 +194,27 @@ def test_a_forecast_leaves_the_kernels_thread_count_as_it_was(setups, speed_cach
         assert json.loads(out)["speed"]["decode_tok_s"] > 0 and bk.get_threads() == 1
     finally:
         bk.set_threads(before)
+
+
+def test_the_kernels_extra_time_is_the_real_steps_less_the_replicas_timed_in_turns(monkeypatch, speed_cache):
+    """The checkpoint's products and the replica's alternate in one process (a drift of the
+    machine's speed falls on both); the term is the difference of their medians, cached."""
+    from edge0.backend import timing
+
+    clock, order = [0.0], []
+
+    def runner(calls, *args):
+        cost = {"real": 0.030, "replica": 0.002}[calls]
+
+        def run(i):
+            order.append(calls)
+            clock[0] += cost * (2 if len(order) > 20 else 1)  # the machine slows down halfway
+        return run
+    monkeypatch.setattr(timing, "step_runner", runner)
+    monkeypatch.setattr(timing, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    prods = lambda calls: {"calls": calls, "scale_dtype": "float32", "experts": 4, "k": 2}
+    extra = speed.extra_kernel_seconds(prods("real"), prods("replica"), "edge0", 1)
+    assert order[:6] == ["real", "replica"] * 3 and len(order) == 62
+    assert extra == pytest.approx(0.060 - 0.004)  # both medians after the slow-down: the same drift
+    _no_measuring(monkeypatch)
+    assert speed.extra_kernel_seconds(prods("real"), prods("replica"), "edge0", 1) == extra

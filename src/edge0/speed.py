@@ -4,13 +4,16 @@ first token of a stated prompt, on this machine, before the checkpoint is loaded
 A decode step is forecast from measured terms:
 
 - **the engine's own step**: a replica of the checkpoint (its architecture, decoder and MoE
-  layers, experts and k, at tiny widths: ``edge0.tiny``) is benchmarked as ``edge0 bench``
-  runs an arm, under the same settings. Its step holds what does not grow with the widths:
-  the graph's ops, the engine's planning, the reads' hand-offs;
-- **the kernels at the real widths**: the step's quantized products (each resident
-  projection; each MoE layer's routed experts, k a row) in the checkpoint's order on random
-  weights of its shapes, evaluated together, less the same at the replica's shapes; the
-  heads' flush at the real widths likewise;
+  layers, k, its widths and attention heads; fewer experts where its own would take more than
+  ``REPLICA_EXPERT_BYTES``; random weights: ``edge0.tiny``) is benchmarked as ``edge0 bench``
+  runs an arm, under the same settings. Its step holds the graph's ops and the kernels at
+  the real widths, the engine's planning and the reads' hand-offs;
+- **what the replica does not compute as the checkpoint does**: the step's quantized
+  products (each resident projection; each MoE layer's routed experts, k a row) in the
+  checkpoint's order on random weights of its shapes, evaluated together, less the same at
+  the replica's (the head over a small vocabulary, the routers over fewer experts), the two
+  timed in turns in one process (the machine's drift falls on both); the heads' flush over
+  every expert likewise;
 - **the reads** (the plan computes over slots): the plan's disk bytes a token over the
   drive's rate at the plan's request sizes (positional reads, as many threads as the
   engine's readers, the page cache bypassed), the other expert bytes (the expert cache's)
@@ -19,7 +22,8 @@ A decode step is forecast from measured terms:
 Layers decoding exact read on demand: the step waits for all of it. Staged layers' reads are
 issued ahead and run beside the compute, their CPU work (the drive's system time, the
 copies) taking its share of the cores from it: the step is the longer of the two. Prefill
-adds the chunks' attention at the real heads (timed at one chunk, scaled by query x key
+is the replica's (of at most ``REPLICA_PROMPT`` tokens, scaled to the prompt), what a longer
+prompt's attention adds (one chunk timed at the real heads, scaled by query x key
 positions) and, over slots from the drive, every expert the prompt touches read once. Each
 measurement is cached per CPU (kernels, replica) or per drive (``$EDGE0_CACHE/speed``), so a
 second forecast measures nothing.
@@ -35,7 +39,9 @@ import statistics
 import tempfile
 from pathlib import Path
 
-REPLICA_WIDTHS = dict(hidden=64, moe_intermediate=64)
+REPLICA_EXPERT_BYTES = 1536 * 2**20  # at most this much routed-expert weight in the replica
+# config.json keys of the attention's shape: copied into the replica (its widths are the checkpoint's)
+HEAD_KEYS = ("num_attention_heads", "num_key_value_heads", "head_dim")
 # config.json keys that say which layers are MoE, dense or of which attention: copied into the replica
 PATTERN_KEYS = ("mlp_only_layers", "decoder_sparse_step", "first_k_dense_replace", "moe_layer_freq",
                 "full_attention_interval", "layer_types", "moe_layers_enum", "sliding_window_pattern")
@@ -134,26 +140,57 @@ def products(spec, index) -> dict:
     return {"calls": calls, "scale_dtype": dtype, "experts": spec.num_experts, "k": spec.k}
 
 
-def kernel_seconds(prods: dict, kernels: str, rows: int = 1) -> float:
-    """Seconds of a step's quantized products at ``rows`` rows on this CPU, made in the
-    step's order as one evaluation, each on weights of its own (from memory, not the CPU's
-    caches), each routed one on k experts of each row drawn at random (cached per CPU)."""
+def extra_kernel_seconds(prods: dict, rprods: dict, kernels: str, rows: int = 1) -> float:
+    """Seconds a step's quantized products at ``rows`` rows take on this CPU beyond the
+    replica's (``rprods``): each step's made in its order as one evaluation, each product on
+    weights of its own (from memory, not the CPU's caches), each routed one on k experts of
+    each row drawn at random; the two steps timed in turns in one process, so that a drift of
+    the machine's speed falls on both (cached per CPU)."""
     from edge0.backend import timing
 
-    key = {**cpu_key(), "kernels": kernels, "rows": rows, **prods}
-    return cached("kernels", key, lambda: timing.step_seconds(
-        prods["calls"], prods["scale_dtype"], prods["experts"], prods["k"], kernels, rows, POOL_BYTES,
-        repeats=9 if rows == 1 else 3))
+    key = {**cpu_key(), "kernels": kernels, "rows": rows, "real": prods, "replica": rprods}
+    real, replica = cached("kernels", key, lambda: timing.step_pair_seconds(
+        prods, rprods, kernels, rows, POOL_BYTES, repeats=31 if rows == 1 else 4))
+    return max(0.0, real - replica)
 
 
 # ---------------------------------------------------------------- the replica
-def replica_config(spec, raw: dict) -> dict:
-    """make_tiny's arguments for the checkpoint's replica: its architecture, layers, experts
-    and k, its layer pattern's config keys, tiny widths."""
+def _widths(spec, prods: dict) -> tuple[int, int]:
+    """(hidden, expert width) of a checkpoint: its MoE blocks' input, and the output of the
+    routed stack that takes it (gate and up; fc1)."""
+    hidden = spec.block_input
+    return hidden, next((c[1][0] for c in prods["calls"] if c[0] == "routed" and c[1][1] == hidden), hidden)
+
+
+def _replica_experts(spec, prods: dict) -> int:
+    """The replica's experts: the checkpoint's, halved while its routed stacks would hold more
+    than ``REPLICA_EXPERT_BYTES`` and at least 2k (and the architecture's expert groups) stay.
+    A token reads k of them a layer either way, and the stacks stay far past the CPU's caches."""
+    from edge0.backend import timing
+    from edge0.tiny.classic import check_groups
+
+    per = sum(timing.nbytes(c[1], c[2], c[3], 2) for c in prods["calls"] if c[0] == "routed")  # an expert, all layers
+    experts = spec.num_experts
+    while experts * per > REPLICA_EXPERT_BYTES and experts % 2 == 0 and experts // 2 >= max(2 * spec.k, 8):
+        try:
+            check_groups(spec.model_type, experts // 2, spec.k)
+        except ValueError:
+            break
+        experts //= 2
+    return experts
+
+
+def replica_config(spec, raw: dict, prods: dict) -> dict:
+    """make_tiny's arguments for the checkpoint's replica: its architecture, layers and k, its
+    layer pattern's config keys, its widths (hidden, expert width, attention heads), fewer
+    experts where its own would not fit ``REPLICA_EXPERT_BYTES``, a small vocabulary (the head's
+    product is timed apart)."""
     text = raw.get("text_config", raw) if isinstance(raw.get("text_config"), dict) else raw
     pattern = {key: text[key] for key in PATTERN_KEYS if key in text}
-    return {"family": spec.model_type, "layers": spec.num_layers, "experts": spec.num_experts, "k": spec.k,
-            **REPLICA_WIDTHS, **pattern}
+    heads = {key: text[key] for key in HEAD_KEYS if isinstance(text.get(key), int)}
+    hidden, moe = (-(-w // 64) * 64 for w in _widths(spec, prods))  # whole quantization groups
+    return {"family": spec.model_type, "layers": spec.num_layers, "experts": _replica_experts(spec, prods),
+            "k": spec.k, "hidden": hidden, "moe_intermediate": moe, **heads, **pattern}
 
 
 def replica_dir(rc: dict) -> Path:
@@ -195,7 +232,7 @@ def replica_seconds(lay, prompt_tokens: int, rounds: int = 3) -> dict:
     runs the arm (warm, ``rounds`` rounds)."""
     from edge0.benchmark.harness import BenchSettings, run_bench
 
-    rc = replica_config(lay.opened.spec, lay.opened.raw)
+    rc = replica_config(lay.opened.spec, lay.opened.raw, products(lay.opened.spec, lay.opened.index))
     arm, options = replica_arm(lay)
     prompt = min(prompt_tokens, REPLICA_PROMPT)
     key = {**cpu_key(), "replica": rc, "arm": arm, "options": options, "prompt": prompt, "dtype": lay.compute_dtype}
@@ -265,12 +302,12 @@ def _forecast(lay, fc: dict, prompt_tokens: int, kernels: str, prods: dict) -> d
 
     spec = lay.opened.spec
     rep = replica_seconds(lay, prompt_tokens)
-    rdir = replica_dir(replica_config(spec, lay.opened.raw))
-    rprods = products(*open_checkpoint(rdir)[:2])
+    rc = replica_config(spec, lay.opened.raw, prods)
+    rprods = products(*open_checkpoint(replica_dir(rc))[:2])
 
     def extra(rows):
-        return max(0.0, kernel_seconds(prods, kernels, rows) - kernel_seconds(rprods, kernels, rows))
-    flush = _flush_seconds(lay, kernels)
+        return extra_kernel_seconds(prods, rprods, kernels, rows)
+    flush = _flush_seconds(lay, kernels, rc)
     compute = rep["step_s"] + extra(1) + flush
     reads, exposed, assumptions = _reads(lay, fc, compute, kernels)
     step = compute + exposed
@@ -278,16 +315,19 @@ def _forecast(lay, fc: dict, prompt_tokens: int, kernels: str, prods: dict) -> d
     attention, why = attention_seconds(lay.opened.raw, prompt_tokens, chunk)
     if why:
         assumptions.append(why)
-    # (the replica's prefill holds its own attention, at its heads)
-    attention = max(0.0, attention - attention_seconds(json.loads((rdir / "config.json").read_text()),
-                                                       prompt_tokens, chunk)[0])
+    # the replica's prefill holds the attention of its prompt (at most REPLICA_PROMPT tokens), at the real
+    # heads, scaled to the prompt as if it grew with the tokens: what a longer prompt's attention adds beyond
+    measured = min(prompt_tokens, REPLICA_PROMPT)
+    attention = max(0.0, attention - attention_seconds(lay.opened.raw, measured, chunk)[0] * prompt_tokens / measured)
     prefill = rep["prefill_s"] + extra(chunk) * prompt_tokens / chunk + attention * spec.num_layers
     prompt_reads, why = _prompt_reads(lay, prompt_tokens, fc, kernels)
     assumptions += [
         why,
         f"the engine's own step measured on a replica (the checkpoint's architecture, {spec.num_layers} layers, "
-        f"{spec.num_experts} experts, k={spec.k}, widths {REPLICA_WIDTHS['hidden']}) under the same settings",
-        f"the kernels ({kernels}) timed at the checkpoint's shapes with weights from memory",
+        f"its widths (hidden {rc['hidden']}, experts' {rc['moe_intermediate']}), {rc['experts']} experts of its "
+        f"{spec.num_experts}, k={spec.k}, random weights) under the same settings",
+        f"the products the replica does not make as the checkpoint does (the head, the routers, other widths) "
+        f"timed on Edge0's or MLX's kernels ({kernels}) with weights from memory",
         "attention at every decoder layer",
     ]
     return {"decode_tok_s": 1.0 / step, "step_ms": step * 1e3, "prompt_tokens": prompt_tokens,
@@ -299,27 +339,29 @@ def _forecast(lay, fc: dict, prompt_tokens: int, kernels: str, prods: dict) -> d
             "kernels": kernels, "assumptions": assumptions}
 
 
-def _flush_seconds(lay, kernels: str) -> float:
-    """The heads' flush at the real widths less the replica's (whose heads see its tiny hidden
-    state): their products in 8 bits on Edge0's kernels, as ``prerouter_flush`` edge0 makes
-    them; 0 without staged heads or with another flush (its cost is then the replica's only)."""
+def _flush_seconds(lay, kernels: str, rc: dict) -> float:
+    """The heads' flush less the replica's (``rc``: its heads are the bench's warm-start ones,
+    ``WIDTH`` wide, over its experts, seeing the token): their products in 8 bits on
+    Edge0's kernels, as ``prerouter_flush`` edge0 makes them; 0 without staged heads or with
+    another flush (its cost is then the replica's only)."""
     from edge0.backend import timing
     from edge0.loader import prerouter_mode
     from edge0.prerouter.quantized import group_of, width_of
+    from edge0.prerouter.heads import WIDTH
 
     heads = lay.heads
     if heads is None or not lay.on["staged"] or prerouter_mode(lay.config, heads)[1] != "edge0":
         return 0.0
-    e, width, group, tiny = heads.experts, width_of(heads), group_of(heads), REPLICA_WIDTHS["hidden"]
+    group = group_of(heads)
 
-    def one(hidden, token):
+    def one(e, width, hidden, token):
         shapes = [(e + width, hidden), (e, width)] + ([(e + width, token)] if token else [])
         return sum(cached("dense", {**cpu_key(), "kernels": kernels, "rows": 1, "dtype": "float32", "shape": s,
                                     "bits": 8, "group": group},
                           lambda s=s: timing.dense_seconds(s, 8, group, "float32", kernels, 1, POOL_BYTES))
                    for s in shapes)
-    token = heads.token_dim
-    return len(heads.owners) * max(0.0, one(heads.hidden, token) - one(tiny, tiny if token else 0))
+    real = one(heads.experts, width_of(heads), heads.hidden, heads.token_dim)
+    return len(heads.owners) * max(0.0, real - one(rc["experts"], WIDTH, rc["hidden"], rc["hidden"]))
 
 
 def _drive(lay, direct: bool, kernels: str = "edge0") -> dict:

@@ -28,6 +28,7 @@ BASE_INPUTS = ("hidden", "experts_t", "experts_prev")
 # "token": the embedding row of the token the next step decodes (sampled before the flush).
 TOKEN_INPUTS = BASE_INPUTS + ("token",)
 KNOWN_INPUTS = (BASE_INPUTS, TOKEN_INPUTS)
+WIDTH = 512  # a head's hidden width unless stated (warm-start heads', the speed forecast's replica's)
 
 
 class Head(bnn.Module):
@@ -62,7 +63,7 @@ class Head(bnn.Module):
 
 
 class PrerouterHeads(bnn.Module):
-    def __init__(self, owners: list[int], hidden: int, experts: int, k: int, width: int = 512,
+    def __init__(self, owners: list[int], hidden: int, experts: int, k: int, width: int = WIDTH,
                  consumers: list[int] | None = None, token_dim: int = 0):
         """``consumers``: the layer each owner's head predicts (default: the next layer).
         ``token_dim``: width of the token embedding the heads see (0: no token input)."""

@@ -27,7 +27,7 @@ from edge0.backend import nn as bnn
 from edge0.config import EngineConfig
 from edge0.errors import ConfigError
 from edge0.prerouter.files import HEADS_FILENAME, checkpoint_identity, save_heads
-from edge0.prerouter.heads import PrerouterHeads, eligible_owners
+from edge0.prerouter.heads import WIDTH, PrerouterHeads, eligible_owners
 from edge0.train.parallel import DataParallel
 
 
@@ -353,7 +353,7 @@ def _traced(streaming, chunks, owners, traces_dir, name, model_dir, experts_per_
     return traces
 
 
-def make_warm_heads(model_dir: str | Path, out: str | Path, width: int = 512, token_input: bool = True) -> Path:
+def make_warm_heads(model_dir: str | Path, out: str | Path, width: int = WIDTH, token_input: bool = True) -> Path:
     """Untrained heads (each is its next router applied to its own hidden state), written
     without collecting traces: a fast stand-in for speed benchmarks, where what matters is
     that a prediction drives the reads, not how good it is. ``token_input``: shaped as the

@@ -111,7 +111,17 @@ def step_runner(calls: list, scale_dtype: str, experts: int, k: int, kernels: st
     return run
 
 
-def step_seconds(calls: list, scale_dtype: str, experts: int, k: int, kernels: str, rows: int,
-                 pool_bytes: int = 2**30, repeats: int = 9) -> float:
-    """Median seconds of ``step_runner``'s step."""
-    return _median_s(step_runner(calls, scale_dtype, experts, k, kernels, rows, pool_bytes, repeats), repeats)
+def step_pair_seconds(first: dict, second: dict, kernels: str, rows: int, pool_bytes: int = 2**30,
+                      repeats: int = 31) -> tuple[float, float]:
+    """Median seconds of two steps' products (``first`` and ``second``: ``calls``,
+    ``scale_dtype``, ``experts``, ``k`` each), timed in turns in one process: a drift of the
+    machine's speed while they are measured falls on both alike, so their difference holds."""
+    runs = [step_runner(p["calls"], p["scale_dtype"], p["experts"], p["k"], kernels, rows, pool_bytes,
+                        min(repeats, 9)) for p in (first, second)]
+    times: tuple[list, list] = ([], [])
+    for i in range(repeats):
+        for run, got in zip(runs, times):
+            t0 = time.perf_counter()
+            run(i)
+            got.append(time.perf_counter() - t0)
+    return statistics.median(times[0][2:]), statistics.median(times[1][2:])
