@@ -6,6 +6,8 @@
   sorted shape SwitchGLU takes from 64 (row, expert) pairs; 4 and 8 bits, float32 and
   bfloat16 scales;
 - over a mapped file it equals itself over arrays holding the same bytes, bit for bit;
+- the activations of mlx-lm's blocks (SwiGLU and its clamped forms, GeGLU, SiTU) are the
+  module's own code's numbers;
 - a layout it does not compute (another activation, an output bias, MLX's kernels) is
   SwitchGLU's own code; bad inputs are typed errors naming what was wrong;
 - through the engine, one op a MoE layer on every path (exact, staged, hot, whole-layer),
@@ -92,6 +94,40 @@ def test_over_a_mapped_file_it_equals_itself_over_arrays(tmp_path):
     assert mx.array_equal(mapped(x, idx), glu(x, idx)).item()
 
 
+def _activations():
+    """mlx-lm's own activation modules of SwitchGLU blocks, with limits small enough that
+    their clamps act on these numbers."""
+    from mlx_lm.models.activations import SwigluOAI
+    from mlx_lm.models.deepseek_v41 import DeepseekV41SwiGLU
+    from mlx_lm.models.gemma4_text import GeGLU
+    from mlx_lm.models.kimi_k3 import SiTU
+    from mlx_lm.models.step3p5 import ClampedSwiGLU
+    from mlx_lm.models.switch_layers import SwiGLU
+
+    return {"SwiGLU": SwiGLU(), "GeGLU": GeGLU(),
+            "DeepseekV41SwiGLU": DeepseekV41SwiGLU(0.02), "DeepseekV41SwiGLU, no limit": DeepseekV41SwiGLU(0.0),
+            "ClampedSwiGLU": ClampedSwiGLU(0.01), "SwigluOAI": SwigluOAI(alpha=1.3, limit=0.02),
+            "SiTU": SiTU(beta=0.05, linear_beta=0.02), "SiTU, no linear beta": SiTU(beta=0.05)}
+
+
+@pytest.mark.parametrize("name", list(_activations()))
+def test_one_op_computes_each_activation_of_mlx_lms_blocks(name):
+    glu = _glu(4, mx.bfloat16, seed=7)
+    glu.activation = _activations()[name]
+    x = mx.random.normal((1, 6, 256), key=mx.random.key(8))
+    idx = mx.array(np.random.default_rng(8).integers(0, 16, size=(1, 6, 4)).astype(np.uint32))
+    mlx_ref = SwitchGLU.__call__(glu, x, idx)
+    K.use_edge0(glu)
+    assert ops.activation_of(glu.activation) is not None  # the op computes it
+    got = glu(x, idx)
+    assert _rel(got, SwitchGLU.__call__(glu, x, idx)) < 1e-6  # the module's own code on Edge0's kernels
+    assert _rel(got, mlx_ref) < 1e-5
+    plain = _glu(4, mx.bfloat16, seed=7)
+    K.use_edge0(plain)
+    differs = _rel(got, plain(x, idx)) > 1e-3  # each parameter acts on these numbers
+    assert differs == (name not in ("SwiGLU", "DeepseekV41SwiGLU, no limit"))
+
+
 class GeGLU(nn.Module):
     def __call__(self, x, gate):
         return nn.gelu(gate) * x
@@ -134,8 +170,14 @@ def test_bad_inputs_are_typed_errors_naming_what_is_wrong(change, match):
         K.ext().experts(x, idx, 2, change(stacks), [4, 4, 4], [64, 64, 64], "swiglu")
     with pytest.raises(ValueError, match="indices hold 3 entries"):
         K.ext().experts(x, idx[:3], 2, stacks, [4, 4, 4], [64, 64, 64], "swiglu")
-    with pytest.raises(ValueError, match="activation must be swiglu"):
+    with pytest.raises(ValueError, match="activation must be one of swiglu, geglu_tanh, .*got 'gelu'"):
         K.ext().experts(x, idx, 2, stacks, [4, 4, 4], [64, 64, 64], "gelu")
+    with pytest.raises(ValueError, match="swiglu_clamp_in takes 1 parameters, got 0"):
+        K.ext().experts(x, idx, 2, stacks, [4, 4, 4], [64, 64, 64], "swiglu_clamp_in")
+    with pytest.raises(ValueError, match="swiglu_oai's limit must be > 0"):
+        K.ext().experts(x, idx, 2, stacks, [4, 4, 4], [64, 64, 64], "swiglu_oai", [1.7, 0.0])
+    with pytest.raises(ValueError, match="situ's parameters must be finite"):
+        K.ext().experts(x, idx, 2, stacks, [4, 4, 4], [64, 64, 64], "situ", [float("nan"), 1.0])
 
 
 def test_an_index_outside_the_stack_fails_at_evaluation():
@@ -175,3 +217,25 @@ def test_an_engine_runs_one_op_a_moe_layer_on_every_path(monkeypatch, setting):
     with Engine(DEMO, EngineConfig(kernels="mlx", **setting)) as e:
         assert [ev.token for ev in e.stream("def fibonacci(n):", max_tokens=6, temp=0.0)] == tokens
     assert three_calls  # MLX's kernels: SwitchGLU's own three calls
+
+
+@pytest.mark.parametrize("family, activation", [
+    ("gemma4_text", "GeGLU"), ("step3p5", "ClampedSwiGLU"), ("kimi_k3", "SiTU"), ("minimax_m3_vl", "SwigluOAI"),
+    ("deepseek_v41_text", "DeepseekV41SwiGLU"),
+])
+def test_an_engine_runs_one_op_for_each_architectures_activation(tiny_model_factory, monkeypatch, family, activation):
+    made = []
+    real = ops.experts
+
+    def spy(glu, x, indices):
+        y = real(glu, x, indices)
+        made.append((type(glu.activation).__name__, y is not None))
+        return y
+    monkeypatch.setattr(ops, "experts", spy)
+    d = tiny_model_factory(family)
+    with Engine(str(d), EngineConfig(kernels="edge0", prerouter="off")) as e:
+        tokens = [ev.token for ev in e.stream([5, 9, 11, 7], max_tokens=5, temp=0.0)]
+    assert made and {name for name, _ in made} <= {activation, "SwiGLU"} and activation in {n for n, _ in made}
+    assert all(ran for _, ran in made)
+    with Engine(str(d), EngineConfig(kernels="mlx", prerouter="off")) as e:
+        assert [ev.token for ev in e.stream([5, 9, 11, 7], max_tokens=5, temp=0.0)] == tokens

@@ -14,6 +14,8 @@ THIRD_PARTY = {  # (module, expression): why there is no public way
     ("benchmark/llama_cpp.py", "llm._ctx"): "llama-cpp-python exposes no public handle to its context's timings",
     ("server/command.py", "s._actions"): "argparse has no public list of a parser's actions (to restate defaults)",
     ("cli.py", "os._exit"): "the standard library's documented exit without the interpreter's finalization",
+    ("backend/mlx/kernels/ops.py", "a._alpha"): "mlx-lm's SwigluOAI keeps its alpha and limit only as private members",
+    ("backend/mlx/kernels/ops.py", "a._limit"): "mlx-lm's SwigluOAI keeps its alpha and limit only as private members",
 }
 
 

@@ -14,7 +14,7 @@ import math
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwiGLU, SwitchGLU
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU
 
 from edge0.backend.mlx.kernels import _loader as K
 from edge0.backend.mlx.kernels.attention import Edge0RMSNorm, Edge0RoPE, install
@@ -183,19 +183,43 @@ class MappedSwitchLinear(nn.Module):
         return y if dtype == mx.float32 else y.astype(dtype)
 
 
+# mlx-lm's gated activations the one op computes: (module, class) -> the op's name and
+# parameters from the instance (None: the op does not compute this instance)
+ACTIVATIONS = {
+    ("mlx_lm.models.switch_layers", "SwiGLU"): lambda a: ("swiglu", []),
+    ("mlx_lm.models.gemma4_text", "GeGLU"): lambda a: ("geglu_tanh", []),
+    ("mlx_lm.models.deepseek_v41", "DeepseekV41SwiGLU"):
+        lambda a: ("swiglu_clamp_in", [float(a.limit)]) if a.limit > 0 else ("swiglu", []),
+    ("mlx_lm.models.step3p5", "ClampedSwiGLU"): lambda a: ("swiglu_clamp_out", [float(a.limit)]),
+    ("mlx_lm.models.activations", "SwigluOAI"): lambda a: ("swiglu_oai", [float(a._alpha), float(a._limit)]),
+    ("mlx_lm.models.kimi_k3", "SiTU"):
+        lambda a: ("situ", [float(a.beta), float(a.linear_beta) if a.linear_beta is not None else 0.0]),
+}
+
+
+def activation_of(act) -> tuple[str, list[float]] | None:
+    """The one op's name and parameters for a ``SwitchGLU``'s activation, None where it does
+    not compute it (another activation, or parameters it does not take)."""
+    how = ACTIVATIONS.get((type(act).__module__, type(act).__qualname__))
+    try:
+        return how(act) if how is not None else None
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
 def _stacks(glu):
     """How ``glu``'s three projections are held, for the one-op path: ``"arrays"`` (Edge0
     twins), ``"mapped"`` (mappings of the checkpoint), or None (another layout, an output
-    bias, another activation: SwitchGLU's own three calls)."""
+    bias, an activation the op does not compute: SwitchGLU's own three calls)."""
     projs = (glu.gate_proj, glu.up_proj, glu.down_proj)
-    if type(glu.activation) is not SwiGLU or any("bias" in p for p in projs):
+    if activation_of(glu.activation) is None or any("bias" in p for p in projs):
         return None
     kinds = {type(p) for p in projs}
     return "arrays" if kinds == {Edge0SwitchLinear} else "mapped" if kinds == {MappedSwitchLinear} else None
 
 
 def experts(glu, x, indices):
-    """``glu(x, indices)`` (a ``SwitchGLU``) as one op: gate, up, SwiGLU and down for each row
+    """``glu(x, indices)`` (a ``SwitchGLU``) as one op: gate, up, activation and down for each row
     and each of its k experts, x [..., D] against indices [..., k] of the same leading shape;
     returns [..., k, D]. None where the op does not compute this module (see ``_stacks``)."""
     how = _stacks(glu)
@@ -208,17 +232,18 @@ def experts(glu, x, indices):
     flat = x.reshape(-1, d) if dtype == mx.float32 else x.astype(mx.float32).reshape(-1, d)
     idx = (indices if indices.dtype in (mx.int32, mx.uint32) else indices.astype(mx.uint32)).reshape(-1)
     projs = (glu.gate_proj, glu.up_proj, glu.down_proj)
+    act, params = activation_of(glu.activation)
     bits, sizes = [p.bits if how == "arrays" else p.stack[9] for p in projs], \
         [p.group_size if how == "arrays" else p.stack[10] for p in projs]
     try:
         if how == "arrays":
             stacks = [p[name] for p in projs for name in ("weight", "scales", "biases")]
-            y = _experts[0](flat, idx, k, stacks, bits, sizes, "swiglu")
+            y = _experts[0](flat, idx, k, stacks, bits, sizes, act, params)
         else:
             at = [p.stack for p in projs]
             y = _experts[1](flat, idx, k, [m for a in at for m in (a[0], a[2], a[4])],
                             [o for a in at for o in (a[1], a[3], a[5])], [a[6] for a in at], [a[7] for a in at],
-                            [a[8] for a in at], bits, sizes, "swiglu")
+                            [a[8] for a in at], bits, sizes, act, params)
     except ValueError as e:
         raise KernelError(str(e)) from None
     y = y.reshape(*x.shape[:-1], k, d)
@@ -227,7 +252,8 @@ def experts(glu, x, indices):
 
 class Edge0SwitchGLU(SwitchGLU):
     """A ``SwitchGLU`` whose routed experts are one op (``experts``) where its projections are
-    Edge0's (resident twins or mappings), its activation SwiGLU and none has an output bias;
+    Edge0's (resident twins or mappings), its activation one the op computes (``ACTIVATIONS``)
+    and none has an output bias;
     SwitchGLU's own calls otherwise. The same parameters."""
 
     def __call__(self, x, indices):

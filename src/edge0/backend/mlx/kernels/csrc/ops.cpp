@@ -18,6 +18,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <chrono>
@@ -389,11 +390,94 @@ edge0::ScaleType scale_type(const mx::array& s) {
          : s.dtype() == mx::bfloat16 ? edge0::ScaleType::BF16 : edge0::ScaleType::F16;
 }
 
-enum class Act : int { SwiGLU = 0 };
+// The gated activations of mlx-lm's SwitchGLU blocks, h = act(g, u) of the gate's and the up
+// projection's outputs, in float32 (a, b: the activation's parameters):
+//   swiglu            silu(g) u                                     SwiGLU, PreciseSwiGLU
+//   geglu_tanh        gelu_approx(g) u (the tanh form)              GeGLU
+//   swiglu_clamp_in   silu(min(g, a)) clip(u, -a, a)                DeepSeek-V4.1's, a > 0
+//   swiglu_clamp_out  min(silu(g), a) clip(u, -a, a)                Step-3.5's ClampedSwiGLU
+//   swiglu_oai        g' sigmoid(a g') (clip(u, -b, b) + 1),
+//                     g' = min(g, b)                                SwigluOAI (a = alpha, b = limit)
+//   situ              a tanh(g / a) sigmoid(g) u', u' = b tanh(u / b)
+//                     where b > 0, else u                           SiTU (a = beta, b = linear beta)
+enum class Act : int { SwiGLU = 0, GeGLUTanh, SwiGLUClampIn, SwiGLUClampOut, SwiGLUOAI, SiTU };
+
+struct ActSpec {
+  Act act = Act::SwiGLU;
+  float a = 0.f, b = 0.f;
+  bool operator==(const ActSpec& o) const { return act == o.act && a == o.a && b == o.b; }
+};
+
+ActSpec parse_act(const std::string& name, const std::vector<double>& params) {
+  static const std::vector<std::pair<std::string, std::pair<Act, size_t>>> known = {
+      {"swiglu", {Act::SwiGLU, 0}},          {"geglu_tanh", {Act::GeGLUTanh, 0}},
+      {"swiglu_clamp_in", {Act::SwiGLUClampIn, 1}}, {"swiglu_clamp_out", {Act::SwiGLUClampOut, 1}},
+      {"swiglu_oai", {Act::SwiGLUOAI, 2}},   {"situ", {Act::SiTU, 2}}};
+  std::string names;
+  for (const auto& [n, how] : known) {
+    if (n == name) {
+      if (params.size() != how.second)
+        bad("the activation " + name + " takes " + std::to_string(how.second) + " parameters, got " +
+            std::to_string(params.size()));
+      for (double p : params)
+        if (!std::isfinite(p)) bad("the activation " + name + "'s parameters must be finite");
+      ActSpec spec{how.first, params.size() > 0 ? float(params[0]) : 0.f, params.size() > 1 ? float(params[1]) : 0.f};
+      if ((spec.act == Act::SwiGLUClampIn || spec.act == Act::SwiGLUClampOut || spec.act == Act::SwiGLUOAI) &&
+          (spec.act == Act::SwiGLUOAI ? spec.b : spec.a) <= 0.f)
+        bad("the activation " + name + "'s limit must be > 0");
+      if (spec.act == Act::SiTU && spec.a <= 0.f) bad("the activation situ's beta must be > 0");
+      return spec;
+    }
+    names += (names.empty() ? "" : ", ") + n;
+  }
+  bad("the experts' activation must be one of " + names + ", got '" + name + "'");
+  return {};
+}
+
+inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
+
+// gate[i] = act(gate[i], up[i]) over n values
+void activate(const ActSpec& s, float* gate, const float* up, size_t n) {
+  const float a = s.a, b = s.b;
+  switch (s.act) {
+    case Act::SwiGLU:
+      for (size_t i = 0; i < n; ++i) gate[i] = gate[i] * sigmoid(gate[i]) * up[i];
+      break;
+    case Act::GeGLUTanh: {
+      const float c = std::sqrt(2.0f / 3.14159265358979323846f);
+      for (size_t i = 0; i < n; ++i) {
+        const float g = gate[i];
+        gate[i] = 0.5f * g * (1.0f + std::tanh(c * (g + 0.044715f * g * g * g))) * up[i];
+      }
+      break;
+    }
+    case Act::SwiGLUClampIn:
+      for (size_t i = 0; i < n; ++i) {
+        const float g = std::min(gate[i], a);
+        gate[i] = g * sigmoid(g) * std::clamp(up[i], -a, a);
+      }
+      break;
+    case Act::SwiGLUClampOut:
+      for (size_t i = 0; i < n; ++i) gate[i] = std::min(gate[i] * sigmoid(gate[i]), a) * std::clamp(up[i], -a, a);
+      break;
+    case Act::SwiGLUOAI:
+      for (size_t i = 0; i < n; ++i) {
+        const float g = std::min(gate[i], b);
+        gate[i] = g * sigmoid(a * g) * (std::clamp(up[i], -b, b) + 1.0f);
+      }
+      break;
+    case Act::SiTU:
+      for (size_t i = 0; i < n; ++i) {
+        const float g = gate[i], u = b > 0.f ? b * std::tanh(up[i] / b) : up[i];
+        gate[i] = a * std::tanh(g / a) * sigmoid(g) * u;
+      }
+      break;
+  }
+}
 
 class Edge0Experts : public edge0_binding::CpuPrimitive {
  public:
-  Edge0Experts(mx::Stream s, std::array<Stack, 3> stacks, int64_t k, Act act)
+  Edge0Experts(mx::Stream s, std::array<Stack, 3> stacks, int64_t k, ActSpec act)
       : CpuPrimitive(s), stacks_(std::move(stacks)), k_(k), act_(act) {}
 
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
@@ -419,7 +503,7 @@ class Edge0Experts : public edge0_binding::CpuPrimitive {
     inputs.reserve(in.size());
     for (auto& t : in) inputs.emplace_back(t);
     float* o = out.data<float>();
-    enc.dispatch([args, inputs = std::move(inputs), stacks = stacks_, o, T, I, k]() mutable {
+    enc.dispatch([args, inputs = std::move(inputs), stacks = stacks_, act = act_, o, T, I, k]() mutable {
       const float* x = static_cast<const float*>(inputs[0].ptr());
       const void* idx = inputs[1].ptr();
       for (int j = 0; j < 3; ++j) {
@@ -435,10 +519,7 @@ class Edge0Experts : public edge0_binding::CpuPrimitive {
       args[1].x = x, args[1].out = up.data();
       check_indices(args[0], edge0::qmm(args[0]));
       check_indices(args[1], edge0::qmm(args[1]));
-      for (size_t i = 0; i < gate.size(); ++i) {  // SwiGLU: silu(gate) * up
-        const float g = gate[i];
-        gate[i] = g / (1.0f + std::exp(-g)) * up[i];
-      }
+      activate(act, gate.data(), up.data(), gate.size());
       args[2].x = gate.data(), args[2].out = o;
       check_indices(args[2], edge0::qmm(args[2]));
       for (const auto& st : stacks)
@@ -465,7 +546,7 @@ class Edge0Experts : public edge0_binding::CpuPrimitive {
  private:
   std::array<Stack, 3> stacks_;
   int64_t k_;
-  Act act_;
+  ActSpec act_;
 };
 
 // edge0_wait(x, flags, index, value, timeout_s, waited) -> x, once flags[index] == value.
@@ -641,8 +722,7 @@ mx::array qmm_at_op(const mx::array& x, const mx::array& indices, std::shared_pt
 
 // x [T, D] float32, indices [T * k]; stacks: gate, up, down (their N: I, I, D)
 void check_experts(const mx::array& x, const mx::array& indices, int64_t k, const std::array<int64_t, 3>& N,
-                   const std::array<int64_t, 3>& E, const std::string& act) {
-  if (act != "swiglu") bad("the experts' activation must be swiglu, got '" + act + "'");
+                   const std::array<int64_t, 3>& E) {
   if (x.dtype() != mx::float32 || x.ndim() != 2) bad("x must be float32 [rows, D], got shape " + shape_str(x));
   if (k < 1) bad("k must be >= 1");
   check_indices_shape(indices, x.shape(0) * k, "x's rows " + std::to_string(x.shape(0)) + " x k " +
@@ -654,8 +734,10 @@ void check_experts(const mx::array& x, const mx::array& indices, int64_t k, cons
 }
 
 mx::array experts_op(const mx::array& x, const mx::array& indices, int64_t k, const std::vector<mx::array>& stacks,
-                     const std::vector<int>& bits, const std::vector<int>& group_sizes, const std::string& act) {
+                     const std::vector<int>& bits, const std::vector<int>& group_sizes, const std::string& act,
+                     const std::vector<double>& act_params) {
   auto stream = cpu_stream();
+  const ActSpec spec = parse_act(act, act_params);
   if (stacks.size() != 9 || bits.size() != 3 || group_sizes.size() != 3)
     bad("experts takes 9 arrays (gate, up, down: weight, scales, biases) and 3 bits and group sizes");
   if (x.ndim() != 2) bad("x must be float32 [rows, D], got shape " + shape_str(x));
@@ -667,11 +749,11 @@ mx::array experts_op(const mx::array& x, const mx::array& indices, int64_t k, co
                                        group_sizes[j], false);
     st[j].E = E[j], st[j].N = N[j], st[j].bits = bits[j], st[j].gs = group_sizes[j];
   }
-  check_experts(x, indices, k, N, E, act);
+  check_experts(x, indices, k, N, E);
   std::vector<mx::array> inputs{x, indices};
   inputs.insert(inputs.end(), stacks.begin(), stacks.end());
   return mx::array(mx::Shape{int(x.shape(0) * k), int(x.shape(1))}, mx::float32,
-                   std::make_shared<Edge0Experts>(stream, st, k, Act::SwiGLU), std::move(inputs));
+                   std::make_shared<Edge0Experts>(stream, st, k, spec), std::move(inputs));
 }
 
 // the same over file mappings: maps and offsets 3 a stack (weight, scales, biases)
@@ -679,8 +761,10 @@ mx::array experts_at_op(const mx::array& x, const mx::array& indices, int64_t k,
                         const std::vector<std::shared_ptr<Mapping>>& maps, const std::vector<int64_t>& offsets,
                         const std::vector<std::string>& scale_dtypes, const std::vector<int64_t>& experts,
                         const std::vector<int64_t>& outputs, const std::vector<int>& bits,
-                        const std::vector<int>& group_sizes, const std::string& act) {
+                        const std::vector<int>& group_sizes, const std::string& act,
+                        const std::vector<double>& act_params) {
   auto stream = cpu_stream();
+  const ActSpec spec = parse_act(act, act_params);
   if (maps.size() != 9 || offsets.size() != 9 || scale_dtypes.size() != 3 || experts.size() != 3 ||
       outputs.size() != 3 || bits.size() != 3 || group_sizes.size() != 3)
     bad("experts_at takes 9 mappings and offsets and 3 of everything else (gate, up, down)");
@@ -696,9 +780,9 @@ mx::array experts_at_op(const mx::array& x, const mx::array& indices, int64_t k,
     st[j].st = check_mapped(st[j].maps, st[j].offs, scale_dtypes[j], E[j], N[j], K, bits[j], group_sizes[j]);
     st[j].E = E[j], st[j].N = N[j], st[j].bits = bits[j], st[j].gs = group_sizes[j];
   }
-  check_experts(x, indices, k, N, E, act);
+  check_experts(x, indices, k, N, E);
   return mx::array(mx::Shape{int(x.shape(0) * k), int(x.shape(1))}, mx::float32,
-                   std::make_shared<Edge0Experts>(stream, st, k, Act::SwiGLU), {x, indices});
+                   std::make_shared<Edge0Experts>(stream, st, k, spec), {x, indices});
 }
 
 mx::array wait_op(const mx::array& x, const mx::array& flags, const mx::array& waited, int64_t index,
@@ -761,9 +845,11 @@ NB_MODULE(_ext, m) {
   m.def("wait_flag", &wait_op, "x"_a, "flags"_a, "waited"_a, "index"_a, "value"_a, "timeout_s"_a);
   m.def("evaluated", [](const mx::array& a) { return a.is_available(); }, "a"_a);
   m.def("attention", &attention_op, "q"_a, "k"_a, "v"_a, "scale"_a, "causal"_a);
-  m.def("experts", &experts_op, "x"_a, "indices"_a, "k"_a, "stacks"_a, "bits"_a, "group_sizes"_a, "activation"_a);
+  m.def("experts", &experts_op, "x"_a, "indices"_a, "k"_a, "stacks"_a, "bits"_a, "group_sizes"_a, "activation"_a,
+        "activation_params"_a = std::vector<double>{});
   m.def("experts_at", &experts_at_op, "x"_a, "indices"_a, "k"_a, "maps"_a, "offsets"_a, "scale_dtypes"_a,
-        "experts"_a, "outputs"_a, "bits"_a, "group_sizes"_a, "activation"_a);
+        "experts"_a, "outputs"_a, "bits"_a, "group_sizes"_a, "activation"_a,
+        "activation_params"_a = std::vector<double>{});
   bind_layer_ops(m);
   m.def("set_threads", &edge0::set_threads, "n"_a);
   m.def("get_threads", &edge0::get_threads);
