@@ -6,8 +6,8 @@
   sorted shape SwitchGLU takes from 64 (row, expert) pairs; 4 and 8 bits, float32 and
   bfloat16 scales;
 - over a mapped file it equals itself over arrays holding the same bytes, bit for bit;
-- the activations of mlx-lm's blocks (SwiGLU and its clamped forms, GeGLU, SiTU) are the
-  module's own code's numbers;
+- the activations of mlx-lm's blocks (SwiGLU and its clamped forms, GeGLU, SiTU; SwitchMLP's
+  ReLU² and GELU) are the module's own code's numbers;
 - a layout it does not compute (another activation, an output bias, MLX's kernels) is
   SwitchGLU's own code; bad inputs are typed errors naming what was wrong;
 - through the engine, one op a MoE layer on every path (exact, staged, hot, whole-layer),
@@ -20,7 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from mlx_lm.models.switch_layers import SwitchGLU
+from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 
 from edge0 import Engine, EngineConfig
 from edge0.backend.mlx import kernels as K
@@ -128,6 +128,48 @@ def test_one_op_computes_each_activation_of_mlx_lms_blocks(name):
     assert differs == (name not in ("SwiGLU", "DeepseekV41SwiGLU, no limit"))
 
 
+def _mlp(activation, bias=False, seed=9):
+    mlp = SwitchMLP(256, 128, 16, activation=activation, bias=bias)
+    mx.random.seed(seed)
+    mlp.update(nn.utils.tree_map(lambda p: mx.random.normal(p.shape) * 0.05, mlp.parameters()))
+    nn.quantize(mlp, group_size=64, bits=4)
+    return mlp
+
+
+@pytest.mark.parametrize("activation", [nn.ReLU2(), nn.GELU(approx="precise"), nn.GELU()],
+                         ids=["relu2", "gelu-precise", "gelu"])
+@pytest.mark.parametrize("rows, k", [(1, 6), (30, 4)])
+def test_one_op_gives_switchmlps_numbers(activation, rows, k):
+    mlp = _mlp(activation)
+    x = mx.random.normal((1, rows, 256), key=mx.random.key(rows))
+    idx = mx.array(np.random.default_rng(rows).integers(0, 16, size=(1, rows, k)).astype(np.uint32))
+    mlx_ref = SwitchMLP.__call__(mlp, x, idx)
+    K.use_edge0(mlp)
+    assert type(mlp) is ops.Edge0SwitchMLP
+    got = ops.experts(mlp, x, idx)
+    assert got is not None and got.shape == (1, rows, k, 256)
+    # fc1, activation, fc2 on Edge0's kernels (erf: the C library's against MLX's)
+    assert _rel(got, SwitchMLP.__call__(mlp, x, idx)) < (1e-6 if isinstance(activation, nn.ReLU2) else 5e-6)
+    assert _rel(got, mlx_ref) < 1e-5
+    assert _rel(mlp(x, idx), got) == 0  # the twin's call is the op
+
+
+def test_switchmlps_it_does_not_compute_keep_their_own_calls():
+    x = mx.random.normal((1, 2, 256), key=mx.random.key(5))
+    idx = mx.array([[[0, 1], [2, 3]]], dtype=mx.uint32)
+    for mlp in (_mlp(nn.GELU(approx="fast")), _mlp(nn.ReLU2(), bias=True)):  # another GELU; phixtral's biases
+        want = SwitchMLP.__call__(mlp, x, idx)
+        K.use_edge0(mlp)
+        assert ops.experts(mlp, x, idx) is None
+        assert _rel(mlp(x, idx), want) < 1e-5
+    stacks = [_mlp(nn.ReLU2())[p][t] for p in ("fc1", "fc2") for t in ("weight", "scales", "biases")]
+    with pytest.raises(ValueError, match=r"the activation takes 2 stacks \(fc1, fc2\), got 3"):
+        K.ext().experts(mx.zeros((1, 256)), mx.zeros((2,), dtype=mx.uint32), 2, stacks + stacks[:3], [4] * 3,
+                        [64] * 3, "relu2")
+    with pytest.raises(ValueError, match=r"the activation takes 3 stacks \(gate, up, down\), got 2"):
+        K.ext().experts(mx.zeros((1, 256)), mx.zeros((2,), dtype=mx.uint32), 2, stacks, [4] * 2, [64] * 2, "swiglu")
+
+
 class GeGLU(nn.Module):
     def __call__(self, x, gate):
         return nn.gelu(gate) * x
@@ -170,8 +212,8 @@ def test_bad_inputs_are_typed_errors_naming_what_is_wrong(change, match):
         K.ext().experts(x, idx, 2, change(stacks), [4, 4, 4], [64, 64, 64], "swiglu")
     with pytest.raises(ValueError, match="indices hold 3 entries"):
         K.ext().experts(x, idx[:3], 2, stacks, [4, 4, 4], [64, 64, 64], "swiglu")
-    with pytest.raises(ValueError, match="activation must be one of swiglu, geglu_tanh, .*got 'gelu'"):
-        K.ext().experts(x, idx, 2, stacks, [4, 4, 4], [64, 64, 64], "gelu")
+    with pytest.raises(ValueError, match="activation must be one of swiglu, geglu_tanh, .*got 'gelu_new'"):
+        K.ext().experts(x, idx, 2, stacks, [4, 4, 4], [64, 64, 64], "gelu_new")
     with pytest.raises(ValueError, match="swiglu_clamp_in takes 1 parameters, got 0"):
         K.ext().experts(x, idx, 2, stacks, [4, 4, 4], [64, 64, 64], "swiglu_clamp_in")
     with pytest.raises(ValueError, match="swiglu_oai's limit must be > 0"):
@@ -221,7 +263,7 @@ def test_an_engine_runs_one_op_a_moe_layer_on_every_path(monkeypatch, setting):
 
 @pytest.mark.parametrize("family, activation", [
     ("gemma4_text", "GeGLU"), ("step3p5", "ClampedSwiGLU"), ("kimi_k3", "SiTU"), ("minimax_m3_vl", "SwigluOAI"),
-    ("deepseek_v41_text", "DeepseekV41SwiGLU"),
+    ("deepseek_v41_text", "DeepseekV41SwiGLU"), ("nemotron_h", "ReLU2"),
 ])
 def test_an_engine_runs_one_op_for_each_architectures_activation(tiny_model_factory, monkeypatch, family, activation):
     made = []

@@ -16,6 +16,7 @@ THIRD_PARTY = {  # (module, expression): why there is no public way
     ("cli.py", "os._exit"): "the standard library's documented exit without the interpreter's finalization",
     ("backend/mlx/kernels/ops.py", "a._alpha"): "mlx-lm's SwigluOAI keeps its alpha and limit only as private members",
     ("backend/mlx/kernels/ops.py", "a._limit"): "mlx-lm's SwigluOAI keeps its alpha and limit only as private members",
+    ("backend/mlx/kernels/ops.py", "a._approx"): "MLX's nn.GELU keeps which GELU it computes only as a private member",
 }
 
 

@@ -17,8 +17,8 @@ never the reduction, so results do not depend on the thread count. Activations a
 
 The same product can read the experts' stacked tensors where a read-only mapping of the
 checkpoint file holds them (``MappedSwitchLinear``, ``mapping``): no copy into a slot. A MoE
-layer's routed experts (mlx-lm's ``SwitchGLU``: gate, up, its activation, down) are one op over
-either (``ops.Edge0SwitchGLU``).
+layer's routed experts (mlx-lm's ``SwitchGLU``: gate, up, its activation, down; ``SwitchMLP``:
+fc1, its activation, fc2) are one op over either (``ops.Edge0SwitchGLU``, ``ops.Edge0SwitchMLP``).
 
 ``_loader`` loads the extension (``available()``, and why not); ``ops`` holds the MLX-facing
 ops, the modules that use them and the engine setting's resolution.

@@ -14,7 +14,7 @@ import math
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, SwitchMLP
 
 from edge0.backend.mlx.kernels import _loader as K
 from edge0.backend.mlx.kernels.attention import Edge0RMSNorm, Edge0RoPE, install
@@ -197,31 +197,48 @@ ACTIVATIONS = {
 }
 
 
-def activation_of(act) -> tuple[str, list[float]] | None:
-    """The one op's name and parameters for a ``SwitchGLU``'s activation, None where it does
-    not compute it (another activation, or parameters it does not take)."""
-    how = ACTIVATIONS.get((type(act).__module__, type(act).__qualname__))
+# and those of mlx-lm's SwitchMLP blocks (fc1, the activation, fc2)
+MLP_ACTIVATIONS = {
+    ("mlx.nn.layers.activations", "ReLU2"): lambda a: ("relu2", []),
+    ("mlx.nn.layers.activations", "GELU"):  # (MLX's "precise" is its tanh form)
+        lambda a: {"none": ("gelu", []), "precise": ("gelu_tanh", []), "tanh": ("gelu_tanh", [])}.get(a._approx),
+}
+
+
+def activation_of(act, gated: bool = True) -> tuple[str, list[float]] | None:
+    """The one op's name and parameters for a ``SwitchGLU``'s activation (``gated``) or a
+    ``SwitchMLP``'s, None where it does not compute it (another activation, or parameters
+    it does not take)."""
+    how = (ACTIVATIONS if gated else MLP_ACTIVATIONS).get((type(act).__module__, type(act).__qualname__))
     try:
         return how(act) if how is not None else None
     except (AttributeError, TypeError, ValueError):
         return None
 
 
-def _stacks(glu):
-    """How ``glu``'s three projections are held, for the one-op path: ``"arrays"`` (Edge0
-    twins), ``"mapped"`` (mappings of the checkpoint), or None (another layout, an output
-    bias, an activation the op does not compute: SwitchGLU's own three calls)."""
-    projs = (glu.gate_proj, glu.up_proj, glu.down_proj)
-    if activation_of(glu.activation) is None or any("bias" in p for p in projs):
+def _projections(block) -> tuple:
+    """A ``SwitchGLU``'s gate, up and down, or a ``SwitchMLP``'s fc1 and fc2."""
+    if isinstance(block, SwitchGLU):
+        return block.gate_proj, block.up_proj, block.down_proj
+    return block.fc1, block.fc2
+
+
+def _stacks(block):
+    """How ``block``'s projections are held, for the one-op path: ``"arrays"`` (Edge0 twins),
+    ``"mapped"`` (mappings of the checkpoint), or None (another layout, a bias, an activation
+    the op does not compute: the block's own calls)."""
+    projs = _projections(block)
+    if activation_of(block.activation, len(projs) == 3) is None or any("bias" in p for p in projs):
         return None
     kinds = {type(p) for p in projs}
     return "arrays" if kinds == {Edge0SwitchLinear} else "mapped" if kinds == {MappedSwitchLinear} else None
 
 
 def experts(glu, x, indices):
-    """``glu(x, indices)`` (a ``SwitchGLU``) as one op: gate, up, activation and down for each row
-    and each of its k experts, x [..., D] against indices [..., k] of the same leading shape;
-    returns [..., k, D]. None where the op does not compute this module (see ``_stacks``)."""
+    """``glu(x, indices)`` (a ``SwitchGLU``, or a ``SwitchMLP``) as one op: gate, up, activation
+    and down (fc1, activation, fc2) for each row and each of its k experts, x [..., D] against
+    indices [..., k] of the same leading shape; returns [..., k, D]. None where the op does
+    not compute this module (see ``_stacks``)."""
     how = _stacks(glu)
     if how is None or x.ndim < 1 or indices.ndim < 1 or tuple(x.shape[:-1]) != tuple(indices.shape[:-1]):
         return None
@@ -231,8 +248,8 @@ def experts(glu, x, indices):
     dtype, d, k = x.dtype, x.shape[-1], indices.shape[-1]
     flat = x.reshape(-1, d) if dtype == mx.float32 else x.astype(mx.float32).reshape(-1, d)
     idx = (indices if indices.dtype in (mx.int32, mx.uint32) else indices.astype(mx.uint32)).reshape(-1)
-    projs = (glu.gate_proj, glu.up_proj, glu.down_proj)
-    act, params = activation_of(glu.activation)
+    projs = _projections(glu)
+    act, params = activation_of(glu.activation, len(projs) == 3)
     bits, sizes = [p.bits if how == "arrays" else p.stack[9] for p in projs], \
         [p.group_size if how == "arrays" else p.stack[10] for p in projs]
     try:
@@ -261,6 +278,16 @@ class Edge0SwitchGLU(SwitchGLU):
         return super().__call__(x, indices) if y is None else y
 
 
+class Edge0SwitchMLP(SwitchMLP):
+    """A ``SwitchMLP`` whose routed experts are one op (``experts``: fc1, its activation, fc2)
+    where its projections are Edge0's, its activation one the op computes
+    (``MLP_ACTIVATIONS``) and neither has a bias; SwitchMLP's own calls otherwise."""
+
+    def __call__(self, x, indices):
+        y = experts(self, x, indices)
+        return super().__call__(x, indices) if y is None else y
+
+
 def supported(module) -> bool:
     """Whether Edge0's kernels compute ``module``'s layout."""
     return (getattr(module, "mode", "affine") == "affine" and module.bits in BITS
@@ -270,12 +297,12 @@ def supported(module) -> bool:
 
 TWINS = {QuantizedSwitchLinear: Edge0SwitchLinear, nn.QuantizedLinear: Edge0QuantizedLinear}
 # each call decides: norms and rope by attention.active, the experts' block by its projections
-ROW_TWINS = {nn.RMSNorm: Edge0RMSNorm, nn.RoPE: Edge0RoPE, SwitchGLU: Edge0SwitchGLU}
+ROW_TWINS = {nn.RMSNorm: Edge0RMSNorm, nn.RoPE: Edge0RoPE, SwitchGLU: Edge0SwitchGLU, SwitchMLP: Edge0SwitchMLP}
 
 
 def use_edge0(*trees) -> int:
     """Turn every supported quantized module under ``trees`` into its Edge0 twin, and every
-    ``nn.RMSNorm``, ``nn.RoPE`` and ``SwitchGLU`` into theirs; returns how many. A module of
+    ``nn.RMSNorm``, ``nn.RoPE``, ``SwitchGLU`` and ``SwitchMLP`` into theirs; returns how many. A module of
     a layout the kernels do not compute keeps MLX's kernel."""
     n = 0
     for tree in trees:

@@ -400,7 +400,18 @@ edge0::ScaleType scale_type(const mx::array& s) {
 //                     g' = min(g, b)                                SwigluOAI (a = alpha, b = limit)
 //   situ              a tanh(g / a) sigmoid(g) u', u' = b tanh(u / b)
 //                     where b > 0, else u                           SiTU (a = beta, b = linear beta)
-enum class Act : int { SwiGLU = 0, GeGLUTanh, SwiGLUClampIn, SwiGLUClampOut, SwiGLUOAI, SiTU };
+// and those of its SwitchMLP blocks (two projections, fc1 and fc2), h = act(g) of fc1's g:
+//   relu2             max(g, 0)^2                                   ReLU2
+//   gelu              g (1 + erf(g / sqrt 2)) / 2                   GELU (approx "none")
+//   gelu_tanh         gelu_approx(g), the tanh form                 GELU (approx "precise", "tanh")
+enum class Act : int { SwiGLU = 0, GeGLUTanh, SwiGLUClampIn, SwiGLUClampOut, SwiGLUOAI, SiTU, ReLU2, GELU, GELUTanh };
+
+inline bool gated(Act a) { return a != Act::ReLU2 && a != Act::GELU && a != Act::GELUTanh; }
+
+inline float gelu_tanh(float g) {
+  const float c = std::sqrt(2.0f / 3.14159265358979323846f);
+  return 0.5f * g * (1.0f + std::tanh(c * (g + 0.044715f * g * g * g)));
+}
 
 struct ActSpec {
   Act act = Act::SwiGLU;
@@ -412,7 +423,9 @@ ActSpec parse_act(const std::string& name, const std::vector<double>& params) {
   static const std::vector<std::pair<std::string, std::pair<Act, size_t>>> known = {
       {"swiglu", {Act::SwiGLU, 0}},          {"geglu_tanh", {Act::GeGLUTanh, 0}},
       {"swiglu_clamp_in", {Act::SwiGLUClampIn, 1}}, {"swiglu_clamp_out", {Act::SwiGLUClampOut, 1}},
-      {"swiglu_oai", {Act::SwiGLUOAI, 2}},   {"situ", {Act::SiTU, 2}}};
+      {"swiglu_oai", {Act::SwiGLUOAI, 2}},   {"situ", {Act::SiTU, 2}},
+      {"relu2", {Act::ReLU2, 0}},            {"gelu", {Act::GELU, 0}},
+      {"gelu_tanh", {Act::GELUTanh, 0}}};
   std::string names;
   for (const auto& [n, how] : known) {
     if (n == name) {
@@ -436,21 +449,16 @@ ActSpec parse_act(const std::string& name, const std::vector<double>& params) {
 
 inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 
-// gate[i] = act(gate[i], up[i]) over n values
+// gate[i] = act(gate[i], up[i]) over n values (up: nullptr where the activation is not gated)
 void activate(const ActSpec& s, float* gate, const float* up, size_t n) {
   const float a = s.a, b = s.b;
   switch (s.act) {
     case Act::SwiGLU:
       for (size_t i = 0; i < n; ++i) gate[i] = gate[i] * sigmoid(gate[i]) * up[i];
       break;
-    case Act::GeGLUTanh: {
-      const float c = std::sqrt(2.0f / 3.14159265358979323846f);
-      for (size_t i = 0; i < n; ++i) {
-        const float g = gate[i];
-        gate[i] = 0.5f * g * (1.0f + std::tanh(c * (g + 0.044715f * g * g * g))) * up[i];
-      }
+    case Act::GeGLUTanh:
+      for (size_t i = 0; i < n; ++i) gate[i] = gelu_tanh(gate[i]) * up[i];
       break;
-    }
     case Act::SwiGLUClampIn:
       for (size_t i = 0; i < n; ++i) {
         const float g = std::min(gate[i], a);
@@ -472,23 +480,34 @@ void activate(const ActSpec& s, float* gate, const float* up, size_t n) {
         gate[i] = a * std::tanh(g / a) * sigmoid(g) * u;
       }
       break;
+    case Act::ReLU2:
+      for (size_t i = 0; i < n; ++i) gate[i] = gate[i] > 0.f ? gate[i] * gate[i] : 0.f;
+      break;
+    case Act::GELU:
+      for (size_t i = 0; i < n; ++i) gate[i] = gate[i] * (1.0f + std::erf(gate[i] / std::sqrt(2.0f))) / 2.0f;
+      break;
+    case Act::GELUTanh:
+      for (size_t i = 0; i < n; ++i) gate[i] = gelu_tanh(gate[i]);
+      break;
   }
 }
 
 class Edge0Experts : public edge0_binding::CpuPrimitive {
  public:
-  Edge0Experts(mx::Stream s, std::array<Stack, 3> stacks, int64_t k, ActSpec act)
+  Edge0Experts(mx::Stream s, std::vector<Stack> stacks, int64_t k, ActSpec act)
       : CpuPrimitive(s), stacks_(std::move(stacks)), k_(k), act_(act) {}
 
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
     auto& enc = begin(in, out);
     const int64_t T = in[0].shape(0), D = in[0].shape(1), I = stacks_[0].N, k = k_;
-    std::array<edge0::QmmArgs, 3> args;
-    for (int j = 0; j < 3; ++j) {
+    const int n = int(stacks_.size());  // 3: gate, up, down; 2: fc1, fc2
+    std::vector<edge0::QmmArgs> args(n);
+    for (int j = 0; j < n; ++j) {
       auto& a = args[j];
       const Stack& st = stacks_[j];
-      a.B = T * k, a.M = 1, a.N = st.N, a.K = j < 2 ? D : I, a.E = st.E;
-      a.x_repeat = j < 2 ? k : 1;
+      const bool first = j < n - 1;  // takes x (gate, up; fc1), else the activation (down; fc2)
+      a.B = T * k, a.M = 1, a.N = st.N, a.K = first ? D : I, a.E = st.E;
+      a.x_repeat = first ? k : 1;
       a.bits = st.bits, a.group_size = st.gs, a.scale_type = st.st;
       a.indices_signed = in[1].dtype() == mx::int32;
       if (st.mapped) {
@@ -503,10 +522,10 @@ class Edge0Experts : public edge0_binding::CpuPrimitive {
     inputs.reserve(in.size());
     for (auto& t : in) inputs.emplace_back(t);
     float* o = out.data<float>();
-    enc.dispatch([args, inputs = std::move(inputs), stacks = stacks_, act = act_, o, T, I, k]() mutable {
+    enc.dispatch([args, inputs = std::move(inputs), stacks = stacks_, act = act_, o, T, I, k, n]() mutable {
       const float* x = static_cast<const float*>(inputs[0].ptr());
       const void* idx = inputs[1].ptr();
-      for (int j = 0; j < 3; ++j) {
+      for (int j = 0; j < n; ++j) {
         args[j].indices = idx;
         if (!stacks[j].mapped) {
           args[j].w = static_cast<const uint32_t*>(inputs[2 + 3 * j].ptr());
@@ -514,14 +533,16 @@ class Edge0Experts : public edge0_binding::CpuPrimitive {
           args[j].biases = inputs[2 + 3 * j + 2].ptr();
         }
       }
-      std::vector<float> gate(size_t(T * k * I)), up(size_t(T * k * I));
+      std::vector<float> gate(size_t(T * k * I)), up(n == 3 ? size_t(T * k * I) : 0);
       args[0].x = x, args[0].out = gate.data();
-      args[1].x = x, args[1].out = up.data();
       check_indices(args[0], edge0::qmm(args[0]));
-      check_indices(args[1], edge0::qmm(args[1]));
-      activate(act, gate.data(), up.data(), gate.size());
-      args[2].x = gate.data(), args[2].out = o;
-      check_indices(args[2], edge0::qmm(args[2]));
+      if (n == 3) {
+        args[1].x = x, args[1].out = up.data();
+        check_indices(args[1], edge0::qmm(args[1]));
+      }
+      activate(act, gate.data(), n == 3 ? up.data() : nullptr, gate.size());
+      args[n - 1].x = gate.data(), args[n - 1].out = o;
+      check_indices(args[n - 1], edge0::qmm(args[n - 1]));
       for (const auto& st : stacks)
         for (const auto& m : st.maps)
           if (m && m->poisoned())
@@ -534,7 +555,8 @@ class Edge0Experts : public edge0_binding::CpuPrimitive {
 
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const Edge0Experts&>(other);
-    for (int j = 0; j < 3; ++j) {
+    if (stacks_.size() != o.stacks_.size()) return false;
+    for (size_t j = 0; j < stacks_.size(); ++j) {
       const Stack &a = stacks_[j], &b = o.stacks_[j];
       if (a.mapped != b.mapped || a.maps != b.maps || a.offs != b.offs || a.st != b.st || a.E != b.E ||
           a.N != b.N || a.bits != b.bits || a.gs != b.gs)
@@ -544,7 +566,7 @@ class Edge0Experts : public edge0_binding::CpuPrimitive {
   }
 
  private:
-  std::array<Stack, 3> stacks_;
+  std::vector<Stack> stacks_;
   int64_t k_;
   ActSpec act_;
 };
@@ -720,17 +742,32 @@ mx::array qmm_at_op(const mx::array& x, const mx::array& indices, std::shared_pt
                    {x, indices});
 }
 
-// x [T, D] float32, indices [T * k]; stacks: gate, up, down (their N: I, I, D)
-void check_experts(const mx::array& x, const mx::array& indices, int64_t k, const std::array<int64_t, 3>& N,
-                   const std::array<int64_t, 3>& E) {
+// x [T, D] float32, indices [T * k]; stacks: gate, up, down (their N: I, I, D) for a gated
+// activation, fc1, fc2 (I, D) for another
+void check_experts(const mx::array& x, const mx::array& indices, int64_t k, const std::vector<int64_t>& N,
+                   const std::vector<int64_t>& E) {
   if (x.dtype() != mx::float32 || x.ndim() != 2) bad("x must be float32 [rows, D], got shape " + shape_str(x));
   if (k < 1) bad("k must be >= 1");
   check_indices_shape(indices, x.shape(0) * k, "x's rows " + std::to_string(x.shape(0)) + " x k " +
                                                    std::to_string(k) + " = " + std::to_string(x.shape(0) * k));
-  if (N[0] != N[1] || N[2] != x.shape(1))
-    bad("the stacks do not chain: gate and up give " + std::to_string(N[0]) + " and " + std::to_string(N[1]) +
-        " values, down gives " + std::to_string(N[2]) + " for x of width " + std::to_string(x.shape(1)));
-  if (E[0] != E[1] || E[1] != E[2]) bad("the three stacks must hold as many experts");
+  const size_t n = N.size();
+  if ((n == 3 && N[0] != N[1]) || N[n - 1] != x.shape(1))
+    bad(n == 3 ? "the stacks do not chain: gate and up give " + std::to_string(N[0]) + " and " +
+                     std::to_string(N[1]) + " values, down gives " + std::to_string(N[2]) + " for x of width " +
+                     std::to_string(x.shape(1))
+               : "the stacks do not chain: fc2 gives " + std::to_string(N[1]) + " values for x of width " +
+                     std::to_string(x.shape(1)));
+  for (size_t j = 1; j < n; ++j)
+    if (E[j] != E[0]) bad("the stacks must hold as many experts");
+}
+
+// how many stacks an activation takes: 3 (gate, up, down) where it is gated, else 2 (fc1, fc2)
+size_t stacks_for(const ActSpec& spec, size_t given, const std::string& what) {
+  const size_t n = gated(spec.act) ? 3 : 2;
+  if (given != n)
+    bad(what + ": the activation takes " + std::to_string(n) + " stacks (" +
+        (n == 3 ? "gate, up, down" : "fc1, fc2") + "), got " + std::to_string(given));
+  return n;
 }
 
 mx::array experts_op(const mx::array& x, const mx::array& indices, int64_t k, const std::vector<mx::array>& stacks,
@@ -738,13 +775,14 @@ mx::array experts_op(const mx::array& x, const mx::array& indices, int64_t k, co
                      const std::vector<double>& act_params) {
   auto stream = cpu_stream();
   const ActSpec spec = parse_act(act, act_params);
-  if (stacks.size() != 9 || bits.size() != 3 || group_sizes.size() != 3)
-    bad("experts takes 9 arrays (gate, up, down: weight, scales, biases) and 3 bits and group sizes");
+  if (stacks.size() % 3 || bits.size() != stacks.size() / 3 || group_sizes.size() != stacks.size() / 3)
+    bad("experts takes 3 arrays a stack (weight, scales, biases) and a bits and group size each");
+  const size_t n = stacks_for(spec, stacks.size() / 3, "experts");
   if (x.ndim() != 2) bad("x must be float32 [rows, D], got shape " + shape_str(x));
-  std::array<Stack, 3> st;
-  std::array<int64_t, 3> N{}, E{};
-  for (int j = 0; j < 3; ++j) {
-    const int64_t K = j < 2 ? x.shape(1) : N[0];
+  std::vector<Stack> st(n);
+  std::vector<int64_t> N(n), E(n);
+  for (size_t j = 0; j < n; ++j) {
+    const int64_t K = j < n - 1 ? x.shape(1) : N[0];
     std::tie(N[j], E[j]) = check_stack(stacks[3 * j], stacks[3 * j + 1], stacks[3 * j + 2], K, bits[j],
                                        group_sizes[j], false);
     st[j].E = E[j], st[j].N = N[j], st[j].bits = bits[j], st[j].gs = group_sizes[j];
@@ -765,18 +803,20 @@ mx::array experts_at_op(const mx::array& x, const mx::array& indices, int64_t k,
                         const std::vector<double>& act_params) {
   auto stream = cpu_stream();
   const ActSpec spec = parse_act(act, act_params);
-  if (maps.size() != 9 || offsets.size() != 9 || scale_dtypes.size() != 3 || experts.size() != 3 ||
-      outputs.size() != 3 || bits.size() != 3 || group_sizes.size() != 3)
-    bad("experts_at takes 9 mappings and offsets and 3 of everything else (gate, up, down)");
+  const size_t n = scale_dtypes.size();
+  if (maps.size() != 3 * n || offsets.size() != 3 * n || experts.size() != n || outputs.size() != n ||
+      bits.size() != n || group_sizes.size() != n)
+    bad("experts_at takes 3 mappings and offsets a stack and one of everything else a stack");
+  stacks_for(spec, n, "experts_at");
   if (x.ndim() != 2) bad("x must be float32 [rows, D], got shape " + shape_str(x));
-  std::array<Stack, 3> st;
-  std::array<int64_t, 3> N{}, E{};
-  for (int j = 0; j < 3; ++j) {
+  std::vector<Stack> st(n);
+  std::vector<int64_t> N(n), E(n);
+  for (size_t j = 0; j < n; ++j) {
     st[j].mapped = true;
     st[j].maps = {maps[3 * j], maps[3 * j + 1], maps[3 * j + 2]};
     st[j].offs = {offsets[3 * j], offsets[3 * j + 1], offsets[3 * j + 2]};
     N[j] = outputs[j], E[j] = experts[j];
-    const int64_t K = j < 2 ? x.shape(1) : N[0];
+    const int64_t K = j < n - 1 ? x.shape(1) : N[0];
     st[j].st = check_mapped(st[j].maps, st[j].offs, scale_dtypes[j], E[j], N[j], K, bits[j], group_sizes[j]);
     st[j].E = E[j], st[j].N = N[j], st[j].bits = bits[j], st[j].gs = group_sizes[j];
   }
