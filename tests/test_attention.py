@@ -1,8 +1,9 @@
-"""The prompt's attention on Edge0's kernel (``edge0.backend.mlx.kernels.attention``): MLX's
-fused attention's numbers within float32's rounding (causal after a cache's offset, grouped
-queries, keys and values sliced out of a cache's buffer), the same result on any thread
-count, typed errors; an engine on kernels edge0 prefills on it and decodes on MLX's, one on
-kernels mlx never uses it, and both give the same text."""
+"""Attention on Edge0's kernel (``edge0.backend.mlx.kernels.attention``): MLX's fused
+attention's numbers within float32's rounding (causal after a cache's offset, grouped
+queries, keys and values sliced out of a cache's buffer, a decode step's one query, a
+batch's boolean mask), a sequence padded in a batch computes what it computes alone bit for
+bit, the same result on any thread count, typed errors; an engine on kernels edge0 prefills
+and decodes on it, one on kernels mlx never uses it, and both give the same text."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ pytestmark = pytest.mark.skipif(not K.available(), reason="Edge0's kernels are n
 
 DEMO = "src/edge0/data/demo_model"
 CASES = [(1, 16, 2, 7, 7, 128), (1, 16, 2, 64, 100, 128), (2, 4, 4, 33, 33, 64), (1, 4, 1, 5, 9, 36),
-         (1, 2, 2, 300, 300, 8)]  # (batch, query heads, key heads, queries, keys, head_dim)
+         (1, 2, 2, 300, 300, 8), (1, 16, 2, 1, 600, 128), (3, 8, 2, 1, 45, 64)]
+# (batch, query heads, key heads, queries, keys, head_dim); the last two: decode steps
 
 
 def _inputs(b, hq, hkv, l, s, d, seed=0):
@@ -40,6 +42,33 @@ def test_the_kernel_gives_mlx_attentions_numbers(shape, causal):
     out = A.attention(q, k, v, scale=scale, causal=causal)
     assert out.shape == ref.shape and out.dtype == mx.float32
     assert mx.abs(out - ref).max().item() < 1e-5
+
+
+def _left_padded(lengths, s):
+    """A batch's boolean mask as mlx-lm's BatchKVCache makes it: [B, 1, 1, S], row b sees its
+    last lengths[b] keys."""
+    return mx.array([[[[j >= s - n for j in range(s)]]] for n in lengths])
+
+
+@pytest.mark.parametrize("queries", [1, 6])
+def test_a_boolean_mask_gives_mlx_attentions_numbers(queries):
+    q, k, v = _inputs(3, 8, 2, queries, 40, 64, seed=2)
+    mask = _left_padded([40, 25, 7], 40)
+    if queries > 1:  # a batch's prompt chunk: left padding and the causal triangle
+        causal = mx.arange(40)[None] <= mx.arange(40 - queries, 40)[:, None]
+        mask = mask & causal[None, None]
+    ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask)
+    out = A.attention(q, k, v, scale=0.125, causal=False, mask=mask)
+    assert mx.abs(out - ref).max().item() < 1e-5
+
+
+def test_a_sequence_padded_in_a_batch_computes_what_it_computes_alone():
+    q, k, v = _inputs(2, 8, 2, 1, 50, 64, seed=3)
+    batch = A.attention(q, k, v, scale=0.125, causal=False, mask=_left_padded([50, 21], 50))
+    alone = A.attention(q[1:], k[1:, :, 29:], v[1:, :, 29:], scale=0.125, causal=False)
+    assert mx.array_equal(batch[1:], alone).item()  # bit for bit
+    full = A.attention(q[:1], k[:1], v[:1], scale=0.125, causal=False)
+    assert mx.array_equal(batch[:1], full).item()
 
 
 def test_the_result_does_not_depend_on_the_thread_count():
@@ -68,6 +97,17 @@ def test_bad_inputs_are_typed_errors_naming_what_is_wrong(change, match):
         A.attention(q, k, v, scale=0.25)
 
 
+@pytest.mark.parametrize("mask, match", [
+    (mx.ones((1, 1, 1, 9), dtype=mx.bool_), r"mask must be boolean .* got \(1, 1, 1, 9\)"),
+    (mx.ones((1, 1, 1, 10)), "got a non-boolean"),
+    (mx.ones((2, 1, 1, 10), dtype=mx.bool_), "mask must be boolean"),
+])
+def test_a_mask_of_other_shapes_or_type_is_a_typed_error(mask, match):
+    q, k, v = _inputs(1, 4, 2, 1, 10, 16)
+    with pytest.raises(KernelError, match=match):
+        A.attention(q, k, v, scale=0.25, causal=False, mask=mask)
+
+
 def _generate(kernels: str, calls: list, max_tokens: int) -> list[int]:
     calls.clear()
     with Engine(DEMO, EngineConfig(kernels=kernels)) as e:
@@ -75,7 +115,7 @@ def _generate(kernels: str, calls: list, max_tokens: int) -> list[int]:
         return [ev.token for ev in e.stream(ids, max_tokens=max_tokens, temp=0.0)]
 
 
-def test_an_engine_prefills_on_it_with_kernels_edge0_only(monkeypatch):
+def test_an_engine_prefills_and_decodes_on_it_with_kernels_edge0_only(monkeypatch):
     calls = []
     real = A.attention
 
@@ -84,10 +124,11 @@ def test_an_engine_prefills_on_it_with_kernels_edge0_only(monkeypatch):
         return real(*args, **kwargs)
     monkeypatch.setattr(A, "attention", spy)
     short = _generate("edge0", calls, 2)
-    prompt_calls = list(calls)
-    assert prompt_calls and all(shape[2] > 1 for shape in prompt_calls)  # the prompt's queries
+    prompt_calls = [shape for shape in calls if shape[2] > 1]  # the prompt's queries
+    assert prompt_calls
     longer = _generate("edge0", calls, 10)
-    assert calls == prompt_calls  # decode steps (one query) stay on MLX's kernel
+    decode_calls = [shape for shape in calls if shape[2] == 1]  # a decode step's one query
+    assert [shape for shape in calls if shape[2] > 1] == prompt_calls and len(decode_calls) > len(prompt_calls)
     reference = _generate("mlx", calls, 10)
     assert calls == []  # kernels mlx: mlx-lm's own attention
     assert longer == reference and longer[:2] == short

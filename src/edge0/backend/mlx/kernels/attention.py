@@ -7,8 +7,9 @@ mlx-lm's model modules compute attention through ``mlx_lm.models.base.
 scaled_dot_product_attention``, imported by name into each module. ``install()`` puts
 ``sdpa`` in its place in every loaded model module; ``sdpa`` computes on Edge0's kernel only
 while ``active(True)`` holds in the calling context (Edge0's forward pass with kernels
-edge0: ``edge0.streaming.StepModel``), for a prompt's queries (more than one) in float32 with
-a causal mask or none, no attention sinks and an unquantized cache; everywhere else it is
+edge0: ``edge0.streaming.StepModel``), for a prompt's queries or a decode step's in float32
+with a causal mask, a boolean one (a batch's left padding) or none, no attention sinks and
+an unquantized cache; everywhere else it is
 mlx-lm's own function, so ``kernels=mlx`` keeps mlx-lm's numbers bit for bit in the same
 process.
 
@@ -31,7 +32,8 @@ from edge0.backend.mlx.kernels._loader import ext
 from edge0.errors import KernelError
 
 _ON = contextvars.ContextVar("edge0_attention", default=False)
-MIN_QUERIES = 2  # a decode step's one query stays on MLX's kernel
+MIN_QUERIES = 1  # a decode step's one query too
+_attention = None  # the extension's attention, once looked up
 
 
 @contextlib.contextmanager
@@ -44,36 +46,52 @@ def active(on: bool = True):
         _ON.reset(token)
 
 
-def attention(q, k, v, *, scale: float, causal: bool = True):
+def attention(q, k, v, *, scale: float, causal: bool = True, mask=None):
     """softmax(q k^T * scale) v: q [B, Hq, L, D], k and v [B, Hkv, S, D] float32 (Hq a multiple
-    of Hkv); ``causal``: query i sees keys j <= S - L + i. Inputs it cannot compute: a
-    ``KernelError`` naming what was wrong."""
+    of Hkv); ``causal``: query i sees keys j <= S - L + i; ``mask``: a boolean [B or 1, Hq or
+    1, L or 1, S] of the keys each query sees (a batch's left padding: a padded sequence
+    computes what it computes alone). Inputs it cannot compute: a ``KernelError`` naming what
+    was wrong."""
+    global _attention
+    if _attention is None:  # (looked up once: a decode step does not enter the loader)
+        _attention = ext().attention
     try:
-        return ext().attention(q, k, v, float(scale), bool(causal))
+        return _attention(q, k, v, float(scale), bool(causal), mask)
     except ValueError as e:
         raise KernelError(str(e)) from None
 
 
 def _usable(queries, keys, values, cache, mask, sinks) -> bool:
     """Whether the kernel computes this call (else mlx-lm's function does): switched on, a
-    prompt's queries, float32, the keys and values of one shape (not MLA's narrower values),
-    grouped-query heads, a causal mask with as many keys as queries or more, or none."""
+    prompt's queries or a decode step's, float32, the keys and values of one shape (not MLA's
+    narrower values), grouped-query heads, a causal mask with as many keys as queries or more,
+    a boolean mask over the keys (a batch's), or none."""
     # (switched on only where the kernels resolved, so they are built)
     if not (_ON.get() and queries.ndim == 4 and queries.shape[2] >= MIN_QUERIES and sinks is None
             and not hasattr(cache, "bits")):
         return False
-    if not (mask is None or (isinstance(mask, str) and mask == "causal")):
+    if not (mask is None or (isinstance(mask, str) and mask == "causal") or _boolean(mask, queries, keys)):
         return False
-    return (queries.ndim == 4 and keys.ndim == 4 and queries.shape[2] >= MIN_QUERIES
+    return (keys.ndim == 4
             and queries.dtype == mx.float32 and keys.dtype == mx.float32 and values.dtype == mx.float32
             and keys.shape == values.shape and queries.shape[-1] == keys.shape[-1]
             and queries.shape[0] == keys.shape[0] and queries.shape[1] % keys.shape[1] == 0
-            and (mask is None or keys.shape[2] >= queries.shape[2]))
+            and (not isinstance(mask, str) or keys.shape[2] >= queries.shape[2]))
+
+
+def _boolean(mask, queries, keys) -> bool:
+    """A boolean mask of the kernel's shapes: [B or 1, Hq or 1, L or 1, S]."""
+    if not (isinstance(mask, mx.array) and mask.dtype == mx.bool_ and mask.ndim == 4 and keys.ndim == 4):
+        return False
+    want = (queries.shape[0], queries.shape[1], queries.shape[2], keys.shape[2])
+    return mask.shape[3] == want[3] and all(m in (1, w) for m, w in zip(mask.shape[:3], want[:3]))
 
 
 def _make(base):
     def sdpa(queries, keys, values, cache, scale, mask, sinks=None):
         if _usable(queries, keys, values, cache, mask, sinks):
+            if isinstance(mask, mx.array):
+                return attention(queries, keys, values, scale=scale, causal=False, mask=mask)
             return attention(queries, keys, values, scale=scale, causal=mask is not None)
         return base(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
     return sdpa

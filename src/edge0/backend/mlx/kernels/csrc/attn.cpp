@@ -8,6 +8,9 @@
 // triangle), so the result does not depend on the thread count. Grouped-query attention:
 // query head h reads key/value head h / (Hq / Hkv). Causal: query i of L sees keys
 // j <= S - L + i (the queries are the last L of S positions, as after a cache's offset).
+// A boolean mask (a batch's left padding, a window) leaves keys out of a row: the keys it
+// keeps are scored, exponentiated and summed in the same order as a row with no mask over
+// those keys alone, so a sequence padded in a batch computes what it computes alone.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -110,23 +113,32 @@ void attention(const AttnArgs& a) {
 #endif
   auto part = [&](int p, int parts) {
     std::vector<float> scores(size_t(std::max<int64_t>(a.S, 1)));
+    std::vector<int64_t> seen(a.mask != nullptr ? size_t(std::max<int64_t>(a.S, 1)) : 0);
     for (int64_t r = p; r < rows; r += parts) {
       const int64_t i = r % a.L, bh = r / a.L, h = bh % a.Hq, b = bh / a.Hq;
       const float* q = a.q + r * D;
       const float* k = a.k + (b * a.Hkv + h / group) * a.S * D;
       const float* v = a.v + (b * a.Hkv + h / group) * a.S * D;
       float* out = a.out + r * D;
-      const int64_t n = a.causal ? std::clamp<int64_t>(a.S - a.L + i + 1, 1, a.S) : a.S;
+      const int64_t keys = a.causal ? std::clamp<int64_t>(a.S - a.L + i + 1, 1, a.S) : a.S;
+      // the keys this row sees, in order: with a mask, the masked ones are left out (not
+      // scored as -inf), so a row's arithmetic is the same whatever padding sits beside it
+      const uint8_t* m = a.mask != nullptr ? a.mask + b * a.mask_b + h * a.mask_h + i * a.mask_l : nullptr;
+      int64_t n = 0;
       float top = -std::numeric_limits<float>::infinity();
-      for (int64_t j = 0; j < n; ++j) {
+      for (int64_t j = 0; j < keys; ++j) {
+        if (m != nullptr && !m[j]) continue;
 #ifdef EDGE0_X86
         const float s = (vec ? dot_avx2(q, k + j * D, D) : dot_portable(q, k + j * D, D)) * a.scale;
 #else
         const float s = dot_portable(q, k + j * D, D) * a.scale;
 #endif
-        scores[size_t(j)] = s;
+        if (m != nullptr) seen[size_t(n)] = j;
+        scores[size_t(n++)] = s;
         top = std::max(top, s);
       }
+      std::memset(out, 0, size_t(D) * 4);
+      if (n == 0) continue;  // a row that sees no key (a padding position): zeros
 #ifdef EDGE0_X86
       if (vec) exp_shifted_avx2(scores.data(), n, top); else exp_portable(scores.data(), n, top);
 #else
@@ -134,12 +146,12 @@ void attention(const AttnArgs& a) {
 #endif
       float total = 0.0f;
       for (int64_t j = 0; j < n; ++j) total += scores[size_t(j)];
-      std::memset(out, 0, size_t(D) * 4);
       for (int64_t j = 0; j < n; ++j) {
+        const float* vj = v + (m != nullptr ? seen[size_t(j)] : j) * D;
 #ifdef EDGE0_X86
-        if (vec) axpy_avx2(scores[size_t(j)], v + j * D, out, D); else axpy_portable(scores[size_t(j)], v + j * D, out, D);
+        if (vec) axpy_avx2(scores[size_t(j)], vj, out, D); else axpy_portable(scores[size_t(j)], vj, out, D);
 #else
-        axpy_portable(scores[size_t(j)], v + j * D, out, D);
+        axpy_portable(scores[size_t(j)], vj, out, D);
 #endif
       }
       const float inv = 1.0f / total;

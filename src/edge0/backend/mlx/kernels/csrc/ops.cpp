@@ -175,6 +175,13 @@ class Edge0Attention : public edge0_binding::CpuPrimitive {
     a.S = in[1].shape(2);
     a.scale = scale_;
     a.causal = causal_;
+    if (in.size() > 3) {  // the mask [1 or B, 1 or Hq, 1 or L, S], packed row-major by Input
+      const auto& m = in[3];
+      const int64_t S = m.shape(3), ml = m.shape(2), mh = m.shape(1);
+      a.mask_l = ml > 1 ? S : 0;
+      a.mask_h = mh > 1 ? ml * S : 0;
+      a.mask_b = m.shape(0) > 1 ? mh * ml * S : 0;
+    }
     std::vector<Input> inputs;
     inputs.reserve(in.size());
     for (auto& t : in) inputs.emplace_back(t);
@@ -182,6 +189,7 @@ class Edge0Attention : public edge0_binding::CpuPrimitive {
       a.q = static_cast<const float*>(inputs[0].ptr());
       a.k = static_cast<const float*>(inputs[1].ptr());
       a.v = static_cast<const float*>(inputs[2].ptr());
+      if (inputs.size() > 3) a.mask = static_cast<const uint8_t*>(inputs[3].ptr());
       edge0::attention(a);
     });
   }
@@ -841,7 +849,8 @@ mx::array wait_op(const mx::array& x, const mx::array& flags, const mx::array& w
 
 }  // namespace
 
-mx::array attention_op(const mx::array& q, const mx::array& k, const mx::array& v, float scale, bool causal) {
+mx::array attention_op(const mx::array& q, const mx::array& k, const mx::array& v, float scale, bool causal,
+                       const std::optional<mx::array>& mask) {
   auto stream = cpu_stream();
   for (const auto* t : {&q, &k, &v})
     if (t->dtype() != mx::float32 || t->ndim() != 4)
@@ -853,7 +862,17 @@ mx::array attention_op(const mx::array& q, const mx::array& k, const mx::array& 
   if (causal && k.shape(2) < q.shape(2))
     bad("causal attention needs at least as many keys as queries, got " + std::to_string(k.shape(2)) + " keys for " +
         std::to_string(q.shape(2)) + " queries");
-  return mx::array(q.shape(), mx::float32, std::make_shared<Edge0Attention>(stream, scale, causal), {q, k, v});
+  std::vector<mx::array> inputs{q, k, v};
+  if (mask) {
+    const auto& m = *mask;
+    const auto fits = [&](int d, int64_t n) { return m.shape(d) == 1 || m.shape(d) == n; };
+    if (m.dtype() != mx::bool_ || m.ndim() != 4 || m.shape(3) != k.shape(2) || !fits(0, q.shape(0)) ||
+        !fits(1, q.shape(1)) || !fits(2, q.shape(2)))
+      bad("the mask must be boolean [batch or 1, heads or 1, queries or 1, keys] for q " + shape_str(q) + " and k " +
+          shape_str(k) + ", got " + std::string(m.dtype() == mx::bool_ ? "" : "a non-boolean ") + shape_str(m));
+    inputs.push_back(m);
+  }
+  return mx::array(q.shape(), mx::float32, std::make_shared<Edge0Attention>(stream, scale, causal), std::move(inputs));
 }
 
 NB_MODULE(_ext, m) {
@@ -884,7 +903,7 @@ NB_MODULE(_ext, m) {
         "b_mapping"_a, "b_offset"_a, "scale_dtype"_a, "E"_a, "N"_a, "bits"_a, "group_size"_a, "x_repeat"_a = 1);
   m.def("wait_flag", &wait_op, "x"_a, "flags"_a, "waited"_a, "index"_a, "value"_a, "timeout_s"_a);
   m.def("evaluated", [](const mx::array& a) { return a.is_available(); }, "a"_a);
-  m.def("attention", &attention_op, "q"_a, "k"_a, "v"_a, "scale"_a, "causal"_a);
+  m.def("attention", &attention_op, "q"_a, "k"_a, "v"_a, "scale"_a, "causal"_a, "mask"_a = nb::none());
   m.def("experts", &experts_op, "x"_a, "indices"_a, "k"_a, "stacks"_a, "bits"_a, "group_sizes"_a, "activation"_a,
         "activation_params"_a = std::vector<double>{});
   m.def("experts_at", &experts_at_op, "x"_a, "indices"_a, "k"_a, "maps"_a, "offsets"_a, "scale_dtypes"_a,

@@ -50,6 +50,10 @@ struct AttnArgs {
   int64_t B = 0, Hq = 0, Hkv = 0, L = 0, S = 0, D = 0;
   float scale = 1.0f;
   bool causal = true;
+  // a boolean mask (nullptr: none): key j of query i, head h, batch b is seen where
+  // mask[b * mask_b + h * mask_h + i * mask_l + j] (strides 0 where the mask broadcasts)
+  const uint8_t* mask = nullptr;
+  int64_t mask_b = 0, mask_h = 0, mask_l = 0;
 };
 void attention(const AttnArgs& a);
 
