@@ -117,8 +117,8 @@ void attention(const AttnArgs& a) {
     for (int64_t r = p; r < rows; r += parts) {
       const int64_t i = r % a.L, bh = r / a.L, h = bh % a.Hq, b = bh / a.Hq;
       const float* q = a.q + r * D;
-      const float* k = a.k + (b * a.Hkv + h / group) * a.S * D;
-      const float* v = a.v + (b * a.Hkv + h / group) * a.S * D;
+      const float* k = a.k + b * a.k_b + (h / group) * a.k_h;
+      const float* v = a.v + b * a.v_b + (h / group) * a.v_h;
       float* out = a.out + r * D;
       const int64_t keys = a.causal ? std::clamp<int64_t>(a.S - a.L + i + 1, 1, a.S) : a.S;
       // the keys this row sees, in order: with a mask, the masked ones are left out (not

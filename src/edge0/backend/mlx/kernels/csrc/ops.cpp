@@ -182,14 +182,30 @@ class Edge0Attention : public edge0_binding::CpuPrimitive {
       a.mask_h = mh > 1 ? ml * S : 0;
       a.mask_b = m.shape(0) > 1 ? mh * ml * S : 0;
     }
+    // k and v where they lie when each head's positions are rows of D floats one after the
+    // other (a cache's buffer sliced to its length: no copy a decode step), else packed
+    const auto rows_of = [&](const mx::array& t) { return t.strides()[3] == 1 && t.strides()[2] == a.D; };
+    const bool direct = rows_of(in[1]) && rows_of(in[2]);
+    if (direct) {
+      a.k_b = in[1].strides()[0], a.k_h = in[1].strides()[1];
+      a.v_b = in[2].strides()[0], a.v_h = in[2].strides()[1];
+    } else {
+      a.k_b = a.v_b = a.Hkv * a.S * a.D, a.k_h = a.v_h = a.S * a.D;
+    }
+    const float* k_at = direct ? in[1].data<float>() : nullptr;
+    const float* v_at = direct ? in[2].data<float>() : nullptr;
     std::vector<Input> inputs;
     inputs.reserve(in.size());
-    for (auto& t : in) inputs.emplace_back(t);
-    enc.dispatch([a, inputs = std::move(inputs)]() mutable {
+    for (size_t i = 0; i < in.size(); ++i)
+      if (!direct || (i != 1 && i != 2)) inputs.emplace_back(in[i]);
+    std::vector<mx::array> held;  // k and v read where they lie: kept alive until the kernel ran
+    if (direct) held = {in[1], in[2]};
+    enc.dispatch([a, inputs = std::move(inputs), held = std::move(held), direct, k_at, v_at]() mutable {
       a.q = static_cast<const float*>(inputs[0].ptr());
-      a.k = static_cast<const float*>(inputs[1].ptr());
-      a.v = static_cast<const float*>(inputs[2].ptr());
-      if (inputs.size() > 3) a.mask = static_cast<const uint8_t*>(inputs[3].ptr());
+      a.k = direct ? k_at : static_cast<const float*>(inputs[1].ptr());
+      a.v = direct ? v_at : static_cast<const float*>(inputs[2].ptr());
+      const size_t m = direct ? 1 : 3;  // the mask's place among the inputs
+      if (inputs.size() > m) a.mask = static_cast<const uint8_t*>(inputs[m].ptr());
       edge0::attention(a);
     });
   }

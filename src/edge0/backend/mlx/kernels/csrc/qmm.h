@@ -54,6 +54,10 @@ struct AttnArgs {
   // mask[b * mask_b + h * mask_h + i * mask_l + j] (strides 0 where the mask broadcasts)
   const uint8_t* mask = nullptr;
   int64_t mask_b = 0, mask_h = 0, mask_l = 0;
+  // k's and v's strides (in floats) from one batch entry and one head to the next; a head's
+  // positions are rows of D floats one after the other (a cache's buffer, sliced to its
+  // length, is read where it lies)
+  int64_t k_b = 0, k_h = 0, v_b = 0, v_h = 0;
 };
 void attention(const AttnArgs& a);
 
