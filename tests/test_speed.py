@@ -218,3 +218,15 @@ def test_the_kernels_extra_time_is_the_real_steps_less_the_replicas_timed_in_tur
     assert extra == pytest.approx(0.060 - 0.004)  # both medians after the slow-down: the same drift
     _no_measuring(monkeypatch)
     assert speed.extra_kernel_seconds(prods("real"), prods("replica"), "edge0", 1) == extra
+
+
+def test_a_replica_its_model_class_refuses_makes_the_forecast_unavailable_saying_why(setups, speed_cache, monkeypatch):
+    import edge0.tiny
+
+    def refuse(*args, **kwargs):
+        raise ValueError("num_attention_heads must divide hidden_size")
+    monkeypatch.setattr(edge0.tiny, "make_tiny", refuse)
+    code, out = _plan("--model", str(setups["exact"][0]), "--speed", "--prompt-tokens", "8", "--json")
+    assert code == 0, out
+    assert json.loads(out)["speed"] == {"unavailable": "the replica at the checkpoint's widths could not be built: "
+                                                       "ValueError: num_attention_heads must divide hidden_size"}

@@ -292,6 +292,9 @@ def forecast_speed(lay, fc: dict, prompt_tokens: int = 512) -> dict:
         return _forecast(lay, fc, prompt_tokens, kernels, prods)
     except (RuntimeError, BenchArmError) as e:  # make_tiny's degenerate routing, the replica's arm failing
         return {"unavailable": f"the replica could not be measured: {str(e).splitlines()[0]}"}
+    except (ValueError, TypeError, KeyError) as e:  # the checkpoint's widths refused by its model class at that size
+        return {"unavailable": f"the replica at the checkpoint's widths could not be built: "
+                               f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
     finally:
         if threads is not None:
             bk.set_threads(threads)
