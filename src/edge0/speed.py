@@ -226,13 +226,12 @@ def replica_arm(lay) -> tuple[str, dict]:
     return arm, options
 
 
-def replica_seconds(lay, prompt_tokens: int, rounds: int = 3) -> dict:
+def replica_seconds(lay, rc: dict, prompt_tokens: int, rounds: int = 3) -> dict:
     """The replica's decode step (1 / its median decode tok/s) and prefill of ``prompt_tokens``
     (at the prefill rate of at most ``REPLICA_PROMPT`` tokens), benchmarked as ``edge0 bench``
     runs the arm (warm, ``rounds`` rounds)."""
     from edge0.benchmark.harness import BenchSettings, run_bench
 
-    rc = replica_config(lay.opened.spec, lay.opened.raw, products(lay.opened.spec, lay.opened.index))
     arm, options = replica_arm(lay)
     prompt = min(prompt_tokens, REPLICA_PROMPT)
     key = {**cpu_key(), "replica": rc, "arm": arm, "options": options, "prompt": prompt, "dtype": lay.compute_dtype}
@@ -304,8 +303,8 @@ def _forecast(lay, fc: dict, prompt_tokens: int, kernels: str, prods: dict) -> d
     from edge0.model.open import open_checkpoint
 
     spec = lay.opened.spec
-    rep = replica_seconds(lay, prompt_tokens)
     rc = replica_config(spec, lay.opened.raw, prods)
+    rep = replica_seconds(lay, rc, prompt_tokens)
     rprods = products(*open_checkpoint(replica_dir(rc))[:2])
 
     def extra(rows):

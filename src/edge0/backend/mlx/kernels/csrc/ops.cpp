@@ -198,9 +198,8 @@ class Edge0Attention : public edge0_binding::CpuPrimitive {
     inputs.reserve(in.size());
     for (size_t i = 0; i < in.size(); ++i)
       if (!direct || (i != 1 && i != 2)) inputs.emplace_back(in[i]);
-    std::vector<mx::array> held;  // k and v read where they lie: kept alive until the kernel ran
-    if (direct) held = {in[1], in[2]};
-    enc.dispatch([a, inputs = std::move(inputs), held = std::move(held), direct, k_at, v_at]() mutable {
+    // (k and v read where they lie stay alive until the kernel ran: they are the encoder's inputs)
+    enc.dispatch([a, inputs = std::move(inputs), direct, k_at, v_at]() mutable {
       a.q = static_cast<const float*>(inputs[0].ptr());
       a.k = direct ? k_at : static_cast<const float*>(inputs[1].ptr());
       a.v = direct ? v_at : static_cast<const float*>(inputs[2].ptr());
