@@ -12,8 +12,11 @@ written by a model (the float32 teacher for phase 2, the served student for phas
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
+import zipfile
 from pathlib import Path
 
 import mlx.core as mx
@@ -25,7 +28,9 @@ EOS = 0
 
 
 def corpus_tokens(model_dir: str | Path) -> tuple[np.ndarray, np.ndarray, dict]:
-    """(train tokens, held-out tokens, corpus description) of the model's training corpus."""
+    """(train tokens, held-out tokens, corpus description) of the model's training corpus:
+    rebuilt once (a tokenizer trained on the corpus, every file encoded: seconds) and kept in
+    Edge0's cache under its train stream's hash, which is checked again on every read."""
     from edge0.train.corpus import build_corpus
 
     prov_path = Path(model_dir) / "provenance.json"
@@ -34,12 +39,56 @@ def corpus_tokens(model_dir: str | Path) -> tuple[np.ndarray, np.ndarray, dict]:
                           "recipe needs the teacher's train split; pass --data with a token file instead)")
     prov = json.loads(prov_path.read_text())
     corpus_desc, train_cfg = prov["corpus"], prov["train_config"]
+    want = corpus_desc["train_token_stream_sha256"]
+    kept = _kept_corpus(want)
+    if kept is not None:
+        return kept
     corpus = build_corpus(train_cfg["heldout_fraction"], train_cfg["vocab_size"])
-    got = hashlib.sha256(np.ascontiguousarray(corpus.train_tokens, dtype="<u2").tobytes()).hexdigest()
-    if got != corpus_desc["train_token_stream_sha256"]:
+    if _sha256(corpus.train_tokens) != want:
         raise ConfigError(f"the corpus rebuilt here differs from the one {model_dir} was trained on (train "
                           "token stream hash mismatch: another Python standard library?)")
-    return corpus.train_tokens, corpus.heldout_tokens, corpus.description()
+    desc = corpus.description()
+    _keep_corpus(want, corpus.train_tokens, corpus.heldout_tokens, desc)
+    return corpus.train_tokens, corpus.heldout_tokens, desc
+
+
+def _sha256(tokens: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(tokens, dtype="<u2").tobytes()).hexdigest()
+
+
+def _corpus_file(train_sha: str) -> Path:
+    from edge0.cache import cache_dir
+
+    return cache_dir() / "corpus" / f"{train_sha[:32]}.npz"
+
+
+def _kept_corpus(train_sha: str):
+    """The corpus kept under ``train_sha``, when its file is there and both its streams hash
+    to what it says (else None: it is rebuilt)."""
+    try:
+        with np.load(_corpus_file(train_sha), allow_pickle=False) as f:
+            train, held = f["train"], f["heldout"]
+            desc = json.loads(f["description"].tobytes().decode("utf-8"))
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
+        return None
+    if _sha256(train) != train_sha or _sha256(held) != desc.get("heldout_token_stream_sha256"):
+        return None
+    return train, held, desc
+
+
+def _keep_corpus(train_sha: str, train: np.ndarray, held: np.ndarray, desc: dict) -> None:
+    """Keep the corpus for the next command (written whole, then renamed into place; a
+    cache that cannot be written is only not kept)."""
+    path = _corpus_file(train_sha)
+    tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.npz")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        np.savez(tmp, train=train, heldout=held,
+                 description=np.frombuffer(json.dumps(desc).encode("utf-8"), dtype=np.uint8))
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
 
 
 def token_streams(model_dir: str | Path) -> tuple[np.ndarray, np.ndarray, str]:
