@@ -1,5 +1,7 @@
-"""The teacher's corpus, rebuilt from a model's provenance, is kept in Edge0's cache under its
-train stream's hash and checked again whenever it is read back."""
+"""The token streams training reads are built once and kept in Edge0's cache: the teacher's
+corpus, rebuilt from a model's provenance, under its train stream's hash; standard-library
+text in a model's own tokenizer, under what it depends on. A kept file is checked again
+whenever it is read back."""
 
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ import pytest
 
 from edge0.errors import ConfigError
 from edge0.train import corpus as co
-from edge0.train.data import corpus_tokens
+from edge0.train import heads as H
+from edge0.train.data import corpus_tokens, token_streams
 
 
 class _Built:
@@ -92,3 +95,49 @@ def test_a_rebuilt_corpus_other_than_the_provenances_is_refused(model):
     (d / "provenance.json").write_text(json.dumps(prov))
     with pytest.raises(ConfigError, match="hash mismatch"):
         corpus_tokens(d)
+
+
+@pytest.fixture
+def tiny(tiny_model_factory, tmp_path, monkeypatch):
+    """A tiny model without a provenance (a copy: its tokenizer is changed below), short
+    texts in place of the standard library's, and a count of tokenizations."""
+    from tests.ckpt_tools import copy_model
+
+    monkeypatch.setenv("EDGE0_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(H, "default_texts", lambda: (["def f(x):\n    return x\n", "a = 1\n"], ["b = 2\n"], "texts"))
+    from edge0.backend import nn as bnn
+
+    loads = []
+    real = bnn.load_tokenizer
+
+    def load(path):
+        loads.append(path)
+        return real(path)
+
+    monkeypatch.setattr(bnn, "load_tokenizer", load)
+    return copy_model(tiny_model_factory("qwen3_moe"), tmp_path / "m"), loads
+
+
+def test_texts_in_a_models_tokenizer_are_tokenized_once(tiny):
+    d, loads = tiny
+    first = token_streams(d)
+    again = token_streams(d)
+    assert len(loads) == 1
+    assert again[2] == first[2] == "texts"
+    for a, b in zip(first[:2], again[:2]):
+        assert a.dtype == b.dtype == np.int64 and np.array_equal(a, b) and a.size > 0
+
+
+def test_another_tokenizer_or_other_texts_are_tokenized_anew(tiny, monkeypatch):
+    d, loads = tiny
+    token_streams(d)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg["model_max_length"] = 77
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    token_streams(d)
+    assert len(loads) == 2
+    monkeypatch.setattr(H, "default_texts", lambda: (["c = 3\n"], ["b = 2\n"], "texts"))
+    other = token_streams(d)
+    assert len(loads) == 3
+    token_streams(d)
+    assert len(loads) == 3 and other[0].size < 8

@@ -4,6 +4,8 @@ written by a model (the float32 teacher for phase 2, the served student for phas
 - ``corpus_tokens(model_dir)``: the train and held-out token streams the model was trained
   on, rebuilt from its provenance (the corpus is deterministic) and checked against the
   hashes recorded there, so the adapter never trains on held-out text.
+- ``token_streams(model_dir)``: those, or for a model without a provenance standard-library
+  text in its own tokenizer; both built once and kept in Edge0's cache (``edge0.train.kept``).
 - ``prompts(stream, n, length, seed)``: random windows of the train stream.
 - ``sample(model, prompts, new_tokens, temp, seed)``: batched sampling with a KV cache,
   float32, seeded; rows run to the full length and ``continuation_mask`` drops everything
@@ -12,17 +14,15 @@ written by a model (the float32 teacher for phase 2, the served student for phas
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
-import os
-import zipfile
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
 from edge0.errors import ConfigError
+from edge0.train import kept as K
 
 EOS = 0
 
@@ -40,55 +40,20 @@ def corpus_tokens(model_dir: str | Path) -> tuple[np.ndarray, np.ndarray, dict]:
     prov = json.loads(prov_path.read_text())
     corpus_desc, train_cfg = prov["corpus"], prov["train_config"]
     want = corpus_desc["train_token_stream_sha256"]
-    kept = _kept_corpus(want)
-    if kept is not None:
-        return kept
+    got = K.kept("corpus", want)
+    if got is not None and _sha256(got[0]) == want:
+        return got
     corpus = build_corpus(train_cfg["heldout_fraction"], train_cfg["vocab_size"])
     if _sha256(corpus.train_tokens) != want:
         raise ConfigError(f"the corpus rebuilt here differs from the one {model_dir} was trained on (train "
                           "token stream hash mismatch: another Python standard library?)")
     desc = corpus.description()
-    _keep_corpus(want, corpus.train_tokens, corpus.heldout_tokens, desc)
+    K.keep("corpus", want, corpus.train_tokens, corpus.heldout_tokens, desc)
     return corpus.train_tokens, corpus.heldout_tokens, desc
 
 
 def _sha256(tokens: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(tokens, dtype="<u2").tobytes()).hexdigest()
-
-
-def _corpus_file(train_sha: str) -> Path:
-    from edge0.cache import cache_dir
-
-    return cache_dir() / "corpus" / f"{train_sha[:32]}.npz"
-
-
-def _kept_corpus(train_sha: str):
-    """The corpus kept under ``train_sha``, when its file is there and both its streams hash
-    to what it says (else None: it is rebuilt)."""
-    try:
-        with np.load(_corpus_file(train_sha), allow_pickle=False) as f:
-            train, held = f["train"], f["heldout"]
-            desc = json.loads(f["description"].tobytes().decode("utf-8"))
-    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
-        return None
-    if _sha256(train) != train_sha or _sha256(held) != desc.get("heldout_token_stream_sha256"):
-        return None
-    return train, held, desc
-
-
-def _keep_corpus(train_sha: str, train: np.ndarray, held: np.ndarray, desc: dict) -> None:
-    """Keep the corpus for the next command (written whole, then renamed into place; a
-    cache that cannot be written is only not kept)."""
-    path = _corpus_file(train_sha)
-    tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.npz")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        np.savez(tmp, train=train, heldout=held,
-                 description=np.frombuffer(json.dumps(desc).encode("utf-8"), dtype=np.uint8))
-        os.replace(tmp, path)
-    except OSError:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
 
 
 def token_streams(model_dir: str | Path) -> tuple[np.ndarray, np.ndarray, str]:
@@ -101,10 +66,31 @@ def token_streams(model_dir: str | Path) -> tuple[np.ndarray, np.ndarray, str]:
     from edge0.backend import nn as bnn
     from edge0.train.heads import default_texts
 
-    tok = bnn.load_tokenizer(Path(model_dir))
     train_texts, held_texts, desc = default_texts()
+    key = _texts_key(Path(model_dir), train_texts + held_texts, desc)
+    got = K.kept("texts", key)
+    if got is not None:
+        return got[0], got[1], desc
+    tok = bnn.load_tokenizer(Path(model_dir))
     enc = lambda texts: np.array([t for text in texts for t in tok.encode(text)], dtype=np.int64)
-    return enc(train_texts), enc(held_texts), desc
+    train, held = enc(train_texts), enc(held_texts)
+    K.keep("texts", key, train, held, desc)
+    return train, held, desc
+
+
+TOKENIZER_SUFFIXES = (".json", ".txt", ".model", ".tiktoken", ".jinja", ".py")
+
+
+def _texts_key(model_dir: Path, texts: list[str], desc: str) -> str:
+    """What the streams of ``texts`` in ``model_dir``'s tokenizer depend on: the texts, and
+    the folder's files a tokenizer is read from (its own, its config, a chat template)."""
+    h = hashlib.sha256(desc.encode())
+    for text in texts:
+        h.update(hashlib.sha256(text.encode("utf-8")).digest())
+    for f in sorted(model_dir.iterdir()):
+        if f.is_file() and f.suffix in TOKENIZER_SUFFIXES:
+            h.update(f.name.encode() + b"\0" + hashlib.sha256(f.read_bytes()).digest())
+    return h.hexdigest()
 
 
 ORDINARY_CODE = 25_000  # the teacher's held-out split: its first 25k tokens are ordinary code (docs/TEACHER.md)
