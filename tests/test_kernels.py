@@ -320,6 +320,30 @@ def test_the_c_plus_plus_harness_builds_and_times_the_kernel(tmp_path):
     assert subprocess.run([str(exe), "--bogus", "1"], capture_output=True, timeout=60).returncode == 2
 
 
+def test_the_kernel_is_timed_against_another_commits_in_one_process():
+    """tools/qmm_vs.sh builds this tree's kernel and another commit's into one program, which
+    alternates their calls and counts the calls whose outputs differ in any bit: none against
+    the commit checked out (the kernel sources there are this tree's when unchanged)."""
+    import re
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    if shutil.which("g++") is None or shutil.which("git") is None:
+        pytest.skip("no g++ or git")
+    csrc = "src/edge0/backend/mlx/kernels/csrc/"
+    if subprocess.run(["git", "-C", str(root), "diff", "--quiet", "HEAD", "--", csrc + "qmm.cpp", csrc + "qmm.h"],
+                      capture_output=True, timeout=60).returncode != 0:
+        pytest.skip("not a git checkout, or the kernel changed since HEAD")
+    out = subprocess.run([str(root / "tools" / "qmm_vs.sh"), "HEAD", "64", "128", "2"], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    line = re.search(r"n 64 k 128 threads 2: this tree ([\d.]+) ms, other ([\d.]+) ms .*differing: (\d+) of 300", out.stdout)
+    assert line is not None, out.stdout
+    assert float(line.group(1)) > 0 and float(line.group(2)) > 0 and line.group(3) == "0"
+
+
 @pytest.mark.parametrize("cap", ["avx2", "portable"])
 def test_edge0_kernel_isa_caps_the_loops_and_the_stats_line_says_which_ran(cap):
     """EDGE0_KERNEL_ISA, read when the extension loads, caps the loops; the same numbers to

@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
@@ -148,6 +149,20 @@ void permute_x(const float* x, int64_t K, float* out) {
       for (int i = 0; i < 8; ++i) out[k0 + s * 8 + i] = x[k0 + i * per + s];
 }
 
+// The same order for the one-row loops (dot_avx2), each element of slice s < per - 1 times
+// 2^(-BITS * s): those loops take slice s's values where they lie in the word, q * 2^(BITS * s),
+// a mask and no shift, and the products are q * x exactly (powers of two; an x below 2^-100
+// in magnitude may lose low bits as a subnormal). The last slice is shifted down, unscaled.
+template <int BITS>
+void permute_x_scaled(const float* x, int64_t K, float* out) {
+  constexpr int per = 32 / BITS;
+  float f[per];
+  for (int s = 0; s < per; ++s) f[s] = s < per - 1 ? std::ldexp(1.0f, -BITS * s) : 1.0f;
+  for (int64_t k0 = 0; k0 < K; k0 += kBlock<BITS>)
+    for (int s = 0; s < per; ++s)
+      for (int i = 0; i < 8; ++i) out[k0 + s * 8 + i] = x[k0 + i * per + s] * f[s];
+}
+
 // the scale of each lane's elements in block b (k0 = b * block): one group, or two groups
 // of 32 side by side (4-bit, groups of 32: lanes 0-3 hold the first 32 elements)
 template <int BITS>
@@ -159,14 +174,15 @@ __attribute__((target("avx2,fma"))) inline __m256 block_scale(const float* sc, i
   return _mm256_set1_ps(sc[group_of(k0, gs)]);
 }
 
-// RB rows of permuted x against one weight row; U independent accumulators per row keep
-// the FMA units busy when RB is small (one accumulator chain would wait on its latency).
+// RB rows of x (permute_x_scaled) against one weight row; U independent accumulators per row
+// keep the FMA units busy when RB is small (one accumulator chain would wait on its latency).
+// A slice is a mask (a shift for the last), a conversion and an FMA: three operations for
+// eight weights where a shift, a mask, a conversion and an FMA were four (1.24x at one row).
 template <int BITS, int RB>
 __attribute__((target("avx2,fma"))) void dot_avx2(const uint32_t* wrow, const float* sc, int64_t K,
                                                   int gs, const float* const* xr, float* res) {
   constexpr int per = 32 / BITS;
   constexpr int U = RB >= 4 ? 1 : 4 / RB;
-  const __m256i mask = _mm256_set1_epi32((1 << BITS) - 1);
   __m256 tot[RB];
 #pragma GCC unroll 4
   for (int r = 0; r < RB; ++r) tot[r] = _mm256_setzero_ps();
@@ -179,7 +195,8 @@ __attribute__((target("avx2,fma"))) void dot_avx2(const uint32_t* wrow, const fl
       for (int u = 0; u < U; ++u) acc[r][u] = _mm256_setzero_ps();
 #pragma GCC unroll 8
     for (int s = 0; s < per; ++s) {
-      const __m256i q = _mm256_and_si256(_mm256_srli_epi32(v, s * BITS), mask);
+      const __m256i q = s < per - 1 ? _mm256_and_si256(v, _mm256_set1_epi32(((1 << BITS) - 1) << (s * BITS)))
+                                    : _mm256_srli_epi32(v, s * BITS);
       const __m256 wf = _mm256_cvtepi32_ps(q);
 #pragma GCC unroll 4
       for (int r = 0; r < RB; ++r)
@@ -712,30 +729,38 @@ void run_qmm(const QmmArgs& a) {
   // the vector loops read x block-transposed (permute_x, permute_x512), whole blocks of words
   const Isa use = isa_for<BITS>(a.K);
   Lanes lanes{};
-  std::vector<float> xp;
+  std::vector<float> xp, xq;  // x permuted for the tiles; for the AVX2 one-row loops, scaled too
 #ifdef EDGE0_X86
   if (use == Isa::Avx512) lanes.l512 = lanes512<BITS>(a.group_size);
   if (use != Isa::Portable) {
+    bool tiles = false, one_rows = false;  // which loops run: an expert's rows many or few
+    for (size_t gi = 0; gi + 1 < start.size(); ++gi) (start[gi + 1] - start[gi] >= kTileRows ? tiles : one_rows) = true;
     const int64_t X = (a.B / a.x_repeat) * a.M;  // distinct rows of x
-    xp.resize(X * a.K);
+    if (use == Isa::Avx512 || tiles) xp.resize(X * a.K);
+    if (use == Isa::Avx2 && one_rows) xq.resize(X * a.K);
     for (int64_t i = 0; i < X; ++i) {
-      if (use == Isa::Avx512)
+      if (use == Isa::Avx512) {
         permute_x512<BITS>(a.x + i * a.K, a.K, xp.data() + i * a.K);
-      else
-        permute_x<BITS>(a.x + i * a.K, a.K, xp.data() + i * a.K);
+        continue;
+      }
+      if (tiles) permute_x<BITS>(a.x + i * a.K, a.K, xp.data() + i * a.K);
+      if (one_rows) permute_x_scaled<BITS>(a.x + i * a.K, a.K, xq.data() + i * a.K);
     }
   }
 #endif
-  const float* xbase = use != Isa::Portable ? xp.data() : a.x;
-  auto xdot = [&](int64_t r) {  // the x a row's dot products read
+  const float* xtile = use != Isa::Portable ? xp.data() : a.x;
+  const float* xone = !xq.empty() ? xq.data() : xtile;
+  auto xat = [&](const float* base, int64_t r) {  // the x a row's dot products read
     const int64_t b = r / a.M, m = r % a.M;
-    return xbase + ((b / a.x_repeat) * a.M + m) * a.K;
+    return base + ((b / a.x_repeat) * a.M + m) * a.K;
   };
-  // each row's x, its sums and its output, found once (not per output row n)
-  std::vector<const float*> xs_of(R), xd_of(R);
+  // each row's x (as the one-row loops and as the tiles read it), its sums and its output,
+  // found once (not per output row n)
+  std::vector<const float*> xs_of(R), xd_of(R), xt_of(R);
   std::vector<float*> out_of(R);
   for (int64_t i = 0; i < R; ++i) {
-    xd_of[i] = xdot(rows[i]);
+    xd_of[i] = xat(xone, rows[i]);
+    xt_of[i] = xat(xtile, rows[i]);
     xs_of[i] = xsum.data() + rows[i] * G;
     out_of[i] = a.out + rows[i] * a.N;
   }
@@ -768,9 +793,9 @@ void run_qmm(const QmmArgs& a) {
             const int mb = int(std::min<int64_t>(tm, s1 - s));
             float res[kTileM512 * kTileN512];
             if (wide)
-              tile512(mb, nb, xd_of.data() + s, wf.data(), a.K, res);
+              tile512(mb, nb, xt_of.data() + s, wf.data(), a.K, res);
             else
-              tile(mb, nb, xd_of.data() + s, wf.data(), a.K, res);
+              tile(mb, nb, xt_of.data() + s, wf.data(), a.K, res);
             for (int i = 0; i < mb; ++i)
               for (int j = 0; j < nb; ++j) out_of[s + i][n + j] = res[i * nb + j];
           }
