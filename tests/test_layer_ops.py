@@ -2,7 +2,8 @@
 (``edge0.backend.mlx.kernels.attention``'s ``rms_norm``, ``rope`` and the twins ``use_edge0``
 gives ``nn.RMSNorm`` and ``nn.RoPE``): a float64 reference's numbers within float32's
 rounding (views as mlx-lm passes them, partial and traditional rotations, an offset per batch
-entry, custom frequencies), the same result on any thread count, typed errors; an engine on
+entry, custom frequencies), a weight or position that lies as rows read without a copy node,
+the same result on any thread count, typed errors; an engine on
 kernels edge0 runs them in every pass (decode steps too), one on kernels mlx never does, and
 the twins outside Edge0's forward pass are mlx-lm's modules."""
 
@@ -67,6 +68,32 @@ def test_rms_norm_reads_a_view_as_its_values():
     x = mx.random.normal((4, 64, 6), key=mx.random.key(3)).transpose(0, 2, 1)  # not row-contiguous
     w = mx.random.normal((64,), key=mx.random.key(4))
     assert _rel(A.rms_norm(x, w, 1e-5), _norm64(x, w, 1e-5)) < 1e-6
+
+
+def _ops(y) -> list[str]:
+    """The primitives of ``y``'s graph, by name."""
+    import io
+    import re
+
+    buf = io.StringIO()
+    mx.export_to_dot(buf, y)
+    return re.findall(r'label ="?([A-Za-z_0-9]+)"?, shape=rectangle', buf.getvalue())
+
+
+def test_a_weight_or_position_lying_as_rows_is_read_where_it_is_and_a_view_through_a_copy():
+    x = mx.random.normal((1, 1, 64), key=mx.random.key(5))
+    w = mx.random.normal((64,), key=mx.random.key(6))
+    mx.eval(x, w)
+    assert _ops(A.rms_norm(x, w, 1e-6)) == ["Edge0RmsNorm"]
+    q = mx.random.normal((1, 4, 1, 32), key=mx.random.key(7))
+    mx.eval(q)
+    assert _ops(A.rope(q, 32, traditional=False, base=10000.0, scale=1.0, offset=9)) == ["Edge0Rope"]
+    wide = mx.random.normal((64, 2), key=mx.random.key(8))
+    mx.eval(wide)
+    view = wide[:, 1]  # every other value: not rows
+    y = A.rms_norm(x, view, 1e-6)
+    assert "Contiguous" in _ops(y)
+    assert _rel(y, _norm64(x, view, 1e-6)) < 1e-6
 
 
 ROPE_CASES = [  # (shape made [B, L, H, D] then transposed as mlx-lm does, dims, traditional, offsets)
