@@ -69,22 +69,31 @@ def token_streams(model_dir: str | Path) -> tuple[np.ndarray, np.ndarray, str]:
     train_texts, held_texts, desc = default_texts()
     key = _texts_key(Path(model_dir), train_texts + held_texts, desc)
     got = K.kept("texts", key)
-    if got is not None:
-        return got[0], got[1], desc
+    if got is not None:  # (kept as int32: half the bytes)
+        return got[0].astype(np.int64), got[1].astype(np.int64), desc
     tok = bnn.load_tokenizer(Path(model_dir))
     enc = lambda texts: np.array([t for text in texts for t in tok.encode(text)], dtype=np.int64)
     train, held = enc(train_texts), enc(held_texts)
-    K.keep("texts", key, train, held, desc)
+    K.keep("texts", key, train.astype(np.int32), held.astype(np.int32), desc)
     return train, held, desc
 
 
 TOKENIZER_SUFFIXES = (".json", ".txt", ".model", ".tiktoken", ".jinja", ".py")
+TOKENIZER_PACKAGES = ("edge0", "mlx-lm", "transformers", "tokenizers", "sentencepiece", "tiktoken")
 
 
 def _texts_key(model_dir: Path, texts: list[str], desc: str) -> str:
-    """What the streams of ``texts`` in ``model_dir``'s tokenizer depend on: the texts, and
-    the folder's files a tokenizer is read from (its own, its config, a chat template)."""
+    """What the streams of ``texts`` in ``model_dir``'s tokenizer depend on: the texts, the
+    folder's files a tokenizer is read from (its own, its config, a chat template) and the
+    versions of the packages that read them."""
+    from importlib.metadata import PackageNotFoundError, version
+
     h = hashlib.sha256(desc.encode())
+    for package in TOKENIZER_PACKAGES:
+        try:
+            h.update(f"{package} {version(package)}\0".encode())
+        except PackageNotFoundError:
+            h.update(f"{package} absent\0".encode())
     for text in texts:
         h.update(hashlib.sha256(text.encode("utf-8")).digest())
     for f in sorted(model_dir.iterdir()):
