@@ -178,7 +178,7 @@ __attribute__((target("avx2,fma"))) inline __m256 block_scale(const float* sc, i
 // keep the FMA units busy when RB is small (one accumulator chain would wait on its latency).
 // A slice is a mask (a shift for the last), a conversion and an FMA: three operations for
 // eight weights where a shift, a mask, a conversion and an FMA were four (a gate projection
-// at one row 1.12-1.15x faster on one thread, tools/qmm_vs.sh).
+// at one row 1.11-1.15x faster on one thread, tools/qmm_vs.sh).
 template <int BITS, int RB>
 __attribute__((target("avx2,fma"))) void dot_avx2(const uint32_t* wrow, const float* sc, int64_t K,
                                                   int gs, const float* const* xr, float* res) {
