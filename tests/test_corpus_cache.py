@@ -141,3 +141,14 @@ def test_another_tokenizer_or_other_texts_are_tokenized_anew(tiny, monkeypatch):
     assert len(loads) == 3
     token_streams(d)
     assert len(loads) == 3 and other[0].size < 8
+
+
+def test_another_version_of_a_tokenizer_package_tokenizes_anew(tiny, monkeypatch):
+    import importlib.metadata as md
+
+    d, loads = tiny
+    token_streams(d)
+    real = md.version
+    monkeypatch.setattr(md, "version", lambda name: "0.0-other" if name == "tokenizers" else real(name))
+    token_streams(d)
+    assert len(loads) == 2
