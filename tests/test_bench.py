@@ -90,6 +90,28 @@ def test_order_rotates_and_a_new_arm_plugs_in(bench_model, monkeypatch):
     assert doc["arms"]["resident"]["ratio_to_resident"]["decode_tps"] == 1.0
 
 
+def test_the_machines_speed_is_probed_around_each_round_and_scales_the_forecast(bench_model, monkeypatch):
+    monkeypatch.setattr(harness, "make_replay", lambda *a: {"prompt": [1, 2], "continuation": [3]})
+    calls, times = [], iter([0.01, 0.03, 0.02, 0.02, 0.04, 0.02])  # seconds; before and after each round
+
+    def probe():
+        calls.append("probe")
+        return next(times)
+    settings = harness.BenchSettings(arms=("exact",), rounds=3, cache="warm")
+    forecast = {"decode_tok_s": 5.0, "step_ms": 200.0, "ttft_s": 1.0, "prompt_tokens": 2, "probe_ms": 40.0,
+                "terms_ms": {"replica_step": 90.0, "kernels": 5.0, "heads_flush": 5.0}}
+    doc = harness.run_bench(bench_model, settings, runner=fake_runner(calls), probe=probe,
+                            forecaster=lambda *a: {"exact": forecast})
+    assert calls == ["probe", "exact", "probe"] * 3  # around each round, not during it
+    assert doc["arms"]["exact"]["probe_ms"] == pytest.approx([20.0, 20.0, 30.0])
+    row = next(l for l in markdown(doc).splitlines() if l.startswith("| exact | 5.00"))
+    measured = doc["arms"]["exact"]["decode_tps"]["median"]
+    # the rounds ran 2x as fast as the forecast's replica (40 ms against 20): its 100 ms of compute is 50
+    assert row.endswith(f"| 2.00x | {1e3 / 150.0 / measured:.2f}x |")
+    assert "harness" not in row and harness.run_bench(bench_model, settings, runner=fake_runner([]))["arms"][
+        "exact"].get("probe_ms") is None  # no probe asked: none timed
+
+
 def test_variant_of_an_arm_that_reads_no_experts_has_no_bytes_ratio(bench_model, monkeypatch):
     monkeypatch.setattr(harness, "make_replay", lambda *a: {"prompt": [1, 2], "continuation": [3]})
     settings = harness.BenchSettings(arms=("resident", "resident@again"), rounds=2, cache="warm")

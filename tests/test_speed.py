@@ -55,8 +55,8 @@ def test_plan_forecasts_a_step_as_its_measured_terms_and_measures_once(setups, c
     sp = json.loads(out)["speed"]
     t = sp["terms_ms"]
     assert t["replica_step"] > 0 and sp["prompt_tokens"] == 64
-    assert sp["step_ms"] == pytest.approx(t["replica_step"] + t["kernels"] + t["heads_flush"]
-                                                 + t["reads_exposed"])
+    assert sp["step_ms"] == pytest.approx(t["replica_step"] - t["replica_copies"] + t["kernels"] + t["heads_flush"]
+                                          + t["reads_exposed"])
     assert sp["decode_tok_s"] == pytest.approx(1e3 / sp["step_ms"])
     assert sp["ttft_s"] * 1e3 == pytest.approx(t["prefill_replica"] + t["prefill_kernels"] + t["prefill_attention"]
                                                + t["prompt_reads"])
@@ -69,6 +69,18 @@ def test_plan_forecasts_a_step_as_its_measured_terms_and_measures_once(setups, c
     code, text = _plan("--model", str(d), "--speed", "--prompt-tokens", "64", *flags)
     assert f"speed forecast on this machine: {sp['decode_tok_s']:.2f} tok/s decode" in text
     assert "64-token prompt" in text and "assumed: the engine's own step measured on a replica" in text
+
+
+def test_the_replicas_own_copies_into_slots_are_taken_out_where_layers_read_on_demand(setups, speed_cache):
+    d = setups["exact"][0]
+    code, out = _plan("--model", str(d), "--speed", "--prompt-tokens", "8", "--json", "--expert-source", "slots")
+    assert code == 0, out
+    t = json.loads(out)["speed"]["terms_ms"]
+    (replica,) = [json.loads(p.read_text())["value"] for p in speed_cache.glob("replica-*.json")]
+    (copy,) = [json.loads(p.read_text())["value"] for p in speed_cache.glob("copy-*.json")]
+    assert replica["expert_bytes"] > 0  # exact over slots: the replica copied its experts every step
+    assert t["replica_copies"] == pytest.approx(replica["expert_bytes"] * copy * 1e3)
+    assert 0 < t["replica_copies"] < t["replica_step"]
 
 
 def test_plan_refuses_a_prompt_of_no_tokens(setups):
@@ -115,10 +127,12 @@ def _lay(staged: list[int], layers: int = 4, source: str = "slots", direct: bool
 
 
 @pytest.mark.parametrize("compute", [0.010, 0.500])
-def test_staged_reads_run_beside_the_compute_and_on_demand_reads_do_not(monkeypatch, speed_cache, compute):
+def test_staged_reads_run_beside_the_compute_and_slow_it_and_on_demand_reads_do_not(monkeypatch, speed_cache,
+                                                                                     compute):
     import os
 
-    drive = {"wall": 1e-9, "cpu": 0.5e-9, "wall_busy": 2e-9}  # 1 GB/s, 0.5 while the kernels compute
+    # 1 GB/s, 0.5 while the kernels compute; the kernels 1.5x as long while the drive reads
+    drive = {"fresh": 4e-9, "wall": 1e-9, "cpu": 0.5e-9, "wall_busy": 2e-9, "compute_busy": 1.5}
     monkeypatch.setattr(speed, "_drive", lambda lay, direct, kernels: drive)
     from edge0.io_sched import drive_rate
 
@@ -128,11 +142,29 @@ def test_staged_reads_run_beside_the_compute_and_on_demand_reads_do_not(monkeypa
     total, added, _ = speed._reads(_lay(staged=[]), fc, compute)
     assert total == pytest.approx(reads) and added == pytest.approx(reads)  # exact: on the step's path
     total, added, said = speed._reads(_lay(staged=[1, 2, 3]), fc, compute)
-    cpu = (100e6 * 0.5e-9 + 200e6 * 1e-10) * 3 / 4 / len(os.sched_getaffinity(0))
-    during = compute / 2  # the reads' time at the idle rate that the compute's time covers
-    assert added == pytest.approx(reads / 4 + max(cpu, reads * 3 / 4 - during))
+    beside = (100e6 * 2e-9 + 200e6 * 1e-10) * 3 / 4  # the staged reads' time while the kernels compute: 0.165 s
+    copies = 200e6 * 1e-10 * 3 / 4 / len(os.sched_getaffinity(0))  # the copies' CPU, a share of the cores
+    if compute == 0.010:  # the reads outlast the compute: it runs 1.5x as long, then the reads' rest at the idle rate
+        slowed = compute * 1.5 + copies
+        assert added == pytest.approx(reads / 4 + (slowed - compute) + (1 - slowed / beside) * reads * 3 / 4)
+    else:  # the compute outlasts the reads: slowed for as long as they run, nothing of them left
+        slowed = compute + beside * (1 - 1 / 1.5) + copies
+        assert added == pytest.approx(reads / 4 + slowed - compute)
     assert "beside the compute" in said[1] and "0.50 while the kernels compute" in said[0]
+    assert "the compute 1.50x as long while they run" in said[1] and "read the first time: 0.25" in said[0]
     assert speed._reads(_lay(staged=[1, 2, 3], source="mapping"), fc, compute)[:2] == (0.0, 0.0)
+
+
+def test_a_prompt_reads_its_experts_at_the_rate_of_a_first_read_and_a_decode_at_a_second(monkeypatch, speed_cache):
+    drive = {"fresh": 4e-9, "wall": 1e-9, "cpu": 0.5e-9, "wall_busy": 1e-9, "compute_busy": 1.0}
+    monkeypatch.setattr(speed, "_drive", lambda lay, direct, kernels: drive)
+    lay = _lay(staged=[])
+    lay.opened.spec.num_experts, lay.opened.spec.k = 16, 2
+    lay.opened.index = SimpleNamespace(layers={l: SimpleNamespace(expert_bytes=1e6) for l in range(4)})
+    fc = {"disk_bytes_per_token": 100e6, "expert_bytes_per_token": 100e6, "prompt_experts": 40, "source": "trace"}
+    seconds, why = speed._prompt_reads(lay, 64, fc, "edge0")
+    assert seconds == pytest.approx(40 * 1e6 * 4e-9) and "read the first time" in why
+    assert speed._reads(lay, fc, 0.01)[0] == pytest.approx(100e6 * 1e-9)
 
 
 def test_bench_prints_the_forecast_beside_what_each_arm_measured(setups, speed_cache, tmp_path):
@@ -149,12 +181,13 @@ def test_bench_prints_the_forecast_beside_what_each_arm_measured(setups, speed_c
     assert "forecast" not in doc["arms"]["resident"]  # mlx-lm's own model: no plan to forecast
     measured = doc["arms"]["exact"]["decode_tps"]["median"]
     prefill = 8 / doc["arms"]["exact"]["prefill_tps"]["median"]
+    assert forecast["probe_ms"] > 0 and len(doc["arms"]["exact"]["probe_ms"]) == 1  # the machine's speed, both times
     row = (f"| exact | {forecast['decode_tok_s']:.2f} | {measured:.2f} | "
            f"{forecast['decode_tok_s'] / measured:.2f}x | {forecast['ttft_s']:.2f} | {prefill:.2f} |")
     assert row in out.getvalue() and row in (tmp_path / "b" / "bench.md").read_text()
 
 
-def test_the_drive_is_read_idle_and_beside_a_step_of_products(setups, monkeypatch):
+def test_the_drive_is_read_idle_and_beside_a_step_of_products_whose_slowdown_is_measured(setups, monkeypatch):
     import time
 
     from edge0.io_sched import drive_rate
@@ -163,22 +196,40 @@ def test_the_drive_is_read_idle_and_beside_a_step_of_products(setups, monkeypatc
     monkeypatch.setattr(drive_rate, "DRIVE_BYTES", 2**20)
     _, index, _ = open_checkpoint(setups["exact"][0])
     real = drive_rate.drive_seconds_per_byte(index, 2, direct=False)  # the real reads, idle only
-    assert real["wall"] > 0 and real["cpu"] >= 0 and real["wall_busy"] == real["wall"]
-    steps, seen = [], []
+    assert real["wall"] > 0 and real["fresh"] > 0 and real["cpu"] >= 0 and real["wall_busy"] == real["wall"]
+    assert real["compute_busy"] == 1.0
+    steps, seen, reading = [], [], []
 
     def step():
         steps.append(1)
         time.sleep(0.001)
 
+    def timed(run):  # a step takes 3 ms idle and 6 ms while the drive reads beside it
+        busy = bool(reading)
+        run()
+        return 0.006 if busy and reading else 0.003
+    monkeypatch.setattr(drive_rate, "_timed", timed)
+
+    idle = drive_rate.IDLE_PASSES
+    # each pass's experts read twice: the idle passes' first reads (median 0.6), their second (median 0.2);
+    # then, beside the products, each pass's first read (not timed) and its second
+    passes = iter([0.5, 0.3, 0.7, 0.1, 0.6, 0.2] + [0.9, 0.4] * drive_rate.BUSY_PASSES)
+
     def reads(ranges, threads, direct):  # each pass: how many steps ran while it read
         before = len(steps)
-        time.sleep(0.2)
+        if len(seen) >= 2 * idle + 1:  # the idle passes are the first; the products run beside the busy second reads
+            reading.append(1)
+        took = next(passes)
+        time.sleep(took / 2)
+        reading.clear()
         seen.append(len(steps) - before)
-        return (0.2, 0.01, 1000) if len(seen) == 1 else (0.4, 0.01, 1000)
+        return took, 0.01, 1000
     monkeypatch.setattr(drive_rate, "_read_ranges", reads)
     out = drive_rate.drive_seconds_per_byte(index, 2, direct=False, busy=lambda: step)
-    assert seen[0] == 0 and seen[1] > 0  # the products ran beside the second pass only
-    assert out["wall"] == pytest.approx(0.2 / 1000) and out["wall_busy"] == pytest.approx(0.4 / 1000)
+    assert seen[:2 * idle] == [0] * 2 * idle and seen[2 * idle + 1] > 0  # the products ran beside the later passes
+    assert out["fresh"] == pytest.approx(0.6 / 1000) and out["wall"] == pytest.approx(0.2 / 1000)
+    assert out["wall_busy"] == pytest.approx(0.4 / 1000)  # the second read of a busy pass, the first not counted
+    assert out["compute_busy"] == pytest.approx(2.0)  # 6 ms beside the reads against 3 ms idle
 
 
 def test_a_forecast_leaves_the_kernels_thread_count_as_it_was(setups, speed_cache):

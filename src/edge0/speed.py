@@ -14,15 +14,19 @@ A decode step is forecast from measured terms:
   the replica's (the head over a small vocabulary, the routers over fewer experts), the two
   timed in turns in one process (the machine's drift falls on both); the heads' flush over
   every expert likewise;
+- **the replica's own copies**, taken out: on the layers that read on demand its step holds
+  the copies of its experts into slots (its expert bytes a token at the copy rate), which
+  the reads term counts at the checkpoint's bytes;
 - **the reads** (the plan computes over slots): the plan's disk bytes a token over the
   drive's rate at the plan's request sizes (positional reads, as many threads as the
-  engine's readers, the page cache bypassed), the other expert bytes (the expert cache's)
-  at the memory's copy rate.
+  engine's readers, the page cache bypassed; experts read a second time, as a decode's
+  mostly are, while a prompt's are read the first time), the other expert bytes (the expert
+  cache's) at the memory's copy rate.
 
 Layers decoding exact read on demand: the step waits for all of it. Staged layers' reads are
-issued ahead and run beside the compute, their CPU work (the drive's system time, the
-copies) taking its share of the cores from it: the step is the longer of the two. Prefill
-is the replica's (of at most ``REPLICA_PROMPT`` tokens, scaled to the prompt), what a longer
+issued ahead and run beside the compute, which runs slower while they do (by as much as the
+step's products measured beside the drive's reads; the copies' CPU taken from its cores):
+the step is the longer of the two. Prefill is the replica's (of at most ``REPLICA_PROMPT`` tokens, scaled to the prompt), what a longer
 prompt's attention adds (one chunk timed at the real heads, scaled by query x key
 positions) and, over slots from the drive, every expert the prompt touches read once. Each
 measurement is cached per CPU (kernels, replica) or per drive (``$EDGE0_CACHE/speed``), so a
@@ -229,7 +233,8 @@ def replica_arm(lay) -> tuple[str, dict]:
 def replica_seconds(lay, rc: dict, prompt_tokens: int, rounds: int = 3) -> dict:
     """The replica's decode step (1 / its median decode tok/s) and prefill of ``prompt_tokens``
     (at the prefill rate of at most ``REPLICA_PROMPT`` tokens), benchmarked as ``edge0 bench``
-    runs the arm (warm, ``rounds`` rounds)."""
+    runs the arm (warm, ``rounds`` rounds), and the machine's speed while it ran (``probe_ms``:
+    ``timing.probe_seconds`` around its rounds)."""
     from edge0.benchmark.harness import BenchSettings, run_bench
 
     arm, options = replica_arm(lay)
@@ -237,13 +242,19 @@ def replica_seconds(lay, rc: dict, prompt_tokens: int, rounds: int = 3) -> dict:
     key = {**cpu_key(), "replica": rc, "arm": arm, "options": options, "prompt": prompt, "dtype": lay.compute_dtype}
 
     def measure():
+        from edge0.backend import timing
+
         doc = run_bench(replica_dir(rc), BenchSettings(arms=(arm,), rounds=rounds, cache="warm",
                                                        prompt_tokens=prompt, decode_tokens=DECODE_TOKENS,
-                                                       compute_dtype=lay.compute_dtype, arm_options={arm: options}))
+                                                       compute_dtype=lay.compute_dtype, arm_options={arm: options}),
+                        probe=timing.probe_seconds)
         a = doc["arms"][arm]
-        return {"step_s": 1 / a["decode_tps"]["median"], "prefill_tps": a["prefill_tps"]["median"]}
+        return {"step_s": 1 / a["decode_tps"]["median"], "prefill_tps": a["prefill_tps"]["median"],
+                "probe_ms": statistics.median(a["probe_ms"]),
+                "expert_bytes": (a.get("expert_bytes_per_token") or {}).get("median") or 0.0}
     value = cached("replica", key, measure)
-    return {"step_s": value["step_s"], "prefill_s": prompt_tokens / value["prefill_tps"]}
+    return {"step_s": value["step_s"], "prefill_s": prompt_tokens / value["prefill_tps"],
+            "probe_ms": value.get("probe_ms"), "expert_bytes": value.get("expert_bytes", 0.0)}
 
 
 def attention_seconds(raw: dict, prompt: int, chunk: int) -> tuple[float, str | None]:
@@ -310,7 +321,9 @@ def _forecast(lay, fc: dict, prompt_tokens: int, kernels: str, prods: dict) -> d
     def extra(rows):
         return extra_kernel_seconds(prods, rprods, kernels, rows)
     flush = _flush_seconds(lay, kernels, rc)
-    compute = rep["step_s"] + extra(1) + flush
+    # the replica's own copies into slots on the layers that read on demand: the reads term counts the checkpoint's
+    own = rep["expert_bytes"] * _on_demand(lay) * cached("copy", cpu_key(), _copy_rate)
+    compute = rep["step_s"] - own + extra(1) + flush
     reads, exposed, assumptions = _reads(lay, fc, compute, kernels)
     step = compute + exposed
     chunk = max(1, min(prompt_tokens, lay.config.prefill_step_size))
@@ -323,6 +336,10 @@ def _forecast(lay, fc: dict, prompt_tokens: int, kernels: str, prods: dict) -> d
     attention = max(0.0, attention - attention_seconds(lay.opened.raw, measured, chunk)[0] * prompt_tokens / measured)
     prefill = rep["prefill_s"] + extra(chunk) * prompt_tokens / chunk + attention * spec.num_layers
     prompt_reads, why = _prompt_reads(lay, prompt_tokens, fc, kernels)
+    if own:
+        assumptions.append(f"the replica's own copies into slots on the layers that read on demand ({own * 1e3:.1f} ms "
+                           "a step: its expert bytes a token at the copy rate) taken out of its step: the reads "
+                           "count the checkpoint's")
     assumptions += [
         why,
         f"the engine's own step measured on a replica (the checkpoint's architecture, {spec.num_layers} layers, "
@@ -333,8 +350,10 @@ def _forecast(lay, fc: dict, prompt_tokens: int, kernels: str, prods: dict) -> d
         "attention at every decoder layer",
     ]
     return {"decode_tok_s": 1.0 / step, "step_ms": step * 1e3, "prompt_tokens": prompt_tokens,
+            "probe_ms": rep["probe_ms"],
             "ttft_s": prefill + prompt_reads, "terms_ms": {
-                "replica_step": rep["step_s"] * 1e3, "kernels": extra(1) * 1e3, "heads_flush": flush * 1e3,
+                "replica_step": rep["step_s"] * 1e3, "replica_copies": own * 1e3, "kernels": extra(1) * 1e3,
+                "heads_flush": flush * 1e3,
                 "reads": reads * 1e3, "reads_exposed": exposed * 1e3, "prefill_replica": rep["prefill_s"] * 1e3,
                 "prefill_kernels": extra(chunk) * prompt_tokens / chunk * 1e3,
                 "prefill_attention": attention * spec.num_layers * 1e3, "prompt_reads": prompt_reads * 1e3},
@@ -368,13 +387,13 @@ def _flush_seconds(lay, kernels: str, rc: dict) -> float:
 
 def _drive(lay, direct: bool, kernels: str = "edge0") -> dict:
     """The drive's rates (cached per drive and CPU), the busy one while the checkpoint's step
-    products (``kernels``) run."""
+    products (``kernels``) run, and how much longer those products take beside the reads."""
     from edge0.backend import timing
     from edge0.io_sched.drive_rate import drive_key, drive_seconds_per_byte
 
     index = lay.opened.index
     key = {**drive_key(Path(index.files[0])), "threads": lay.config.reader_threads, "direct": direct,
-           "cpu": cpu_key(), "kernels": kernels}
+           "cpu": cpu_key(), "kernels": kernels, "measures": ["fresh", "wall", "cpu", "wall_busy", "compute_busy"]}
 
     def measure():
         prods = products(lay.opened.spec, index)
@@ -387,44 +406,65 @@ def _drive(lay, direct: bool, kernels: str = "edge0") -> dict:
 def _from_disk(lay) -> bool:
     """Whether the plan's reads come from the drive (else the page cache holds the checkpoint)."""
     plan = lay.plan
-    return plan.direct or lay.opened.index.total_bytes() + plan.planned > plan.limit
+    return plan.direct or lay.opened.index.total_bytes + plan.planned > plan.limit
+
+
+def _on_demand(lay) -> float:
+    """The share of the MoE layers that decode exact (their reads on demand, on the step's path)."""
+    moe = lay.opened.spec.moe_layers
+    return len([l for l in moe if l not in set(lay.on["staged"])]) / max(1, len(moe))
+
+
+def _copy_rate() -> float:
+    """A memory copy's seconds a byte (``drive_rate.copy_seconds_per_byte``)."""
+    from edge0.io_sched.drive_rate import copy_seconds_per_byte
+
+    return copy_seconds_per_byte()
 
 
 def _reads(lay, fc: dict, compute: float, kernels: str = "edge0") -> tuple[float, float, list[str]]:
     """(a token's reads, what they add to the step, assumptions). Layers decoding exact read
-    on demand: the step waits for all of it. Staged layers' reads run beside the compute,
-    their CPU work (the drive's system time, the copies) taking its share of the cores from
-    it: the step is the longer of the two."""
+    on demand: the step waits for all of it. Staged layers' reads run beside the compute at
+    the drive's busy rate, and the compute runs slower while they do (``compute_busy``,
+    measured on the step's products beside the drive's reads), the page cache's copies taking
+    their share of the cores besides; what is left of the reads when the compute ends runs at
+    the idle rate."""
     if lay.plan.source == "mapping":
         return 0.0, 0.0, ["over the mapping: no reads (the checkpoint's pages in the page cache)"]
     disk, into = fc["disk_bytes_per_token"] or 0.0, fc["expert_bytes_per_token"] or 0.0
-    from edge0.io_sched.drive_rate import copy_seconds_per_byte
-
-    copy = cached("copy", cpu_key(), copy_seconds_per_byte)
+    copy = cached("copy", cpu_key(), _copy_rate)
     from_disk = _from_disk(lay)
-    drive = _drive(lay, lay.plan.direct, kernels) if from_disk else {"wall": copy, "cpu": copy, "wall_busy": copy}
+    drive = (_drive(lay, lay.plan.direct, kernels) if from_disk
+             else {"fresh": copy, "wall": copy, "cpu": copy, "wall_busy": copy, "compute_busy": 1.0})
     copied = max(0.0, into - disk)
     reads = disk * drive["wall"] + copied * copy
-    moe = lay.opened.spec.moe_layers
-    share = len([l for l in moe if l not in set(lay.on["staged"])]) / max(1, len(moe))
+    share = _on_demand(lay)
     said = [f"reads: {disk / 2**20:.1f} MiB a token from the {'drive' if from_disk else 'page cache'} at "
-            f"{1 / drive['wall'] / 1e9:.2f} GB/s ({1 / drive['wall_busy'] / 1e9:.2f} while the kernels compute; "
-            f"{drive['cpu'] * 1e9:.2f} CPU s a GB), {copied / 2**20:.1f} MiB copied at {1 / copy / 1e9:.2f} GB/s"]
+            f"{1 / drive['wall'] / 1e9:.2f} GB/s, the rate of experts read before (a decode's experts were "
+            f"mostly read for the prompt or earlier tokens; read the first time: {1 / drive['fresh'] / 1e9:.2f}); "
+            f"{1 / drive['wall_busy'] / 1e9:.2f} while the kernels compute; {drive['cpu'] * 1e9:.2f} CPU s a GB; "
+            f"{copied / 2**20:.1f} MiB copied at {1 / copy / 1e9:.2f} GB/s"]
     if share == 1:
         return reads, reads, said
+    slow = drive["compute_busy"]
+    staged = reads * (1 - share)  # the staged layers' reads at the idle rate
+    beside = (disk * drive["wall_busy"] + copied * copy) * (1 - share)  # and while the kernels compute
     cores = max(1, len(os.sched_getaffinity(0)))
-    beside = (disk * drive["cpu"] + copied * copy) * (1 - share) / cores
-    during = compute * drive["wall"] / drive["wall_busy"]  # what the reads get done while the step computes
+    # while the reads run the compute goes at 1 / slow of its idle rate; the copies' CPU is taken from it too
+    slowed = compute + min(compute * slow, beside) * (1 - 1 / slow) + copied * copy * (1 - share) / cores
+    left = max(0.0, 1 - slowed / beside) * staged if beside > 0 else 0.0
     said.append(f"staged layers' reads run beside the compute (issued ahead), at the drive's rate while the kernels "
-                f"compute, their CPU work taking its share of the {cores} cores; what is left when the compute ends "
-                "runs at the idle rate; layers decoding exact read on demand (their share of the bytes taken as "
+                f"compute, the compute {slow:.2f}x as long while they run (measured: the step's products beside "
+                f"the drive's reads) and the copies' CPU taken from its {cores} cores; what is left when the compute "
+                "ends runs at the idle rate; layers decoding exact read on demand (their share of the bytes taken as "
                 "their share of the MoE layers)")
-    return reads, reads * share + max(beside, reads * (1 - share) - during), said
+    return reads, reads * share + (slowed - compute) + left, said
 
 
 def _prompt_reads(lay, prompt: int, fc: dict, kernels: str) -> tuple[float, str]:
-    """Over slots from the drive: every expert the prompt touches read once, the trace's
-    prompt's experts where the trace has a prompt, else uniform routing."""
+    """Over slots from the drive: every expert the prompt touches read once, at the rate of
+    experts read the first time; the trace's prompt's experts where the trace has a prompt,
+    else uniform routing."""
     if lay.plan.source == "mapping" or not _from_disk(lay):
         return 0.0, "the prompt's experts in memory (no reads)"
     spec, index = lay.opened.spec, lay.opened.index
@@ -434,4 +474,4 @@ def _prompt_reads(lay, prompt: int, fc: dict, kernels: str) -> tuple[float, str]
     else:
         touched = len(spec.moe_layers) * spec.num_experts * (1 - (1 - spec.k / spec.num_experts) ** prompt)
         why = "the prompt's experts drawn uniformly (no prompt in the trace)"
-    return touched * per * _drive(lay, lay.plan.direct, kernels)["wall"], why
+    return touched * per * _drive(lay, lay.plan.direct, kernels)["fresh"], why + " (read the first time)"

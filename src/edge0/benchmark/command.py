@@ -46,7 +46,8 @@ def add_parser(sub) -> None:
                    help="activation dtype of every arm (default float32)")
     b.add_argument("--forecast", action="store_true",
                    help="print edge0 plan's speed forecast (edge0 plan --speed) beside what each Edge0 arm "
-                        "(exact, hot, staged+prerouter and their variants) measured")
+                        "(exact, hot, staged+prerouter and their variants) measured, and the machine's speed "
+                        "during the rounds against while the forecast measured (a fixed step timed around each)")
     b.add_argument("--kernels", choices=["auto", "edge0", "mlx"], default="auto",
                    help="kernels of every arm that runs Edge0 (default auto: Edge0's own on the CPU; "
                         "--arm-option ARM:kernels=mlx for one arm); the resident arm is mlx-lm's, on MLX's")
@@ -114,7 +115,8 @@ def run(args) -> int:
                                  memory_limit=limit, extra=_extra(args))
         bar = _RunBar(mode, args.rounds * len(arms), enabled=not args.no_progress)
         try:
-            doc = run_bench(model, settings, progress=bar.say, forecaster=forecasts if args.forecast else None)
+            doc = run_bench(model, settings, progress=bar.say, forecaster=forecasts if args.forecast else None,
+                            probe=_probe() if args.forecast else None)
         finally:
             bar.close()
         (out / f"bench-{mode}.json").write_text(json.dumps(doc, indent=2))
@@ -149,6 +151,13 @@ def forecasts(model_dir: Path, settings: BenchSettings, arm_settings: dict, prog
         out[name] = make(model_dir, config, memory=settings.memory_limit, trace=arm_settings["oracle_file"],
                          speed=settings.prompt_tokens)["speed"]
     return out
+
+
+def _probe():
+    """The fixed step of products that says the machine's speed at a moment (its seconds)."""
+    from edge0.backend import timing
+
+    return timing.probe_seconds
 
 
 def _extra(args) -> dict:

@@ -239,11 +239,13 @@ def summarize(values: list[float]) -> dict:
 
 
 def run_bench(model_dir: str | Path, settings: BenchSettings, progress: Callable[[str], None] = lambda s: None,
-              runner=run_arm_process, forecaster=None) -> dict:
+              runner=run_arm_process, forecaster=None, probe=None) -> dict:
     """Run every arm ``settings.rounds`` times in rotating order; returns the result document.
     ``forecaster(model_dir, settings, arm_settings, progress)``: forecasts made before the
     rounds (arm name -> forecast, kept in the arm's document), once the replay's oracle and
-    the heads are written."""
+    the heads are written. ``probe()``: seconds of a fixed step of products, timed in this
+    process before and after each round (an arm's ``probe_ms``, a round each: the machine's
+    speed while it ran)."""
     settings.validate()
     model_dir = Path(model_dir)
     files = checkpoint_files(model_dir)
@@ -269,8 +271,11 @@ def run_bench(model_dir: str | Path, settings: BenchSettings, progress: Callable
         if LLAMA_CPP in {base_arm(a) for a in settings.arms}:
             gguf = _gguf_for(model_dir, arm_settings, progress)
             arm_settings["gguf_file"] = str(gguf)
-        runs, orders = _rounds(model_dir, files, settings, replay, arm_settings, progress, runner, gguf)
+        runs, orders = _rounds(model_dir, files, settings, replay, arm_settings, progress, runner, gguf, probe)
     doc = _document(model_dir, files, settings, replay, runs, orders)
+    if probe is not None:
+        for name, arm_runs in runs.items():
+            doc["arms"][name]["probe_ms"] = [r["probe_ms"] for r in arm_runs]
     for name, forecast in forecasts.items():
         doc["arms"][name]["forecast"] = forecast
     if gguf is not None:
@@ -278,7 +283,7 @@ def run_bench(model_dir: str | Path, settings: BenchSettings, progress: Callable
     return doc
 
 
-def _rounds(model_dir, files, settings, replay, arm_settings, progress, runner, gguf=None):
+def _rounds(model_dir, files, settings, replay, arm_settings, progress, runner, gguf=None, probe=None):
     runs: dict[str, list[dict]] = {a: [] for a in settings.arms}
     orders = []
     for r in range(settings.rounds):
@@ -291,6 +296,7 @@ def _rounds(model_dir, files, settings, replay, arm_settings, progress, runner, 
             else:
                 warm(reads)
             progress(f"round {r + 1}/{settings.rounds}: {name} ({settings.cache})")
+            before = probe() if probe is not None else None
             if settings.memory_limit is not None:
                 result = runner(name, model_dir, replay, arm_settings, memory_limit=settings.memory_limit)
                 if result.get("out_of_memory"):
@@ -298,6 +304,8 @@ def _rounds(model_dir, files, settings, replay, arm_settings, progress, runner, 
                              f"{(result['memory_cap']['peak_bytes'] or 0) / 2**20:.0f} MiB")
             else:
                 result = runner(name, model_dir, replay, arm_settings)
+            if probe is not None:
+                result = {**result, "probe_ms": (before + probe()) / 2 * 1e3}
             runs[name].append(result)
     return runs, orders
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 
 from edge0.benchmark import machine
@@ -90,21 +91,36 @@ def markdown(doc: dict) -> str:
 
 
 def _forecast_lines(doc: dict) -> list[str]:
-    """``edge0 bench --forecast``: each arm's forecast beside what it measured."""
+    """``edge0 bench --forecast``: each arm's forecast beside what it measured, and the
+    machine's speed during the arm's rounds against while the forecast measured its replica
+    (the probe step's time there over its median time around the rounds), with the forecast's
+    compute scaled by it."""
     s, lines = doc["settings"], []
     forecasts = [(name, a) for name, a in doc["arms"].items() if a.get("forecast") and "decode_tps" in a]
     if forecasts:
         lines = ["", "`edge0 plan --speed`'s forecast, made before the arm ran, beside what it measured:", "",
-                  "| arm | forecast decode tok/s | measured | forecast / measured | forecast TTFT s | measured prefill s |",
-                  "|---|---:|---:|---:|---:|---:|"]
+                 "| arm | forecast decode tok/s | measured | forecast / measured | forecast TTFT s | measured prefill s "
+                 "| machine speed, rounds / forecast | forecast at the rounds' speed / measured |",
+                 "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for name, a in forecasts:
         f, dec = a["forecast"], a["decode_tps"]["median"]
         if f.get("unavailable"):
-            lines.append(f"| {name} | none: {f['unavailable']} | {dec:.2f} | | | |")
+            lines.append(f"| {name} | none: {f['unavailable']} | {dec:.2f} | | | | | |")
             continue
         prefill = s["prompt_tokens"] / a["prefill_tps"]["median"]
+        drift = ""
+        if f.get("probe_ms") and a.get("probe_ms"):
+            speed = f["probe_ms"] / statistics.median(a["probe_ms"])
+            t = f["terms_ms"]
+            compute = t["replica_step"] - t.get("replica_copies", 0.0) + t["kernels"] + t["heads_flush"]
+            scaled = 1e3 / (f["step_ms"] - compute + compute / speed)
+            drift = f"{speed:.2f}x | {scaled / dec:.2f}x"
         lines.append(f"| {name} | {f['decode_tok_s']:.2f} | {dec:.2f} | {f['decode_tok_s'] / dec:.2f}x "
-                     f"| {f['ttft_s']:.2f} | {prefill:.2f} |")
+                     f"| {f['ttft_s']:.2f} | {prefill:.2f} | {drift or ' |'} |")
+    if forecasts:
+        lines += ["", "The machine's speed is a fixed step of products (`edge0.backend.timing.probe_seconds`) timed "
+                  "around each round and around the forecast's replica rounds; the last column scales the "
+                  "forecast's compute (replica, kernels, heads' flush) by it, its reads as they were."]
     return lines
 
 

@@ -10,6 +10,9 @@ import time
 from pathlib import Path
 
 DRIVE_BYTES = 256 * 2**20  # what a drive measurement reads (each pass)
+IDLE_PASSES = 3  # passes of DRIVE_BYTES read idle
+IDLE_STEPS = 5  # steps of products timed idle before the reads beside them, and again after
+BUSY_STEPS, BUSY_PASSES = 5, 4  # read passes beside the products until this many steps ran beside them (at most)
 
 
 def drive_key(path: Path) -> dict:
@@ -88,27 +91,46 @@ def _read_ranges(ranges, threads: int, direct: bool) -> tuple[float, float, int]
 
 
 def drive_seconds_per_byte(index, threads: int, direct: bool, busy=None) -> dict:
-    """The drive at the plan's request sizes (``_read_ranges``). ``wall``: seconds a byte;
-    ``cpu``: this process's CPU seconds a byte (user and system, its threads' too);
-    ``wall_busy``: seconds a byte of other experts read while a step's products run over and
-    over on the cores, as staged reads run beside the compute (``busy()``: made and run in a
-    thread of its own, as MLX's arrays belong to the thread that made them, returns what runs
-    one step)."""
+    """The drive at the plan's request sizes (``_read_ranges``), the median of ``IDLE_PASSES``
+    passes over other experts each, each pass's experts read twice. ``fresh``: seconds a byte
+    read the first time; ``wall``: the same bytes read again (a drive's own cache, or a
+    virtual disk's host's, may hold them: a decode re-reads the experts it used before, a
+    prompt reads its experts once); ``cpu``: this process's CPU seconds a byte read again
+    (user and system, its threads' too); ``wall_busy``: seconds a byte of other experts read
+    again while a step's products run over and over on the cores, as staged reads run beside
+    the compute (``busy()``: made and run in a thread of its own, as MLX's arrays belong to
+    the thread that made them, returns what runs one step); ``compute_busy``: how much longer
+    a step's products take while those reads run than idle (the median step beside the reads
+    over the median of ``IDLE_STEPS`` steps just before and after them, so that a drift of
+    the machine's speed falls on both)."""
     import threading
 
-    wall, cpu, got = _read_ranges(_expert_ranges(index, 0), threads, direct)
-    out = {"wall": wall / got, "cpu": cpu / got, "wall_busy": wall / got}
+    first, again = [], []
+    for seed in range(IDLE_PASSES):
+        ranges = _expert_ranges(index, -seed)
+        first.append(_read_ranges(ranges, threads, direct))
+        again.append(_read_ranges(ranges, threads, direct))
+    wall = statistics.median(w / n for w, _, n in again)  # a drive shared with others varies: medians
+    out = {"fresh": statistics.median(w / n for w, _, n in first), "wall": wall,
+           "cpu": statistics.median(c / n for _, c, n in again), "wall_busy": wall, "compute_busy": 1.0}
     if busy is None:
         return out
-    ready, stop, failed = threading.Event(), threading.Event(), []
+    ready, reading, stop, failed = threading.Event(), threading.Event(), threading.Event(), []
+    alone: list[float] = []
+    beside: list[float] = []
 
     def load():
         try:
             step = busy()
             step()  # once before the reads start: the products' first run allocates and warms
+            alone.extend(_timed(step) for _ in range(IDLE_STEPS))
             ready.set()
             while not stop.is_set():
-                step()
+                started = reading.is_set()
+                took = _timed(step)
+                if started and reading.is_set():  # the reads ran for the whole step
+                    beside.append(took)
+            alone.extend(_timed(step) for _ in range(IDLE_STEPS))
         except BaseException as e:  # said where the reads wait for it
             failed.append(e)
             ready.set()
@@ -118,12 +140,32 @@ def drive_seconds_per_byte(index, threads: int, direct: bool, busy=None) -> dict
         ready.wait()
         if failed:
             raise failed[0]
-        wall, _, got = _read_ranges(_expert_ranges(index, 1), threads, direct)
+        wall = got = 0
+        for seed in range(1, 1 + BUSY_PASSES):  # more passes while too few steps ran beside them
+            ranges = _expert_ranges(index, seed)
+            reading.clear()
+            _read_ranges(ranges, threads, direct)  # read once before, as the idle passes' second reads
+            reading.set()
+            w, _, n = _read_ranges(ranges, threads, direct)
+            wall, got = wall + w, got + n
+            if len(beside) >= BUSY_STEPS:
+                break
     finally:
+        reading.clear()
         stop.set()
         worker.join()
+    if failed:
+        raise failed[0]
     out["wall_busy"] = wall / got
+    if beside and alone:
+        out["compute_busy"] = max(1.0, statistics.median(beside) / statistics.median(alone))
     return out
+
+
+def _timed(step) -> float:
+    t0 = time.perf_counter()
+    step()
+    return time.perf_counter() - t0
 
 
 def copy_seconds_per_byte() -> float:

@@ -125,3 +125,19 @@ def step_pair_seconds(first: dict, second: dict, kernels: str, rows: int, pool_b
             run(i)
             got.append(time.perf_counter() - t0)
     return statistics.median(times[0][2:]), statistics.median(times[1][2:])
+
+
+# a fixed step of products: four MoE layers of 35B-shaped experts (k 8 of 64, int4, groups of 64) at one
+# row, about 50 MB of weights: the machine's speed at a moment for a decode step's kind of work
+PROBE_CALLS = [("routed", [512, 2048], 4, 64), ("routed", [512, 2048], 4, 64), ("routed", [2048, 512], 4, 64)] * 4
+_probe: list = []
+
+
+def probe_seconds(repeats: int = 9) -> float:
+    """Median seconds of the probe step (``PROBE_CALLS``) on Edge0's kernels where they are
+    built, else MLX's: timed before a forecast and around each bench round, the ratio of two
+    says how much faster or slower the machine ran at one moment than at the other."""
+    if not _probe:
+        _probe.append(step_runner(PROBE_CALLS, "bfloat16", 64, 8, "edge0" if K.available() else "mlx", 1,
+                                  draws_kept=repeats))
+    return _median_s(_probe[0], repeats + 2)
