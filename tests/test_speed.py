@@ -232,6 +232,25 @@ def test_the_drive_is_read_idle_and_beside_a_step_of_products_whose_slowdown_is_
     assert out["compute_busy"] == pytest.approx(2.0)  # 6 ms beside the reads against 3 ms idle
 
 
+def test_the_drive_is_read_in_one_task_a_thread_as_the_engines_readers_read(tmp_path, monkeypatch):
+    import concurrent.futures
+    import os
+
+    from edge0.io_sched import drive_rate
+
+    f = tmp_path / "experts.bin"
+    f.write_bytes(os.urandom(64 * 8192))
+    ranges = [(str(f), i * 8192 + 100, 5000) for i in range(40)]  # unaligned: each read widened to whole pages
+    tasks, calls = [], []
+    submit, preadv = concurrent.futures.ThreadPoolExecutor.submit, os.preadv
+    monkeypatch.setattr(concurrent.futures.ThreadPoolExecutor, "submit",
+                        lambda pool, *a, **k: tasks.append(1) or submit(pool, *a, **k))
+    monkeypatch.setattr(drive_rate.os, "preadv", lambda *a: calls.append(1) or preadv(*a))
+    wall, cpu, got = drive_rate._read_ranges(ranges, 3, direct=False)
+    assert len(tasks) == 3 and len(calls) == 40  # a task a thread, not a task a read
+    assert got == 40 * 8192 and wall > 0 and cpu >= 0
+
+
 def test_a_forecast_leaves_the_kernels_thread_count_as_it_was(setups, speed_cache):
     from edge0.backend import kernels as bk
 
