@@ -91,8 +91,6 @@ def _read_ranges(ranges, threads: int, direct: bool) -> tuple[float, float, int]
     finally:
         for fd in fds.values():
             os.close(fd)
-        for buf in bufs:
-            buf.close()
 
 
 def drive_seconds_per_byte(index, threads: int, direct: bool, busy=None) -> dict:
