@@ -239,7 +239,8 @@ def replica_seconds(lay, rc: dict, prompt_tokens: int, rounds: int = 3) -> dict:
 
     arm, options = replica_arm(lay)
     prompt = min(prompt_tokens, REPLICA_PROMPT)
-    key = {**cpu_key(), "replica": rc, "arm": arm, "options": options, "prompt": prompt, "dtype": lay.compute_dtype}
+    key = {**cpu_key(), "replica": rc, "arm": arm, "options": options, "prompt": prompt, "dtype": lay.compute_dtype,
+           "measures": ["step_s", "prefill_tps", "probe_ms", "expert_bytes"]}  # an entry without them: measured anew
 
     def measure():
         from edge0.backend import timing
@@ -254,7 +255,7 @@ def replica_seconds(lay, rc: dict, prompt_tokens: int, rounds: int = 3) -> dict:
                 "expert_bytes": (a.get("expert_bytes_per_token") or {}).get("median") or 0.0}
     value = cached("replica", key, measure)
     return {"step_s": value["step_s"], "prefill_s": prompt_tokens / value["prefill_tps"],
-            "probe_ms": value.get("probe_ms"), "expert_bytes": value.get("expert_bytes", 0.0)}
+            "probe_ms": value["probe_ms"], "expert_bytes": value["expert_bytes"]}
 
 
 def attention_seconds(raw: dict, prompt: int, chunk: int) -> tuple[float, str | None]:
