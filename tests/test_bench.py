@@ -98,8 +98,8 @@ def test_the_machines_speed_is_probed_around_each_round_and_scales_the_forecast(
         calls.append("probe")
         return next(times)
     settings = harness.BenchSettings(arms=("exact",), rounds=3, cache="warm")
-    forecast = {"decode_tok_s": 5.0, "step_ms": 200.0, "ttft_s": 1.0, "prompt_tokens": 2, "probe_ms": 40.0,
-                "terms_ms": {"replica_step": 90.0, "kernels": 5.0, "heads_flush": 5.0}}
+    forecast = {"decode_tok_s": 5.0, "step_ms": 200.0, "compute_ms": 100.0, "ttft_s": 1.0, "prompt_tokens": 2,
+                "probe_ms": 40.0, "terms_ms": {"replica_step": 90.0, "kernels": 5.0, "heads_flush": 5.0}}
     doc = harness.run_bench(bench_model, settings, runner=fake_runner(calls), probe=probe,
                             forecaster=lambda *a: {"exact": forecast})
     assert calls == ["probe", "exact", "probe"] * 3  # around each round, not during it

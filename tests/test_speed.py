@@ -57,7 +57,12 @@ def test_plan_forecasts_a_step_as_its_measured_terms_and_measures_once(setups, c
     assert t["replica_step"] > 0 and sp["prompt_tokens"] == 64
     assert sp["step_ms"] == pytest.approx(t["replica_step"] - t["replica_copies"] + t["kernels"] + t["heads_flush"]
                                           + t["reads_exposed"])
+    assert sp["compute_ms"] == pytest.approx(t["replica_step"] - t["replica_copies"] + t["kernels"] + t["heads_flush"])
     assert sp["decode_tok_s"] == pytest.approx(1e3 / sp["step_ms"])
+    for entry in speed_cache.glob("*.json"):  # an entry's key names what it holds: an older entry is measured anew
+        kept = json.loads(entry.read_text())
+        if "measures" in kept["key"]:
+            assert set(kept["value"]) == set(kept["key"]["measures"]), entry.name
     assert sp["ttft_s"] * 1e3 == pytest.approx(t["prefill_replica"] + t["prefill_kernels"] + t["prefill_attention"]
                                                + t["prompt_reads"])
     kinds = {p.name.split("-")[0] for p in speed_cache.glob("*.json")}

@@ -350,7 +350,8 @@ def _forecast(lay, fc: dict, prompt_tokens: int, kernels: str, prods: dict) -> d
         f"timed on Edge0's or MLX's kernels ({kernels}) with weights from memory",
         "attention at every decoder layer",
     ]
-    return {"decode_tok_s": 1.0 / step, "step_ms": step * 1e3, "prompt_tokens": prompt_tokens,
+    return {"decode_tok_s": 1.0 / step, "step_ms": step * 1e3, "compute_ms": compute * 1e3,
+            "prompt_tokens": prompt_tokens,
             "probe_ms": rep["probe_ms"],
             "ttft_s": prefill + prompt_reads, "terms_ms": {
                 "replica_step": rep["step_s"] * 1e3, "replica_copies": own * 1e3, "kernels": extra(1) * 1e3,

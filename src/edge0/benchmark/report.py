@@ -109,11 +109,9 @@ def _forecast_lines(doc: dict) -> list[str]:
             continue
         prefill = s["prompt_tokens"] / a["prefill_tps"]["median"]
         drift = ""
-        if f.get("probe_ms") and a.get("probe_ms"):
+        if f.get("probe_ms") and a.get("probe_ms") and "compute_ms" in f:
             speed = f["probe_ms"] / statistics.median(a["probe_ms"])
-            t = f["terms_ms"]
-            compute = t["replica_step"] - t.get("replica_copies", 0.0) + t["kernels"] + t["heads_flush"]
-            scaled = 1e3 / (f["step_ms"] - compute + compute / speed)
+            scaled = 1e3 / (f["step_ms"] - f["compute_ms"] + f["compute_ms"] / speed)
             drift = f"{speed:.2f}x | {scaled / dec:.2f}x"
         lines.append(f"| {name} | {f['decode_tok_s']:.2f} | {dec:.2f} | {f['decode_tok_s'] / dec:.2f}x "
                      f"| {f['ttft_s']:.2f} | {prefill:.2f} | {drift or ' |'} |")
