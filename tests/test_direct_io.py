@@ -218,16 +218,22 @@ def _with_header_padded(model_dir, tmp_path):
     return out
 
 
+@pytest.mark.parametrize("native", [False, True])
 @pytest.mark.parametrize("prefill_path", ["exact", "whole_layer"])
 def test_every_layer_reads_in_place_through_buffers_the_layers_share(tiny_model_factory, monkeypatch, tmp_path,
-                                                                     prefill_path):
+                                                                     prefill_path, native):
     """The exact path's bundle and the whole-layer buffers serve every layer of a layout,
     and each layer's tensors sit at another offset, modulo a page, in the file: the buffers
     are laid out again for each layer, so no read of a tensor whose rows allow it (whole
-    pages, an 8-byte offset) goes through the bounce buffer, in any layer; tokens as
-    buffered. Red when a shared buffer keeps the first layer's layout."""
+    pages, an 8-byte offset) goes through the bounce buffer, in any layer, on the Python path
+    or the extension's (its rows' addresses have the file's phase); tokens as buffered. Red
+    when a shared buffer keeps the first layer's layout."""
+    from edge0.backend import io as bio
     from edge0.exec.rows import row_phase
+    from edge0.io_sched import reader as reader_mod
 
+    if native and bio.read_rows() is None:
+        pytest.skip("the extension is not built")
     d = _with_header_padded(tiny_model_factory("qwen3_moe", hidden=256), tmp_path)  # weight rows: two pages
     _direct_or_skip(d)
     with Engine(d, EngineConfig(direct_io="off", prefill_path=prefill_path)) as e:
@@ -237,18 +243,26 @@ def test_every_layer_reads_in_place_through_buffers_the_layers_share(tiny_model_
         placeable = [(t.offset, t.offset + t.row_bytes * index.spec.num_experts, t.key)
                      for le in index.layers.values() for t in le.tensors if row_phase(t) is not None]
     assert len({start % dio.ALIGN for start, _, _ in placeable}) > 1  # the layers' phases differ
-    bounced = []
+    bounced, calls = [], []
     real = dio.read_direct
 
     def spy(pread, fd, bounce, dest, offset):
         bounced.extend(key for lo, hi, key in placeable if lo <= offset < hi)
         return real(pread, fd, bounce, dest, offset)
 
+    def native_spy(spec, experts, rows):  # a placeable tensor's rows without the file's phase would bounce
+        calls.append(len(experts))
+        for fd, mode, offset, row_bytes, address, stride, _ in spec:
+            bounced.extend(key for lo, hi, key in placeable for e, r in zip(experts, rows) if lo == offset and
+                           (mode != 2 or (address + r * stride - offset - e * row_bytes) % dio.ALIGN))
+        return bio.read_rows()(spec, experts, rows)
+
     monkeypatch.setattr(dio, "read_direct", spy)
+    monkeypatch.setattr(reader_mod, "_native_read_rows", lambda: native_spy if native else None)
     with Engine(d, EngineConfig(direct_io="on", prefill_path=prefill_path)) as e:
         assert [ev.token for ev in e.stream(PROMPT, max_tokens=N)] == expected
         assert e.reader.direct and e.reader.stats.in_place_reads > 0
-    assert bounced == []
+    assert bounced == [] and bool(calls) == native
 
 
 def test_the_stats_line_says_how_experts_were_read(setups):

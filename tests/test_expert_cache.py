@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from edge0 import Engine, EngineConfig, ExpertReadError
-from edge0.io_sched.reader import LRU, ExpertCache, LFUAging
+from edge0.io_sched.expert_cache import LRU, ExpertCache, LFUAging
 from tests.test_async_misuse import CONFIGS, N, PROMPT, setups  # noqa: F401
 from tests.test_read_faults import Faults
 

@@ -10,8 +10,8 @@ import anyio
 import pytest
 
 from edge0.errors import ExpertReadError
-from edge0.io_sched.scheduler import LayerPlan, PrefetchScheduler, StepPlan
-from edge0.io_sched.slots import EMPTY, READY
+from edge0.io_sched.scheduler import PrefetchScheduler
+from edge0.io_sched.slots import EMPTY, READY, LayerPlan, StepPlan
 from edge0.errors import SchedulerError
 
 pytestmark = pytest.mark.asyncio
@@ -229,3 +229,44 @@ async def test_a_layers_slots_resize_only_while_no_step_uses_them():
         s.resize(0, 1)  # shrink: what the cut-off slots held is forgotten
         table = s.tables[0]
         assert table.num_slots == 1 and len(table.state) == 1 and set(table.slot_of) <= {table.expert_of[0]}
+
+
+class ManyStore(FakeStore):
+    """A FakeStore that also reads several experts of a layer in one call (as ``SlotStore``
+    does through the extension); a fault of any of them fails the whole call."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.calls: list[tuple[int, list[int]]] = []
+
+    def read_many(self, layer, experts, slots):
+        self.calls.append((layer, list(experts)))
+        return [self.read(layer, e, s) for e, s in zip(experts, slots)]
+
+
+async def test_a_share_is_read_in_one_call_where_the_store_can():
+    store = ManyStore()
+    async with PrefetchScheduler(store, {0: 8, 1: 8}, readers=1, prefetch_depth=4) as s:
+        s.submit(plan(0, [(0, [1, 2, 3, 4]), (1, [5, 6])]))
+        maps = [await s.ready(0, 0), await s.ready(0, 1)]
+    assert sorted(store.calls) == [(0, [1, 2, 3, 4]), (1, [5, 6])]  # a share a call: one layer's reads
+    assert [m.misses for m in maps] == [4, 2] and s.stats.reads == 6 and s.stats.bytes == 600
+    assert all(s.tables[l].lookup(e) is not None for l, e in [(0, 1), (0, 4), (1, 6)])
+
+
+async def test_a_failed_call_is_read_again_one_by_one_and_counts_as_the_named_reads_first_try():
+    eio = ExpertReadError("Input/output error", layer=0, expert=2)
+    store = ManyStore(faults={(0, 2): [eio]})  # transient: the call fails, the read alone succeeds
+    async with PrefetchScheduler(store, {0: 4}, readers=1, retries=2) as s:
+        s.submit(plan(0, [(0, [1, 2, 3])]))
+        m = await s.ready(0, 0)
+    assert len(store.calls) == 1 and m.misses == 3
+    assert s.stats.retries == 1 and s.stats.failures == 0 and s.stats.reads == 3
+    store = ManyStore(faults={(0, 2): [eio] * 3})  # persistent: retries=2 means three tries, the call's first
+    async with PrefetchScheduler(store, {0: 4}, readers=1, retries=2) as s:
+        s.submit(plan(0, [(0, [1, 2, 3])]))
+        with pytest.raises(ExpertReadError, match="Input/output error") as err:
+            await s.ready(0, 0)
+        assert err.value.expert == 2 and s.stats.retries == 2 and s.stats.failures == 1
+        assert not store.faults[(0, 2)]  # every fault met once: no fourth try
+        assert s.tables[0].lookup(1) is not None and s.tables[0].lookup(2) is None

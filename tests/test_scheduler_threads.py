@@ -14,7 +14,8 @@ import pytest
 
 from edge0.errors import ExpertReadError, SchedulerError
 from edge0.worker import EventLoopThread
-from edge0.io_sched.scheduler import LayerPlan, PrefetchScheduler, StepPlan
+from edge0.io_sched.scheduler import PrefetchScheduler
+from edge0.io_sched.slots import LayerPlan, StepPlan
 from tests.test_scheduler import FakeStore
 
 

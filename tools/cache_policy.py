@@ -11,7 +11,7 @@ The stream of cache accesses is the same for every policy, so each policy is rep
 at each cache size (a fraction of all the experts of the traced layers):
 
 - ``lru``, ``lfu`` (LFU with dynamic aging): the engine's own cache
-  (``edge0.io_sched.reader.ExpertCache``, its admission rule included: a read expert enters
+  (``edge0.io_sched.expert_cache.ExpertCache``, its admission rule included: a read expert enters
   only if reads asked for it at least as often as for the entry it would replace);
 - ``lru-all``, ``lfu-all``: the same policies (their classes) with every read expert copied in;
 - ``lfu+next``: LFU with aging, every read expert entering, that never evicts an expert the
@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from edge0.exec.forecast import cache_misses, slot_misses  # noqa: E402
 from edge0.exec.oracle import OracleRouting  # noqa: E402
-from edge0.io_sched.reader import POLICIES  # noqa: E402
+from edge0.io_sched.expert_cache import POLICIES  # noqa: E402
 
 
 def cache_accesses(trace: OracleRouting, slots: int) -> list[list[tuple[int, int]]]:

@@ -31,7 +31,8 @@ from edge0.exec.plan import PrerouterPlanner
 from edge0.exec.staged import Stager
 from edge0.exec.whole_layer import WholeLayerExecutor
 from edge0.io_sched.direct import direct_reads, drop_cached, over_memory, wants_direct
-from edge0.io_sched.reader import ExpertCache, ExpertReader
+from edge0.io_sched.expert_cache import ExpertCache
+from edge0.io_sched.reader import ExpertReader
 from edge0.model.files import check_entry
 from edge0.model.open import open_model
 from edge0.prerouter.files import HEADS_FILENAME, load_heads, serving_of

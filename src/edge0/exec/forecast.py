@@ -16,7 +16,7 @@ import itertools
 
 import numpy as np
 
-from edge0.io_sched.reader import ExpertCache
+from edge0.io_sched.expert_cache import ExpertCache
 
 Access = tuple[int, int]  # (layer, expert)
 

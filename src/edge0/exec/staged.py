@@ -44,7 +44,7 @@ from edge0.exec.plan import (DecodePlan, LayerRoute, OraclePlanner, Planner, Pre
 from edge0.exec.rows import SlotPool
 from edge0.exec.taps import StepContext
 from edge0.io_sched.reader import ExpertReader
-from edge0.io_sched.scheduler import LayerPlan, StepPlan
+from edge0.io_sched.slots import LayerPlan, StepPlan
 
 
 WAIT_FAILED = "edge0: the slots of staged layer"  # how a failed wait reads when its graph is evaluated

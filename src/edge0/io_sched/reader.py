@@ -9,30 +9,21 @@ bounce buffer per thread; a file whose filesystem refuses O_DIRECT is read buffe
 ``io.direct_unavailable`` log line).
 
 ``SlotStore`` is the ``Store`` the scheduler reads through: an expert's rows into a slot.
-
-``ExpertCache``: expert bytes kept in the process's memory beside the slots, keyed by
-(layer, expert) and filled by the reads the buffers make anyway; the reader serves a cached
-expert as a memory copy, not a read. It never holds more than its budget, only an expert
-whose read completed enters it, and its policy (``POLICIES``: LFU with dynamic aging, or
-LRU) chooses what leaves.
+Where the engine keeps an ``ExpertCache`` (``edge0.io_sched.expert_cache``), the reader serves
+a cached expert as a memory copy, not a read.
 """
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import hashlib
-import heapq
-import itertools
 import os
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
-import numpy as np
 
 from edge0.io_sched import direct as dio
 from edge0.model.checkpoint import CheckpointIndex, TensorLocation
@@ -67,11 +58,15 @@ class ExpertReader:
     RETRY_ERRNOS = (errno.EINTR, errno.EAGAIN, errno.EIO)
 
     def __init__(self, index: CheckpointIndex, threads: int = 2, *, retries: int = 2, log=None,
-                 direct: bool = False):
+                 direct: bool = False, native: bool = True):
+        """``native``: read experts through the extension's ``read_rows`` where it is built (one
+        call for a ``read_experts`` call's experts, the interpreter's lock released). With
+        ``pread`` ``os.preadv`` they are; ``native=False`` or another ``pread`` (fault
+        injection) reads them here in Python, one ``pread`` a range."""
         self.index = index
         self.retries = retries
         self.log = log
-        self.pread = os.preadv  # replaced by fault-injection tests
+        self.pread = os.preadv if native else _preadv  # replaced by fault-injection tests
         self._fds: dict[str, int] = {}
         self._identity: dict[str, tuple] = {}
         self._direct: dict[str, int] = {}  # file -> its O_DIRECT descriptor (direct reads)
@@ -95,7 +90,7 @@ class ExpertReader:
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="edge0-read") if threads > 1 else None
         self._threads = threads
         self.stats = ReadStats()
-        self.cache: ExpertCache | None = None  # set when the engine keeps an expert cache
+        self.cache = None  # the engine's ExpertCache (edge0.io_sched.expert_cache), when it keeps one
 
     def close(self) -> None:
         if self._pool is not None:
@@ -240,188 +235,78 @@ class ExpertReader:
             raise ExpertReadError(f"expert ids {bad[:4]} are outside [0, {self.index.spec.num_experts})",
                                   layer=layer, expert=bad[0])
         rows = [int(r) for r in rows]
+        room = min((buf.host.shape[0] for buf in buffers), default=0)
+        if any(not 0 <= r < room for r in rows):  # never write past a buffer
+            raise ExpertReadError(f"rows {[r for r in rows if not 0 <= r < room][:4]} are outside the buffers' "
+                                  f"[0, {room})", layer=layer)
         cached = 0
         if self.cache is not None:  # what the cache holds is copied, the rest read
             experts, rows, cached = self.cache.serve(layer, experts, rows, buffers)
+        t0 = time.perf_counter()
+        total, reads, done_e, done_r = 0, 0, experts, rows
+        if self.pread is os.preadv and experts and _native_read_rows() is not None:
+            total, reads, experts, rows = self._read_native(locs, experts, rows, buffers, parallel)
         jobs = [(loc, e, buf.host[r:r + n], layer, n)  # adjacent experts into adjacent rows: one read
                 for e, r, n in _runs(experts, rows) for loc, buf in zip(locs, buffers)]
-        t0 = time.perf_counter()
         if self._pool is None or not parallel or len(jobs) < 4:
-            total = sum(self._read_one(*job) for job in jobs)
+            total += sum(self._read_one(*job) for job in jobs)
         else:  # one task per reader thread (a task per read costs more CPU than many reads), biggest first
             jobs.sort(key=lambda job: -job[0].row_bytes * job[4])
             parts = [jobs[i::self._threads] for i in range(self._threads)]
-            total = sum(self._pool.map(lambda part: sum(self._read_one(*job) for job in part), parts))
+            total += sum(self._pool.map(lambda part: sum(self._read_one(*job) for job in part), parts))
+        reads += len(jobs)
         if self.cache is not None:
-            self.cache.keep(layer, experts, rows, buffers)  # read whole: each may enter the cache
+            self.cache.keep(layer, done_e, done_r, buffers)  # read whole: each may enter the cache
         with self._lock:
-            self.stats.count(layer, total, len(jobs), time.perf_counter() - t0)
+            self.stats.count(layer, total, reads, time.perf_counter() - t0)
             copied = cached * sum(loc.row_bytes for loc in locs)
             self.stats.cache_hits += cached
             self.stats.cache_bytes += copied
         return total + copied
 
-
-class LRU:
-    """Least recently used first out."""
-
-    def __init__(self):
-        self._order: dict = {}  # key -> None, least recent first (a dict keeps insertion order)
-
-    def touch(self, key) -> None:
-        self._order.pop(key, None)
-        self._order[key] = None
-
-    def remove(self, key) -> None:
-        self._order.pop(key, None)
-
-    def victim(self):
-        """The key to evict next (None when empty)."""
-        return next(iter(self._order), None)
-
-
-class LFUAging:
-    """LFU with dynamic aging (LFU-DA): a key's priority is the cache's age when it was last
-    used plus how often it was used since it entered; the least is evicted and the age rises
-    to its priority, so what was used often long ago ages out. Ties: the least recently used."""
-
-    def __init__(self):
-        self.age = 0
-        self._count: dict = {}
-        self._priority: dict = {}
-        self._heap: list = []  # (priority, tick, key); an entry whose priority changed since is stale
-        self._tick = itertools.count()
-
-    def touch(self, key) -> None:
-        self._count[key] = self._count.get(key, 0) + 1
-        self._priority[key] = self.age + self._count[key]
-        heapq.heappush(self._heap, (self._priority[key], next(self._tick), key))
-
-    def remove(self, key) -> None:
-        if self._count.pop(key, None) is not None:
-            self.age = max(self.age, self._priority.pop(key))
-
-    def victim(self):
-        while self._heap and self._priority.get(self._heap[0][2]) != self._heap[0][0]:
-            heapq.heappop(self._heap)  # stale
-        return self._heap[0][2] if self._heap else None
+    def _read_native(self, locs, experts: list[int], rows: list[int], buffers, parallel: bool):
+        """The experts read by the extension (in the pool's threads, a contiguous share each,
+        where ``parallel``); returns (bytes, reads, and the experts and rows it did not read
+        whole, which the Python path reads again with its retries and typed errors)."""
+        spec = []
+        for loc, buf in zip(locs, buffers):
+            direct = self._direct.get(loc.file)
+            mode = 0 if direct is None else 1 if loc.file in self._bounce_only else 2  # buffered, bounced, in place
+            address = getattr(buf, "address", None) or buf.host.ctypes.data
+            spec.append((self._fds[loc.file] if direct is None else direct, mode, loc.offset, loc.row_bytes, address,
+                         buf.host.strides[0], buf.host.shape[0] if buf.host.shape[1] >= loc.row_bytes else 0))
+        parts = 1 if self._pool is None or not parallel else min(self._threads, len(experts))
+        size = -(-len(experts) // parts)
+        shares = [(experts[i:i + size], rows[i:i + size]) for i in range(0, len(experts), size)]
+        read_rows = _native_read_rows()
+        results = list(self._pool.map(lambda sh: read_rows(spec, *sh), shares)) if len(shares) > 1 else \
+            [read_rows(spec, *shares[0])]
+        total = sum(r[0] for r in results)
+        in_place = sum(r[1] for r in results)
+        left = [(e[i], r[i]) for (e, r), res in zip(shares, results) for i in res[2]]
+        if in_place:
+            with self._lock:
+                self.stats.in_place_reads += in_place
+        left_e, left_r = [e for e, _ in left], [r for _, r in left]
+        runs = sum(len(_runs(*share)) for share in shares) - len(_runs(left_e, left_r))
+        return total, runs * len(locs), left_e, left_r
 
 
-POLICIES = {"lfu": LFUAging, "lru": LRU}
+_READ_ROWS: list = []  # the extension's read_rows, looked up once
 
 
-class ExpertCache:
-    """Expert bytes (every stacked tensor's row of an expert, one after the other) kept in
-    memory, keyed by (layer, expert): ``budget // expert_bytes`` entries of ``expert_bytes``
-    (the largest expert) in one array allocated at once, so that what is evicted is reused in
-    place (no allocation per expert: a freed copy in a reader thread's heap is not memory given
-    back) and the budget holds by construction. Safe from several reader threads (copies under
-    its lock: a copy holds the interpreter's lock anyway)."""
+def _native_read_rows():
+    """The extension's ``read_rows`` (None where it is not built)."""
+    if not _READ_ROWS:
+        from edge0.backend import io
 
-    def __init__(self, budget: int, policy: str, expert_bytes: int):
-        if policy not in POLICIES:
-            raise ValueError(f"cache policy {policy!r} is not one of {sorted(POLICIES)}")
-        self.budget, self.name = int(budget), policy
-        self.policy = POLICIES[policy]()
-        self.capacity = max(0, self.budget // max(1, expert_bytes))  # entries
-        self._store = np.empty((self.capacity, expert_bytes), dtype=np.uint8)
-        self._free = list(range(self.capacity - 1, -1, -1))  # handed out from entry 0 up
-        if self.capacity:
-            _populate(self._store)
-        self.entries: dict = {}  # (layer, expert) -> its row of the store
-        self.uses: dict = {}  # (layer, expert) -> how often a read asked for it, held or not
-        self.nbytes = 0  # the bytes of the entries held
-        self.evictions = self.refused = 0
-        self._lock = threading.Lock()
-
-    def serve(self, layer: int, experts: list[int], rows: list[int], buffers) -> tuple[list, list, int]:
-        """Copy each cached expert of ``experts`` into its row of ``buffers``; returns the
-        experts and rows left to read, and how many were served."""
-        left_e, left_r, hits = [], [], 0
-        with self._lock:
-            for e, r in zip(experts, rows):
-                self.uses[layer, e] = self.uses.get((layer, e), 0) + 1
-                slot = self.entries.get((layer, e))
-                if slot is None:
-                    left_e.append(e)
-                    left_r.append(r)
-                    continue
-                self.policy.touch((layer, e))
-                at = 0
-                for buf in buffers:
-                    n = buf.host.shape[1]
-                    buf.host[r] = self._store[slot, at:at + n]
-                    at += n
-                hits += 1
-        return left_e, left_r, hits
-
-    def keep(self, layer: int, experts: list[int], rows: list[int], buffers) -> None:
-        """Copies of the experts just read into ``rows`` of ``buffers``; when the cache is
-        full, each in the entry the policy's victim leaves, unless reads asked for it less
-        often than for the victim (a copy costs the step its time: what is needed less than what
-        the cache holds is not copied)."""
-        size = sum(buf.host.shape[1] for buf in buffers)
-        if size > self._store.shape[1] or not self.capacity:
-            return
-        with self._lock:
-            for e, r in zip(experts, rows):
-                key = (layer, e)
-                if key in self.entries:
-                    continue
-                if not self._free:
-                    victim = self.policy.victim()
-                    if self.uses.get(key, 0) < self.uses.get(victim, 0):
-                        self.refused += 1  # asked for less often than what it would push out: not copied
-                        continue
-                    self._free.append(self.entries.pop(victim))
-                    self.policy.remove(victim)
-                    self.nbytes -= size
-                    self.evictions += 1
-                slot = self._free.pop()
-                at = 0
-                for buf in buffers:
-                    n = buf.host.shape[1]
-                    self._store[slot, at:at + n] = buf.host[r]
-                    at += n
-                self.entries[key] = slot
-                self.nbytes += size
-                self.policy.touch(key)
-
-    def row(self, layer: int, expert: int):
-        """The cached bytes of an expert (its tensors' rows one after the other), or None."""
-        with self._lock:
-            slot = self.entries.get((layer, expert))
-            return None if slot is None else self._store[slot].copy()
-
-    def clear(self) -> None:
-        """Forget everything (the checkpoint's files changed)."""
-        with self._lock:
-            for key, slot in self.entries.items():
-                self.policy.remove(key)
-                self._free.append(slot)
-            self.entries.clear()
-            self.nbytes = 0
+        _READ_ROWS.append(io.read_rows())
+    return _READ_ROWS[0]
 
 
-MADV_POPULATE_WRITE = 23  # Linux 5.14+
-
-
-def _populate(store) -> None:
-    """Have the kernel map every page of ``store`` now, in one call, its bytes untouched: the
-    first write to each page is otherwise a page fault during a step (one per 4 KiB, about
-    2.7 s per GiB on a virtual machine measured here, against 0.05 s per GiB this way). Where
-    the call is unknown (another kernel or system) the pages are mapped as they are filled."""
-    if not sys.platform.startswith("linux") or not store.size:
-        return
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        start = -(-store.ctypes.data // 4096) * 4096
-        end = (store.ctypes.data + store.nbytes) // 4096 * 4096
-        if end > start:
-            libc.madvise(start, end - start, MADV_POPULATE_WRITE)  # a failure leaves the pages as they were
-    except (OSError, AttributeError):
-        pass
+def _preadv(fd: int, buffers, offset: int) -> int:
+    """``os.preadv``, as the reader's Python path (``ExpertReader(native=False)``) calls it."""
+    return os.preadv(fd, buffers, offset)
 
 
 DESCRIPTOR_MARGIN = 64  # left for sockets, logs, the tokenizer, other engines' files
@@ -479,6 +364,9 @@ class Store(Protocol):
         """Fill ``slot`` of ``layer`` with ``expert``'s rows (blocking, in a reader thread);
         return the bytes read."""
 
+    # optional: ``read_many(layer, experts, slots) -> [bytes each]``, several reads of one layer
+    # in one call (the scheduler reads a share so where the store has it)
+
 
 class SlotStore:
     """Reads expert rows from the checkpoint into per-layer slot buffers."""
@@ -489,3 +377,9 @@ class SlotStore:
 
     def read(self, layer: int, expert: int, slot: int) -> int:
         return self.reader.read_experts(layer, [expert], [slot], self.buffers[layer], parallel=False)
+
+    def read_many(self, layer: int, experts: list[int], slots: list[int]) -> list[int]:
+        """Each ``experts[i]`` into ``slots[i]`` of ``layer``, in one call (the extension reads
+        them with the interpreter's lock released once); the bytes each took."""
+        total = self.reader.read_experts(layer, experts, slots, self.buffers[layer], parallel=False)
+        return [total // len(experts)] * len(experts)

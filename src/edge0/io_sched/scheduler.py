@@ -1,8 +1,8 @@
 """The async prefetch scheduler: step plans in, byte-range reads out, readiness per layer.
 
-Its data is plain (the tests drive it with a fake store, no MLX, no model): ``StepPlan`` /
-``LayerPlan`` in, ``ReadRequest``s to a ``Store`` (``read(layer, expert, slot)``, in a reader
-thread), ``SlotMap``s out. A layer's ``SlotTable`` says what each slot holds: EMPTY, LOADING
+Its data is plain (the tests drive it with a fake store, no MLX, no model; the types are
+``edge0.io_sched.slots``'s): ``StepPlan`` / ``LayerPlan`` in, ``ReadRequest``s to a ``Store``
+(``read(layer, expert, slot)``, in a reader thread), ``SlotMap``s out. A layer's ``SlotTable`` says what each slot holds: EMPTY, LOADING
 (being read) or READY. Steps *pin* the slots they compute with; a pinned slot is never a
 victim (the least recently used unpinned one is), so nothing a pending computation reads is
 overwritten (with 2k slots the next step's misses land in the other half: double buffering).
@@ -21,7 +21,8 @@ its slot EMPTY, never READY.
   job leaves the window when it is ready.
 - Reader threads (``anyio.to_thread`` behind a ``CapacityLimiter`` of ``readers``) read,
   highest priority first, each a share of one layer's queued reads at a time (so the loop
-  wakes once per share, not per expert); a share skips the reads of a cancelled step.
+  wakes once per share, not per expert; a store with ``read_many`` reads a share in one
+  call); a share skips the reads of a cancelled step.
 - ``release(step)`` unpins the step's slots once its computation has been evaluated;
   ``await cancel(step)`` drops its queued reads and those its jobs claimed but had not
   queued yet (outside the window), waits for those in flight, leaves their slots EMPTY and
@@ -48,41 +49,7 @@ import anyio
 
 from edge0.errors import ExpertReadError, SchedulerError
 from edge0.io_sched.reader import Store
-from edge0.io_sched.slots import EMPTY, LOADING, READY, SlotTable
-
-
-@dataclass(frozen=True)
-class LayerPlan:
-    """One staged layer's routed experts for one step."""
-    layer: int
-    experts: tuple[int, ...]  # distinct expert ids, any order
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    """What one step will route to, known before the step runs."""
-    step: int  # increasing step id; earlier steps have priority
-    layers: tuple[LayerPlan, ...]  # in execution order: earlier layers are read first
-
-
-@dataclass(frozen=True)
-class ReadRequest:
-    """Read one expert's rows into one slot of one layer."""
-    step: int
-    layer: int
-    expert: int
-    slot: int
-    priority: tuple  # (step, position of the layer in its plan, expert)
-
-
-@dataclass(frozen=True)
-class SlotMap:
-    """A layer ready for compute: every planned expert is in a READY slot."""
-    step: int
-    layer: int
-    slot_of: dict[int, int]  # expert -> slot
-    hits: int  # experts already resident (sticky slots), not read again
-    misses: int  # experts read for this step
+from edge0.io_sched.slots import LOADING, READY, ReadRequest, SlotMap, SlotTable, StepPlan
 
 
 @dataclass
@@ -425,11 +392,18 @@ class PrefetchScheduler:
 
     def _read_share(self, share: list[ReadRequest]) -> list[tuple]:
         """In a reader thread: each read of ``share`` with its retries, in order; a read of a
-        step cancelled meanwhile is skipped. Per read: (bytes or None, the errors met, seconds)."""
+        step cancelled meanwhile is skipped. Per read: (bytes or None, the errors met, seconds).
+        A store with ``read_many`` reads the share's live reads (one layer's) in one call first;
+        where that call fails, each is read again alone, and the read its error names has one
+        try fewer left (the call was its first)."""
+        done, failed = self._read_together(share) if len(share) > 1 and hasattr(self.store, "read_many") else ({}, {})
         out = []
         for req in share:
-            nbytes, errors, t0 = None, [], time.perf_counter()
-            for _ in range(self.retries + 1):
+            if id(req) in done:
+                out.append(done[id(req)])
+                continue
+            nbytes, errors, t0 = None, failed.get(id(req), []), time.perf_counter()
+            for _ in range(self.retries + 1 - len(errors)):
                 if req.step in self._reads.cancelled:
                     break
                 try:
@@ -442,6 +416,28 @@ class PrefetchScheduler:
                         str(e), layer=req.layer, expert=req.expert))
             out.append((nbytes, errors, time.perf_counter() - t0))
         return out
+
+    def _read_together(self, share: list[ReadRequest]) -> tuple[dict, dict]:
+        """The share's live reads in one ``store.read_many`` call: ({id(request): (bytes, [],
+        seconds, each its share of the call's)}, {}); where the call failed, ({}, {id(the
+        request its error names): [the error]})."""
+        live = [req for req in share if req.step not in self._reads.cancelled]
+        if len(live) < 2:
+            return {}, {}
+        t0 = time.perf_counter()
+        try:
+            sizes = self.store.read_many(live[0].layer, [r.expert for r in live], [r.slot for r in live])
+        except OSError as e:
+            named = next((r for r in live if getattr(e, "expert", None) == r.expert), None)
+            error = e if isinstance(e, ExpertReadError) else ExpertReadError(str(e), layer=live[0].layer)
+            return {}, ({id(named): [error]} if named is not None else {})
+        seconds = (time.perf_counter() - t0) / len(live)
+        out = {}
+        for req, nbytes in zip(live, sizes):
+            if self._staged.signal is not None and req.step not in self._reads.cancelled:
+                self._filled(req)
+            out[id(req)] = (nbytes, [], seconds)
+        return out, {}
 
     async def _read(self, share: list[ReadRequest]) -> None:
         results = []
@@ -463,6 +459,8 @@ class PrefetchScheduler:
                                bytes=nbytes, ms=round(1e3 * seconds, 3))
                 self._finish(req, nbytes is not None and req.step not in self._reads.cancelled,
                              errors[-1] if errors else None)
+            if self._tg is not None:  # once a share: the loop's bookkeeping, not once a read
+                self._pump()
 
     def _finish(self, req: ReadRequest, ok: bool, error: BaseException | None) -> None:
         table = self.tables[req.layer]
@@ -482,5 +480,3 @@ class PrefetchScheduler:
                 if job.layer == req.layer and job.slots.get(req.expert) == req.slot and not job.done.done():
                     job.error = error
                     self._done(job)
-        if self._tg is not None:
-            self._pump()

@@ -1,8 +1,13 @@
 """A staged layer's slot table: what each slot holds (EMPTY, LOADING: being read, READY),
 which steps pin it, which slot is the next victim (the least recently used unpinned one).
-Plain data, no MLX; the scheduler (``edge0.io_sched.scheduler``) and the hot path use it."""
+Plain data, no MLX; the scheduler (``edge0.io_sched.scheduler``) and the hot path use it.
+Beside it the scheduler's other plain data: what a step will route to (``StepPlan`` of
+``LayerPlan``s) in, a read of one expert into one slot (``ReadRequest``), a layer ready for
+compute (``SlotMap``) out."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 
 EMPTY, LOADING, READY = "empty", "loading", "ready"
@@ -95,3 +100,37 @@ class SlotTable:
 
     def loading(self) -> int:
         return sum(1 for s in self.state if s == LOADING)
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """One staged layer's routed experts for one step."""
+    layer: int
+    experts: tuple[int, ...]  # distinct expert ids, any order
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What one step will route to, known before the step runs."""
+    step: int  # increasing step id; earlier steps have priority
+    layers: tuple[LayerPlan, ...]  # in execution order: earlier layers are read first
+
+
+@dataclass(frozen=True)
+class ReadRequest:
+    """Read one expert's rows into one slot of one layer."""
+    step: int
+    layer: int
+    expert: int
+    slot: int
+    priority: tuple  # (step, position of the layer in its plan, expert)
+
+
+@dataclass(frozen=True)
+class SlotMap:
+    """A layer ready for compute: every planned expert is in a READY slot."""
+    step: int
+    layer: int
+    slot_of: dict[int, int]  # expert -> slot
+    hits: int  # experts already resident (sticky slots), not read again
+    misses: int  # experts read for this step

@@ -22,8 +22,9 @@ PAGE = 4096
 class RowBuffer:
     """``rows`` rows of ``row_bytes`` raw bytes, resident in device memory.
 
-    ``host`` is the writable NumPy view ([rows, row_bytes] uint8); ``typed(dtype, shape)``
-    reinterprets the same memory as an array of [rows, *shape] of a safetensors dtype.
+    ``host`` is the writable NumPy view ([rows, row_bytes] uint8), ``address`` where its row 0
+    is in memory; ``typed(dtype, shape)`` reinterprets the same memory as an array of
+    [rows, *shape] of a safetensors dtype.
     """
 
     def __init__(self, rows: int, row_bytes: int, phase: int | None = None):
@@ -48,7 +49,8 @@ class RowBuffer:
             self.device = mx.zeros((rows, row_bytes), dtype=mx.uint8)
             mx.eval(self.device)
             self.host = np.array(self.device, copy=False)
-        if not self.host.flags.writeable or self.host.ctypes.data == 0:
+            self.address = self.host.ctypes.data
+        if not self.host.flags.writeable or self.address == 0:
             raise RuntimeError("the MLX backend did not expose a writable host view")
 
     def set_phase(self, phase: int | None) -> bool:
@@ -71,6 +73,7 @@ class RowBuffer:
                 return False
             placed = self._placed[phase] = (device, host)
         self.device, self.host = placed
+        self.address = self.host.ctypes.data
         self.phase = phase
         return True
 
@@ -81,3 +84,12 @@ class RowBuffer:
     def typed(self, st_dtype: str, shape: tuple[int, ...]):
         return self.device.view(SAFETENSORS_DTYPES[st_dtype]).reshape(self.rows, *shape)
 
+
+
+def read_rows():
+    """Edge0's extension's ``read_rows``: a layer's expert byte ranges into slot rows in one
+    call that releases the interpreter's lock (``edge0.io_sched.reader``'s fast path), or None
+    where the extension is not built or predates it."""
+    from edge0.backend.mlx.kernels import _loader
+
+    return getattr(_loader.ext(), "read_rows", None) if _loader.available() else None

@@ -60,3 +60,6 @@ class CpuPrimitive : public mlx::core::UnaryPrimitive {
 
 // The row ops (layer_ops.cpp): rms_norm, rope.
 void bind_layer_ops(nanobind::module_& m);
+
+// An expert's byte ranges into its slot rows (reads.cpp): read_rows.
+void bind_reads(nanobind::module_& m);

@@ -925,6 +925,7 @@ NB_MODULE(_ext, m) {
         "experts"_a, "outputs"_a, "bits"_a, "group_sizes"_a, "activation"_a,
         "activation_params"_a = std::vector<double>{});
   bind_layer_ops(m);
+  bind_reads(m);
   m.def("set_threads", &edge0::set_threads, "n"_a);
   m.def("get_threads", &edge0::get_threads);
   m.def("isa", []() { return std::string(edge0::isa()); });
