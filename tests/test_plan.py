@@ -63,6 +63,37 @@ def test_the_plan_command_and_engine_open_make_the_same_plan_and_the_engine_allo
     assert doc["staged_layers"] == plan.staged and (plan.staged == 0) == (config == "exact")
 
 
+def test_an_automatic_budget_goes_to_the_staged_slots_in_their_share(setups, monkeypatch):
+    """cache_mb auto with direct reads: sticky slots are a cache whose hits cost no copy, so the
+    staged layers' share (their experts' of those held) of what the automatic cache would get
+    goes to their slots, each an equal part, the room to grow for a batch included; the rest is
+    the cache. The memory planned is the same; slots_per_layer set keeps the slots as set. The
+    engine allocates the slots planned and decodes the same text on them."""
+    d, cfg, oracle, expected = setups["staged+heads"]
+    auto = {**cfg.__dict__, "direct_io": "on", "slot_budget_mb": 0}  # no room to grow: the share shows whole
+    with Engine(d, EngineConfig(**auto)) as engine:
+        spec, index, staged = engine.spec, engine.streaming.index, engine.streaming.stager.layers
+    set_slots = {**auto, "slots_per_layer": 2 * spec.k}
+    with Engine(d, EngineConfig(**set_slots)) as engine:
+        first = engine.plan
+    if not first.direct:
+        pytest.skip("this filesystem refuses O_DIRECT: an automatic cache is none with buffered reads")
+    share = sum(index.layers[l].expert_bytes for l in staged) / sum(le.expert_bytes for le in index.layers.values())
+    _limit(monkeypatch, first.planned - first.cache + first.held * 9 // 20 + GIB, runtime=first.runtime)
+    with Engine(d, EngineConfig(**set_slots)) as engine:
+        fixed = engine.plan  # 2k slots, their room to grow, and a cache of the rest
+    with Engine(d, EngineConfig(**auto), oracle=oracle) as engine:
+        plan, stager = engine.plan, engine.streaming.stager
+        assert [ev.token for ev in engine.stream(PROMPT, max_tokens=N)] == expected
+        assert stager.pool.slots == plan.slots == plan.ceiling and stager.pool.max_slots == plan.ceiling
+    assert 0 < fixed.cache and fixed.slots == 2 * spec.k < plan.slots <= spec.num_experts
+    gained = (plan.ceiling - fixed.ceiling) * plan.staged * plan.per_expert  # into the slots ...
+    assert fixed.cache - plan.cache == gained  # ... out of the cache, the same memory planned
+    assert plan.slots < spec.num_experts  # the staged share of the spare, to one expert a layer
+    assert abs(gained - (fixed.cache * share)) <= plan.staged * plan.per_expert
+    assert plan.planned == fixed.planned
+
+
 def test_a_layer_no_head_predicts_held_whole_is_planned_as_the_engine_holds_it(setups):
     """``unpredicted_layers`` resident over slots: the plan counts the first MoE layer's
     every expert among the buffers and says so, the engine holds exactly those bytes once it

@@ -115,7 +115,9 @@ class EngineConfig:
         "tuple of (layer, phase, path) triples.")
     slots_per_layer: int = setting(
         0,
-        "Staged layers: slots per layer (0 = 2 x k: double buffered). Must be >= k.",
+        "Staged layers: slots per layer (0 = 2 x k: double buffered; with cache_mb auto and direct reads, more: "
+        "the staged layers' share of what the automatic expert cache would get, since a hit in a sticky slot costs "
+        "no copy). Must be >= k.",
         lo=0, why="0 (= 2 x k) or a positive integer")
     slot_budget_mb: int | None = setting(
         None,
@@ -132,7 +134,8 @@ class EngineConfig:
         "direct reads (the page cache bypassed), what the process may use (physical memory or its cgroup's limit) "
         "less what the memory plan holds for the rest (the process itself, the resident weights, the prerouter "
         "heads, the expert buffers at their ceiling, the KV budget of plan_context and plan_batch) and a margin "
-        "(an eighth of that memory, at least 1 GiB), none when that is under a tenth of the experts; with "
+        "(an eighth of that memory, at least 1 GiB), less the staged layers' share (their experts' of those held), "
+        "which goes to their slots where slots_per_layer is 0, none when that is under a tenth of the experts; with "
         "buffered reads off (the page cache keeps what was read). 0 = off. Never past its budget. `edge0 plan` "
         "prints the plan.",
         lo=0, none="auto")

@@ -182,8 +182,9 @@ def plan_memory(config: EngineConfig, index, spec, pipe, layers: list[int], on: 
     their ceiling, the other expert buffers (refused over ``memory_budget_mb``), the KV
     budget (``plan_context`` tokens of ``plan_batch`` generations) and the expert cache:
     ``cache_mb``, or auto (None) with direct reads: ``limit`` less everything else planned
-    and the margin (an eighth of ``limit``, at least 1 GiB), at most the experts held, none
-    under ``CACHE_MIN_SHARE`` of them (on the 40-layer bench checkpoint a cache of 4% of its
+    and the margin (an eighth of ``limit``, at least 1 GiB), less the staged layers' share
+    where ``slots_per_layer`` is 0 (their slots take it: ``_slots_as_cache``), at most the
+    experts held, none under ``CACHE_MIN_SHARE`` of them (on the 40-layer bench checkpoint a cache of 4% of its
     experts decoded at 0.98x no cache, 13% at 1.15x, 21% at 1.31x); with buffered reads none
     (the page cache keeps what was read). ``expert_source`` (with ``kernels``, what the
     engine computes with, and ``files_bytes``, the checkpoint files of the layers held):
@@ -203,6 +204,8 @@ def plan_memory(config: EngineConfig, index, spec, pipe, layers: list[int], on: 
                       kv_per_token=kv_per_token, context=config.plan_context, batch=config.plan_batch,
                       margin=max(limit // MARGIN_SHARE, MARGIN_MIN), cache=0, policy=config.cache_policy,
                       direct=direct, kv_note=kv_note, whole_layers=len(on.get("resident", ())))
+    if config.cache_mb is None and direct and on["staged"] and not config.slots_per_layer:
+        plan = _slots_as_cache(plan, index, spec, on["staged"], layers)
     if config.cache_mb is not None:
         cache = config.cache_mb * 2**20
     elif direct:
@@ -217,6 +220,21 @@ def plan_memory(config: EngineConfig, index, spec, pipe, layers: list[int], on: 
         plan = replace(plan, source=source, mapped=files_bytes, others=0, cache=0)
     check_fits(plan, index.model_dir)
     return plan
+
+
+def _slots_as_cache(plan: MemoryPlan, index, spec, staged: list[int], layers: list[int]) -> MemoryPlan:
+    """Sticky slots are a cache whose hits cost no copy (the expert cache copies each hit into
+    a slot, and each read into itself): of what an automatic cache would get, the staged
+    layers' share (their experts' of those held) goes to their slots, each layer an equal part
+    (the room they had to grow for a batch included), at most its experts; the rest stays the
+    cache's. Under the 8 GiB cap on the 40-layer bench checkpoint, 72 slots a layer and no
+    cache decoded at 1.14x 16 slots and a 4,300 MiB cache (docs/BENCHMARKS.md)."""
+    spare = plan.limit - plan.planned - plan.margin
+    if spare < CACHE_MIN_SHARE * plan.held or not plan.per_expert:
+        return plan
+    share = sum(index.layers[l].expert_bytes for l in staged) / sum(index.layers[l].expert_bytes for l in layers)
+    slots = min(plan.ceiling + int(spare * share) // (len(staged) * plan.per_expert), spec.num_experts)
+    return replace(plan, slots=max(slots, plan.slots), ceiling=max(slots, plan.ceiling))
 
 
 def check_fits(plan: MemoryPlan, model_dir) -> None:
