@@ -124,6 +124,18 @@ def test_a_row_outside_the_buffers_is_never_written(checkpoint):
             reader.read_experts(layer, [5], [2], bufs)
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_rows_narrower_than_the_tensors_are_refused_typed(checkpoint, native):
+    _, index = checkpoint
+    layer = min(index.layers)
+    tensors = index.layers[layer].tensors
+    with ExpertReader(index, threads=1, native=native) as reader:
+        bufs = [bio.RowBuffer(2, t.row_bytes - 8 * (i == 1)) for i, t in enumerate(tensors)]
+        with pytest.raises(ExpertReadError, match=f"fewer than the {tensors[1].row_bytes} bytes") as err:
+            reader.read_experts(layer, [1], [0], bufs)
+        assert err.value.tensor == tensors[1].key and reader.stats.reads == 0
+
+
 @pytest.mark.parametrize("how", ["not built", "native=False"])
 def test_without_the_extension_the_python_path_reads(checkpoint, monkeypatch, how):
     _, index = checkpoint

@@ -239,6 +239,10 @@ class ExpertReader:
         if any(not 0 <= r < room for r in rows):  # never write past a buffer
             raise ExpertReadError(f"rows {[r for r in rows if not 0 <= r < room][:4]} are outside the buffers' "
                                   f"[0, {room})", layer=layer)
+        narrow = next((loc for loc, buf in zip(locs, buffers) if buf.host.shape[1:] < (loc.row_bytes,)), None)
+        if narrow is not None:
+            raise ExpertReadError(f"its buffer's rows hold fewer than the {narrow.row_bytes} bytes of an expert's row",
+                                  tensor=narrow.key, layer=layer)
         cached = 0
         if self.cache is not None:  # what the cache holds is copied, the rest read
             experts, rows, cached = self.cache.serve(layer, experts, rows, buffers)
@@ -274,7 +278,7 @@ class ExpertReader:
             mode = 0 if direct is None else 1 if loc.file in self._bounce_only else 2  # buffered, bounced, in place
             address = getattr(buf, "address", None) or buf.host.ctypes.data
             spec.append((self._fds[loc.file] if direct is None else direct, mode, loc.offset, loc.row_bytes, address,
-                         buf.host.strides[0], buf.host.shape[0] if buf.host.shape[1] >= loc.row_bytes else 0))
+                         buf.host.strides[0], buf.host.shape[0]))
         parts = 1 if self._pool is None or not parallel else min(self._threads, len(experts))
         size = -(-len(experts) // parts)
         shares = [(experts[i:i + size], rows[i:i + size]) for i in range(0, len(experts), size)]

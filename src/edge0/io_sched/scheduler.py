@@ -2,10 +2,11 @@
 
 Its data is plain (the tests drive it with a fake store, no MLX, no model; the types are
 ``edge0.io_sched.slots``'s): ``StepPlan`` / ``LayerPlan`` in, ``ReadRequest``s to a ``Store``
-(``read(layer, expert, slot)``, in a reader thread), ``SlotMap``s out. A layer's ``SlotTable`` says what each slot holds: EMPTY, LOADING
-(being read) or READY. Steps *pin* the slots they compute with; a pinned slot is never a
-victim (the least recently used unpinned one is), so nothing a pending computation reads is
-overwritten (with 2k slots the next step's misses land in the other half: double buffering).
+(``read(layer, expert, slot)``, in a reader thread), ``SlotMap``s out. A layer's
+``SlotTable`` says what each slot holds: EMPTY, LOADING (being read) or READY. Steps *pin*
+the slots they compute with; a pinned slot is never a victim (the least recently used
+unpinned one is), so nothing a pending computation reads is overwritten (with 2k slots the
+next step's misses land in the other half: double buffering).
 A READY expert is a hit, not read again (sticky slots); a failed or cancelled read leaves
 its slot EMPTY, never READY.
 

@@ -108,8 +108,8 @@ int read_in_place(int fd, char* dest, int64_t len, int64_t offset) {
 }
 
 // Expert `e`'s rows of every tensor into slot row `r`, `count` adjacent experts into as many
-// adjacent rows (adjacent in memory too: the caller's runs); returns false when a range did not arrive whole. `in_place` counts those that
-// landed in place.
+// adjacent rows (adjacent in memory too: the caller's runs); false when a range did not arrive
+// whole. `in_place` counts the reads that landed in place.
 bool read_run(const std::vector<Tensor>& tensors, int64_t e, int64_t r, int64_t count, int64_t& in_place) {
   for (const auto& t : tensors) {
     char* dest = t.address + r * t.stride;
@@ -129,8 +129,8 @@ bool read_run(const std::vector<Tensor>& tensors, int64_t e, int64_t r, int64_t 
 }
 
 // tensors: (fd, mode, offset, row_bytes, address, stride, rows) per stacked tensor of the layer;
-// experts[i] into rows[i] (a row outside a buffer is not read: reported). Returns (bytes read, reads that landed in place, the indices i of the
-// experts not read whole).
+// experts[i] into rows[i] (a row outside a buffer is not read: reported). Returns (bytes read,
+// reads that landed in place, the indices i of the experts not read whole).
 std::tuple<int64_t, int64_t, std::vector<int64_t>> read_rows(
     const std::vector<std::tuple<int, int, int64_t, int64_t, uintptr_t, int64_t, int64_t>>& spec,
     const std::vector<int64_t>& experts, const std::vector<int64_t>& rows) {
@@ -139,13 +139,13 @@ std::tuple<int64_t, int64_t, std::vector<int64_t>> read_rows(
   int64_t expert_bytes = 0;
   bool contiguous = true;  // every tensor's rows adjacent in memory: adjacent experts read as one range
   int64_t slots = INT64_MAX;  // rows every buffer has
-  for (const auto& [fd, mode, offset, row_bytes, address, stride, rows] : spec) {
+  for (const auto& [fd, mode, offset, row_bytes, address, stride, held] : spec) {
     if (fd < 0 || mode < kBuffered || mode > kInPlace || offset < 0 || row_bytes <= 0 || address == 0 ||
-        stride < row_bytes || rows < 0)
+        stride < row_bytes || held < 0)
       throw std::invalid_argument("edge0 reads: a tensor's (fd, mode, offset, row_bytes, address, stride, rows) "
                                   "is invalid");
-    tensors.push_back({fd, mode, offset, row_bytes, reinterpret_cast<char*>(address), stride, rows});
-    slots = std::min(slots, rows);
+    tensors.push_back({fd, mode, offset, row_bytes, reinterpret_cast<char*>(address), stride, held});
+    slots = std::min(slots, held);
     expert_bytes += row_bytes;
     contiguous = contiguous && stride == row_bytes;
   }
@@ -155,7 +155,8 @@ std::tuple<int64_t, int64_t, std::vector<int64_t>> read_rows(
     nb::gil_scoped_release release;
     for (size_t i = 0; i < experts.size();) {
       size_t n = 1;  // a run: adjacent experts into adjacent rows, one read each tensor
-      while (contiguous && i + n < experts.size() && experts[i + n] == experts[i] + int64_t(n) && rows[i + n] == rows[i] + int64_t(n))
+      while (contiguous && i + n < experts.size() && experts[i + n] == experts[i] + int64_t(n) &&
+             rows[i + n] == rows[i] + int64_t(n))
         ++n;
       bool inside = experts[i] >= 0 && rows[i] >= 0 && rows[i] + int64_t(n) <= slots;  // never past a buffer
       if (inside && read_run(tensors, experts[i], rows[i], int64_t(n), in_place))
@@ -173,6 +174,6 @@ std::tuple<int64_t, int64_t, std::vector<int64_t>> read_rows(
 void bind_reads(nb::module_& m) {
   m.def("read_rows", &read_rows, "tensors"_a, "experts"_a, "rows"_a,
         "Read experts[i]'s rows of each tensor (fd, mode 0 buffered / 1 direct bounced / 2 direct in place, "
-        "file offset of row 0, row bytes, buffer address, row stride, buffer rows) into rows[i]; the interpreter's lock "
-        "released. Returns (bytes, in-place reads, indices of experts not read whole).");
+        "file offset of row 0, row bytes, buffer address, row stride, buffer rows) into rows[i]; the interpreter's "
+        "lock released. Returns (bytes, in-place reads, indices of experts not read whole).");
 }
