@@ -184,8 +184,9 @@ def plan_memory(config: EngineConfig, index, spec, pipe, layers: list[int], on: 
     ``cache_mb``, or auto (None) with direct reads: ``limit`` less everything else planned
     and the margin (an eighth of ``limit``, at least 1 GiB), less the staged layers' share
     where ``slots_per_layer`` is 0 (their slots take it: ``_slots_as_cache``), at most the
-    experts held, none under ``CACHE_MIN_SHARE`` of them (on the 40-layer bench checkpoint a cache of 4% of its
-    experts decoded at 0.98x no cache, 13% at 1.15x, 21% at 1.31x); with buffered reads none
+    experts held, none under ``CACHE_MIN_SHARE`` of them (on the 40-layer bench checkpoint a
+    cache of 4% of its experts decoded at 0.98x no cache, 13% at 1.15x, 21% at 1.31x); with
+    buffered reads none
     (the page cache keeps what was read). ``expert_source`` (with ``kernels``, what the
     engine computes with, and ``files_bytes``, the checkpoint files of the layers held):
     with the mapping no expert buffer is allocated and nothing is cached. Refuses
