@@ -185,6 +185,20 @@ def test_an_arm_over_the_mapping_reads_nothing_and_counts_the_disk_by_its_page_f
     assert proc_read_bytes() - before >= 4 * 2**20
 
 
+def test_the_floor_arms_run_on_slots_where_the_checkpoint_fits(bench_model):
+    """compute-only and read-only are the staged step without its reads and its reads alone:
+    they read into slots even where the checkpoint fits (the default there computes over its
+    mapping, which has no reads to switch off or time)."""
+    settings = harness.BenchSettings(arms=("compute-only", "read-only"), rounds=1, cache="warm", prompt_tokens=8,
+                                     decode_tokens=3)
+    doc = harness.run_bench(bench_model, settings)
+    for name in ("compute-only", "read-only"):
+        run = doc["arms"][name]["runs"][0]
+        assert run["info"]["expert_source"] == "slots" and len(run["step_ms"]) == 3, name
+    assert doc["arms"]["compute-only"]["runs"][0]["info"]["reads"] == "off"
+    assert doc["arms"]["read-only"]["expert_bytes_per_token"]["median"] > 0
+
+
 def test_memory_limit_parsing_and_errors(monkeypatch):
     from edge0.benchmark import cgroup
 

@@ -188,8 +188,9 @@ class _NoReads:
 @arm("compute-only")
 def compute_only(model_dir: str, settings: dict) -> Loaded:
     """The staged computation with reads switched off (slots keep whatever they hold):
-    the compute floor of a staged step, measured in the same run."""
-    loaded = _streaming(model_dir, settings, oracle=_oracle(settings), decode_path="staged")
+    the compute floor of a staged step, measured in the same run. Its experts are in slots
+    even where the checkpoint fits (a mapping has no reads to switch off)."""
+    loaded = _streaming(model_dir, settings, oracle=_oracle(settings), decode_path="staged", expert_source="slots")
     stager = loaded.model.streaming.stager
     stager.scheduler.store = _NoReads()
     stager.check_routing = False  # unread slots give other activations, hence other routing
@@ -200,8 +201,9 @@ def compute_only(model_dir: str, settings: dict) -> Loaded:
 @arm("read-only")
 def read_only(model_dir: str, settings: dict) -> Loaded:
     """The staged step's reads with no compute: the scheduler fills the slots for each
-    step's plan; a "step" is done when every layer is ready."""
-    return _streaming(model_dir, settings, oracle=_oracle(settings), decode_path="staged")
+    step's plan; a "step" is done when every layer is ready (into slots even where the
+    checkpoint fits)."""
+    return _streaming(model_dir, settings, oracle=_oracle(settings), decode_path="staged", expert_source="slots")
 
 
 def _read_only_step(model) -> None:
