@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 import sys
 from pathlib import Path
 
@@ -247,3 +248,59 @@ def test_a_pass_failed_by_a_truncated_mapping_is_a_read_error_in_a_prefill_too(m
             list(engine.stream(PROMPT, max_tokens=4))
         assert err.value.file == "/data/model.safetensors" and raised
         assert len(list(engine.stream(PROMPT, max_tokens=4))) == 4  # and the engine serves on
+
+
+def _mapped_rss(address: int) -> int:
+    """Bytes of the mapping that starts at ``address`` in this process's page tables
+    (``/proc/self/smaps``: a file mapping's Rss counts the pages mapped into the process)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                inside = int(head.split("-")[0], 16) == address
+            elif inside and line.startswith("Rss:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no mapping at {address:#x}")
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux's /proc/self/smaps")
+def test_every_mapped_expert_is_put_in_the_page_tables_before_a_step_touches_it():
+    """A step computing on an expert whose pages are not yet in the process's page tables
+    faults on each; once mapped, a thread populates them all (the demo: nothing generated
+    yet, every expert's bytes mapped in)."""
+    with Engine(DEMO, EngineConfig(prerouter="off", adapter="off")) as engine:
+        mapped = engine.streaming.exact.mapped
+        assert mapped.populating.done.wait(60) and not mapped.populating.refused
+        index = mapped.index
+        want = {}
+        for layer in mapped.kernels:
+            for t in index.layers[layer].tensors:
+                want[t.file] = want.get(t.file, 0) + index.spec.num_experts * t.row_bytes
+        assert mapped.populating.populated == sum(want.values()) > 10 * 2**20
+        for file, size in want.items():
+            assert _mapped_rss(mapped.maps[file].address) >= size, file
+        assert len(list(engine.stream(PROMPT, max_tokens=4))) == 4
+    assert mapped.populating is None  # stopped with the engine
+
+
+def test_populating_stops_when_asked_and_when_a_range_is_refused():
+    from edge0.exec.mapped import Populating
+
+    class Slow:
+        def __init__(self, ok=True):
+            self.ok, self.calls = ok, 0
+
+        def populate(self, offset, length):
+            self.calls += 1
+            time.sleep(0.01)
+            return self.ok
+
+    slow = Slow()
+    p = Populating([(slow, 0, 1000 * Populating.CHUNK)])
+    time.sleep(0.05)
+    p.stop()
+    assert p.done.is_set() and 0 < slow.calls < 1000 and p.populated == slow.calls * Populating.CHUNK
+    refusing = Slow(ok=False)
+    p = Populating([(refusing, 0, 3 * Populating.CHUNK), (refusing, 5, 7)])
+    assert p.done.wait(10) and p.refused and p.populated == 0 and refusing.calls == 1

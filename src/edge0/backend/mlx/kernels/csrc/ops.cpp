@@ -318,6 +318,18 @@ class Mapping {
   const char* base() const { return base_; }
   size_t size() const { return size_; }
   const std::string& path() const { return path_; }
+  // Puts the pages of bytes [offset, offset + length) into this mapping's page tables now
+  // (madvise MADV_POPULATE_READ, Linux 5.14+), reading from the file those not in the page
+  // cache, so a kernel that later reads them takes no page fault. False where the kernel does
+  // not know the advice or a page could not be read (a file truncated under the mapping).
+  bool populate(size_t offset, size_t length) const {
+    constexpr int kPopulateRead = 22;  // MADV_POPULATE_READ, absent from older headers
+    if (base_ == nullptr || offset >= size_) return true;
+    const size_t page = size_t(::sysconf(_SC_PAGESIZE));
+    const size_t start = offset - offset % page;
+    const size_t end = std::min(size_, offset + length);
+    return ::madvise(const_cast<char*>(base_) + start, end - start, kPopulateRead) == 0;
+  }
   // Bytes of the mapping resident in memory now (mincore), for the stats and tests.
   size_t resident() const {
     if (base_ == nullptr) return 0;
@@ -913,7 +925,9 @@ NB_MODULE(_ext, m) {
   nb::class_<Mapping>(m, "Mapping")
       .def(nb::init<const std::string&>(), "path"_a)
       .def_prop_ro("size", &Mapping::size)
-      .def("resident", &Mapping::resident);
+      .def_prop_ro("address", [](const Mapping& m) { return reinterpret_cast<uintptr_t>(m.base()); })
+      .def("resident", &Mapping::resident)
+      .def("populate", &Mapping::populate, "offset"_a, "length"_a, nb::call_guard<nb::gil_scoped_release>());
   m.def("qmm_at", &qmm_at_op, "x"_a, "indices"_a, "w_mapping"_a, "w_offset"_a, "s_mapping"_a, "s_offset"_a,
         "b_mapping"_a, "b_offset"_a, "scale_dtype"_a, "E"_a, "N"_a, "bits"_a, "group_size"_a, "x_repeat"_a = 1);
   m.def("wait_flag", &wait_op, "x"_a, "flags"_a, "waited"_a, "index"_a, "value"_a, "timeout_s"_a);
