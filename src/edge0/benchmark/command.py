@@ -189,7 +189,7 @@ def arm_options(items: list[str], arms: tuple[str, ...]) -> dict:
         arm, sep, rest = item.partition(":")
         if not sep or arm not in arms:
             raise ConfigError(f"--arm-option {item!r}: expected ARM:KEY=VALUE with ARM one of {list(arms)}")
-        pairs = re.split(r",(?=\s*[a-z_]+=)", rest)
+        pairs = re.split(r",(?=\s*[a-z_][a-z0-9_]*=)", rest)
         sources = [p.partition("=")[2].strip() for p in pairs if p.strip().startswith("source=")]
         rest = ",".join(p for p in pairs if not p.strip().startswith("source="))
         values = parse_settings(rest, f"--arm-option {item!r}") if rest.strip() else {}

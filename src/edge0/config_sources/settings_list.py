@@ -16,7 +16,7 @@ def parse_settings(text: str, source: str) -> dict:
     values; ``source`` names where the text came from in errors."""
     field_kinds = kinds()
     values = {}
-    for pair in re.split(r",(?=\s*[a-z_]+=)", text):  # a comma inside a value (layer_paths) stays
+    for pair in re.split(r",(?=\s*[a-z_][a-z0-9_]*=)", text):  # a comma inside a value (layer_paths) stays
         key, eq, value = pair.partition("=")
         key = key.strip()
         if not eq or key not in field_kinds:
