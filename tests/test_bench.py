@@ -349,6 +349,9 @@ def test_an_arm_with_a_source_runs_on_that_trees_edge0(tmp_path):
     options = arm_options([f"exact@old:source={tree},compute_threads=1", "exact:compute_threads=2"], ("exact", "exact@old"))
     assert options == {"exact@old": {"compute_threads": 1, "source": str(tree.resolve())},
                        "exact": {"compute_threads": 2}}
+    # a key with a digit in its name after a comma is a key of its own
+    assert arm_options(["exact:kernels=edge0,int8_products=on"], ("exact",)) == {
+        "exact": {"kernels": "edge0", "int8_products": "on"}}
     clone = tmp_path / "clone"  # a clone of the src layout: its package under src/
     (clone / "src").mkdir(parents=True)
     (clone / "src" / "edge0").symlink_to(tree / "edge0")

@@ -271,6 +271,25 @@ def test_a_forecast_leaves_the_kernels_thread_count_as_it_was(setups, speed_cach
         bk.set_threads(before)
 
 
+def test_a_forecast_with_integer_products_measures_them_and_leaves_them_as_they_were(setups, speed_cache):
+    """``--int8-products on``: the replica runs with them and the kernels' extra time is
+    measured with them (each its own cache entry); the process's setting is put back."""
+    from edge0.backend import kernels as bk
+
+    if not bk.available() or not bk.set_int8_products(False):
+        pytest.skip("Edge0's kernels are not built")
+    if not bk.set_int8_products(True):
+        pytest.skip("needs a CPU with AVX-512 VNNI")
+    bk.set_int8_products(False)
+    code, out = _plan("--model", str(setups["exact"][0]), "--speed", "--prompt-tokens", "8", "--json",
+                      "--int8-products", "on")
+    assert code == 0, out
+    assert json.loads(out)["speed"]["decode_tok_s"] > 0 and not bk.int8_products()
+    keys = {p.name.split("-")[0]: json.loads(p.read_text())["key"] for p in speed_cache.glob("*.json")}
+    assert keys["kernels"].get("int8_products") is True
+    assert '"int8_products": "on"' in json.dumps(keys["replica"])
+
+
 def test_the_kernels_extra_time_is_the_real_steps_less_the_replicas_timed_in_turns(monkeypatch, speed_cache):
     """The checkpoint's products and the replica's alternate in one process (a drift of the
     machine's speed falls on both); the term is the difference of their medians, cached."""

@@ -17,20 +17,33 @@ from edge0 import Engine, EngineConfig
 from edge0.train.quality import served_perplexity
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def held_out(doc: str) -> tuple[argparse.Namespace, list[int]]:
+    """The command line (--model, --data, --tokens, --window) and the first --tokens + 1
+    tokens of --data, as the model's tokenizer encodes them."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     p.add_argument("--model", required=True)
     p.add_argument("--data", required=True, help="a text file")
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--window", type=int, default=256)
     a = p.parse_args()
     with Engine(a.model) as engine:
-        tokens = engine.encode(Path(a.data).read_text())[: a.tokens + 1]
-    out = {flush: served_perplexity(a.model, tokens, EngineConfig(prerouter_flush=flush), window=a.window)
-           for flush in ("numpy", "edge0")}
-    for flush, r in out.items():
-        print(f"prerouter_flush {flush}: perplexity {r['perplexity']:.5f} over {r['tokens']} tokens")
-    print(f"8-bit against float32: {out['edge0']['perplexity'] / out['numpy']['perplexity']:.6f}x")
+        return a, engine.encode(Path(a.data).read_text())[: a.tokens + 1]
+
+
+def compare(a: argparse.Namespace, tokens: list[int], setting: str, values: tuple[str, str], label: str,
+            **config) -> None:
+    """Print the perplexity served with ``setting`` at each of ``values`` (the rest of the
+    engine's settings ``config``), and the second's over the first's, named ``label``."""
+    out = {v: served_perplexity(a.model, tokens, EngineConfig(**{setting: v}, **config), window=a.window)
+           for v in values}
+    for v, r in out.items():
+        print(f"{setting} {v}: perplexity {r['perplexity']:.5f} over {r['tokens']} tokens")
+    print(f"{label}: {out[values[1]]['perplexity'] / out[values[0]]['perplexity']:.6f}x")
+
+
+def main() -> None:
+    a, tokens = held_out(__doc__)
+    compare(a, tokens, "prerouter_flush", ("numpy", "edge0"), "8-bit against float32")
 
 
 if __name__ == "__main__":

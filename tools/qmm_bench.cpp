@@ -21,7 +21,7 @@
 #include "qmm.h"
 
 int main(int argc, char** argv) {
-  int experts = 256, n = 512, k = 2048, topk = 8, rows = 1, threads = 1, calls = 200;
+  int experts = 256, n = 512, k = 2048, topk = 8, rows = 1, threads = 1, calls = 200, int8 = 0;
   for (int i = 1; i + 1 < argc; i += 2) {
     const int v = std::atoi(argv[i + 1]);
     if (!std::strcmp(argv[i], "--n")) n = v;
@@ -31,6 +31,7 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--threads")) threads = v;
     else if (!std::strcmp(argv[i], "--calls")) calls = v;
     else if (!std::strcmp(argv[i], "--experts")) experts = v;
+    else if (!std::strcmp(argv[i], "--int8")) int8 = v;
     else {
       std::fprintf(stderr, "unknown flag %s\n", argv[i]);
       return 2;
@@ -41,6 +42,10 @@ int main(int argc, char** argv) {
     return 2;
   }
   edge0::set_threads(threads);
+  if (int8 && !edge0::set_int8_products(true)) {
+    std::fprintf(stderr, "--int8 1: this CPU has no AVX-512 VNNI\n");
+    return 2;
+  }
   std::mt19937 rng(0);
   std::vector<uint32_t> w(size_t(experts) * n * k / 8);
   for (auto& v : w) v = rng();
@@ -70,7 +75,7 @@ int main(int argc, char** argv) {
   }
   std::sort(times.begin(), times.end());
   const size_t m = times.size();
-  std::printf("n %d k %d topk %d rows %d threads %d: p10 %.3f p50 %.3f p90 %.3f ms\n", n, k, topk, rows, threads,
+  std::printf("n %d k %d topk %d rows %d threads %d int8 %d: p10 %.3f p50 %.3f p90 %.3f ms\n", n, k, topk, rows, threads, int8,
               times[m / 10] * 1e3, times[m / 2] * 1e3, times[m * 9 / 10] * 1e3);
   return 0;
 }

@@ -80,8 +80,15 @@ def _kernels(config: EngineConfig, compute_dtype: str, templates: list) -> tuple
     Edge0's are put in the templates before any executor binds one."""
     kernels = bk.resolve(config.kernels, cpu=B.is_cpu(), compute_dtype=compute_dtype)
     threads = resolve_threads(config.compute_threads)
+    int8 = config.int8_products == "on"
     if kernels == "mlx":
+        if int8:
+            raise ConfigError("int8_products='on' is a mode of Edge0's kernels, and kernels resolve to mlx here "
+                              "(kernels='edge0' on MLX's CPU device with compute_dtype float32)")
         return kernels, Split(threads)  # streams of this (the compute) thread
+    if not bk.set_int8_products(int8):
+        raise ConfigError("int8_products='on' multiplies with AVX-512 VNNI, which this CPU does not have "
+                          "(int8_products='off')")
     bk.set_threads(threads)
     bk.use_edge0(*templates)
     return kernels, Split(1)

@@ -54,7 +54,7 @@ PATTERN_KEYS = ("mlp_only_layers", "decoder_sparse_step", "first_k_dense_replace
 REPLICA_SETTINGS = ("decode_path", "prefill_path", "kernels", "compute_threads", "reader_threads", "prefetch_depth",
                     "slots_per_layer", "stage_extra", "prerouter_flush", "prerouter_dtype", "unpredicted_layers",
                     "bundle_capacity", "hot_experts", "experts_per_token", "prefill_step_size", "routing",
-                    "layer_paths", "guard_every")
+                    "layer_paths", "guard_every", "int8_products")
 POOL_BYTES = 2**30  # at most this much weight a kernel measurement holds (a stack of experts: 256 MiB)
 DECODE_TOKENS = 24
 REPLICA_PROMPT = 1024  # longer prompts: the replica's prefill rate at this many tokens
@@ -144,6 +144,14 @@ def products(spec, index) -> dict:
     return {"calls": calls, "scale_dtype": dtype, "experts": spec.num_experts, "k": spec.k}
 
 
+def _int8_now() -> bool:
+    """Whether Edge0's kernels take integer products now (the forecast sets them as the plan's
+    engine would)."""
+    from edge0.backend import kernels as bk
+
+    return bk.available() and bk.int8_products()
+
+
 def extra_kernel_seconds(prods: dict, rprods: dict, kernels: str, rows: int = 1) -> float:
     """Seconds a step's quantized products at ``rows`` rows take on this CPU beyond the
     replica's (``rprods``): each step's made in its order as one evaluation, each product on
@@ -153,6 +161,8 @@ def extra_kernel_seconds(prods: dict, rprods: dict, kernels: str, rows: int = 1)
     from edge0.backend import timing
 
     key = {**cpu_key(), "kernels": kernels, "rows": rows, "real": prods, "replica": rprods}
+    if kernels == "edge0" and _int8_now():
+        key["int8_products"] = True
     real, replica = cached("kernels", key, lambda: timing.step_pair_seconds(
         prods, rprods, kernels, rows, POOL_BYTES, repeats=31 if rows == 1 else 4))
     return max(0.0, real - replica)
@@ -282,7 +292,8 @@ def forecast_speed(lay, fc: dict, prompt_tokens: int = 512) -> dict:
     """Decode tok/s and the time to the first token of ``prompt_tokens`` for the laid-out
     checkpoint ``lay`` with the plan's byte forecast ``fc`` (``edge0.exec.forecast``): the
     terms, their sum and the assumptions said; ``{"unavailable": why}`` where it cannot be
-    made. The kernels' thread count is put back as it was (an engine may run beside)."""
+    made. The kernels' thread count and integer products are put back as they were (an engine
+    may run beside)."""
     from edge0.backend import core as B
     from edge0.backend import kernels as bk
     from edge0.errors import BenchArmError
@@ -297,9 +308,11 @@ def forecast_speed(lay, fc: dict, prompt_tokens: int = 512) -> dict:
         return {"unavailable": f"no replica of {spec.model_type} can be built (edge0.tiny builds {len(ARCHITECTURES)} "
                                "architectures)"}
     threads = bk.get_threads() if kernels == "edge0" else None
+    int8 = bk.int8_products() if kernels == "edge0" else None
     try:
         if threads is not None:
             bk.set_threads(len(os.sched_getaffinity(0)))  # as an engine with compute_threads 0
+            bk.set_int8_products(lay.config.int8_products == "on")  # refused at open where the CPU lacks VNNI
         return _forecast(lay, fc, prompt_tokens, kernels, prods)
     except (RuntimeError, BenchArmError) as e:  # make_tiny's degenerate routing, the replica's arm failing
         return {"unavailable": f"the replica could not be measured: {str(e).splitlines()[0]}"}
@@ -309,6 +322,7 @@ def forecast_speed(lay, fc: dict, prompt_tokens: int = 512) -> dict:
     finally:
         if threads is not None:
             bk.set_threads(threads)
+            bk.set_int8_products(bool(int8))
 
 
 def _forecast(lay, fc: dict, prompt_tokens: int, kernels: str, prods: dict) -> dict:

@@ -65,6 +65,8 @@ def resident(model_dir: str, settings: dict) -> Loaded:
     options = settings.get("arm_options", {}).get(settings.get("arm", ""), {})
     if options.get("kernels", "mlx") == "edge0":  # resident@edge0: mlx-lm's model on Edge0's kernels
         bk.set_threads(resolve_threads(options.get("compute_threads", 0)))
+        if not bk.set_int8_products(options.get("int8_products", "off") == "on"):
+            raise RuntimeError("int8_products=on: this CPU has no AVX-512 VNNI")
         bk.use_edge0(model)
         model = PromptAttention(model)  # the prompt's attention too, as Edge0's engine computes it
         info["kernels"] = bk.describe()

@@ -18,11 +18,9 @@ reads zeros there instead and fails the op (``MAPPED_TRUNCATED``), which the eng
 as an ``ExpertReadError`` naming the file and answers by mapping it anew.
 
 A page of a mapping is in the process's page tables only once touched: the first step to
-compute on an expert took a fault per 64 KiB of it (at 12 layers of the 35B tier, hundreds
-to a thousand and more a token over a fresh process's first tokens, 2-3 ms of a 25 ms step). Once mapped,
-a thread puts every expert's pages into the page tables (``Mapping.populate``: madvise
-``MADV_POPULATE_READ``, in chunks, stopped by a remap or close), as llama.cpp's
-``MAP_POPULATE`` does at load: about 0.4 s of a core for 4.6 GB in the page cache. ``expert_source`` chooses: ``mapping``, ``slots``, or ``auto`` (the
+compute on an expert took a fault per 64 KiB of it. Once mapped, a thread puts every
+expert's pages into the page tables (``Mapping.populate``: madvise ``MADV_POPULATE_READ``, in
+chunks, stopped by a remap or close), as llama.cpp's ``MAP_POPULATE`` does at load. ``expert_source`` chooses: ``mapping``, ``slots``, or ``auto`` (the
 mapping when Edge0's kernels run, reads are buffered and the checkpoint fits with
 everything else planned; see ``resolve_source``).
 """

@@ -13,7 +13,9 @@ transpose=True)`` computes for SwitchGLU / SwitchMLP) and the dense quantized ma
 have AVX-512F, else AVX2+FMA loops (chosen at run time; from 8 rows against one expert's
 weights, its rows decoded once and tiled), portable loops elsewhere (``isa()`` says which;
 ``EDGE0_KERNEL_ISA`` or the extension's ``limit_isa`` caps them); output rows are split over a thread pool,
-never the reduction, so results do not depend on the thread count. Activations are float32.
+never the reduction, so results do not depend on the thread count. Activations are float32;
+with ``set_int8_products`` (the ``int8_products`` setting) the one-row loops (4 and 8 bits)
+quantize x to int8 per 32 values and multiply with AVX-512 VNNI, where the CPU has it.
 
 The same product can read the experts' stacked tensors where a read-only mapping of the
 checkpoint file holds them (``MappedSwitchLinear``, ``mapping``): no copy into a slot. A MoE
@@ -25,11 +27,13 @@ ops, the modules that use them and the engine setting's resolution.
 """
 
 from edge0.backend.mlx.kernels import attention
-from edge0.backend.mlx.kernels._loader import available, ext, get_threads, isa, set_threads, unavailable_reason
+from edge0.backend.mlx.kernels._loader import (available, ext, get_threads, int8_products, isa, set_int8_products,
+                                               set_threads, unavailable_reason)
 from edge0.backend.mlx.kernels.ops import (BITS, CHOICES, GROUP_SIZES, Edge0QuantizedLinear, Edge0SwitchLinear,
                                            MappedSwitchLinear, describe, gather_qmm, mapping, quantize,
                                            quantized_matmul, resolve, supported, use_edge0)
 
 __all__ = ["BITS", "CHOICES", "GROUP_SIZES", "Edge0QuantizedLinear", "Edge0SwitchLinear", "MappedSwitchLinear",
-           "attention", "available", "describe", "ext", "gather_qmm", "get_threads", "isa", "mapping", "quantize",
-           "quantized_matmul", "resolve", "set_threads", "supported", "unavailable_reason", "use_edge0"]
+           "attention", "available", "describe", "ext", "gather_qmm", "get_threads", "int8_products", "isa", "mapping",
+           "quantize", "quantized_matmul", "resolve", "set_int8_products", "set_threads", "supported",
+           "unavailable_reason", "use_edge0"]

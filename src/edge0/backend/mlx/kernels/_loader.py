@@ -50,6 +50,19 @@ def set_threads(n: int) -> None:
     ext().set_threads(int(n))
 
 
+def set_int8_products(on: bool) -> bool:
+    """Integer products for the one-row loops, 4 and 8 bits (process-wide, as the threads):
+    x quantized to int8 per 32 values and multiplied with AVX-512 VNNI. False where the CPU
+    lacks VNNI (nothing changed)."""
+    return bool(ext().set_int8_products(bool(on)))
+
+
+def int8_products() -> bool:
+    """Whether the integer products run now (asked for, on a CPU with VNNI, the AVX-512 loops
+    allowed)."""
+    return bool(ext().int8_products())
+
+
 def get_threads() -> int:
     return ext().get_threads()
 

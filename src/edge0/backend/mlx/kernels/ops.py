@@ -319,11 +319,13 @@ def use_edge0(*trees) -> int:
 
 
 def describe() -> str:
-    """What the stats line names: ``edge0 (avx512, 2 threads)``."""
+    """What the stats line names: ``edge0 (avx512, 2 threads)``, with ``, int8 products``
+    where the one-row loops take them (``int8_products``)."""
     if not K.available():
         return "edge0 (unavailable)"
     n = K.get_threads()
-    return f"edge0 ({K.isa()}, {n} thread{'s' if n != 1 else ''})"
+    int8 = ", int8 products" if K.int8_products() else ""
+    return f"edge0 ({K.isa()}, {n} thread{'s' if n != 1 else ''}{int8})"
 
 
 def resolve(choice: str, *, cpu: bool, compute_dtype: str) -> str:

@@ -943,6 +943,8 @@ NB_MODULE(_ext, m) {
   m.def("set_threads", &edge0::set_threads, "n"_a);
   m.def("get_threads", &edge0::get_threads);
   m.def("isa", []() { return std::string(edge0::isa()); });
+  m.def("set_int8_products", &edge0::set_int8_products, "on"_a);
+  m.def("int8_products", &edge0::int8_products);
   m.def(
       "limit_isa",
       [](const std::string& name) {

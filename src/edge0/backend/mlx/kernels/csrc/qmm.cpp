@@ -463,6 +463,105 @@ __attribute__((target("avx512f"))) float dot_groups_avx512(const float* a, const
   return tot;
 }
 
+// Integer products (int8_products on): x quantized to int8 per 32 values, symmetric (d = max
+// |x| / 127, q = round(x / d)), and AVX-512 VNNI's vpdpbusd multiplying the weights' codes
+// (u8) by it (s8), four products into each int32 lane. At 4 bits a block of 128 values is one
+// 64-byte load of 16 words; its low nibbles (values 8i, 8i+2, 8i+4, 8i+6 in lane i) and high
+// nibbles (8i+1, ...) are two byte vectors, and x is laid out to match: per block 64 bytes of
+// x's even values then 64 of its odd ones. At 8 bits a load is 64 values, lane i values 4i to
+// 4i+3, x in its own order. Each lane has its d (one float a word of the row). A lane's int32
+// sum is converted once and multiplied by its group's scale times its d: a convert and an FMA
+// per 64-byte load where the float loops take eight (4 bits) or four (8 bits) of each. The
+// bias term takes the quantized x's sums (qsum: each 32 values' d * sum q), so a row computes
+// the dequantized weights against the quantized x exactly as llama.cpp's q8 products do: its
+// error is x's rounding against the weights, not against the codes (which are not centred: up
+// to twice the error).
+template <int BITS>
+void quantize_x8(const float* x, int64_t K, int8_t* q, float* d, float* qsum) {
+  constexpr int block = kBlock512<BITS>, lane = block / 16;  // values a load covers, and a lane
+  for (int64_t k0 = 0; k0 < K; k0 += block) {
+    int8_t v[128];
+    float dg[4];
+    for (int g = 0; g < block / 32; ++g) {
+      float m = 0.0f;
+      for (int i = 0; i < 32; ++i) m = std::max(m, std::fabs(x[k0 + g * 32 + i]));
+      dg[g] = m / 127.0f;
+      const float inv = m > 0.0f ? 127.0f / m : 0.0f;
+      int sum = 0;
+      for (int i = 0; i < 32; ++i) {
+        v[g * 32 + i] = int8_t(std::lrint(x[k0 + g * 32 + i] * inv));
+        sum += v[g * 32 + i];
+      }
+      qsum[k0 / 32 + g] = dg[g] * float(sum);
+    }
+    int8_t* out = q + k0;
+    if (BITS == 4) {
+      for (int i = 0; i < 16; ++i)
+        for (int j = 0; j < 4; ++j) {
+          out[4 * i + j] = v[8 * i + 2 * j];
+          out[64 + 4 * i + j] = v[8 * i + 2 * j + 1];
+        }
+    } else {
+      std::memcpy(out, v, block);
+    }
+    for (int i = 0; i < 16; ++i) d[k0 / lane + i] = dg[i * lane / 32];
+  }
+}
+
+// one 64-byte load of weights into tot (dot_vnni)
+template <int BITS>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) inline __m512 vnni_block(
+    const uint32_t* wrow, const float* sc, int64_t k0, int gs, const Lanes512& l, const int8_t* xq, const float* xd,
+    __m512 tot) {
+  constexpr int lane = kBlock512<BITS> / 16;
+  const __m512i v = _mm512_loadu_si512(wrow + k0 / lane);
+  __m512i acc;
+  if (BITS == 4) {
+    const __m512i m = _mm512_set1_epi8(15);
+    const __m512i lo = _mm512_and_si512(v, m), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m);
+    acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xq + k0));
+    acc = _mm512_dpbusd_epi32(acc, hi, _mm512_loadu_si512(xq + k0 + 64));
+  } else {
+    acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v, _mm512_loadu_si512(xq + k0));
+  }
+  const __m512 f = _mm512_mul_ps(block_scale512<BITS>(sc, k0, gs, l), _mm512_loadu_ps(xd + k0 / lane));
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), f, tot);
+}
+
+template <int BITS>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) float dot_vnni(const uint32_t* wrow, const float* sc,
+                                                                      int64_t K, int gs, const Lanes512& l,
+                                                                      const int8_t* xq, const float* xd) {
+  constexpr int block = kBlock512<BITS>;
+  __m512 t0 = _mm512_setzero_ps(), t1 = _mm512_setzero_ps();  // two chains, in registers
+  int64_t k0 = 0;
+  for (; k0 + 2 * block <= K; k0 += 2 * block) {
+    t0 = vnni_block<BITS>(wrow, sc, k0, gs, l, xq, xd, t0);
+    t1 = vnni_block<BITS>(wrow, sc, k0 + block, gs, l, xq, xd, t1);
+  }
+  if (k0 < K) t0 = vnni_block<BITS>(wrow, sc, k0, gs, l, xq, xd, t0);
+  return _mm512_reduce_add_ps(_mm512_add_ps(t0, t1));
+}
+
+// sum_g a[g] * b[g] for the integer products' bias term, the tail a masked load (a down
+// projection's rows have few groups: 8 at K = 512 and groups of 64)
+__attribute__((target("avx512f"))) float dot_groups_vnni(const float* a, const float* b, int64_t n) {
+  __m512 acc = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+  if (i < n) {
+    const __mmask16 k = __mmask16((1u << (n - i)) - 1);
+    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, a + i), _mm512_maskz_loadu_ps(k, b + i), acc);
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+
+bool cpu_has_vnni() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vnni");
+}
+
 bool cpu_has_avx512() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") != 0;
@@ -478,6 +577,7 @@ struct Lanes {
 #else
 bool cpu_has_avx2() { return false; }
 bool cpu_has_avx512() { return false; }
+bool cpu_has_vnni() { return false; }
 struct Lanes {};
 #endif
 
@@ -496,6 +596,12 @@ Isa current_isa() {
 }
 
 bool avx2_on() { return current_isa() >= Isa::Avx2; }
+
+std::atomic<bool> g_int8{false};  // int8_products: asked for (set_int8_products)
+
+// whether the one-row loops take integer products now: asked for, and the
+// AVX-512 loops running on a CPU with VNNI
+bool int8_on() { return g_int8.load(std::memory_order_relaxed) && current_isa() == Isa::Avx512 && cpu_has_vnni(); }
 
 // the loops a call over rows of width K runs: the widest allowed whose block divides K
 template <int BITS>
@@ -731,12 +837,26 @@ void run_qmm(const QmmArgs& a) {
   const Isa use = isa_for<BITS>(a.K);
   Lanes lanes{};
   std::vector<float> xp, xq;  // x permuted for the tiles; for the AVX2 one-row loops, scaled too
+  std::vector<int8_t> x8;  // x quantized for the integer products (int8_on), each lane's scale,
+  std::vector<float> d8, s8;  // and the quantized x's sums over each weight group
+  bool q8 = false;
 #ifdef EDGE0_X86
   if (use == Isa::Avx512) lanes.l512 = lanes512<BITS>(a.group_size);
   if (use != Isa::Portable) {
     bool tiles = false, one_rows = false;  // which loops run: an expert's rows many or few
     for (size_t gi = 0; gi + 1 < start.size(); ++gi) (start[gi + 1] - start[gi] >= kTileRows ? tiles : one_rows) = true;
     const int64_t X = (a.B / a.x_repeat) * a.M;  // distinct rows of x
+    q8 = one_rows && use == Isa::Avx512 && int8_on();
+    if (q8) {
+      x8.resize(X * a.K);
+      d8.resize(X * words);  // a lane's d for each word of a row
+      s8.assign(X * G, 0.0f);
+      std::vector<float> qs(a.K / 32);
+      for (int64_t i = 0; i < X; ++i) {
+        quantize_x8<BITS>(a.x + i * a.K, a.K, x8.data() + i * a.K, d8.data() + i * words, qs.data());
+        for (int64_t j = 0; j < a.K / 32; ++j) s8[i * G + j * 32 / a.group_size] += qs[j];
+      }
+    }
     if (use == Isa::Avx512 || tiles) xp.resize(X * a.K);
     if (use == Isa::Avx2 && one_rows) xq.resize(X * a.K);
     for (int64_t i = 0; i < X; ++i) {
@@ -757,9 +877,16 @@ void run_qmm(const QmmArgs& a) {
   };
   // each row's x (as the one-row loops and as the tiles read it), its sums and its output,
   // found once (not per output row n)
-  std::vector<const float*> xs_of(R), xd_of(R), xt_of(R);
+  std::vector<const float*> xs_of(R), xd_of(R), xt_of(R), d8_of(q8 ? R : 0), s8_of(q8 ? R : 0);
+  std::vector<const int8_t*> x8_of(q8 ? R : 0);
   std::vector<float*> out_of(R);
   for (int64_t i = 0; i < R; ++i) {
+    if (q8) {
+      const int64_t b = rows[i] / a.M, m = rows[i] % a.M, xi = (b / a.x_repeat) * a.M + m;
+      x8_of[i] = x8.data() + xi * a.K;
+      d8_of[i] = d8.data() + xi * words;
+      s8_of[i] = s8.data() + xi * G;
+    }
     xd_of[i] = xat(xone, rows[i]);
     xt_of[i] = xat(xtile, rows[i]);
     xs_of[i] = xsum.data() + rows[i] * G;
@@ -812,6 +939,14 @@ void run_qmm(const QmmArgs& a) {
         for (int64_t s = s0; s < s1; s += 4) {
           const int rb = int(std::min<int64_t>(4, s1 - s));
           float res[4];
+#ifdef EDGE0_X86
+          if (q8) {
+            for (int i = 0; i < rb; ++i)
+              res[i] = dot_vnni<BITS>(wrow, sc.data(), a.K, a.group_size, lanes.l512, x8_of[s + i], d8_of[s + i]);
+            for (int i = 0; i < rb; ++i) out_of[s + i][n] = res[i] + dot_groups_vnni(bi.data(), s8_of[s + i], G);
+            continue;
+          }
+#endif
           dot_rows<BITS>(use, lanes, wrow, sc.data(), a.K, a.group_size, xd_of.data() + s, rb, res);
           for (int i = 0; i < rb; ++i) out_of[s + i][n] = res[i] + dot_groups(use, bi.data(), xs_of[s + i], G);
         }
@@ -882,6 +1017,12 @@ const char* isa() {
     default: return "portable";
   }
 }
+bool set_int8_products(bool on) {
+  if (on && !cpu_has_vnni()) return false;
+  g_int8.store(on, std::memory_order_relaxed);
+  return true;
+}
+bool int8_products() { return int8_on(); }
 bool limit_isa(const char* name) {
   const std::string n(name);
   if (n != "avx512" && n != "avx2" && n != "portable") return false;

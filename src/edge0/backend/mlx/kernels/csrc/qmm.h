@@ -73,6 +73,11 @@ void set_threads(int n);
 int get_threads();
 // Which inner loops run: "avx512", "avx2" or "portable".
 const char* isa();
+// Integer products for the one-row loops (x quantized to int8 per 32 values,
+// AVX-512 VNNI): false where the CPU lacks VNNI (nothing changed). int8_products: whether
+// they run now (asked for, and the AVX-512 loops allowed).
+bool set_int8_products(bool on);
+bool int8_products();
 // The widest loops allowed ("avx512": the CPU decides; "avx2"; "portable"). Returns false
 // for another name. EDGE0_KERNEL_ISA sets it at start-up.
 bool limit_isa(const char* name);
