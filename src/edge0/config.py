@@ -247,8 +247,9 @@ class EngineConfig:
         "off",
         "\"on\": on Edge0's kernels, a decode step's products (fewer than 8 rows against an expert's weights, 4 "
         "and 8 bits) quantize x to int8 per 32 values and multiply with AVX-512 VNNI's integer dot products, as "
-        "llama.cpp multiplies its q4 weights by q8 activations: at 12 layers of the 35B tier in memory 1.10-1.22x "
-        "the decode of the float32 products, each product's relative error about 5e-3 where the float32 loops' is "
+        "llama.cpp multiplies its q4 weights by q8 activations: at 12 layers of the 35B tier in memory 1.00-1.26x "
+        "the decode of the float32 products (four runs), each product's relative error about 5e-3 where the float32 "
+        "loops' is "
         "under 1e-6 (the demo's perplexity 1.0006x; docs/KERNELS.md, \"Integer products\"). Needs a CPU with "
         "AVX-512 VNNI (refused elsewhere, and on MLX's kernels). Process-wide, like the kernels' threads: the "
         "engine opened last decides. \"off\": float32 products.",
