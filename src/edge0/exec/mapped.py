@@ -15,14 +15,14 @@ time changed is mapped anew (``remap``, through ``Streaming.invalidate``); a lay
 file is now shorter than its experts fails its request with an ``ExpertReadError``. A file
 truncated during a step would turn the read past its end into SIGBUS; the kernels' guard
 reads zeros there instead and fails the op (``MAPPED_TRUNCATED``), which the engine raises
-as an ``ExpertReadError`` naming the file and answers by mapping it anew.
+as an ``ExpertReadError`` naming the file and answers by mapping it anew. ``expert_source``
+chooses: ``mapping``, ``slots``, or ``auto`` (the mapping when Edge0's kernels run, reads are
+buffered and the checkpoint fits with everything else planned; see ``resolve_source``).
 
 A page of a mapping is in the process's page tables only once touched: the first step to
 compute on an expert took a fault per 64 KiB of it. Once mapped, a thread puts every
 expert's pages into the page tables (``Mapping.populate``: madvise ``MADV_POPULATE_READ``, in
-chunks, stopped by a remap or close), as llama.cpp's ``MAP_POPULATE`` does at load. ``expert_source`` chooses: ``mapping``, ``slots``, or ``auto`` (the
-mapping when Edge0's kernels run, reads are buffered and the checkpoint fits with
-everything else planned; see ``resolve_source``).
+chunks, stopped by a remap or close), as llama.cpp's ``MAP_POPULATE`` does at load.
 """
 
 from __future__ import annotations

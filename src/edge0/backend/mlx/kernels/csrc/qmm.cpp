@@ -794,7 +794,7 @@ int64_t index_at(const void* p, int64_t i) {
 // A part's scales and biases of the row it computes, on cache lines of their own. Written
 // every row, they had shared a line with what the other threads read every row (the call's
 // small arrays of row pointers, allocated just before): a down projection's integer products
-// on two threads took 0.46 ms against 0.34 with them apart (tools/qmm_bench.cpp).
+// on two threads took 0.57 ms against 0.31 with them apart (tools/qmm_bench.cpp).
 class RowParams {
  public:
   explicit RowParams(int64_t groups) : stride_((groups + 15) / 16 * 16), buf_(size_t(2 * stride_ + 32)) {
