@@ -144,14 +144,6 @@ def products(spec, index) -> dict:
     return {"calls": calls, "scale_dtype": dtype, "experts": spec.num_experts, "k": spec.k}
 
 
-def _int8_now() -> bool:
-    """Whether Edge0's kernels take integer products now (the forecast sets them as the plan's
-    engine would)."""
-    from edge0.backend import kernels as bk
-
-    return bk.available() and bk.int8_products()
-
-
 def extra_kernel_seconds(prods: dict, rprods: dict, kernels: str, rows: int = 1) -> float:
     """Seconds a step's quantized products at ``rows`` rows take on this CPU beyond the
     replica's (``rprods``): each step's made in its order as one evaluation, each product on
@@ -160,8 +152,10 @@ def extra_kernel_seconds(prods: dict, rprods: dict, kernels: str, rows: int = 1)
     the machine's speed falls on both (cached per CPU)."""
     from edge0.backend import timing
 
+    from edge0.backend import kernels as bk
+
     key = {**cpu_key(), "kernels": kernels, "rows": rows, "real": prods, "replica": rprods}
-    if kernels == "edge0" and _int8_now():
+    if kernels == "edge0" and bk.int8_products():  # as forecast_speed set them for the plan's engine
         key["int8_products"] = True
     real, replica = cached("kernels", key, lambda: timing.step_pair_seconds(
         prods, rprods, kernels, rows, POOL_BYTES, repeats=31 if rows == 1 else 4))

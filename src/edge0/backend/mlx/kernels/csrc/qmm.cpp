@@ -601,7 +601,10 @@ std::atomic<bool> g_int8{false};  // int8_products: asked for (set_int8_products
 
 // whether the one-row loops take integer products now: asked for, and the
 // AVX-512 loops running on a CPU with VNNI
-bool int8_on() { return g_int8.load(std::memory_order_relaxed) && current_isa() == Isa::Avx512 && cpu_has_vnni(); }
+bool int8_on() {
+  static const bool vnni = cpu_has_vnni();  // asked once: this runs on every call
+  return g_int8.load(std::memory_order_relaxed) && current_isa() == Isa::Avx512 && vnni;
+}
 
 // the loops a call over rows of width K runs: the widest allowed whose block divides K
 template <int BITS>
@@ -875,11 +878,13 @@ void run_qmm(const QmmArgs& a) {
         for (int64_t j = 0; j < a.K / 32; ++j) s8[i * G + j * 32 / a.group_size] += qs[j];
       }
     }
-    if (use == Isa::Avx512 || tiles) xp.resize(X * a.K);
+    // the AVX-512 loops read x permuted, the one-row ones too unless they take integer products
+    const bool wide_x = use == Isa::Avx512 && (tiles || !q8);
+    if (wide_x || (use == Isa::Avx2 && tiles)) xp.resize(X * a.K);
     if (use == Isa::Avx2 && one_rows) xq.resize(X * a.K);
     for (int64_t i = 0; i < X; ++i) {
       if (use == Isa::Avx512) {
-        permute_x512<BITS>(a.x + i * a.K, a.K, xp.data() + i * a.K);
+        if (wide_x) permute_x512<BITS>(a.x + i * a.K, a.K, xp.data() + i * a.K);
         continue;
       }
       if (tiles) permute_x<BITS>(a.x + i * a.K, a.K, xp.data() + i * a.K);
