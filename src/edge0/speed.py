@@ -19,9 +19,10 @@ A decode step is forecast from measured terms:
   the reads term counts at the checkpoint's bytes;
 - **the reads** (the plan computes over slots): the plan's disk bytes a token over the
   drive's rate at the plan's request sizes (positional reads, as many threads as the
-  engine's readers, the page cache bypassed; experts read a second time, as a decode's
-  mostly are, while a prompt's are read the first time), the other expert bytes (the expert
-  cache's) at the memory's copy rate.
+  engine's readers, the page cache bypassed; experts read the first time: a decode reads
+  from the drive what neither its slots nor the expert cache held, read long before if ever,
+  and a prompt reads its experts once), the other expert bytes (the expert cache's) at the
+  memory's copy rate.
 
 Layers decoding exact read on demand: the step waits for all of it. Staged layers' reads are
 issued ahead and run beside the compute, which runs slower while they do (by as much as the
@@ -403,7 +404,7 @@ def _drive(lay, direct: bool, kernels: str = "edge0") -> dict:
 
     index = lay.opened.index
     key = {**drive_key(Path(index.files[0])), "threads": lay.config.reader_threads, "direct": direct,
-           "cpu": cpu_key(), "kernels": kernels, "measures": ["fresh", "wall", "cpu", "wall_busy", "compute_busy"]}
+           "cpu": cpu_key(), "kernels": kernels, "measures": ["fresh", "wall", "cpu", "fresh_busy", "compute_busy"]}
 
     def measure():
         prods = products(lay.opened.spec, index)
@@ -445,20 +446,21 @@ def _reads(lay, fc: dict, compute: float, kernels: str = "edge0") -> tuple[float
     copy = cached("copy", cpu_key(), _copy_rate)
     from_disk = _from_disk(lay)
     drive = (_drive(lay, lay.plan.direct, kernels) if from_disk
-             else {"fresh": copy, "wall": copy, "cpu": copy, "wall_busy": copy, "compute_busy": 1.0})
+             else {"fresh": copy, "wall": copy, "cpu": copy, "fresh_busy": copy, "compute_busy": 1.0})
     copied = max(0.0, into - disk)
-    reads = disk * drive["wall"] + copied * copy
+    reads = disk * drive["fresh"] + copied * copy
     share = _on_demand(lay)
     said = [f"reads: {disk / 2**20:.1f} MiB a token from the {'drive' if from_disk else 'page cache'} at "
-            f"{1 / drive['wall'] / 1e9:.2f} GB/s, the rate of experts read before (a decode's experts were "
-            f"mostly read for the prompt or earlier tokens; read the first time: {1 / drive['fresh'] / 1e9:.2f}); "
-            f"{1 / drive['wall_busy'] / 1e9:.2f} while the kernels compute; {drive['cpu'] * 1e9:.2f} CPU s a GB; "
+            f"{1 / drive['fresh'] / 1e9:.2f} GB/s, the rate of experts read the first time (what a decode reads "
+            f"from the drive neither its slots nor the expert cache held: read long before, if ever; the same "
+            f"ranges read again at once: {1 / drive['wall'] / 1e9:.2f}); "
+            f"{1 / drive['fresh_busy'] / 1e9:.2f} while the kernels compute; {drive['cpu'] * 1e9:.2f} CPU s a GB; "
             f"{copied / 2**20:.1f} MiB copied at {1 / copy / 1e9:.2f} GB/s"]
     if share == 1:
         return reads, reads, said
     slow = drive["compute_busy"]
     staged = reads * (1 - share)  # the staged layers' reads at the idle rate
-    beside = (disk * drive["wall_busy"] + copied * copy) * (1 - share)  # and while the kernels compute
+    beside = (disk * drive["fresh_busy"] + copied * copy) * (1 - share)  # and while the kernels compute
     cores = max(1, len(os.sched_getaffinity(0)))
     # while the reads run the compute goes at 1 / slow of its idle rate; the copies' CPU is taken from it too
     slowed = compute + min(compute * slow, beside) * (1 - 1 / slow) + copied * copy * (1 - share) / cores

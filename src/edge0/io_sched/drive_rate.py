@@ -99,10 +99,10 @@ def drive_seconds_per_byte(index, threads: int, direct: bool, busy=None) -> dict
     read the first time; ``wall``: the same bytes read again (a drive's own cache, or a
     virtual disk's host's, may hold them: a decode re-reads the experts it used before, a
     prompt reads its experts once); ``cpu``: this process's CPU seconds a byte read again
-    (user and system, its threads' too); ``wall_busy``: seconds a byte of other experts read
-    again while a step's products run over and over on the cores, as staged reads run beside
-    the compute (``busy()``: made and run in a thread of its own, as MLX's arrays belong to
-    the thread that made them, returns what runs one step); ``compute_busy``: how much longer
+    (user and system, its threads' too); ``fresh_busy``: seconds a byte of other experts read
+    the first time while a step's products run over and over on the cores, as staged reads
+    run beside the compute (``busy()``: made and run in a thread of its own, as MLX's arrays
+    belong to the thread that made them, returns what runs one step); ``compute_busy``: how much longer
     a step's products take while those reads run than idle (the median step beside the reads
     over the median of ``IDLE_STEPS`` steps just before and after them, so that a drift of
     the machine's speed falls on both)."""
@@ -110,12 +110,13 @@ def drive_seconds_per_byte(index, threads: int, direct: bool, busy=None) -> dict
 
     first, again = [], []
     for seed in range(IDLE_PASSES):
-        ranges = _expert_ranges(index, -seed)
+        ranges = _expert_ranges(index, seed)
         first.append(_read_ranges(ranges, threads, direct))
         again.append(_read_ranges(ranges, threads, direct))
     wall = statistics.median(w / n for w, _, n in again)  # a drive shared with others varies: medians
-    out = {"fresh": statistics.median(w / n for w, _, n in first), "wall": wall,
-           "cpu": statistics.median(c / n for _, c, n in again), "wall_busy": wall, "compute_busy": 1.0}
+    fresh = statistics.median(w / n for w, _, n in first)
+    out = {"fresh": fresh, "wall": wall,
+           "cpu": statistics.median(c / n for _, c, n in again), "fresh_busy": fresh, "compute_busy": 1.0}
     if busy is None:
         return out
     ready, reading, stop, failed = threading.Event(), threading.Event(), threading.Event(), []
@@ -144,12 +145,9 @@ def drive_seconds_per_byte(index, threads: int, direct: bool, busy=None) -> dict
         if failed:
             raise failed[0]
         wall = got = 0
-        for seed in range(1, 1 + BUSY_PASSES):  # more passes while too few steps ran beside them
-            ranges = _expert_ranges(index, seed)
-            reading.clear()
-            _read_ranges(ranges, threads, direct)  # read once before, as the idle passes' second reads
-            reading.set()
-            w, _, n = _read_ranges(ranges, threads, direct)
+        for seed in range(IDLE_PASSES, IDLE_PASSES + BUSY_PASSES):  # more passes while too few steps ran beside them
+            reading.set()  # other experts than the idle passes', read the first time
+            w, _, n = _read_ranges(_expert_ranges(index, seed), threads, direct)
             wall, got = wall + w, got + n
             if len(beside) >= BUSY_STEPS:
                 break
@@ -159,7 +157,7 @@ def drive_seconds_per_byte(index, threads: int, direct: bool, busy=None) -> dict
         worker.join()
     if failed:
         raise failed[0]
-    out["wall_busy"] = wall / got
+    out["fresh_busy"] = wall / got
     if beside and alone:
         out["compute_busy"] = max(1.0, statistics.median(beside) / statistics.median(alone))
     return out
