@@ -61,10 +61,11 @@ def test_each_mlx_lm_generate_flag_parses_and_a_refused_one_says_why(action, cap
     assert captured.out == "" and f"edge0: error: {flag}: {MLX_REFUSED[flag]}" in captured.err
 
 
-def test_the_draft_flags_say_speculative_decoding_is_not_implemented(capsys):
+def test_the_draft_flags_say_a_draft_model_is_not_implemented_and_name_prompt_lookup(capsys):
     for argv in (["--draft-model", "small"], ["--num-draft-tokens", "3"]):
         assert main(["generate", "--model", str(PACKAGED_DEMO), *argv]) == 2
-        assert "speculative decoding (a draft model) is not implemented yet" in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert "speculative decoding with a draft model is not implemented yet" in err and "--prompt-lookup N" in err
 
 
 @pytest.mark.parametrize("argv, usage, hint", [

@@ -108,6 +108,9 @@ class EngineMetrics:
     decode_steps: int = 0  # decode forward passes so far (one per step, for every row of it)
     decode_tokens: int = 0  # tokens those steps generated, every row
     decode_expert_bytes: int = 0  # expert bytes read during those steps
+    verify_passes: int = 0  # of the decode steps, verify passes of drafted tokens (prompt lookup)
+    draft_tokens: int = 0  # tokens those passes checked
+    accepted_tokens: int = 0  # and took (each pass also makes one token more)
     slot_bytes: int = 0  # bytes the staged layers' slots hold now (grown while a batch needs more)
     over_slot_layers: int = 0  # staged layer-steps run exact: a batch's union did not fit the slots
     micro_turns: int = 0  # of the decode passes, those of one half of a batch (two-rank micro-batches)

@@ -338,12 +338,30 @@ class Batcher:
 
     def _decode_step(self) -> None:
         batch = self.batch
-        done = self.decoder.step(batch)
+        draft = self._draft(batch)
+        done = self.decoder.verify(batch, draft) if draft else self.decoder.step(batch)
         rows = batch.rows
         if rows and rows[0].kv_quant:  # (it runs alone) as mlx-lm quantizes after each step
             bnn.quantize_kv(batch.cache, self.host.config)
         if done:
             self.leave(done)
+
+    def _draft(self, batch: Batch) -> list[int]:
+        """The draft of the batch's step (empty: a step without one): where one row decodes
+        and it drafts (``Row.drafter``), what prompt lookup proposes, within the tokens it
+        has left to make (the pass makes one more than it took)."""
+        if len(batch) != 1 or batch.heads is not None:
+            return []
+        row = batch.rows[0]
+        lookup = row.drafter
+        if lookup is None:
+            return []
+        seen = len(lookup.tokens)  # the drafter follows the sequence: the prompt, then what was generated
+        if seen < len(row.ids):
+            lookup.extend(row.ids[seen:])
+            seen = len(row.ids)
+        lookup.extend(row.generated[seen - len(row.ids):])
+        return lookup.propose()[:max(0, row.max_tokens - len(row.generated) - 1)]
 
     def leave(self, gone: list[Row]) -> None:
         """Take ``gone`` out of the batch: their caches to the prompt cache, the batch's

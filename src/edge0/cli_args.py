@@ -66,8 +66,8 @@ class Parser(argparse.ArgumentParser):
 # -- mlx_lm.generate's flags that Edge0's own flags (and EngineConfig's) do not already cover --
 
 MLX_HONOURED = ("--xtc-probability", "--xtc-threshold", "--chat-template-config", "--use-default-chat-template")
-_SPECULATIVE = "speculative decoding (a draft model) is not implemented yet in Edge0; leave out --draft-model and " \
-               "--num-draft-tokens"
+_SPECULATIVE = "speculative decoding with a draft model is not implemented yet in Edge0 (prompt lookup is: " \
+               "--prompt-lookup N); leave out --draft-model and --num-draft-tokens"
 MLX_REFUSED = {
     "--draft-model": _SPECULATIVE,
     "--num-draft-tokens": _SPECULATIVE,

@@ -254,6 +254,21 @@ class EngineConfig:
         "AVX-512 VNNI (refused elsewhere, and on MLX's kernels). Process-wide, like the kernels' threads: the "
         "engine opened last decides. \"off\": float32 products.",
         choices=("off", "on"))
+    prompt_lookup: int = setting(
+        0,
+        "Speculative decoding by prompt lookup: each decode step drafts up to this many tokens (1-16) from the "
+        "prompt and the text so far (what followed the last place the sequence's last tokens occurred) and one "
+        "forward pass verifies them: the tokens are those decoding without drafts gives (greedy and sampled, "
+        "the same random stream). How many it drafts adapts to what was taken; text that does not repeat pays "
+        "no pass. A generation decoding alone in the batch drafts; one sharing its steps with others, with a "
+        "response_format or grammar, a rotating or quantized KV cache, or a routing recording decodes without "
+        "drafts. Not with prerouter heads yet (prerouter off). A request's prompt_lookup overrides it. 0: off.",
+        lo=0, hi=16, why="0 (off) or the most tokens a step drafts, 1 to 16")
+    prompt_lookup_ngram: int = setting(
+        3,
+        "Prompt lookup: the longest run of the sequence's last tokens it looks for (it tries this many, then "
+        "fewer, down to two: one repeated token alone drafts mostly what is not taken).",
+        lo=2, hi=8, why="an integer from 2 to 8")
     expert_source: str = setting(
         "auto",
         "Where the routed experts are computed from: \"slots\" (each path reads the experts it needs into its "

@@ -27,6 +27,7 @@ class Local:
     prefill_together = True  # short prompts arriving together may prefill in one pass, chunks wait their share
     token_wait_s: float | None = None  # how long a consumer waits for a token (None: no bound)
     plans_ahead = True  # a decode step plans the next at its end (a pipeline's ranks relay each step's tokens first)
+    drafts = True  # a generation may decode with drafts (a pipeline's ranks step together a token at a time)
 
     def agree(self, waiting, joining: list, decoding: list, admitted: list,
               micro_ready: bool) -> tuple[list, dict | None, bool]:
@@ -89,6 +90,7 @@ class Piped(Local):
 
     prefill_together = False
     plans_ahead = False
+    drafts = False
 
     def __init__(self, pipeline, config):
         self.pipeline, self.config = pipeline, config

@@ -100,6 +100,9 @@ class Decoder:
         self.steps = 0  # decode forward passes
         self.tokens = 0  # tokens they generated, every row
         self.decode_bytes = 0  # expert bytes read during them
+        self.verify_passes = 0  # of them, verify passes of drafted tokens (speculative decoding)
+        self.drafted = 0  # tokens those passes checked
+        self.accepted = 0  # and took
 
     def typed(self, error: BaseException) -> BaseException:
         """``error`` as the coordinator names it (under a pipeline, a failed transfer is a
@@ -136,6 +139,57 @@ class Decoder:
         model.plan(inputs, decode=True, heads=sink)
         logits = model.forward(inputs, cache=cache, decode=True, adapters=[r.adapter for r in rows], heads=sink)
         return logits, (sink.after() if sink is not None else None)
+
+    def verify(self, batch: Batch, draft: list[int]) -> list:
+        """A verify pass of ``batch``'s one row: its last token and the ``draft`` forwarded in
+        one pass, each position's token sampled as a decode step would sample it there (the
+        same processors' history, the same draw of the row's random stream), the tokens handed
+        out up to the first that differs from the draft, and that one; the cache trimmed to
+        what was handed out. Returns the row if it ended."""
+        (row,) = batch.rows
+        bytes0, n = self.host.reader.stats.bytes, len(draft)
+        try:
+            inputs = B.array([[row.next] + draft], dtype=B.int32)
+            logits = self.host.step_model(inputs, cache=batch.cache, decode=False, adapters=[row.adapter])
+            sampled = [_sample(row, logits[:, j, :], draft[:j]) for j in range(n + 1)]
+            tokens = B.to_host(B.concat([t.reshape(-1).astype(B.int32) for t, _ in sampled])).tolist()
+        except BaseException as e:  # the pass itself, or the row's processors or sampler: the row fails
+            return self.failed([row], e)
+        taken = 0
+        while taken < n and tokens[taken] == draft[taken]:
+            taken += 1
+        row.drafter.accepted(n, taken)
+        self.steps += 1
+        stats = row.events.stats
+        stats.verify_passes, stats.draft_tokens = stats.verify_passes + 1, stats.draft_tokens + n
+        self.verify_passes, self.drafted = self.verify_passes + 1, self.drafted + n
+        handed, ended = 0, False
+        for token, (_, lp) in zip(tokens[:taken + 1], sampled):
+            if handed:  # a draft the pass took, handed out
+                stats.accepted_tokens, self.accepted = stats.accepted_tokens + 1, self.accepted + 1
+            handed += 1
+            if self._hand(row, token, lp):
+                ended = True
+                break
+        bnn.trim_cache(batch.cache, n + 1 - handed)
+        self.decode_bytes += self.host.reader.stats.bytes - bytes0
+        return [row] if ended else []
+
+    def _hand(self, row, token: int, lp) -> bool:
+        """``token`` (sampled for ``row``, its log-probabilities ``lp``) to the row's consumer;
+        whether the row ended (finished, or its consumer left where that ends it)."""
+        host = self.host
+        row.pos += 1
+        self.tokens += 1
+        event = row.events.event(token, lp)
+        row.next = token
+        offered = row.job.offer(event)
+        if not offered and row.job.error is not None:
+            host.log.warning("generation.consumer_stalled", error=str(row.job.error))
+        if event.finish_reason is not None:
+            host.last_stats = event.stats
+            return True
+        return not offered and host.coord.ends_unread()
 
     def failed(self, rows: list, e: BaseException) -> list:
         e = self.typed(e)
@@ -175,21 +229,7 @@ class Decoder:
         self.steps += 1
         done = []
         for row, token, lp in zip(rows, sampled, logprobs):
-            if row.error is not None:
-                done.append(row)
-                continue
-            row.pos += 1
-            token = int(next(values))
-            self.tokens += 1
-            event = row.events.event(token, lp)
-            row.next = token
-            offered = row.job.offer(event)
-            if not offered and row.job.error is not None:
-                host.log.warning("generation.consumer_stalled", error=str(row.job.error))
-            if event.finish_reason is not None:
-                host.last_stats = event.stats
-                done.append(row)
-            elif not offered and host.coord.ends_unread():
+            if row.error is not None or self._hand(row, int(next(values)), lp):
                 done.append(row)
         if extra:
             stager = host.streaming.stager
@@ -200,11 +240,14 @@ class Decoder:
         return done
 
 
-def _sample(row, logits):
+def _sample(row, logits, ahead: list[int] = ()):
+    """``row``'s token from ``logits`` [1, vocab] (lazy), and its log-probabilities; ``ahead``:
+    drafted tokens between what the row generated and this position (a verify pass), part of
+    the processors' history and of the random stream's position."""
     if row.processors:
-        history = B.array(row.ids + row.generated, dtype=B.int32)
+        history = B.array(row.ids + row.generated + list(ahead), dtype=B.int32)
         for proc in row.processors:
             logits = proc(history, logits)
     logprobs = logits - B.logsumexp(logits, keepdims=True)
-    key = B.draw_key(row.seed, len(row.generated))  # the row's own random stream, passed as a key
+    key = B.draw_key(row.seed, len(row.generated) + len(ahead))  # the row's own random stream, passed as a key
     return row.sampler(logprobs, key), logprobs.squeeze(0)

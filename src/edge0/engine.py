@@ -28,6 +28,7 @@ from edge0.row import END, TIMEOUT, AsyncWaker, DiscardingJob, Job, Row, samplin
 from edge0.row import TokenEvent  # noqa: F401 - part of this module's API
 from edge0.backend import nn as bnn
 from edge0.config import EngineConfig
+from edge0.drafts import drafter_for, refusal
 from edge0.errors import DistributedError, ConfigError, EngineClosedError
 from edge0.exec.oracle import OracleRouting, RoutingRecorder
 from edge0.loader import load_streaming_model
@@ -76,7 +77,10 @@ class Engine:
             release_thread(self._worker)
             raise
         self._rt = Runtime(self._worker, self.streaming, self.tokenizer, self.config, self.log)
-        if self.config.kv_bits is not None and (problem := bnn.kv_group_problem(self.model, self.config.kv_group_size)):
+        problem = bnn.kv_group_problem(self.model, self.config.kv_group_size) if self.config.kv_bits is not None else None
+        if problem is None and self.config.prompt_lookup:
+            problem = refusal(self.streaming)
+        if problem is not None:
             _shutdown(self._worker, self.streaming, set())
             raise ConfigError(problem)
         # under a pipeline rank 0's batch loop decides what each iteration admits; the other ranks follow it
@@ -223,6 +227,8 @@ class Engine:
         """The token ids and sampling a generation would use, every value checked (a
         ``ConfigError`` naming the one that is wrong); nothing runs."""
         params = SamplingParams(**sampling)
+        if params.prompt_lookup and (problem := refusal(self.streaming)):
+            raise ConfigError(problem)
         ids = self.encode(prompt)
         self._check_length(ids, params)
         params = params.for_vocab(self.vocab_size)
@@ -276,6 +282,8 @@ class Engine:
         row.alone = (record is not None or params.max_kv_size is not None or not self._batchable or row.kv_quant
                      or start is not None
                      or (stager is not None and stager.oracle is not None))
+        row.drafter = drafter_for(row, cfg, self._batchable and self._rt.coord.drafts
+                                  and (stager is None or stager.oracle is None))
         self._rt.jobs.add(job)
         self._rt.line.submitted(job.admission)
         return row
@@ -443,7 +451,8 @@ class Engine:
             prompt_cache_bytes=cache.nbytes if cache is not None else 0,
             prompt_cache_hits=cache.hits if cache is not None else 0, last_generation=self._rt.last_stats,
             batch_size=batch.counts()[0], decode_steps=batch.steps, decode_tokens=batch.tokens,
-            decode_expert_bytes=batch.decode_bytes, slot_bytes=stager.slot_bytes() if stager is not None else 0,
+            decode_expert_bytes=batch.decode_bytes, verify_passes=batch.decoder.verify_passes,
+            draft_tokens=batch.decoder.drafted, accepted_tokens=batch.decoder.accepted, slot_bytes=stager.slot_bytes() if stager is not None else 0,
             over_slot_layers=stager.over_slot_layers if stager is not None else 0, micro_turns=batch.micro_turns,
             prefill_passes=batch.prefill_passes, constraint_cache_bytes=self._constraints.nbytes)
 

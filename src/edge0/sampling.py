@@ -99,6 +99,9 @@ class SamplingParams:
     max_kv_size: int | None = None  # a rotating KV cache of this many tokens (mlx-lm's --max-kv-size)
     response_format: dict | None = None  # OpenAI's: {"type": "json_object"} or a json_schema (edge0.constrain)
     grammar: str | None = None  # llguidance's Lark syntax the text must match (the server's forced tool calls)
+    # speculative decoding by prompt lookup (edge0.drafts): at most this many tokens drafted a step from the
+    # prompt and the text so far, checked in one verify pass; 0: off; None: the engine's prompt_lookup
+    prompt_lookup: int | None = None
 
     def __post_init__(self):
         _int("max_tokens", self.max_tokens, 1, MAX_TOKENS)
@@ -138,6 +141,10 @@ class SamplingParams:
             _int("prompt_logprobs", self.prompt_logprobs, 0, MAX_TOP_LOGPROBS)
         if self.max_kv_size is not None:
             _int("max_kv_size", self.max_kv_size, 1)
+        if self.prompt_lookup is not None:
+            from edge0.drafts import MAX_DRAFT
+
+            _int("prompt_lookup", self.prompt_lookup, 0, MAX_DRAFT)
         if self.response_format is not None:
             from edge0.constrain import parse_response_format
 

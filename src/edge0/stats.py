@@ -50,6 +50,10 @@ class GenerationStats:
     expert_cache: str | None = None  # the expert cache ("lfu, 512 MiB"), or None (off)
     decode_cache_hits: int = 0  # experts the cache served at decode (memory copies, not reads)
     decode_cache_bytes: int = 0  # their bytes (decode_expert_bytes counts what came from the disk)
+    # speculative decoding (prompt lookup): verify passes, the drafted tokens they checked and those they took
+    verify_passes: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
 
     @property
     def prefill_tps(self) -> float:
@@ -102,13 +106,23 @@ class GenerationStats:
                    if self.guard_recall else "")
                 + f" | compute {self.compute_dtype}" + (f" | kernels {self.kernels}" if self.kernels else "")
                 + f" | heads {self.heads or 'none'} | adapter {self.adapter or 'none'}"
-                + f" | reads {self.reads}" + self._pipeline_part())
+                + f" | reads {self.reads}" + self._pipeline_part() + self._drafts_part())
 
     def _prefill_count(self) -> str:
         """The prompt tokens prefilled (what ``prefill_tps`` divides), and those the prompt
         cache held: mlx_lm.generate's ``Prompt: N tokens`` line counts the same N."""
         computed = f"{self.prompt_tokens - self.cached_tokens} tok"
         return computed + (f", {self.cached_tokens} more from the prompt cache" if self.cached_tokens else "")
+
+    def _drafts_part(self) -> str:
+        """Prompt lookup's share: drafts taken of those checked, and the tokens a decode
+        forward pass made (each verify pass makes the drafts it took and one more)."""
+        if not self.verify_passes:
+            return ""
+        steps = self.generated_tokens - 1 - self.accepted_tokens  # forward passes after the first token
+        return (f" | drafts {self.accepted_tokens}/{self.draft_tokens} taken "
+                f"({self.accepted_tokens / max(1, self.draft_tokens):.0%}), "
+                f"{(self.generated_tokens - 1) / max(1, steps):.2f} tokens a pass")
 
     def _pipeline_part(self) -> str:
         if not self.pipeline:

@@ -79,12 +79,7 @@ class Metrics:
         metric("queue_depth", "gauge", "Generations waiting for their turn.", [((), m.queued)])
         metric("batch_size", "gauge", "Generations decoding together now (one forward pass per step).",
                [((), m.batch_size)])
-        metric("decode_steps_total", "counter", "Decode forward passes (one per step, whatever the batch).",
-               [((), m.decode_steps)])
-        metric("decode_tokens_total", "counter", "Tokens the decode steps generated, every generation.",
-               [((), m.decode_tokens)])
-        metric("decode_micro_turns_total", "counter", "Of the decode passes, those of one half of a batch "
-               "(micro-batches under a two-rank pipeline).", [((), m.micro_turns)])
+        _decode_metrics(metric, m)
         metric("expert_bytes_per_token", "gauge", "Expert bytes read per generated token at decode, since start.",
                [((), round(m.expert_bytes_per_token, 1))])
         metric("expert_cache_bytes", "gauge", "Bytes the expert cache holds now (cache_mb; 0 when off).",
@@ -114,6 +109,21 @@ class Metrics:
         for key, value in (process or {}).items():
             metric(f"process_{key}", "gauge", f"This process's {key.replace('_', ' ')}.", [((), value)])
         return _exposition(families)
+
+
+def _decode_metrics(metric, m: EngineMetrics) -> None:
+    """The decode passes' counters (``metric`` as ``render`` makes them)."""
+    metric("decode_steps_total", "counter", "Decode forward passes (one per step, whatever the batch).",
+           [((), m.decode_steps)])
+    metric("decode_tokens_total", "counter", "Tokens the decode steps generated, every generation.",
+           [((), m.decode_tokens)])
+    metric("verify_passes_total", "counter", "Of the decode passes, verify passes of drafted tokens "
+           "(speculative decoding by prompt lookup).", [((), m.verify_passes)])
+    metric("draft_tokens_total", "counter", "Drafted tokens the verify passes checked.", [((), m.draft_tokens)])
+    metric("draft_tokens_accepted_total", "counter", "Drafted tokens the verify passes took.",
+           [((), m.accepted_tokens)])
+    metric("decode_micro_turns_total", "counter", "Of the decode passes, those of one half of a batch "
+           "(micro-batches under a two-rank pipeline).", [((), m.micro_turns)])
 
 
 class _Snapshot:

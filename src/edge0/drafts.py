@@ -1,0 +1,116 @@
+"""Drafts for speculative decoding by prompt lookup: the tokens that followed the last
+place where the sequence's last n tokens occurred before (in the prompt or the text so far).
+
+``PromptLookup`` keeps, for each n in ``ngram_min..ngram_max`` (2 and 3 by default: a
+single repeated token proposes mostly what is not taken), where each n-gram of the
+sequence last ended, updated as tokens are appended (a few dictionary writes a token), so
+a lookup costs the same after a prompt of 100,000 tokens as after one of 10. The longest
+n that matches wins; a match proposes what followed it, at most ``k`` tokens.
+
+How many it proposes adapts to what the verify passes accepted: after a pass that took
+every draft, one more (up to ``max_draft``); after one that took ``a`` of them, ``a + 1``.
+A sequence whose drafts keep being rejected (``BACKOFF_AFTER`` passes in a row that took
+none) stops drafting for a while (``BACKOFF_STEPS``, doubling while it goes on, reset by a
+pass that took something), so text that does not repeat pays no verify pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from edge0.errors import ConfigError
+
+MAX_DRAFT = 16  # the most tokens a verify pass may check (a pass is that many positions plus one)
+BACKOFF_AFTER = 3  # verify passes in a row that took no draft before drafting pauses
+BACKOFF_STEPS = 8  # decode steps drafting pauses for the first time (doubling, at most MAX_BACKOFF)
+MAX_BACKOFF = 256
+
+
+def check(max_draft: int, ngram_max: int, ngram_min: int = 2) -> None:
+    """A ``ConfigError`` naming the value that is wrong."""
+    for name, value in (("prompt_lookup (tokens drafted at most)", max_draft), ("prompt_lookup_ngram", ngram_max)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{name} must be an integer, got {value!r:.40}")
+    if not 1 <= max_draft <= MAX_DRAFT:
+        raise ConfigError(f"prompt_lookup (tokens drafted at most) must be in 1..{MAX_DRAFT}, got {max_draft}")
+    if not ngram_min <= ngram_max <= 8:
+        raise ConfigError(f"prompt_lookup_ngram must be in {ngram_min}..8, got {ngram_max}")
+
+
+def refusal(streaming) -> str | None:
+    """Why an engine over ``streaming`` cannot decode with drafts (None: it can)."""
+    if streaming.prerouter is not None:
+        return ("prompt_lookup: speculative decoding does not run with prerouter heads yet (a verify pass routes "
+                "every position by the model's own gates): open the engine with prerouter='off' "
+                "(--prerouter off), or leave prompt_lookup out")
+    return None
+
+
+def drafter_for(row, config, engine_drafts: bool):
+    """``row``'s ``PromptLookup`` (None: it decodes without drafts): its request's
+    ``prompt_lookup``, else the engine's (``config``), where a pass's extra positions can be
+    trimmed off its cache and nothing steps with it a token at a time (``engine_drafts``:
+    the engine's caches are plain KV caches, no pipeline's ranks, no oracle; the row: no
+    constraint's matcher, routing recording, rotating or quantized cache)."""
+    params = row.params
+    most = config.prompt_lookup if params.prompt_lookup is None else params.prompt_lookup
+    if (not most or not engine_drafts or row.record is not None or params.max_kv_size is not None or row.kv_quant
+            or row.constraint is not None):
+        return None
+    return PromptLookup(most, config.prompt_lookup_ngram)
+
+
+@dataclass
+class PromptLookup:
+    """One sequence's drafter: ``extend`` it with every token of the sequence (prompt, then
+    each one generated), ``propose`` before a step, ``accepted`` after a verify pass."""
+
+    max_draft: int
+    ngram_max: int = 3
+    ngram_min: int = 2
+    tokens: list[int] = field(default_factory=list)
+    k: int = 0  # what the next proposal may hold (adapted)
+    misses: int = 0  # verify passes in a row that took no draft
+    pause: int = 0  # decode steps left without drafting
+    backoff: int = BACKOFF_STEPS
+    _ends: dict = field(default_factory=dict)  # (n-gram) -> the position after its latest occurrence
+
+    def __post_init__(self):
+        check(self.max_draft, self.ngram_max, self.ngram_min)
+        self.k = self.k or min(self.max_draft, 4)
+
+    def extend(self, tokens) -> None:
+        """Append ``tokens`` to the sequence. The n-grams that end just before each new token
+        become findable (the sequence's own last n-gram is never its own match)."""
+        for t in tokens:
+            seq, end = self.tokens, len(self.tokens)
+            for n in range(self.ngram_min, self.ngram_max + 1):
+                if end >= n:
+                    self._ends[tuple(seq[end - n:end])] = end
+            seq.append(int(t))
+
+    def propose(self) -> list[int]:
+        """The draft for the next step (empty: decode without one)."""
+        if self.pause > 0:
+            self.pause -= 1
+            return []
+        seq = self.tokens
+        for n in range(min(self.ngram_max, len(seq)), self.ngram_min - 1, -1):
+            at = self._ends.get(tuple(seq[len(seq) - n:]))
+            if at is not None:
+                return seq[at:at + self.k]
+        return []
+
+    def accepted(self, drafted: int, taken: int) -> None:
+        """After a verify pass of ``drafted`` tokens that took ``taken`` of them."""
+        if taken >= drafted:
+            self.k = min(self.max_draft, self.k + 1)
+        else:
+            self.k = max(1, taken + 1)
+        if taken:
+            self.misses, self.backoff = 0, BACKOFF_STEPS
+            return
+        self.misses += 1
+        if self.misses >= BACKOFF_AFTER:
+            self.pause, self.misses = self.backoff, 0
+            self.backoff = min(MAX_BACKOFF, self.backoff * 2)

@@ -1,0 +1,147 @@
+"""Speculative decoding by prompt lookup through the public API: the tokens are those decoding
+without drafts gives (greedy and sampled, with logits processors, on every path that routes
+by the model's own gates, with and without the adapter, sync and async), the drafts were
+really taken, and what cannot draft is refused or decodes as before."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from edge0 import Engine, EngineConfig
+from edge0.errors import ConfigError
+
+DEMO = Path(__file__).resolve().parent.parent / "src" / "edge0" / "data" / "demo_model"
+# text the demo continues by repeating what it holds, so drafts are taken
+REPEATS = ["import os\nimport sys\nimport os\nimport sys\nimport os\n",
+           "for i in range(10):\n    print(i)\nfor i in range(10):\n    print(i)\n"]
+PATHS = {
+    "exact": dict(prerouter="off"),
+    "hot": dict(prerouter="off", decode_path="hot", hot_experts=8),
+    "whole_layer": dict(prerouter="off", decode_path="whole_layer"),
+}
+SAMPLING = {
+    "greedy": dict(),
+    "sampled": dict(temp=0.8, top_p=0.95, seed=3),
+    "processors": dict(repetition_penalty=1.3, repetition_context_size=3, logit_bias={199: 2.0}),
+}
+
+
+def _run(config: dict, prompts, **sampling) -> list[tuple[list[int], object, list]]:
+    with Engine(DEMO, EngineConfig(log_level="error", **config)) as e:
+        out = []
+        for p in prompts:
+            events = list(e.stream(p, max_tokens=40, logprobs=True, top_logprobs=2, **sampling))
+            assert all(ev.logprob is not None and len(ev.top_logprobs) == 2 for ev in events)
+            out.append(([ev.token for ev in events], events[-1].stats, [ev.logprob for ev in events]))
+        return out
+
+
+@pytest.mark.parametrize("sampling", list(SAMPLING))
+@pytest.mark.parametrize("path", list(PATHS))
+def test_prompt_lookup_gives_the_tokens_decoding_without_it_gives(path, sampling):
+    plain = _run(PATHS[path], REPEATS, **SAMPLING[sampling])
+    drafted = _run({**PATHS[path], "prompt_lookup": 4}, REPEATS, **SAMPLING[sampling])
+    assert [t for t, _, _ in drafted] == [t for t, _, _ in plain]
+    for (_, _, a), (_, _, b) in zip(drafted, plain):  # each position's log-probability, from the pass's logits
+        assert a == pytest.approx(b, abs=1e-4)
+    stats = [s for _, s, _ in drafted]
+    assert all(s.verify_passes > 0 for s in stats) and all(s.verify_passes == 0 for _, s, _ in plain)
+    taken = sum(s.accepted_tokens for s in stats)
+    share = 0.05 if sampling == "sampled" else 0.3  # (at temperature 0.8 the demo repeats itself less)
+    assert taken > share * sum(s.generated_tokens for s in stats)  # drafts were taken, not only checked
+    assert "drafts" in stats[0].line() and "tokens a pass" in stats[0].line()
+
+
+def test_a_request_s_prompt_lookup_overrides_the_engine_s_async_and_without_the_adapter():
+    async def run(e, **kw):
+        tokens, last = [], None
+        async for ev in e.generate(REPEATS[1], max_tokens=30, adapter=None, **kw):
+            tokens.append(ev.token)
+            last = ev
+        return tokens, last.stats
+
+    with Engine(DEMO, EngineConfig(prerouter="off", log_level="error")) as e:
+        plain, s0 = asyncio.run(run(e))
+        drafted, s1 = asyncio.run(run(e, prompt_lookup=3))
+        assert s1.adapter is None
+    with Engine(DEMO, EngineConfig(prerouter="off", prompt_lookup=5, log_level="error")) as e:
+        off, s2 = asyncio.run(run(e, prompt_lookup=0))
+    assert drafted == plain == off
+    assert s0.verify_passes == 0 and s1.verify_passes > 0 and s1.accepted_tokens > 0 and s2.verify_passes == 0
+    assert s1.draft_tokens <= 3 * s1.verify_passes  # never more than the request's bound a pass
+
+
+@pytest.mark.parametrize("limit", [1, 2, 7])
+def test_the_length_bound_and_stop_strings_end_it_where_they_end_decoding_without_drafts(limit):
+    config = dict(prerouter="off")
+    for sampling in (dict(max_tokens=limit), dict(max_tokens=40, stop=["sys\nimport"])):
+        with Engine(DEMO, EngineConfig(log_level="error", **config)) as e:
+            plain = list(e.stream(REPEATS[0], **sampling))
+        with Engine(DEMO, EngineConfig(log_level="error", prompt_lookup=8, **config)) as e:
+            drafted = list(e.stream(REPEATS[0], **sampling))
+            # the cache it kept holds what was handed out: the same prompt again continues as before
+            again = list(e.stream(REPEATS[0], **sampling))
+        key = lambda evs: ([ev.token for ev in evs], "".join(ev.text for ev in evs), evs[-1].finish_reason)
+        assert key(drafted) == key(plain) == key(again)
+        assert drafted[-1].stats.generated_tokens == len(plain)
+
+
+def test_rows_sharing_steps_decode_without_drafts_and_give_their_tokens():
+    async def together(e):
+        async def one(p):
+            events = [ev async for ev in e.generate(p, max_tokens=24)]
+            return [ev.token for ev in events], events[-1].stats.verify_passes
+        return await asyncio.gather(*(one(p) for p in REPEATS))
+
+    with Engine(DEMO, EngineConfig(prerouter="off", log_level="error")) as e:
+        plain = asyncio.run(together(e))
+    with Engine(DEMO, EngineConfig(prerouter="off", prompt_lookup=4, log_level="error")) as e:
+        drafted = asyncio.run(together(e))
+        m = e.metrics()
+    assert [t for t, _ in drafted] == [t for t, _ in plain]
+    assert m.decode_steps < 0.75 * m.decode_tokens  # they shared steps ...
+    assert sum(v for _, v in drafted) < m.decode_steps  # ... and those steps drafted nothing
+
+
+def test_prompt_lookup_is_refused_with_prerouter_heads_and_bad_values_are_named():
+    with pytest.raises(ConfigError, match="prerouter"):
+        Engine(DEMO, EngineConfig(prompt_lookup=4, log_level="error"))
+    with Engine(DEMO, EngineConfig(log_level="error")) as e:  # the demo's heads
+        with pytest.raises(ConfigError, match="prerouter"):
+            list(e.stream("x", max_tokens=2, prompt_lookup=2))
+        assert len(list(e.stream("x", max_tokens=2, prompt_lookup=0))) == 2
+    with Engine(DEMO, EngineConfig(prerouter="off", log_level="error")) as e:
+        for bad in (-1, 17, 2.5, True):
+            with pytest.raises(ConfigError, match="prompt_lookup"):
+                list(e.stream("x", max_tokens=2, prompt_lookup=bad))
+    for field, bad in (("prompt_lookup", 17), ("prompt_lookup_ngram", 1), ("prompt_lookup_ngram", 9)):
+        with pytest.raises(ConfigError, match=field):
+            EngineConfig(**{field: bad})
+
+
+def test_the_server_takes_prompt_lookup_per_request_and_refuses_it_under_heads():
+    import httpx
+    import openai
+
+    from tests.test_server import client, serving
+
+    with serving(DEMO, EngineConfig(prerouter="off", log_level="error")) as (url, state):
+        c = client(url)
+        texts = [c.completions.create(model="tiny", prompt=REPEATS[0], max_tokens=30, temperature=0,
+                                      extra_body=extra).choices[0].text
+                 for extra in ({}, {"prompt_lookup": 4})]
+        assert texts[0] == texts[1] and texts[0]
+        m = state.engine.metrics()
+        assert m.last_generation.verify_passes > 0 and m.accepted_tokens == m.last_generation.accepted_tokens > 0
+        metrics = httpx.get(url + "/metrics").text
+        assert f"edge0_verify_passes_total {m.verify_passes}" in metrics
+        assert f"edge0_draft_tokens_total {m.draft_tokens}" in metrics
+        assert f"edge0_draft_tokens_accepted_total {m.accepted_tokens}" in metrics
+        with pytest.raises(openai.BadRequestError, match="prompt_lookup"):
+            c.completions.create(model="tiny", prompt="x", max_tokens=2, extra_body={"prompt_lookup": 17})
+    with serving(DEMO, EngineConfig(log_level="error")) as (url, _):
+        with pytest.raises(openai.BadRequestError, match="prerouter"):
+            client(url).completions.create(model="tiny", prompt="x", max_tokens=2, extra_body={"prompt_lookup": 2})

@@ -1,0 +1,91 @@
+"""Decode speed with prompt lookup's drafts against without, on one engine each, the two
+alternated round by round (medians over rounds): text that repeats what it holds (unit
+tests of one shape, lines the model repeats), and free generation (a sampled continuation
+of prose). Prints a Markdown table and, with --out, writes the figures as JSON.
+
+    python tools/prompt_lookup_bench.py [--model DIR] [--rounds 9] [--max-tokens 128] [--lookup 4]
+        [--prerouter off] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+from edge0 import Engine, EngineConfig
+
+TESTS = "".join(f"def test_{name}():\n    assert parse({value!r}) == {value!r}\n\n"
+                for name, value in (("int", "1"), ("float", "1.5"), ("list", "[1, 2]"), ("dict", "{}")))
+CASES = {
+    "repeating: unit tests of one shape": (TESTS + "def test_str():\n", {}),
+    "repeating: lines": ("import os\nimport sys\nimport os\nimport sys\nimport os\n", {}),
+    "free: prose, sampled": ("The history of the city begins with", {"temp": 0.8, "seed": 7}),
+}
+
+
+def run(engine: Engine, prompt: str, max_tokens: int, sampling: dict) -> tuple[list[int], float, object]:
+    t0 = time.perf_counter()
+    first, events = None, []
+    for ev in engine.stream(prompt, max_tokens=max_tokens, **sampling):
+        events.append(ev)
+        if first is None:
+            first = time.perf_counter()
+    # decode: the tokens after the first over the time after it, as the stats line counts
+    return [e.token for e in events], (len(events) - 1) / (time.perf_counter() - first), events[-1].stats
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="checkpoint (default: the demo model)")
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--lookup", type=int, default=4, help="prompt_lookup: the most tokens a step drafts")
+    ap.add_argument("--prerouter", default="off", help="the engine's prerouter setting (heads: not yet with drafts)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if args.model is None:
+        from edge0.cli_args import PACKAGED_DEMO
+
+        args.model = str(PACKAGED_DEMO)
+    base = dict(prerouter=args.prerouter, log_level="error")
+    engines = {"off": Engine(args.model, EngineConfig(**base)),
+               "lookup": Engine(args.model, EngineConfig(**base, prompt_lookup=args.lookup))}
+    rows = []
+    try:
+        for case, (prompt, sampling) in CASES.items():
+            for e in engines.values():  # warm-up
+                run(e, prompt, 8, sampling)
+            tps = {k: [] for k in engines}
+            tokens, stats = {}, None
+            for r in range(args.rounds):
+                for name in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
+                    toks, rate, s = run(engines[name], prompt, args.max_tokens, sampling)
+                    tps[name].append(rate)
+                    tokens[name] = toks
+                    if name == "lookup":
+                        stats = s
+            same = tokens["off"] == tokens["lookup"]
+            off, on = statistics.median(tps["off"]), statistics.median(tps["lookup"])
+            rows.append({"case": case, "off_tps": off, "lookup_tps": on, "speedup": on / off, "same_tokens": same,
+                         "verify_passes": stats.verify_passes, "draft_tokens": stats.draft_tokens,
+                         "accepted_tokens": stats.accepted_tokens, "generated_tokens": stats.generated_tokens})
+    finally:
+        for e in engines.values():
+            e.close()
+    print(f"| text | decode tok/s without | with prompt lookup ({args.lookup}) | speed-up | drafts taken "
+          "| tokens a pass | same tokens |")
+    print("|---|---:|---:|---:|---:|---:|---|")
+    for r in rows:
+        passes = r["generated_tokens"] - 1 - r["accepted_tokens"]
+        print(f"| {r['case']} | {r['off_tps']:.1f} | {r['lookup_tps']:.1f} | {r['speedup']:.2f}x | "
+              f"{r['accepted_tokens']}/{r['draft_tokens']} | {(r['generated_tokens'] - 1) / max(1, passes):.2f} | "
+              f"{'yes' if r['same_tokens'] else 'NO'} |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""What a verify pass of speculative decoding costs against K, the tokens it checks: the
+forward pass over a step's token and K drafted ones (as ``Decoder.verify`` runs it, its
+extra positions trimmed off the cache after), against a decode step (K = 0), on one
+checkpoint, in one process (under ``--memory-limit``: a memory cgroup, root). Per K: the
+median time of a pass, the expert bytes it read from the checkpoint and those the expert
+cache served, and the pass's time over the step's. The drafts are random tokens: what a pass
+costs does not depend on what it takes.
+
+    python tools/verify_cost.py --model DIR [--memory-limit 8G] [--ks 1,2,4,8] [--passes 12] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+
+from edge0.benchmark.cgroup import MemoryCap, parse_size  # noqa: E402
+
+
+def measure(model_dir: str, ks: list[int], passes: int, prompt_tokens: int, seed: int) -> dict:
+    from edge0.backend import core as B
+    from edge0.backend import nn as bnn
+    from edge0.config import EngineConfig
+    from edge0.loader import load_streaming_model
+    from edge0.streaming import StepModel
+
+    s = load_streaming_model(model_dir, EngineConfig(prerouter="off"))
+    try:
+        model, rng = StepModel(s), random.Random(seed)
+        raw = json.loads((Path(model_dir) / "config.json").read_text())
+        vocab = raw.get("vocab_size") or raw["text_config"]["vocab_size"]
+        cache = bnn.make_cache(model)
+        B.eval(model(B.array([[rng.randrange(vocab) for _ in range(prompt_tokens)]]), cache=cache, decode=False))
+        stats, out = s.reader.stats, {}
+        for k in [0] + ks:
+            times, read, served = [], [], []
+            for i in range(passes + 2):  # the first two: warm-up (a new shape)
+                tokens = [rng.randrange(vocab) for _ in range(k + 1)]
+                b0, c0 = stats.bytes, stats.cache_bytes
+                t0 = time.perf_counter()
+                B.eval(model(B.array([tokens]), cache=cache, decode=k == 0))
+                took = time.perf_counter() - t0
+                bnn.trim_cache(cache, k)  # as a pass that took no draft: the step's token stays
+                if i >= 2:
+                    times.append(took)
+                    read.append(stats.bytes - b0)
+                    served.append(stats.cache_bytes - c0)
+            out[k] = {"ms": 1e3 * statistics.median(times), "read_mib": statistics.mean(read) / 2**20,
+                      "cache_mib": statistics.mean(served) / 2**20}
+        return out
+    finally:
+        s.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--memory-limit", default=None, help="run capped at this size (a memory cgroup; root)")
+    ap.add_argument("--ks", default="1,2,4,8")
+    ap.add_argument("--passes", type=int, default=12)
+    ap.add_argument("--prompt-tokens", type=int, default=32)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    ks = [int(k) for k in args.ks.split(",")]
+    if args.child:
+        print(json.dumps(measure(args.model, ks, args.passes, args.prompt_tokens, args.seed)))
+        return
+    argv = [sys.executable, __file__, "--child", "--model", args.model, "--ks", args.ks, "--passes",
+            str(args.passes), "--prompt-tokens", str(args.prompt_tokens), "--seed", str(args.seed)]
+    cap = MemoryCap(parse_size(args.memory_limit), f"edge0-verify-cost-{os.getpid()}") if args.memory_limit else None
+    join = cap.prepare() if cap is not None else None
+    proc = subprocess.run(argv, capture_output=True, text=True, preexec_fn=join)
+    info = cap.finish(proc.returncode) if cap is not None else {}
+    if proc.returncode != 0:
+        sys.exit(f"the measurement failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    figures = {int(k): v for k, v in json.loads(proc.stdout.strip().splitlines()[-1]).items()}
+    step = figures[0]["ms"]
+    print(f"{args.model}{', capped at ' + args.memory_limit if cap else ''}: median of {args.passes} passes")
+    print("| K | pass ms | over a step | expert MiB read a pass | served by the expert cache |")
+    print("|---:|---:|---:|---:|---:|")
+    for k, f in sorted(figures.items()):
+        print(f"| {k} | {f['ms']:.1f} | {f['ms'] / step:.2f}x | {f['read_mib']:.1f} | {f['cache_mib']:.1f} |")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"args": vars(args), "cap": info, "figures": figures}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
