@@ -13,6 +13,7 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
 
 from edge0 import Engine, EngineConfig
 
@@ -84,7 +85,7 @@ def main() -> None:
               f"{'yes' if r['same_tokens'] else 'NO'} |")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+            json.dump({"args": {**vars(args), "model": Path(args.model).name}, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

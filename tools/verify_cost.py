@@ -1,6 +1,7 @@
 """What a verify pass of speculative decoding costs against K, the tokens it checks: the
-forward pass over a step's token and K drafted ones (as ``Decoder.verify`` runs it, its
-extra positions trimmed off the cache after), against a decode step (K = 0), on one
+forward pass over a step's token and K drafted ones (as ``Decoder.verify`` runs it: the
+decode step's path over K+1 positions, its extra positions trimmed off the cache after;
+beside it the same positions as a prompt chunk), against a decode step (K = 0), on one
 checkpoint, in one process (under ``--memory-limit``: a memory cgroup, root). Per K: the
 median time of a pass, the expert bytes it read from the checkpoint and those the expert
 cache served, and the pass's time over the step's. The drafts are random tokens: what a pass
@@ -42,20 +43,24 @@ def measure(model_dir: str, ks: list[int], passes: int, prompt_tokens: int, seed
         B.eval(model(B.array([[rng.randrange(vocab) for _ in range(prompt_tokens)]]), cache=cache, decode=False))
         stats, out = s.reader.stats, {}
         for k in [0] + ks:
-            times, read, served = [], [], []
+            # "step": the decode step's path over the K+1 positions (what Decoder.verify runs); "prompt":
+            # the same positions as a prompt chunk, passes of the two alternated
+            modes = ("step", "prompt") if k else ("step",)
+            times, read, served = ({m: [] for m in modes} for _ in range(3))
             for i in range(passes + 2):  # the first two: warm-up (a new shape)
-                tokens = [rng.randrange(vocab) for _ in range(k + 1)]
-                b0, c0 = stats.bytes, stats.cache_bytes
-                t0 = time.perf_counter()
-                B.eval(model(B.array([tokens]), cache=cache, decode=k == 0))
-                took = time.perf_counter() - t0
-                bnn.trim_cache(cache, k)  # as a pass that took no draft: the step's token stays
-                if i >= 2:
-                    times.append(took)
-                    read.append(stats.bytes - b0)
-                    served.append(stats.cache_bytes - c0)
-            out[k] = {"ms": 1e3 * statistics.median(times), "read_mib": statistics.mean(read) / 2**20,
-                      "cache_mib": statistics.mean(served) / 2**20}
+                for mode in modes:
+                    tokens = [rng.randrange(vocab) for _ in range(k + 1)]
+                    b0, c0 = stats.bytes, stats.cache_bytes
+                    t0 = time.perf_counter()
+                    B.eval(model(B.array([tokens]), cache=cache, decode=mode == "step"))
+                    took = time.perf_counter() - t0
+                    bnn.trim_cache(cache, k)  # as a pass that took no draft: the step's token stays
+                    if i >= 2:
+                        times[mode].append(took)
+                        read[mode].append(stats.bytes - b0)
+                        served[mode].append(stats.cache_bytes - c0)
+            out[k] = {m: {"ms": 1e3 * statistics.median(times[m]), "read_mib": statistics.mean(read[m]) / 2**20,
+                          "cache_mib": statistics.mean(served[m]) / 2**20} for m in modes}
         return out
     finally:
         s.close()
@@ -85,14 +90,18 @@ def main() -> None:
     if proc.returncode != 0:
         sys.exit(f"the measurement failed ({proc.returncode}): {proc.stderr[-2000:]}")
     figures = {int(k): v for k, v in json.loads(proc.stdout.strip().splitlines()[-1]).items()}
-    step = figures[0]["ms"]
-    print(f"{args.model}{', capped at ' + args.memory_limit if cap else ''}: median of {args.passes} passes")
-    print("| K | pass ms | over a step | expert MiB read a pass | served by the expert cache |")
-    print("|---:|---:|---:|---:|---:|")
+    step = figures[0]["step"]["ms"]
+    print(f"{Path(args.model).name}{', capped at ' + args.memory_limit if cap else ''}: median of {args.passes} "
+          "passes (a verify pass: the decode step's path over K+1 positions; as a prompt chunk beside it)")
+    print("| K | pass ms | over a step | as a prompt chunk, ms | expert MiB read a pass | served by the expert cache |")
+    print("|---:|---:|---:|---:|---:|---:|")
     for k, f in sorted(figures.items()):
-        print(f"| {k} | {f['ms']:.1f} | {f['ms'] / step:.2f}x | {f['read_mib']:.1f} | {f['cache_mib']:.1f} |")
+        prompt = f"{f['prompt']['ms']:.1f}" if "prompt" in f else ""
+        print(f"| {k} | {f['step']['ms']:.1f} | {f['step']['ms'] / step:.2f}x | {prompt} | "
+              f"{f['step']['read_mib']:.1f} | {f['step']['cache_mib']:.1f} |")
     if args.out:
-        Path(args.out).write_text(json.dumps({"args": vars(args), "cap": info, "figures": figures}, indent=1))
+        Path(args.out).write_text(json.dumps({"args": {**vars(args), "model": Path(args.model).name}, "cap": info,
+                                              "figures": figures}, indent=1))
 
 
 if __name__ == "__main__":

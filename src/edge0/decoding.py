@@ -142,7 +142,8 @@ class Decoder:
 
     def verify(self, batch: Batch, draft: list[int]) -> list:
         """A verify pass of ``batch``'s one row: its last token and the ``draft`` forwarded in
-        one pass, each position's token sampled as a decode step would sample it there (the
+        one pass (the decode step's path over those positions: each MoE layer the union of
+        their experts once), each position's token sampled as a decode step would sample it there (the
         same processors' history, the same draw of the row's random stream), the tokens handed
         out up to the first that differs from the draft, and that one; the cache trimmed to
         what was handed out. Returns the row if it ended."""
@@ -150,7 +151,7 @@ class Decoder:
         bytes0, n = self.host.reader.stats.bytes, len(draft)
         try:
             inputs = B.array([[row.next] + draft], dtype=B.int32)
-            logits = self.host.step_model(inputs, cache=batch.cache, decode=False, adapters=[row.adapter])
+            logits = self.host.step_model(inputs, cache=batch.cache, decode=True, adapters=[row.adapter])
             sampled = [_sample(row, logits[:, j, :], draft[:j]) for j in range(n + 1)]
             tokens = B.to_host(B.concat([t.reshape(-1).astype(B.int32) for t, _ in sampled])).tolist()
         except BaseException as e:  # the pass itself, or the row's processors or sampler: the row fails
