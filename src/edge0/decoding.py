@@ -143,10 +143,10 @@ class Decoder:
     def verify(self, batch: Batch, draft: list[int]) -> list:
         """A verify pass of ``batch``'s one row: its last token and the ``draft`` forwarded in
         one pass (the decode step's path over those positions: each MoE layer the union of
-        their experts once), each position's token sampled as a decode step would sample it there (the
-        same processors' history, the same draw of the row's random stream), the tokens handed
-        out up to the first that differs from the draft, and that one; the cache trimmed to
-        what was handed out. Returns the row if it ended."""
+        their experts once), each position's token sampled as a decode step would sample it
+        there (the same processors' history, the same draw of the row's random stream), the
+        tokens handed out up to the first that differs from the draft, and that one; the
+        cache trimmed to what was handed out. Returns the row if it ended."""
         (row,) = batch.rows
         bytes0, n = self.host.reader.stats.bytes, len(draft)
         try:

@@ -77,10 +77,9 @@ class Engine:
             release_thread(self._worker)
             raise
         self._rt = Runtime(self._worker, self.streaming, self.tokenizer, self.config, self.log)
-        problem = bnn.kv_group_problem(self.model, self.config.kv_group_size) if self.config.kv_bits is not None else None
-        if problem is None and self.config.prompt_lookup:
-            problem = refusal(self.streaming)
-        if problem is not None:
+        problem = self.config.kv_bits is not None and bnn.kv_group_problem(self.model, self.config.kv_group_size)
+        problem = problem or (refusal(self.streaming) if self.config.prompt_lookup else None)
+        if problem:
             _shutdown(self._worker, self.streaming, set())
             raise ConfigError(problem)
         # under a pipeline rank 0's batch loop decides what each iteration admits; the other ranks follow it
@@ -452,7 +451,8 @@ class Engine:
             prompt_cache_hits=cache.hits if cache is not None else 0, last_generation=self._rt.last_stats,
             batch_size=batch.counts()[0], decode_steps=batch.steps, decode_tokens=batch.tokens,
             decode_expert_bytes=batch.decode_bytes, verify_passes=batch.decoder.verify_passes,
-            draft_tokens=batch.decoder.drafted, accepted_tokens=batch.decoder.accepted, slot_bytes=stager.slot_bytes() if stager is not None else 0,
+            draft_tokens=batch.decoder.drafted, accepted_tokens=batch.decoder.accepted,
+            slot_bytes=stager.slot_bytes() if stager is not None else 0,
             over_slot_layers=stager.over_slot_layers if stager is not None else 0, micro_turns=batch.micro_turns,
             prefill_passes=batch.prefill_passes, constraint_cache_bytes=self._constraints.nbytes)
 
