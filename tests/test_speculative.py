@@ -145,3 +145,19 @@ def test_the_server_takes_prompt_lookup_per_request_and_refuses_it_under_heads()
     with serving(DEMO, EngineConfig(log_level="error")) as (url, _):
         with pytest.raises(openai.BadRequestError, match="prerouter"):
             client(url).completions.create(model="tiny", prompt="x", max_tokens=2, extra_body={"prompt_lookup": 2})
+
+
+def test_edge0_generate_takes_prompt_lookup_and_its_stats_line_says_what_the_drafts_did(capsys):
+    from edge0.cli import main
+
+    def generate(*flags) -> tuple[str, str]:
+        assert main(["generate", "--model", str(DEMO), "--prerouter", "off", "--prompt", REPEATS[0],
+                     "--max-tokens", "24", "--ignore-chat-template", "--log-level", "error", *flags]) == 0
+        out = capsys.readouterr().out
+        text = out.split("==========")[1]
+        return text, out.strip().splitlines()[-1]
+
+    plain, line0 = generate()
+    drafted, line1 = generate("--prompt-lookup", "4")
+    assert drafted == plain and "drafts" not in line0
+    assert " | drafts " in line1 and "taken" in line1 and "tokens a pass" in line1
