@@ -12,6 +12,7 @@ from __future__ import annotations
 import typing
 from dataclasses import dataclass, field, fields
 
+from edge0.drafts import MAX_DRAFT
 from edge0.errors import ConfigError
 
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -263,7 +264,7 @@ class EngineConfig:
         "no pass. A generation decoding alone in the batch drafts; one sharing its steps with others, with a "
         "response_format or grammar, a rotating or quantized KV cache, or a routing recording decodes without "
         "drafts. Not with prerouter heads yet (prerouter off). A request's prompt_lookup overrides it. 0: off.",
-        lo=0, hi=16, why="0 (off) or the most tokens a step drafts, 1 to 16")
+        lo=0, hi=MAX_DRAFT, why=f"0 (off) or the most tokens a step drafts, 1 to {MAX_DRAFT}")
     prompt_lookup_ngram: int = setting(
         3,
         "Prompt lookup: the longest run of the sequence's last tokens it looks for (it tries this many, then "

@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from edge0.drafts import MAX_DRAFT
 from edge0.sampling import MAX_TOKENS
 from edge0.server.api_error import APIError, bad
 
@@ -92,7 +93,7 @@ class _Request(_Strict):
     frequency_context_size: int | None = _integer(1, 1 << 20)
     xtc_probability: float | None = _number(0, 1)
     xtc_threshold: float | None = _number(0, 0.5)
-    prompt_lookup: int | None = _integer(0, 16)  # speculative decoding's drafts a step (edge0.drafts); 0: off
+    prompt_lookup: int | None = _integer(0, MAX_DRAFT)  # speculative decoding's drafts a step (edge0.drafts); 0: off
     logit_bias: dict[str, Any] | None = None  # checked against the vocabulary: sampling.check_logit_bias
     response_format: dict[str, Any] | None = None  # compiled with the tokenizer: edge0.constrain
     stop: str | list[str] | None = Field(None, max_length=MAX_STOP)
