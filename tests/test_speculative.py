@@ -1,7 +1,8 @@
 """Speculative decoding by prompt lookup through the public API: the tokens are those decoding
-without drafts gives (greedy and sampled, with logits processors, on every path that routes
-by the model's own gates, with and without the adapter, sync and async), the drafts were
-really taken, and what cannot draft is refused or decodes as before."""
+without drafts gives (greedy and sampled, with logits processors, on every path: those that
+route by the model's own gates and the staged path routed by the prerouter's heads, replace
+and select, each flush, over the mapping and over slots; with and without the adapter, sync
+and async), the drafts were really taken, and what cannot draft decodes as before."""
 
 from __future__ import annotations
 
@@ -21,6 +22,12 @@ PATHS = {
     "exact": dict(prerouter="off"),
     "hot": dict(prerouter="off", decode_path="hot", hot_experts=8),
     "whole_layer": dict(prerouter="off", decode_path="whole_layer"),
+    # the demo's default: staged layers routed by its heads (select, the token input, the 8-bit flush)
+    "staged_heads": dict(),
+    "staged_heads_replace_numpy": dict(routing="replace", prerouter_flush="numpy"),
+    "staged_heads_mlx_slots": dict(prerouter_flush="mlx", expert_source="slots"),
+    # the heads loaded and observing, every layer exact (none routed by them)
+    "exact_heads_observing": dict(layer_paths=tuple((layer, "decode", "exact") for layer in range(8))),
 }
 SAMPLING = {
     "greedy": dict(),
@@ -50,12 +57,13 @@ def test_prompt_lookup_gives_the_tokens_decoding_without_it_gives(path, sampling
     stats = [s for _, s, _ in drafted]
     assert all(s.verify_passes > 0 for s in stats) and all(s.verify_passes == 0 for _, s, _ in plain)
     taken = sum(s.accepted_tokens for s in stats)
-    share = 0.05 if sampling == "sampled" else 0.3  # (at temperature 0.8 the demo repeats itself less)
+    share = 0.02 if sampling == "sampled" else 0.3  # (at temperature 0.8 the demo repeats itself less)
     assert taken > share * sum(s.generated_tokens for s in stats)  # drafts were taken, not only checked
     assert "drafts" in stats[0].line() and "tokens a pass" in stats[0].line()
 
 
-def test_a_request_s_prompt_lookup_overrides_the_engine_s_async_and_without_the_adapter():
+@pytest.mark.parametrize("heads", ["off", "auto"])
+def test_a_request_s_prompt_lookup_overrides_the_engine_s_async_and_without_the_adapter(heads):
     async def run(e, **kw):
         tokens, last = [], None
         async for ev in e.generate(REPEATS[1], max_tokens=30, adapter=None, **kw):
@@ -63,11 +71,11 @@ def test_a_request_s_prompt_lookup_overrides_the_engine_s_async_and_without_the_
             last = ev
         return tokens, last.stats
 
-    with Engine(DEMO, EngineConfig(prerouter="off", log_level="error")) as e:
+    with Engine(DEMO, EngineConfig(prerouter=heads, log_level="error")) as e:
         plain, s0 = asyncio.run(run(e))
         drafted, s1 = asyncio.run(run(e, prompt_lookup=3))
         assert s1.adapter is None
-    with Engine(DEMO, EngineConfig(prerouter="off", prompt_lookup=5, log_level="error")) as e:
+    with Engine(DEMO, EngineConfig(prerouter=heads, prompt_lookup=5, log_level="error")) as e:
         off, s2 = asyncio.run(run(e, prompt_lookup=0))
     assert drafted == plain == off
     assert s0.verify_passes == 0 and s1.verify_passes > 0 and s1.accepted_tokens > 0 and s2.verify_passes == 0
@@ -89,16 +97,17 @@ def test_the_length_bound_and_stop_strings_end_it_where_they_end_decoding_withou
         assert drafted[-1].stats.generated_tokens == len(plain)
 
 
-def test_rows_sharing_steps_decode_without_drafts_and_give_their_tokens():
+@pytest.mark.parametrize("heads", ["off", "auto"])
+def test_rows_sharing_steps_decode_without_drafts_and_give_their_tokens(heads):
     async def together(e):
         async def one(p):
             events = [ev async for ev in e.generate(p, max_tokens=24)]
             return [ev.token for ev in events], events[-1].stats.verify_passes
         return await asyncio.gather(*(one(p) for p in REPEATS))
 
-    with Engine(DEMO, EngineConfig(prerouter="off", log_level="error")) as e:
+    with Engine(DEMO, EngineConfig(prerouter=heads, log_level="error")) as e:
         plain = asyncio.run(together(e))
-    with Engine(DEMO, EngineConfig(prerouter="off", prompt_lookup=4, log_level="error")) as e:
+    with Engine(DEMO, EngineConfig(prerouter=heads, prompt_lookup=4, log_level="error")) as e:
         drafted = asyncio.run(together(e))
         m = e.metrics()
     assert [t for t, _ in drafted] == [t for t, _ in plain]
@@ -106,12 +115,10 @@ def test_rows_sharing_steps_decode_without_drafts_and_give_their_tokens():
     assert sum(v for _, v in drafted) < m.decode_steps  # ... and those steps drafted nothing
 
 
-def test_prompt_lookup_is_refused_with_prerouter_heads_and_bad_values_are_named():
-    with pytest.raises(ConfigError, match="prerouter"):
-        Engine(DEMO, EngineConfig(prompt_lookup=4, log_level="error"))
-    with Engine(DEMO, EngineConfig(log_level="error")) as e:  # the demo's heads
-        with pytest.raises(ConfigError, match="prerouter"):
-            list(e.stream("x", max_tokens=2, prompt_lookup=2))
+def test_prompt_lookup_runs_with_the_demo_s_heads_and_bad_values_are_named():
+    with Engine(DEMO, EngineConfig(prompt_lookup=4, log_level="error")) as e:  # the demo's heads
+        events = list(e.stream(REPEATS[0], max_tokens=24))
+        assert events[-1].stats.verify_passes > 0 and "heads prerouter" in events[-1].stats.line()
         assert len(list(e.stream("x", max_tokens=2, prompt_lookup=0))) == 2
     with Engine(DEMO, EngineConfig(prerouter="off", log_level="error")) as e:
         for bad in (-1, 17, 2.5, True):
@@ -122,13 +129,14 @@ def test_prompt_lookup_is_refused_with_prerouter_heads_and_bad_values_are_named(
             EngineConfig(**{field: bad})
 
 
-def test_the_server_takes_prompt_lookup_per_request_and_refuses_it_under_heads():
+@pytest.mark.parametrize("heads", ["off", "auto"])
+def test_the_server_takes_prompt_lookup_per_request(heads):
     import httpx
     import openai
 
     from tests.test_server import client, serving
 
-    with serving(DEMO, EngineConfig(prerouter="off", log_level="error")) as (url, state):
+    with serving(DEMO, EngineConfig(prerouter=heads, log_level="error")) as (url, state):
         c = client(url)
         texts = [c.completions.create(model="tiny", prompt=REPEATS[0], max_tokens=30, temperature=0,
                                       extra_body=extra).choices[0].text
@@ -142,16 +150,14 @@ def test_the_server_takes_prompt_lookup_per_request_and_refuses_it_under_heads()
         assert f"edge0_draft_tokens_accepted_total {m.accepted_tokens}" in metrics
         with pytest.raises(openai.BadRequestError, match="prompt_lookup"):
             c.completions.create(model="tiny", prompt="x", max_tokens=2, extra_body={"prompt_lookup": 17})
-    with serving(DEMO, EngineConfig(log_level="error")) as (url, _):
-        with pytest.raises(openai.BadRequestError, match="prerouter"):
-            client(url).completions.create(model="tiny", prompt="x", max_tokens=2, extra_body={"prompt_lookup": 2})
 
 
-def test_edge0_generate_takes_prompt_lookup_and_its_stats_line_says_what_the_drafts_did(capsys):
+@pytest.mark.parametrize("heads", ["off", "auto"])
+def test_edge0_generate_takes_prompt_lookup_and_its_stats_line_says_what_the_drafts_did(capsys, heads):
     from edge0.cli import main
 
     def generate(*flags) -> tuple[str, str]:
-        assert main(["generate", "--model", str(DEMO), "--prerouter", "off", "--prompt", REPEATS[0],
+        assert main(["generate", "--model", str(DEMO), "--prerouter", heads, "--prompt", REPEATS[0],
                      "--max-tokens", "24", "--ignore-chat-template", "--log-level", "error", *flags]) == 0
         out = capsys.readouterr().out
         text = out.split("==========")[1]
@@ -161,3 +167,67 @@ def test_edge0_generate_takes_prompt_lookup_and_its_stats_line_says_what_the_dra
     drafted, line1 = generate("--prompt-lookup", "4")
     assert drafted == plain and "drafts" not in line0
     assert " | drafts " in line1 and "taken" in line1 and "tokens a pass" in line1
+
+
+@pytest.mark.parametrize("flush", ["numpy", "mlx", "edge0"])
+def test_a_head_s_predictions_of_a_pass_s_positions_are_the_step_s_flushes(flush):
+    """What a verify pass routes its drafted positions by (one head's predictions for its
+    positions together) is, row by row, what each position's own step flushes for that
+    head's consumer: bit for bit for one row, to float32 rounding for several; and a block's
+    routing code routes several rows as it routes each alone."""
+    import numpy as np
+
+    from edge0.backend import core as B
+    from edge0.prerouter.runtime import Observed
+
+    def check(e):
+        pre = e.streaming.prerouter
+        heads, rng = pre.heads, np.random.default_rng(0)
+        rows = lambda *shape: B.array(rng.standard_normal(shape).astype(np.float32))  # noqa: E731
+        experts = lambda n: B.array(np.stack([rng.permutation(heads.experts)[:heads.k]  # noqa: E731
+                                              for _ in range(n)]).astype(np.int32))
+        checked = 0
+        for n in (1, 4, 7):
+            x, inds, prev, tok = rows(n, heads.hidden), experts(n), experts(n), rows(n, heads.token_dim)
+            for o in heads.owners:
+                many = pre.predict(o, x, inds, prev, tok)
+                c = heads.consumer[o]
+                routed = np.array(e.streaming.route(c, many, pre.width))
+                for r in range(n):
+                    state = Observed({h: (x[r:r + 1], inds[r:r + 1]) for h in heads.owners},
+                                     {h: prev[r:r + 1] for h in heads.owners})
+                    alone = np.array(pre.flush(state, tok[r:r + 1])[c])
+                    row = np.array(many[r:r + 1])
+                    if n == 1:
+                        assert np.array_equal(row, alone), (flush, o)
+                    np.testing.assert_allclose(row, alone, rtol=1e-5, atol=1e-4 * np.abs(alone).max())
+                    assert np.array_equal(routed[r:r + 1], np.array(e.streaming.route(c, many[r:r + 1], pre.width)))
+                    checked += 1
+        return checked
+
+    with Engine(DEMO, EngineConfig(prerouter_flush=flush, log_level="error")) as e:
+        assert e.streaming.prerouter.heads.token_dim > 0  # (the demo's heads see the token)
+        assert e._worker.call(check, e) == 12 * 7
+
+
+def test_over_slots_a_verify_pass_reads_what_its_slots_miss_once_and_throws_no_read_away():
+    """Staged with heads over slots that never grow (slot_budget_mb 0): each staged layer of
+    a verify pass reads what its slots miss of the union of its positions' experts once
+    (where the union does not fit, the rest on the exact path), and the step before does
+    not plan (read ahead for) a pass that routes its own positions."""
+    def run(**kw):
+        with Engine(DEMO, EngineConfig(expert_source="slots", slot_budget_mb=0, log_level="error", **kw)) as e:
+            tokens, read = [], 0
+            for prompt in REPEATS:
+                events = list(e.stream(prompt, max_tokens=128))
+                tokens.append([ev.token for ev in events])
+                read += events[-1].stats.decode_expert_bytes
+            return tokens, read, events[-1].stats, e.streaming.stager.scheduler.stats.cancelled
+
+    plain, read0, _, _ = run()
+    drafted, read1, stats, cancelled = run(prompt_lookup=4)
+    assert drafted == plain and stats.accepted_tokens > 0
+    # (0.23x here; each pass's union read on the exact path: 0.81x; a union that does not fit the
+    # slots read on the exact path whole, not only what the slots miss: 0.43x)
+    assert read1 < 0.35 * read0
+    assert cancelled == 0

@@ -1,10 +1,12 @@
 """Decode speed with prompt lookup's drafts against without, on one engine each, the two
 alternated round by round (medians over rounds): text that repeats what it holds (unit
 tests of one shape, lines the model repeats), and free generation (a sampled continuation
-of prose). Prints a Markdown table and, with --out, writes the figures as JSON.
+of prose); and the expert bytes each read a token (decode). Prints a Markdown table and,
+with --out, writes the figures as JSON. The engines' settings are the defaults (on the demo:
+its heads, select routing, its adapter) but for the flags given.
 
     python tools/prompt_lookup_bench.py [--model DIR] [--rounds 9] [--max-tokens 128] [--lookup 4]
-        [--prerouter off] [--out FILE]
+        [--prerouter auto] [--expert-source auto] [--slot-budget-mb MB] [--out FILE]
 """
 
 from __future__ import annotations
@@ -37,20 +39,31 @@ def run(engine: Engine, prompt: str, max_tokens: int, sampling: dict) -> tuple[l
     return [e.token for e in events], (len(events) - 1) / (time.perf_counter() - first), events[-1].stats
 
 
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.2f}"
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}x" if b else "none read"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="checkpoint (default: the demo model)")
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--lookup", type=int, default=4, help="prompt_lookup: the most tokens a step drafts")
-    ap.add_argument("--prerouter", default="off", help="the engine's prerouter setting (heads: not yet with drafts)")
+    ap.add_argument("--prerouter", default="auto", help="the engines' prerouter setting")
+    ap.add_argument("--expert-source", default="auto", help="the engines' expert_source (slots: the reads counted)")
+    ap.add_argument("--slot-budget-mb", type=int, default=None, help="the engines' slot_budget_mb (0: slots never grow)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.model is None:
         from edge0.cli_args import PACKAGED_DEMO
 
         args.model = str(PACKAGED_DEMO)
-    base = dict(prerouter=args.prerouter, log_level="error")
+    base = dict(prerouter=args.prerouter, expert_source=args.expert_source, slot_budget_mb=args.slot_budget_mb,
+                log_level="error")
     engines = {"off": Engine(args.model, EngineConfig(**base)),
                "lookup": Engine(args.model, EngineConfig(**base, prompt_lookup=args.lookup))}
     rows = []
@@ -59,29 +72,35 @@ def main() -> None:
             for e in engines.values():  # warm-up
                 run(e, prompt, 8, sampling)
             tps = {k: [] for k in engines}
+            read = {k: [] for k in engines}  # decode's expert bytes a token
             tokens, stats = {}, None
             for r in range(args.rounds):
                 for name in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
                     toks, rate, s = run(engines[name], prompt, args.max_tokens, sampling)
                     tps[name].append(rate)
+                    read[name].append(s.decode_expert_bytes / max(1, s.generated_tokens))
                     tokens[name] = toks
                     if name == "lookup":
                         stats = s
             same = tokens["off"] == tokens["lookup"]
             off, on = statistics.median(tps["off"]), statistics.median(tps["lookup"])
+            b_off, b_on = statistics.median(read["off"]), statistics.median(read["lookup"])
             rows.append({"case": case, "off_tps": off, "lookup_tps": on, "speedup": on / off, "same_tokens": same,
+                         "off_bytes_per_token": b_off, "lookup_bytes_per_token": b_on,
                          "verify_passes": stats.verify_passes, "draft_tokens": stats.draft_tokens,
                          "accepted_tokens": stats.accepted_tokens, "generated_tokens": stats.generated_tokens})
     finally:
         for e in engines.values():
             e.close()
     print(f"| text | decode tok/s without | with prompt lookup ({args.lookup}) | speed-up | drafts taken "
-          "| tokens a pass | same tokens |")
-    print("|---|---:|---:|---:|---:|---:|---|")
+          "| tokens a pass | expert MiB a token without / with | same tokens |")
+    print("|---|---:|---:|---:|---:|---:|---:|---|")
     for r in rows:
         passes = r["generated_tokens"] - 1 - r["accepted_tokens"]
         print(f"| {r['case']} | {r['off_tps']:.1f} | {r['lookup_tps']:.1f} | {r['speedup']:.2f}x | "
               f"{r['accepted_tokens']}/{r['draft_tokens']} | {(r['generated_tokens'] - 1) / max(1, passes):.2f} | "
+              f"{_mib(r['off_bytes_per_token'])} / {_mib(r['lookup_bytes_per_token'])} "
+              f"({_ratio(r['lookup_bytes_per_token'], r['off_bytes_per_token'])}) | "
               f"{'yes' if r['same_tokens'] else 'NO'} |")
     if args.out:
         with open(args.out, "w") as f:

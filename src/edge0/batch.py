@@ -350,18 +350,11 @@ class Batcher:
         """The draft of the batch's step (empty: a step without one): where one row decodes
         and it drafts (``Row.drafter``), what prompt lookup proposes, within the tokens it
         has left to make (the pass makes one more than it took)."""
-        if len(batch) != 1 or batch.heads is not None:
+        if len(batch) != 1 or batch.rows[0].drafter is None:
             return []
         row = batch.rows[0]
-        lookup = row.drafter
-        if lookup is None:
-            return []
-        seen = len(lookup.tokens)  # the drafter follows the sequence: the prompt, then what was generated
-        if seen < len(row.ids):
-            lookup.extend(row.ids[seen:])
-            seen = len(row.ids)
-        lookup.extend(row.generated[seen - len(row.ids):])
-        return lookup.propose()[:max(0, row.max_tokens - len(row.generated) - 1)]
+        row.drafter.follow(row.ids, row.generated)  # the prompt, then what was generated
+        return row.drafter.propose()[:max(0, row.max_tokens - len(row.generated) - 1)]
 
     def leave(self, gone: list[Row]) -> None:
         """Take ``gone`` out of the batch: their caches to the prompt cache, the batch's

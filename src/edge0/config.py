@@ -263,7 +263,9 @@ class EngineConfig:
         "the same random stream). How many it drafts adapts to what was taken; text that does not repeat pays "
         "no pass. A generation decoding alone in the batch drafts; one sharing its steps with others, with a "
         "response_format or grammar, a rotating or quantized KV cache, or a routing recording decodes without "
-        "drafts. Not with prerouter heads yet (prerouter off). A request's prompt_lookup overrides it. 0: off.",
+        "drafts. With prerouter heads, each drafted position is routed as a step there would route it (the heads "
+        "predict it inside the pass) and the pass's staged layers compute on the exact path. A request's "
+        "prompt_lookup overrides it. 0: off.",
         lo=0, hi=MAX_DRAFT, why=f"0 (off) or the most tokens a step drafts, 1 to {MAX_DRAFT}")
     prompt_lookup_ngram: int = setting(
         3,

@@ -21,6 +21,7 @@ import copy
 from edge0.backend import core as B
 from edge0.backend import nn as bnn
 from edge0.errors import ExpertReadError
+from edge0.exec.plan import DraftedRouting, PrerouterPlanner
 from edge0.prerouter.runtime import Observed, Observing
 
 
@@ -150,8 +151,13 @@ class Decoder:
         (row,) = batch.rows
         bytes0, n = self.host.reader.stats.bytes, len(draft)
         try:
-            inputs = B.array([[row.next] + draft], dtype=B.int32)
-            logits = self.host.step_model(inputs, cache=batch.cache, decode=True, adapters=[row.adapter])
+            tokens = [row.next] + draft
+            routing = self._drafted(batch.heads, tokens)
+            if routing is False:  # the heads cannot plan the step's own position yet
+                return self.step(batch)
+            logits = self.host.step_model.forward(B.array([tokens], dtype=B.int32), cache=batch.cache, decode=True,
+                                                  adapters=[row.adapter], heads=routing,
+                                                  routes=routing.routes if routing is not None else None)
             sampled = [_sample(row, logits[:, j, :], draft[:j]) for j in range(n + 1)]
             tokens = B.to_host(B.concat([t.reshape(-1).astype(B.int32) for t, _ in sampled])).tolist()
         except BaseException as e:  # the pass itself, or the row's processors or sampler: the row fails
@@ -173,8 +179,27 @@ class Decoder:
                 ended = True
                 break
         bnn.trim_cache(batch.cache, n + 1 - handed)
+        if routing is not None:
+            batch.observed(routing.taken(handed))
         self.decode_bytes += self.host.reader.stats.bytes - bytes0
         return [row] if ended else []
+
+    def _drafted(self, before: Observed | None, tokens: list[int]):
+        """A verify pass's routing by the heads over ``tokens`` (``DraftedRouting``): None
+        without heads (every layer routes on its own gate); False where the heads cannot
+        plan the pass's first position (they have not seen every owner), as a step could
+        not: that step runs without drafts."""
+        streaming = self.host.streaming
+        if streaming.prerouter is None:
+            return None
+        planner = getattr(streaming.stager, "planner", None)
+        if not isinstance(planner, PrerouterPlanner):  # the heads observe; no staged layer routes by them
+            return DraftedRouting(None, before or Observed(), tokens, None)
+        first = planner.flush(B.array([tokens[:1]], dtype=B.int32), before)
+        if first is None:
+            return False
+        streaming.stager.begin_verify()
+        return DraftedRouting(planner, before, tokens, first)
 
     def _hand(self, row, token: int, lp) -> bool:
         """``token`` (sampled for ``row``, its log-probabilities ``lp``) to the row's consumer;
@@ -234,11 +259,21 @@ class Decoder:
                 done.append(row)
         if extra:
             stager = host.streaming.stager
-            if done:
+            if done or _drafts_next(rows):  # (a verify pass routes its own positions: the plan would read for nothing)
                 stager.drop_ahead()
             else:
                 stager.take_ahead(flat[len(live):])
         return done
+
+
+def _drafts_next(rows: list) -> bool:
+    """Whether the next pass of ``rows`` is a verify pass (one row, whose drafter will
+    propose a draft, with tokens left to make)."""
+    if len(rows) != 1 or rows[0].drafter is None:
+        return False
+    row = rows[0]
+    row.drafter.follow(row.ids, row.generated)
+    return row.drafter.ready() and row.max_tokens - len(row.generated) > 1
 
 
 def _sample(row, logits, ahead: list[int] = ()):

@@ -37,15 +37,6 @@ def check(max_draft: int, ngram_max: int, ngram_min: int = 2) -> None:
         raise ConfigError(f"prompt_lookup_ngram must be in {ngram_min}..8, got {ngram_max}")
 
 
-def refusal(streaming) -> str | None:
-    """Why an engine over ``streaming`` cannot decode with drafts (None: it can)."""
-    if streaming.prerouter is not None:
-        return ("prompt_lookup: speculative decoding does not run with prerouter heads yet (a verify pass routes "
-                "every position by the model's own gates): open the engine with prerouter='off' "
-                "(--prerouter off), or leave prompt_lookup out")
-    return None
-
-
 def drafter_for(row, config, engine_drafts: bool):
     """``row``'s ``PromptLookup`` (None: it decodes without drafts): its request's
     ``prompt_lookup``, else the engine's (``config``), where a pass's extra positions can be
@@ -88,6 +79,21 @@ class PromptLookup:
                 if end >= n:
                     self._ends[tuple(seq[end - n:end])] = end
             seq.append(int(t))
+
+    def follow(self, ids: list[int], generated: list[int]) -> None:
+        """Catch up with a sequence whose prompt is ``ids`` and text so far ``generated``
+        (this drafter has seen a start of it)."""
+        seen = len(self.tokens)
+        if seen < len(ids):
+            self.extend(ids[seen:])
+            seen = len(ids)
+        self.extend(generated[seen - len(ids):])
+
+    def ready(self) -> bool:
+        """Whether ``propose`` would propose a draft now (nothing changes)."""
+        seq = self.tokens
+        return self.pause == 0 and any(tuple(seq[len(seq) - n:]) in self._ends
+                                       for n in range(self.ngram_min, min(self.ngram_max, len(seq)) + 1))
 
     def propose(self) -> list[int]:
         """The draft for the next step (empty: decode without one)."""

@@ -28,7 +28,7 @@ from edge0.row import END, TIMEOUT, AsyncWaker, DiscardingJob, Job, Row, samplin
 from edge0.row import TokenEvent  # noqa: F401 - part of this module's API
 from edge0.backend import nn as bnn
 from edge0.config import EngineConfig
-from edge0.drafts import drafter_for, refusal
+from edge0.drafts import drafter_for
 from edge0.errors import DistributedError, ConfigError, EngineClosedError
 from edge0.exec.oracle import OracleRouting, RoutingRecorder
 from edge0.loader import load_streaming_model
@@ -78,7 +78,6 @@ class Engine:
             raise
         self._rt = Runtime(self._worker, self.streaming, self.tokenizer, self.config, self.log)
         problem = self.config.kv_bits is not None and bnn.kv_group_problem(self.model, self.config.kv_group_size)
-        problem = problem or (refusal(self.streaming) if self.config.prompt_lookup else None)
         if problem:
             _shutdown(self._worker, self.streaming, set())
             raise ConfigError(problem)
@@ -226,8 +225,6 @@ class Engine:
         """The token ids and sampling a generation would use, every value checked (a
         ``ConfigError`` naming the one that is wrong); nothing runs."""
         params = SamplingParams(**sampling)
-        if params.prompt_lookup and (problem := refusal(self.streaming)):
-            raise ConfigError(problem)
         ids = self.encode(prompt)
         self._check_length(ids, params)
         params = params.for_vocab(self.vocab_size)

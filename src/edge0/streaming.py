@@ -122,17 +122,20 @@ class Streaming:
         candidates select routing stages)."""
         return self.parts.probes.route(layer, logits, width)
 
-    def step(self, decode: bool, adapters=None, rows: int = 1, heads=None) -> Step:
+    def step(self, decode: bool, adapters=None, rows: int = 1, heads=None, routes=None) -> Step:
         """The ``Step`` of a forward pass of ``rows`` rows: its phase, the staged layers'
         routes (a decode step's plan) and slot routes (where the plan's reads put their
         experts), each row's adapter deltas (``adapters``: a name or
         None per row; None: the default adapter for every row), where the prerouter's
-        owners put what they observe (``heads``, an ``Observing``)."""
-        staged = decode and self.stager is not None
+        owners put what they observe (``heads``, an ``Observing``). ``routes``: a verify
+        pass's (made during the pass, ``DraftedRouting.routes``) in place of the plan's; its
+        staged layers compute on their fallback path (its positions' experts were not read
+        ahead)."""
+        staged = decode and self.stager is not None and routes is None
         deltas = None
         if self.adapters is not None:
             deltas = self.adapters.deltas(adapters if adapters is not None else [self.adapters.active] * rows)
-        return Step(decode=decode, routes=self.stager.routes() if staged else {},
+        return Step(decode=decode, routes=self.stager.routes() if staged else routes if routes is not None else {},
                     slots=self.stager.slot_routes() if staged else {}, deltas=deltas, heads=heads)
 
     @property
@@ -237,12 +240,13 @@ class StepModel:
         with self.streaming.context.installed(Step(decode=decode)):
             self.streaming.begin_step(inputs, decode, heads.before if heads is not None else None)
 
-    def forward(self, inputs, cache=None, decode: bool = True, adapters=None, heads=None, **kwargs):
+    def forward(self, inputs, cache=None, decode: bool = True, adapters=None, heads=None, routes=None, **kwargs):
         """The model's own forward pass (lazy), its staged layers on the plan; ``adapters``:
         each row's adapter name (None: the default adapter for every row); ``heads``: where
-        the owners' observations go (an ``Observing``)."""
+        the owners' observations go (an ``Observing``); ``routes``: a verify pass's
+        (``Streaming.step``)."""
         edge0 = self.streaming.kernels == "edge0"  # norms, rope and a prompt's attention on Edge0's kernels
-        with self.streaming.context.installed(self.streaming.step(decode, adapters, inputs.shape[0], heads)), \
+        with self.streaming.context.installed(self.streaming.step(decode, adapters, inputs.shape[0], heads, routes)), \
                 (bk.attention.active() if edge0 else contextlib.nullcontext()):
             return self.streaming.model(inputs, cache=cache, **kwargs)
 

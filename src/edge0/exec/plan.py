@@ -14,6 +14,10 @@ record-routing``), step by step; the layers route on their own gates and the pla
 stages what they will pick. The Stager (``edge0.exec.staged``) asks its planner for each
 step's plan and runs it.
 
+``DraftedRouting``: a verify pass's routing by prediction (speculative decoding), each
+drafted position's route made inside the pass from what its owner observed at the position
+before.
+
 ``QualityGuard``: every ``every``-th planned decode step, each staged layer's router also
 computes its own logits, and the guard counts (on the device) how many of the router's own
 top-k experts the plan staged; the counts come back with the next step's one host read.
@@ -26,6 +30,7 @@ from typing import Callable, Mapping, Protocol
 
 from edge0.backend import core as B
 from edge0.exec.oracle import OracleRouting
+from edge0.prerouter.runtime import Observed, Observing
 
 
 class Executor(Protocol):
@@ -154,6 +159,58 @@ class PrerouterPlanner:
             staged = B.one_hot_k(inds, logits.shape[-1], B.int32) > 0 if self.routing == "select" else None
             routes[l] = LayerRoute(self.routing, logits, staged, observe=observe)
         return DecodePlan(step, experts, routes)
+
+
+class DraftedRouting(Observing):
+    """What a verify pass of one sequence observes, and the staged layers' routes it makes:
+    the pass's positions are ``tokens`` (the step's token, then the draft). Position 0 routes
+    on the step's own flush (``first``: consumer -> (indices, logits), from ``before``, what
+    the heads observed before the pass). Position j routes on what the consumer's head makes
+    of its owner's observation at position j - 1, in this same pass: the owner runs before
+    its consumer, so each consumer's route is made when its owner's observation arrives and
+    put in ``routes``, which the pass's ``Step`` holds. Each position is predicted from the
+    inputs a decode step there would have had (the owner's experts one position earlier,
+    the token's embedding), the drafted positions together by the head's share of the
+    flush's products (``Prerouter.predict``): every position routes as decoding the drafted
+    tokens one step at a time would route it, up to the rounding of products over several
+    rows, as the pass's every other product. ``planner`` None: the heads only observe (no
+    staged layer is routed by them)."""
+
+    def __init__(self, planner: PrerouterPlanner | None, before: Observed, tokens: list[int], first: dict | None):
+        super().__init__(before)
+        self.planner, self.first, self.routes = planner, first, {}
+        self._tok = None
+        if planner is not None and planner.prerouter.heads.token_dim:
+            self._tok = planner.embed(B.array(tokens[1:], dtype=B.int32).reshape(-1, 1))
+
+    def observe(self, layer: int, x, inds, decode: bool | None = None) -> None:
+        super().observe(layer, x, inds, decode)
+        if self.planner is None:
+            return
+        pre = self.planner.prerouter
+        consumer = pre.heads.consumer.get(layer)
+        if consumer is None or consumer not in self.planner.layers:
+            return
+        xs, ks = self._last[layer]
+        prev = self._prev.get(layer)
+        if prev is None:
+            prev = B.full(ks[:1].shape, -1, B.int32)
+        n = ks.shape[0] - 1  # positions 1..n, each from the owner at the position before
+        z = pre.predict(layer, xs[:n], ks[:n], B.concat([prev, ks[:n - 1]]), self._tok)
+        first_i, first_z = self.first[consumer]
+        logits, staged = B.concat([first_z, z]), None
+        if self.planner.routing == "select":  # (a block's routing code routes each row on its own)
+            inds = B.concat([first_i, self.planner.route(consumer, z, pre.width)])
+            staged = B.one_hot_k(inds, logits.shape[-1], B.int32) > 0
+        self.routes[consumer] = LayerRoute(self.planner.routing, logits, staged)
+
+    def taken(self, n: int) -> Observed:
+        """What the heads observed once the pass's first ``n`` positions are the sequence's
+        (the rest were not taken): as ``n`` decode steps would have left it."""
+        after = self.after()
+        last = {o: (x[n - 1:n], i[n - 1:n]) for o, (x, i) in after.last.items()}
+        prev = {o: (after.last[o][1][n - 2:n - 1] if n >= 2 else after.prev.get(o)) for o in after.last}
+        return Observed(last, prev)
 
 
 class OraclePlanner:

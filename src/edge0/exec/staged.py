@@ -26,7 +26,8 @@ has that plan cancelled and planned anew). Elsewhere (one sequence through ``Ste
 ``begin_step`` flushes and reads. Either way the step before was evaluated when its tokens
 were read, so its slots may be unpinned.
 Routed experts missing from the plan map to slot 0 and are counted on device; the count
-is checked once per step and a mismatch raises (never silently wrong output).
+is checked once per step and a mismatch raises (never silently wrong output). A verify pass
+(speculative decoding) is planned by no one: each staged layer stages its positions' union.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from edge0.exec.plan import (DecodePlan, LayerRoute, OraclePlanner, Planner, Pre
                              SlotRoute, StageStats)
 from edge0.exec.rows import SlotPool
 from edge0.exec.taps import StepContext
+from edge0.exec.verify import VerifyStaging
 from edge0.io_sched.reader import ExpertReader
 from edge0.io_sched.slots import LayerPlan, StepPlan
 
@@ -52,12 +54,11 @@ WAIT_FAILED = "edge0: the slots of staged layer"  # how a failed wait reads when
 
 @dataclass
 class StepState:
-    """The Stager's current step: its number, the plan it runs, the steps submitted to the
-    scheduler and, per step, the slot map of each staged layer claimed for it, the current
-    step's lookup tables (expert -> slot, on the device), the oracle's plans submitted
-    ahead, the staged outputs to be evaluated before their slots are reused, the
-    routing-miss count on device, and what the flags had waited and the scheduler's
-    counters at its start."""
+    """The Stager's current step: its number, its plan, the steps submitted to the scheduler
+    and each one's slot maps, the current step's lookup tables (expert -> slot, on the
+    device), the oracle's plans submitted ahead, the staged outputs to evaluate before their
+    slots are reused, the routing-miss count on device, the flags' and scheduler's counters
+    at its start."""
 
     misses: object  # staged routing indices that found no slot, counted on device
     step: int = -1
@@ -69,14 +70,16 @@ class StepState:
     ahead: dict = field(default_factory=dict)  # oracle plans submitted ahead of their step
     outputs: list = field(default_factory=list)  # staged outputs, evaluated before their slots are reused
     pending: tuple | None = None  # (heads, flush) of the next step, flushed ahead, read with the tokens
+    verifying: bool = False  # a verify pass: each staged layer stages its positions' union when it runs
     planned_for: object = None  # the heads' state the current step was planned from at the end of the step before
     waited0: object = None  # the flags' waited nanoseconds at the step's start
     io0: tuple = ()
 
 
-class Stager:
+class Stager(VerifyStaging):
     """Owns the staged layers' slots, the scheduler (on its own event-loop thread), the
-    step's plan and the step bookkeeping. One per engine."""
+    step's plan and the step bookkeeping. One per engine. Its verify passes (speculative
+    decoding): ``VerifyStaging``."""
 
     def __init__(self, index: CheckpointIndex, layers: list[int], slots: int, reader: ExpertReader,
                  oracle: OracleRouting | None, *, readers: int, prefetch_depth: int, log=None,
@@ -85,20 +88,16 @@ class Stager:
         """``planner``: the prerouter's (``PrerouterPlanner``: under "replace" routing the
         prediction is the staged layers' routing; under "select" it stages candidates and
         each staged layer's own router chooses among them); else ``oracle``'s, a recorded
-        routing. ``max_slots``: how far a
-        layer's ``slots`` may grow when a step's set outgrows them (a batch's union; back to
-        ``slots`` at ``reset``); None = never. ``in_place``: the experts are computed where
-        the checkpoint's mapping holds them (``fallback`` computes so): the Stager plans each
-        step (the plan's routes are the staged layers' routing) and reads nothing; it has no
+        routing. ``max_slots``: how far a layer's ``slots`` may grow when a step's set
+        outgrows them (a batch's union; back to ``slots`` at ``reset``); None = never.
+        ``in_place``: the experts are computed where the checkpoint's mapping holds them
+        (``fallback`` computes so): the Stager plans each step and reads nothing; it has no
         slots. ``context``: the model's ``StepContext``, whose ``Step`` gives each staged
         layer's slot route while it computes."""
         spec = index.spec
         if slots < spec.k:
             raise ConfigError(f"slots_per_layer must be >= k = {spec.k}, got {slots}")
-        self.index = index
-        self.layers = list(layers)
-        self.oracle = oracle
-        self.log = log
+        self.index, self.layers, self.oracle, self.log = index, list(layers), oracle, log
         self.context = context or StepContext()
         self.pool = None if in_place else SlotPool(index, self.layers, slots, reader, readers=readers,
                                                    prefetch_depth=prefetch_depth, max_slots=max_slots,
@@ -159,7 +158,7 @@ class Stager:
         self.now.maps.clear()
         self.now.tables = {}
         self.now.ahead.clear()
-        self.now.pending = self.now.planned_for = None
+        self.now.pending, self.now.planned_for, self.now.verifying = None, None, False
         if self.planner is not None:
             self.planner.reset()
         self._set_plan(None, {})
@@ -345,6 +344,7 @@ class Stager:
     def begin_step(self, inputs, heads=None) -> None:
         """Before a decode step of ``inputs`` [rows, 1]: its plan (from ``heads``, what the
         prerouter observed of the batch's sequences, an ``Observed``) and its reads."""
+        self.now.verifying = False
         if inputs.shape[-1] != 1:
             return  # prefill: staged layers run their prefill path
         if self.planner is None:
@@ -364,6 +364,14 @@ class Stager:
             return
         self._check_misses(int(B.to_host(self.now.misses)))
         self.advance_step()
+
+    def _run(self, layer: int, route: SlotRoute, x, raw):
+        """``layer``'s switch on its slots' rows for the slot indices ``raw`` (-1: computed on
+        slot 0), gated on its flag."""
+        out = self.rows[layer].run(self.fallback.split, self.fallback.templates[layer], x, B.maximum(raw, 0),
+                                   gate=lambda view: self.pool.flags.gate(view, route.flag, route.ticket))
+        self.now.outputs.append(out)
+        return out
 
     def _settle(self) -> None:
         """Evaluate the staged outputs not evaluated yet (none, once a sampled token was read)."""
@@ -412,15 +420,12 @@ class Stager:
         return release
 
     def _end_step(self) -> None:
-        if self.pool is None:  # nothing read, nothing waited
-            self._stats = StageStats(self._stats.steps_run + 1, self._stats.stall_seconds)
+        waited = self.pool.flags.waited_ns() - self.now.waited0 if self.pool is not None else None  # (from its start)
+        stall = float(waited.sum()) / 1e9 if waited is not None else 0.0
+        self._stats = StageStats(self._stats.steps_run + 1, self._stats.stall_seconds + stall)
+        if self.log is None or waited is None:  # (in place: nothing read, nothing waited)
             if self.log is not None:
                 self.log.info("step", step=self.now.step, stall_ms=0.0, reads=0, bytes=0, hits=0, misses=0)
-            return
-        waited = self.pool.flags.waited_ns() - self.now.waited0  # (set when the step started)
-        stall = float(waited.sum()) / 1e9
-        self._stats = StageStats(self._stats.steps_run + 1, self._stats.stall_seconds + stall)
-        if self.log is None:
             return
         st = self.scheduler.stats
         r0, b0, h0, m0 = self.now.io0
@@ -463,11 +468,10 @@ class Stager:
         its routing mapped to slots through the plan's lookup row, the layer's own switch
         module run on the slots' rows; all three from the step's ``SlotRoute``."""
         route = self.context.now.slots.get(layer)
+        if route is None and self.now.verifying and self.pool is not None:
+            return self._union(layer, x, inds)
         if route is None:  # an unplanned step (no prerouter state yet), or a batch's union over the layer's slots
             return self.fallback(layer, x, inds)
         raw = B.take(route.lookup, inds)
         self.now.misses = self.now.misses + (raw < 0).sum()
-        out = self.rows[layer].run(self.fallback.split, self.fallback.templates[layer], x, B.maximum(raw, 0),
-                                   gate=lambda view: self.pool.flags.gate(view, route.flag, route.ticket))
-        self.now.outputs.append(out)
-        return out
+        return self._run(layer, route, x, raw)

@@ -136,12 +136,15 @@ class PrerouterHeads(bnn.Module):
         B.eval(list(self._stacked.values()))
         self._stacked_dtype = dtype
 
-    def predict_all(self, h, inds_t, inds_prev, tok=None):
+    def predict_all(self, h, inds_t, inds_prev, tok=None, heads: slice | None = None):
         """Every head at once. h [H, R, D], inds_* [H, R, k] (R: one row per sequence;
         inds_prev may hold -1 rows: no previous token), tok [1, R, token_dim] (the embedding
         of the token the next step decodes; heads with the token input only) -> logits
-        [H, R, E], in owner order."""
+        [H, R, E], in owner order; ``heads``: the heads the inputs are for (a slice of the
+        owners; None: all)."""
         st, dtype = self._stacked, self._stacked_dtype
+        if heads is not None:
+            st = {name: w[heads] for name, w in st.items()}
         on_t = B.one_hot_k(inds_t, self.experts, dtype)
         on_prev = B.one_hot_k(B.maximum(inds_prev, 0), self.experts, dtype) * (inds_prev[..., :1] >= 0).astype(dtype)
         h = h.astype(dtype)

@@ -108,19 +108,24 @@ class QuantizedHeads:
         parts = [*self.hidden, *self.w2, self.onehot, self.b1, self.b2, *(self.token or ())]
         return sum(p.nbytes for p in parts)
 
-    def _mm(self, x, stack):
-        return bk.gather_qmm(x, *stack, self.index, bits=BITS, group_size=self.group)
+    def _mm(self, x, stack, index):
+        return bk.gather_qmm(x, *stack, index, bits=BITS, group_size=self.group)
 
-    def logits(self, h, inds_t, inds_prev, tok=None):
+    def logits(self, h, inds_t, inds_prev, tok=None, heads: slice | None = None):
         """As ``PrerouterHeads.predict_all``: h [H, R, D], inds_* [H, R, k] (inds_prev rows
-        of -1: no previous token), tok [1, R, token_dim] -> logits [H, R, E] (lazy)."""
-        e = self.experts
-        a = self._mm(h.astype(B.float32), self.hidden)  # [H, R, E + width]
+        of -1: no previous token), tok [1, R, token_dim] -> logits [H, R, E] (lazy);
+        ``heads``: the heads they are for (a slice of the owners; None: all). The kernel
+        computes each head's product on its own, so one head's rows do not depend on the
+        others'."""
+        heads = heads or slice(None)
+        e, index, onehot = self.experts, self.index[heads], self.onehot[heads]
+        rows = self.rows[:onehot.shape[0]]
+        a = self._mm(h.astype(B.float32), self.hidden, index)  # [H, R, E + width]
         if self.token is not None:
             if tok is None:
                 raise ValueError("these heads see the token being decoded: logits(..., tok) needs it")
-            a = a + self._mm(tok.astype(B.float32), self.token)  # one embedding row per sequence, every head
+            a = a + self._mm(tok.astype(B.float32), self.token, index)  # one embedding row per sequence, every head
         has_prev = (inds_prev[..., :1] >= 0).astype(B.float32)[..., None]  # [H, R, 1, 1]
-        pre = (a[..., e:] + self.b1 + self.onehot[self.rows, inds_t].sum(axis=2)
-               + (self.onehot[self.rows, e + B.maximum(inds_prev, 0)] * has_prev).sum(axis=2))
-        return a[..., :e] + self._mm(bnn.silu(pre), self.w2) + self.b2
+        pre = (a[..., e:] + self.b1[heads] + onehot[rows, inds_t].sum(axis=2)
+               + (onehot[rows, e + B.maximum(inds_prev, 0)] * has_prev).sum(axis=2))
+        return a[..., :e] + self._mm(bnn.silu(pre), self.w2, index) + self.b2[heads]

@@ -168,21 +168,35 @@ class Prerouter:
         logits = self.logits(x, inds, prev, tok)
         return {self.heads.consumer[o]: logits[i].reshape(rows, -1) for i, o in enumerate(owners)}
 
-    def logits(self, x, inds, prev, tok=None):
+    def predict(self, owner: int, x, inds, prev, tok=None):
+        """The predicted router logits [R, E] (float32, lazy) of ``owner``'s consumer for R
+        positions, from that owner's inputs alone (x [R, D], inds and prev [R, k], tok
+        [R, token_dim]): one head's share of a ``flush``'s products, each row what a flush
+        of that row alone gives (bit for bit for one row; for several, up to the rounding of
+        products over several rows, as everywhere else in a pass over several positions). A
+        verify pass predicts its drafted positions so, from what the owner observed at the
+        positions before, inside the same pass."""
+        rows, h = x.shape[0], self.heads.owners.index(owner)
+        tok = tok.reshape(1, rows, -1) if self.heads.token_dim else None
+        return self.logits(x.reshape(1, rows, -1), inds.reshape(1, rows, -1), prev.reshape(1, rows, -1), tok,
+                           heads=slice(h, h + 1))[0]
+
+    def logits(self, x, inds, prev, tok=None, heads: slice | None = None):
         """Every head's predicted router logits [H, R, E] (float32) from their inputs
         (``PrerouterHeads.predict_all``'s), on the device or, with ``on_host``, in NumPy after
-        one host read of the inputs (computed already: the step before is evaluated)."""
+        one host read of the inputs (computed already: the step before is evaluated).
+        ``heads``: the heads the inputs are for (a slice of the owners; None: all)."""
         if self.quantized is not None:
-            return self.quantized.logits(x, inds, prev, tok)
+            return self.quantized.logits(x, inds, prev, tok, heads)
         if self.host is None:
-            return self.heads.predict_all(x, inds, prev, tok).astype(B.float32)
+            return self.heads.predict_all(x, inds, prev, tok, heads).astype(B.float32)
         parts = [x, inds, prev] + ([] if tok is None else [tok])
         flat = B.to_host(B.concat([p.astype(B.float32).reshape(-1) for p in parts]))
         cut = np.cumsum([0] + [p.size for p in parts])
         host = [flat[a:b].reshape(p.shape) for p, a, b in zip(parts, cut[:-1], cut[1:])]
         h, i, ip = host[0], host[1].astype("int64"), host[2].astype("int64")
         t = host[3].reshape(x.shape[1], -1) if tok is not None else None
-        return B.array(self.host.logits(h, i, ip, t))
+        return B.array(self.host.logits(h, i, ip, t, heads))
 
 
 _SETTERS = ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads", "openblas_set_num_threads64_",
@@ -265,23 +279,27 @@ class HostHeads:
         parts = (self.hidden_w, self.token_w, self.onehot_w, self.b1, self.w2, self.b2)
         return sum(p.nbytes for p in parts if p is not None)
 
-    def logits(self, h: np.ndarray, inds_t: np.ndarray, inds_prev: np.ndarray, tok: np.ndarray | None = None):
+    def logits(self, h: np.ndarray, inds_t: np.ndarray, inds_prev: np.ndarray, tok: np.ndarray | None = None,
+               heads: slice | None = None):
         """As ``PrerouterHeads.predict_all``, on float32 NumPy arrays: h [H, R, D], inds_*
         [H, R, k] (distinct experts per row; inds_prev rows of -1: no previous token),
-        tok [R, token_dim] -> logits [H, R, E]."""
+        tok [R, token_dim] -> logits [H, R, E]; ``heads``: the heads they are for (a slice
+        of the owners; None: all). NumPy multiplies a stack head by head, so one head's rows
+        do not depend on the others'."""
         with one_blas_thread():
-            return self._logits(h, inds_t, inds_prev, tok)
+            return self._logits(h, inds_t, inds_prev, tok, heads or slice(None))
 
-    def _logits(self, h, inds_t, inds_prev, tok):
+    def _logits(self, h, inds_t, inds_prev, tok, heads):
         e = self.experts
-        a = h @ self.hidden_w  # [H, R, E + width]: the residual path, then fc1's hidden part
+        a = h @ self.hidden_w[heads]  # [H, R, E + width]: the residual path, then fc1's hidden part
         if self.token_w is not None:
             if tok is None:
                 raise ValueError("these heads see the token being decoded: logits(..., tok) needs it")
-            a = a + tok[None] @ self.token_w
+            a = a + tok[None] @ self.token_w[heads]
+        onehot = self.onehot_w[heads]
         rows = np.arange(h.shape[0])[:, None, None]
-        pre = a[..., e:] + self.b1 + self.onehot_w[rows, inds_t].sum(axis=2)
+        pre = a[..., e:] + self.b1[heads] + onehot[rows, inds_t].sum(axis=2)
         has_prev = (inds_prev[..., :1] >= 0).astype(np.float32)  # [H, R, 1]
-        pre += self.onehot_w[rows, e + np.maximum(inds_prev, 0)].sum(axis=2) * has_prev
+        pre += onehot[rows, e + np.maximum(inds_prev, 0)].sum(axis=2) * has_prev
         act = pre * (0.5 + 0.5 * np.tanh(0.5 * pre))  # silu, without exp's overflow
-        return a[..., :e] + act @ self.w2 + self.b2
+        return a[..., :e] + act @ self.w2[heads] + self.b2[heads]
