@@ -61,11 +61,10 @@ def test_each_mlx_lm_generate_flag_parses_and_a_refused_one_says_why(action, cap
     assert captured.out == "" and f"edge0: error: {flag}: {MLX_REFUSED[flag]}" in captured.err
 
 
-def test_the_draft_flags_say_a_draft_model_is_not_implemented_and_name_prompt_lookup(capsys):
-    for argv in (["--draft-model", "small"], ["--num-draft-tokens", "3"]):
-        assert main(["generate", "--model", str(PACKAGED_DEMO), *argv]) == 2
-        err = capsys.readouterr().err
-        assert "speculative decoding with a draft model is not implemented yet" in err and "--prompt-lookup N" in err
+def test_the_draft_flags_are_mlx_lm_s_and_a_missing_draft_model_is_named(capsys):
+    for argv, named in ((["--draft-model", "no-such-dir"], "draft_model"), (["--num-draft-tokens", "0"], "num_draft")):
+        assert main(["generate", "--model", str(PACKAGED_DEMO), "--prompt", "x", *argv]) == 2
+        assert named in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, usage, hint", [

@@ -468,7 +468,8 @@ def test_prefill_share_is_a_whole_percentage(value):
     assert EngineConfig(prefill_share=1).prefill_share == 1 and EngineConfig().prefill_share == 100
 
 
-FREE_FORM = {"layer_paths", "oracle_file", "prerouter_file", "adapter", "extra_adapters", "pipeline_layers"}
+FREE_FORM = {"layer_paths", "oracle_file", "prerouter_file", "adapter", "extra_adapters", "pipeline_layers",
+             "draft_model"}
 
 
 def test_every_field_states_its_rule_and_the_one_loop_enforces_it():

@@ -86,3 +86,73 @@ def test_a_long_sequence_is_indexed_as_it_grows():
 def test_bad_settings_are_refused_naming_them(kw, named):
     with pytest.raises(ConfigError, match=named):
         PromptLookup(**kw)
+
+
+def test_a_draft_model_s_cache_follows_the_sequence_through_what_the_passes_took():
+    """A ``ModelDrafter`` fed the sequence as it grows, its cache trimmed to what each pass
+    took, proposes what a fresh one proposes after the whole sequence at once."""
+    from pathlib import Path
+
+    from edge0.backend import nn as bnn
+    from edge0.draft_model import DraftModel, ModelDrafter
+
+    demo = Path(__file__).resolve().parent.parent / "src" / "edge0" / "data" / "demo_model"
+    draft = DraftModel(demo, bnn.load_tokenizer(demo))
+    prompt = bnn.load_tokenizer(demo).encode("import os\nimport sys\nimport os\n")
+    d, generated = ModelDrafter(draft, 4), []
+    for taken in (4, 0, 2, 5, 1, 3):  # a pass that took all (of 4, then 5), none, some
+        d.follow(prompt, generated)
+        proposal = d.propose()
+        fresh = ModelDrafter(draft, d.k)
+        fresh.follow(prompt, generated)
+        assert proposal == fresh.propose()
+        taken = min(taken, len(proposal))
+        d.accepted(len(proposal), taken)
+        generated += proposal[:taken] + [7]  # the pass's own token after what it took
+
+
+def test_drafting_pauses_where_its_passes_make_too_few_tokens_to_pay_for_themselves():
+    d = _lookup([1, 2, 3, 1, 2, 3, 1, 2], max_draft=4)
+    made = drafts.MADE_AT_START
+    for taken in (1, 0, 1, 0, 1, 0, 1):  # one draft taken every other pass: never three misses in a row
+        d.accepted(2, taken)
+        made = 0.7 * made + 0.3 * (taken + 1)
+        assert d.pause == 0 and d.made == pytest.approx(made) and made >= drafts.MIN_TOKENS_A_PASS
+    d.accepted(2, 0)  # 0.7 * 1.68 + 0.3 = 1.48 tokens a pass: under 1.5
+    assert d.pause == drafts.BACKOFF_STEPS and d.made == drafts.MADE_AT_START
+    assert [d.propose() for _ in range(drafts.BACKOFF_STEPS)] == [[]] * drafts.BACKOFF_STEPS
+    assert d.propose() == [3]  # drafting again (one token: the last pass took none)
+
+
+def test_a_draft_model_s_drafting_pauses_where_a_token_costs_more_with_drafts_than_without():
+    class Timed:  # a drafter's pacing state, as a ModelDrafter has it
+        misses, pause, step_time, draft_time, unpaid = 0, 0, None, None, False
+
+    d = Timed()
+    drafts.pace(d, 0.012, 2, drafted=True)  # 6 ms a token with a draft, no step timed yet
+    assert d.pause == 0 and d.draft_time == pytest.approx(0.006) and not d.unpaid
+    for _ in range(3):
+        drafts.pace(d, 0.010, 1, drafted=False)  # steps: 10 ms a token
+    drafts.pace(d, 0.014, 2, drafted=True)  # 7 ms: the running mean 0.7 * 6 + 0.3 * 7 = 6.3 ms, it pays
+    assert d.pause == 0 and d.draft_time == pytest.approx(0.0063) and not d.unpaid
+    drafts.pace(d, 0.030, 1, drafted=True)  # 0.7 * 6.3 + 0.3 * 30 = 13.4 ms: it does not
+    assert d.pause == drafts.MAX_BACKOFF and d.unpaid and d.draft_time is None
+    drafts.pace(d, 0.0, 0, drafted=True)  # (an iteration that made no token weighs nothing)
+    assert d.draft_time is None
+
+
+def test_a_draft_model_that_did_not_pay_starts_its_next_generations_paused():
+    from pathlib import Path
+
+    from edge0.backend import nn as bnn
+    from edge0.draft_model import DraftModel
+
+    demo = Path(__file__).resolve().parent.parent / "src" / "edge0" / "data" / "demo_model"
+    draft = DraftModel(demo, bnn.load_tokenizer(demo))
+    first = draft.drafter(3)
+    drafts.pace(first, 0.010, 1, drafted=False)
+    drafts.pace(first, 0.050, 2, drafted=True)
+    assert first.pause == drafts.MAX_BACKOFF and draft.unpaid
+    assert draft.drafter(3).pause == drafts.MAX_BACKOFF  # what the first learnt, the next knows
+    drafts.pace(first, 0.008, 2, drafted=True)  # a draft that paid: no longer marked
+    assert not draft.unpaid and draft.drafter(3).pause == 0

@@ -231,3 +231,109 @@ def test_over_slots_a_verify_pass_reads_what_its_slots_miss_once_and_throws_no_r
     # slots read on the exact path whole, not only what the slots miss: 0.43x)
     assert read1 < 0.35 * read0
     assert cancelled == 0
+
+
+# -- a draft model (mlx-lm's --draft-model) ---------------------------------------------------------------
+
+def _dense_draft(directory: Path, swap_tokens: bool = False) -> Path:
+    """A tiny dense qwen3 (random weights) with the demo's tokenizer: a draft whose drafts are
+    rarely taken; ``swap_tokens``: two of its tokenizer's ids swapped (not the model's)."""
+    import json
+    import shutil
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import qwen3
+
+    config = dict(model_type="qwen3", hidden_size=64, num_hidden_layers=1, intermediate_size=128,
+                  num_attention_heads=2, num_key_value_heads=1, head_dim=32, rms_norm_eps=1e-6, vocab_size=2048,
+                  max_position_embeddings=4096, tie_word_embeddings=True, rope_theta=10000.0)
+    mx.random.seed(0)
+    model = qwen3.Model(qwen3.ModelArgs(**config))
+    directory.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(directory / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (directory / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(DEMO / name, directory / name)
+    if swap_tokens:
+        tok = json.loads((directory / "tokenizer.json").read_text())
+        vocab = tok["model"]["vocab"]
+        a, b = list(vocab)[300:302]
+        vocab[a], vocab[b] = vocab[b], vocab[a]
+        (directory / "tokenizer.json").write_text(json.dumps(tok))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def dense_draft(tmp_path_factory) -> Path:
+    return _dense_draft(tmp_path_factory.mktemp("draft") / "dense")
+
+
+DRAFTS = {"the demo itself": DEMO}  # (its drafts are mostly taken: the same model on MLX's own model class)
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "sampled"])
+@pytest.mark.parametrize("heads", ["off", "auto"])
+@pytest.mark.parametrize("draft", ["the demo itself", "a tiny dense model"])
+def test_a_draft_model_gives_the_tokens_decoding_without_it_gives(draft, heads, sampling, dense_draft):
+    path = DRAFTS.get(draft, dense_draft)
+    plain = _run(dict(prerouter=heads), REPEATS, **SAMPLING[sampling])
+    drafted = _run(dict(prerouter=heads, draft_model=str(path), num_draft_tokens=3), REPEATS, **SAMPLING[sampling])
+    assert [t for t, _, _ in drafted] == [t for t, _, _ in plain]
+    for (_, _, a), (_, _, b) in zip(drafted, plain):
+        assert a == pytest.approx(b, abs=1e-4)
+    stats = [s for _, s, _ in drafted]
+    # (a later generation may start paused, where the first found drafting did not pay on this machine)
+    assert stats[0].verify_passes > 0 and all(s.draft_tokens <= 3 * s.verify_passes for s in stats)
+    taken = sum(s.accepted_tokens for s in stats) / sum(s.draft_tokens for s in stats)
+    if draft == "the demo itself":  # (greedy drafts: at temperature 0.8 fewer of them are what is sampled)
+        assert taken > (0.5 if sampling == "greedy" else 0.2)
+    else:  # random weights: its drafts are refused, and it stops drafting
+        assert taken < 0.2 and sum(s.verify_passes for s in stats) < 0.5 * sum(s.generated_tokens for s in stats)
+
+
+def test_a_request_s_num_draft_tokens_and_what_a_draft_model_refuses(dense_draft, tmp_path):
+    with Engine(DEMO, EngineConfig(draft_model=str(DEMO), log_level="error")) as e:
+        on = list(e.stream(REPEATS[0], max_tokens=24, num_draft_tokens=2))
+        off = list(e.stream(REPEATS[0], max_tokens=24, num_draft_tokens=0))
+        lookup = list(e.stream(REPEATS[0], max_tokens=24, prompt_lookup=4))  # a request may still ask for it
+        assert [ev.token for ev in on] == [ev.token for ev in off] == [ev.token for ev in lookup]
+        assert on[-1].stats.verify_passes > 0 and on[-1].stats.draft_tokens <= 2 * on[-1].stats.verify_passes
+        assert off[-1].stats.verify_passes == 0 and lookup[-1].stats.verify_passes > 0
+        for bad in (-1, 17, 1.5):
+            with pytest.raises(ConfigError, match="num_draft_tokens"):
+                list(e.stream("x", max_tokens=2, num_draft_tokens=bad))
+    with Engine(DEMO, EngineConfig(log_level="error")) as e:
+        with pytest.raises(ConfigError, match="no draft model"):
+            list(e.stream("x", max_tokens=2, num_draft_tokens=2))
+    with pytest.raises(ConfigError, match="prompt_lookup"):
+        Engine(DEMO, EngineConfig(draft_model=str(dense_draft), prompt_lookup=4, log_level="error"))
+    with pytest.raises(ConfigError, match="vocabulary"):
+        Engine(DEMO, EngineConfig(draft_model=str(_dense_draft(tmp_path / "swapped", swap_tokens=True)),
+                                  log_level="error"))
+    with pytest.raises(ConfigError, match="not a model directory"):
+        Engine(DEMO, EngineConfig(draft_model=str(tmp_path), log_level="error"))
+
+
+def test_the_server_and_edge0_generate_draft_with_a_draft_model(capsys):
+    import httpx
+
+    from edge0.cli import main
+    from tests.test_server import client, serving
+
+    with serving(DEMO, EngineConfig(draft_model=str(DEMO), log_level="error")) as (url, state):
+        c = client(url)
+        texts = [c.completions.create(model="tiny", prompt=REPEATS[0], max_tokens=30, temperature=0,
+                                      extra_body=extra).choices[0].text
+                 for extra in ({"num_draft_tokens": 0}, {}, {"num_draft_tokens": 2})]
+        assert texts[0] == texts[1] == texts[2] and texts[0]
+        m = state.engine.metrics()
+        assert m.last_generation.verify_passes > 0 and m.accepted_tokens > 0
+        assert f"edge0_draft_tokens_accepted_total {m.accepted_tokens}" in httpx.get(url + "/metrics").text
+    outs = []
+    for flags in ([], ["--draft-model", str(DEMO), "--num-draft-tokens", "2"]):
+        assert main(["generate", "--model", str(DEMO), "--prompt", REPEATS[0], "--max-tokens", "24",
+                     "--ignore-chat-template", "--log-level", "error", *flags]) == 0
+        out = capsys.readouterr().out
+        outs.append((out.split("==========")[1], out.strip().splitlines()[-1]))
+    assert outs[0][0] == outs[1][0] and " | drafts " not in outs[0][1] and " | drafts " in outs[1][1]

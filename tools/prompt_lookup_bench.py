@@ -7,6 +7,9 @@ its heads, select routing, its adapter) but for the flags given.
 
     python tools/prompt_lookup_bench.py [--model DIR] [--rounds 9] [--max-tokens 128] [--lookup 4]
         [--prerouter auto] [--expert-source auto] [--slot-budget-mb MB] [--out FILE]
+
+``--draft-model DIR`` (with ``--num-draft-tokens N``): the drafting engine drafts with that
+model instead of by prompt lookup.
 """
 
 from __future__ import annotations
@@ -56,6 +59,8 @@ def main() -> None:
     ap.add_argument("--prerouter", default="auto", help="the engines' prerouter setting")
     ap.add_argument("--expert-source", default="auto", help="the engines' expert_source (slots: the reads counted)")
     ap.add_argument("--slot-budget-mb", type=int, default=None, help="the engines' slot_budget_mb (0: slots never grow)")
+    ap.add_argument("--draft-model", default=None, help="draft with this model instead of by prompt lookup")
+    ap.add_argument("--num-draft-tokens", type=int, default=3)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.model is None:
@@ -64,8 +69,10 @@ def main() -> None:
         args.model = str(PACKAGED_DEMO)
     base = dict(prerouter=args.prerouter, expert_source=args.expert_source, slot_budget_mb=args.slot_budget_mb,
                 log_level="error")
+    drafting = (dict(draft_model=args.draft_model, num_draft_tokens=args.num_draft_tokens) if args.draft_model
+                else dict(prompt_lookup=args.lookup))
     engines = {"off": Engine(args.model, EngineConfig(**base)),
-               "lookup": Engine(args.model, EngineConfig(**base, prompt_lookup=args.lookup))}
+               "lookup": Engine(args.model, EngineConfig(**base, **drafting))}
     rows = []
     try:
         for case, (prompt, sampling) in CASES.items():
@@ -92,7 +99,8 @@ def main() -> None:
     finally:
         for e in engines.values():
             e.close()
-    print(f"| text | decode tok/s without | with prompt lookup ({args.lookup}) | speed-up | drafts taken "
+    how = f"the draft model ({args.num_draft_tokens})" if args.draft_model else f"prompt lookup ({args.lookup})"
+    print(f"| text | decode tok/s without | with {how} | speed-up | drafts taken "
           "| tokens a pass | expert MiB a token without / with | same tokens |")
     print("|---|---:|---:|---:|---:|---:|---:|---|")
     for r in rows:
@@ -104,7 +112,9 @@ def main() -> None:
               f"{'yes' if r['same_tokens'] else 'NO'} |")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"args": {**vars(args), "model": Path(args.model).name}, "rows": rows}, f, indent=1)
+            named = {"model": Path(args.model).name,
+                     "draft_model": Path(args.draft_model).name if args.draft_model else None}
+            json.dump({"args": {**vars(args), **named}, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -24,12 +24,14 @@ model whose caches are not plain KV caches (state-space and linear-attention lay
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 
 from edge0 import micro as micro_batches
 from edge0 import prefill
 from edge0.backend import nn as bnn
 from edge0.decoding import Batch, Decoder
+from edge0.drafts import pace
 from edge0.coordinator import NotAskedFor
 from edge0.errors import DistributedError
 from edge0.row import Row, RowEvents
@@ -338,8 +340,13 @@ class Batcher:
 
     def _decode_step(self) -> None:
         batch = self.batch
+        row = batch.rows[0] if len(batch) == 1 else None
+        timed = row is not None and row.drafter is not None and row.drafter.timed
+        made, t0 = len(row.generated) if timed else 0, time.perf_counter()
         draft = self._draft(batch)
         done = self.decoder.verify(batch, draft) if draft else self.decoder.step(batch)
+        if timed:  # a draft model's drafts cost time to make: what a token costs with them (drafts.pace)
+            pace(row.drafter, time.perf_counter() - t0, len(row.generated) - made, bool(draft))
         rows = batch.rows
         if rows and rows[0].kv_quant:  # (it runs alone) as mlx-lm quantizes after each step
             bnn.quantize_kv(batch.cache, self.host.config)

@@ -66,11 +66,7 @@ class Parser(argparse.ArgumentParser):
 # -- mlx_lm.generate's flags that Edge0's own flags (and EngineConfig's) do not already cover --
 
 MLX_HONOURED = ("--xtc-probability", "--xtc-threshold", "--chat-template-config", "--use-default-chat-template")
-_SPECULATIVE = "speculative decoding with a draft model is not implemented yet in Edge0 (prompt lookup is: " \
-               "--prompt-lookup N); leave out --draft-model and --num-draft-tokens"
 MLX_REFUSED = {
-    "--draft-model": _SPECULATIVE,
-    "--num-draft-tokens": _SPECULATIVE,
     "--trust-remote-code": "Edge0 never runs code that comes with a model (a model folder holding .py files is "
                            "refused, docs/RELIABILITY.md); leave the flag out",
     "--image": "Edge0 serves text-only MoE models: there is no image input",
@@ -93,8 +89,6 @@ def add_mlx_generate_flags(p: argparse.ArgumentParser) -> None:
                    help="accepted for mlx_lm.generate's command lines, and changes nothing, as there: the "
                         "tokenizer's own chat template is applied by default")
     refused = p.add_argument_group("mlx_lm.generate flags Edge0 refuses (with the reason)")
-    refused.add_argument("--draft-model", default=None, metavar="MODEL", help=_SPECULATIVE)
-    refused.add_argument("--num-draft-tokens", type=int, default=None, metavar="N", help=_SPECULATIVE)
     refused.add_argument("--trust-remote-code", action="store_true", help=MLX_REFUSED["--trust-remote-code"])
     refused.add_argument("--image", nargs="+", default=None, metavar="FILE", help=MLX_REFUSED["--image"])
     refused.add_argument("--quantize-activations", "-qa", action="store_true",

@@ -267,6 +267,18 @@ class EngineConfig:
         "predict it inside the pass) and the pass's staged layers compute on the exact path. A request's "
         "prompt_lookup overrides it. 0: off.",
         lo=0, hi=MAX_DRAFT, why=f"0 (off) or the most tokens a step drafts, 1 to {MAX_DRAFT}")
+    draft_model: str | None = setting(
+        None,
+        "Speculative decoding with a draft model (mlx-lm's --draft-model): a checkpoint mlx-lm opens (dense or MoE, "
+        "every weight resident, beside the plan's memory), whose tokenizer's vocabulary is the model's. Each "
+        "decode step it drafts up to num_draft_tokens tokens greedily on its own KV cache and one forward pass "
+        "verifies them: the tokens are those decoding without drafts gives (greedy and sampled). Who drafts, "
+        "and how many adapt, as with prompt_lookup, which it cannot be given with. None: none.")
+    num_draft_tokens: int = setting(
+        3,
+        "The draft model's tokens a step at most (mlx-lm's --num-draft-tokens); a request's num_draft_tokens "
+        "overrides it (0: no drafts for it).",
+        lo=1, hi=MAX_DRAFT, why=f"the most tokens a step drafts, 1 to {MAX_DRAFT}")
     prompt_lookup_ngram: int = setting(
         3,
         "Prompt lookup: the longest run of the sequence's last tokens it looks for (it tries this many, then "

@@ -1,5 +1,6 @@
-"""Drafts for speculative decoding by prompt lookup: the tokens that followed the last
-place where the sequence's last n tokens occurred before (in the prompt or the text so far).
+"""Drafts for speculative decoding: by prompt lookup (the tokens that followed the last place
+where the sequence's last n tokens occurred before, in the prompt or the text so far), or by
+a draft model (mlx-lm's ``--draft-model``: a small model's greedy continuation).
 
 ``PromptLookup`` keeps, for each n in ``ngram_min..ngram_max`` (2 and 3 by default: a
 single repeated token proposes mostly what is not taken), where each n-gram of the
@@ -12,11 +13,15 @@ every draft, one more (up to ``max_draft``); after one that took ``a`` of them, 
 A sequence whose drafts keep being rejected (``BACKOFF_AFTER`` passes in a row that took
 none) stops drafting for a while (``BACKOFF_STEPS``, doubling while it goes on, reset by a
 pass that took something), so text that does not repeat pays no verify pass.
+
+A draft model's drafts: ``edge0.draft_model``. How many either drafts adapts, and where its
+passes make too few tokens to pay for themselves it pauses (``adapt``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from edge0.errors import ConfigError
 
@@ -37,18 +42,75 @@ def check(max_draft: int, ngram_max: int, ngram_min: int = 2) -> None:
         raise ConfigError(f"prompt_lookup_ngram must be in {ngram_min}..8, got {ngram_max}")
 
 
-def drafter_for(row, config, engine_drafts: bool):
-    """``row``'s ``PromptLookup`` (None: it decodes without drafts): its request's
-    ``prompt_lookup``, else the engine's (``config``), where a pass's extra positions can be
-    trimmed off its cache and nothing steps with it a token at a time (``engine_drafts``:
-    the engine's caches are plain KV caches, no pipeline's ranks, no oracle; the row: no
-    constraint's matcher, routing recording, rotating or quantized cache)."""
+def drafter_for(row, config, engine_drafts: bool, draft=None):
+    """``row``'s drafter (None: it decodes without drafts): prompt lookup where its request's
+    ``prompt_lookup``, else the engine's (``config``), asks for it; else the engine's draft
+    model (``draft``, an ``edge0.draft_model.DraftModel``) unless the request's
+    ``num_draft_tokens`` is 0. Only where a pass's
+    extra positions can be trimmed off its cache and nothing steps with it a token at a time
+    (``engine_drafts``: the engine's caches are plain KV caches, no pipeline's ranks, no
+    oracle; the row: no constraint's matcher, routing recording, rotating or quantized
+    cache)."""
     params = row.params
     most = config.prompt_lookup if params.prompt_lookup is None else params.prompt_lookup
-    if (not most or not engine_drafts or row.record is not None or params.max_kv_size is not None or row.kv_quant
+    if (not engine_drafts or row.record is not None or params.max_kv_size is not None or row.kv_quant
             or row.constraint is not None):
         return None
-    return PromptLookup(most, config.prompt_lookup_ngram)
+    if most:
+        return PromptLookup(most, config.prompt_lookup_ngram)
+    tokens = config.num_draft_tokens if params.num_draft_tokens is None else params.num_draft_tokens
+    return draft.drafter(tokens) if draft is not None and tokens else None
+
+
+def check_request(params, draft) -> None:
+    """A request's ``num_draft_tokens`` where the engine has no draft model: a ConfigError."""
+    if params.num_draft_tokens and draft is None:
+        raise ConfigError("num_draft_tokens: this engine has no draft model (open it with draft_model, "
+                          "--draft-model DIR)")
+
+
+MIN_TOKENS_A_PASS = 1.5  # a drafter whose passes make fewer on average pauses (``adapt``)
+PACE = 0.3  # the weight of the newest pass in that average
+MADE_AT_START = 2.5  # the average before any pass (three passes that take none bring it to 1.51)
+
+
+def pace(d, seconds: float, tokens: int, drafted: bool) -> None:
+    """A decode iteration of a sequence drafting with a draft model (``d``, its
+    ``ModelDrafter``) took ``seconds`` for ``tokens``: with a draft, the draft model's tokens
+    and the verify pass; without, a step. Each kind's time a token is kept as a running mean
+    (the draft model's, over its generations); where drafting's exceeds a step's, the draft
+    model is marked as not paying (``d.unpaid``) and drafting pauses for ``MAX_BACKOFF``
+    steps, as a generation that starts then does: a draft model whose drafts are taken too
+    rarely for what it and the passes cost stops drafting. (Prompt lookup's drafts cost
+    nothing to make: its pauses follow what the passes make, ``adapt``.)"""
+    if tokens <= 0 or seconds <= 0:
+        return
+    now = seconds / tokens
+    if not drafted:
+        d.step_time = now if d.step_time is None else (1 - PACE) * d.step_time + PACE * now
+        return
+    d.draft_time = now if d.draft_time is None else (1 - PACE) * d.draft_time + PACE * now
+    d.unpaid = d.step_time is not None and d.draft_time > d.step_time
+    if d.unpaid:
+        d.pause, d.misses, d.draft_time = MAX_BACKOFF, 0, None
+
+
+def adapt(d, drafted: int, taken: int) -> None:
+    """After a verify pass of ``drafted`` tokens that took ``taken``: drafter ``d``'s next
+    draft may hold one more after a pass that took every one (up to ``d.max_draft``), ``taken
+    + 1`` after one that did not. Drafting pauses (``d.pause`` steps, ``d.backoff`` doubling
+    while that goes on) after ``BACKOFF_AFTER`` passes in a row that took none, and where the
+    passes' running mean of tokens made (``d.made``) falls under ``MIN_TOKENS_A_PASS``: a pass
+    costs 1.45-1.6x a step at 1 to 4 drafts with heads on the configurations measured
+    (docs/BENCHMARKS.md), so drafts taken that rarely do not pay for their passes."""
+    d.k = min(d.max_draft, d.k + 1) if taken >= drafted else max(1, taken + 1)
+    d.made = (1 - PACE) * d.made + PACE * (taken + 1)
+    d.misses = 0 if taken else d.misses + 1
+    if d.misses >= BACKOFF_AFTER or d.made < MIN_TOKENS_A_PASS:
+        d.pause, d.misses, d.made = d.backoff, 0, MADE_AT_START
+        d.backoff = min(MAX_BACKOFF, d.backoff * 2)
+    elif taken:
+        d.backoff = BACKOFF_STEPS
 
 
 @dataclass
@@ -56,6 +118,7 @@ class PromptLookup:
     """One sequence's drafter: ``extend`` it with every token of the sequence (prompt, then
     each one generated), ``propose`` before a step, ``accepted`` after a verify pass."""
 
+    timed: ClassVar[bool] = False  # its drafts cost nothing to make (``pace`` is for a draft model's)
     max_draft: int
     ngram_max: int = 3
     ngram_min: int = 2
@@ -64,6 +127,7 @@ class PromptLookup:
     misses: int = 0  # verify passes in a row that took no draft
     pause: int = 0  # decode steps left without drafting
     backoff: int = BACKOFF_STEPS
+    made: float = MADE_AT_START  # the verify passes' running mean of tokens made (``adapt``)
     _ends: dict = field(default_factory=dict)  # (n-gram) -> the position after its latest occurrence
 
     def __post_init__(self):
@@ -109,14 +173,4 @@ class PromptLookup:
 
     def accepted(self, drafted: int, taken: int) -> None:
         """After a verify pass of ``drafted`` tokens that took ``taken`` of them."""
-        if taken >= drafted:
-            self.k = min(self.max_draft, self.k + 1)
-        else:
-            self.k = max(1, taken + 1)
-        if taken:
-            self.misses, self.backoff = 0, BACKOFF_STEPS
-            return
-        self.misses += 1
-        if self.misses >= BACKOFF_AFTER:
-            self.pause, self.misses = self.backoff, 0
-            self.backoff = min(MAX_BACKOFF, self.backoff * 2)
+        adapt(self, drafted, taken)

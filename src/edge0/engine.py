@@ -28,7 +28,8 @@ from edge0.row import END, TIMEOUT, AsyncWaker, DiscardingJob, Job, Row, samplin
 from edge0.row import TokenEvent  # noqa: F401 - part of this module's API
 from edge0.backend import nn as bnn
 from edge0.config import EngineConfig
-from edge0.drafts import drafter_for
+from edge0.draft_model import open_draft
+from edge0.drafts import check_request, drafter_for
 from edge0.errors import DistributedError, ConfigError, EngineClosedError
 from edge0.exec.oracle import OracleRouting, RoutingRecorder
 from edge0.loader import load_streaming_model
@@ -72,11 +73,12 @@ class Engine:
         self._closed = False
         self._lost = False  # a pipeline's rank stopped answering: the compute thread may never return
         try:
-            self.streaming, self.tokenizer = self._worker.call(_open, self.model_dir, self.config, oracle, self.log)
+            self.streaming, self.tokenizer, draft = self._worker.call(_open, self.model_dir, self.config, oracle,
+                                                                      self.log)
         except BaseException:
             release_thread(self._worker)
             raise
-        self._rt = Runtime(self._worker, self.streaming, self.tokenizer, self.config, self.log)
+        self._rt = Runtime(self._worker, self.streaming, self.tokenizer, self.config, self.log, draft)
         problem = self.config.kv_bits is not None and bnn.kv_group_problem(self.model, self.config.kv_group_size)
         if problem:
             _shutdown(self._worker, self.streaming, set())
@@ -225,6 +227,7 @@ class Engine:
         """The token ids and sampling a generation would use, every value checked (a
         ``ConfigError`` naming the one that is wrong); nothing runs."""
         params = SamplingParams(**sampling)
+        check_request(params, self._rt.draft)
         ids = self.encode(prompt)
         self._check_length(ids, params)
         params = params.for_vocab(self.vocab_size)
@@ -279,7 +282,7 @@ class Engine:
                      or start is not None
                      or (stager is not None and stager.oracle is not None))
         row.drafter = drafter_for(row, cfg, self._batchable and self._rt.coord.drafts
-                                  and (stager is None or stager.oracle is None))
+                                  and (stager is None or stager.oracle is None), self._rt.draft)
         self._rt.jobs.add(job)
         self._rt.line.submitted(job.admission)
         return row
@@ -464,12 +467,12 @@ class Engine:
         return self._worker.call(self._rt.count_resources)
 
 
-def _open(model_dir: Path, config: EngineConfig, oracle, log) -> tuple[Streaming, object]:
-    """Load the streaming model and the tokenizer (on the compute thread); nothing stays
-    open when either fails."""
+def _open(model_dir: Path, config: EngineConfig, oracle, log) -> tuple[Streaming, object, object]:
+    """The streaming model, its tokenizer and draft model, on the compute thread; none open if one fails."""
     streaming = load_streaming_model(model_dir, config, oracle=oracle, log=log)
     try:
-        return streaming, bnn.load_tokenizer(model_dir)
+        tokenizer = bnn.load_tokenizer(model_dir)
+        return streaming, tokenizer, open_draft(config, tokenizer, streaming)
     except BaseException:
         streaming.close()
         raise

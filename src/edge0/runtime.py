@@ -7,6 +7,8 @@ engine."""
 
 from __future__ import annotations
 
+import functools
+
 from edge0.admission import Line
 from edge0.backend import core as B
 from edge0.constrain import ConstraintCache
@@ -20,8 +22,9 @@ from edge0.worker import ComputeThread
 
 
 class Runtime:
-    def __init__(self, worker: ComputeThread, streaming: Streaming, tokenizer, config, log):
+    def __init__(self, worker: ComputeThread, streaming: Streaming, tokenizer, config, log, draft=None):
         self.worker, self.streaming, self.tokenizer, self.config, self.log = worker, streaming, tokenizer, config, log
+        self.draft = draft  # the draft model generations draft with (edge0.draft_model.DraftModel; None: none)
         self.reader = streaming.reader  # the checkpoint's reader (its stats are the batch's reads)
         self.step_model = StepModel(streaming)  # the forward pass every batch and prefill makes
         self.coord = coordinator(streaming, config)  # one process alone, or a pipeline's ranks in step
@@ -29,10 +32,13 @@ class Runtime:
         self.line = Line(config.max_batch)  # requests in flight and waiting
         self.prompt_cache = PromptCache(config.prompt_cache_mb * 2**20) if config.prompt_cache_mb else None
         self.constraints = ConstraintCache(tokenizer, whitespace=config.json_whitespace)
-        # what XTC sampling never drops, as mlx-lm's server has it: the newline's tokens and EOS
-        self.xtc_special = tuple(tokenizer.encode("\n")) + tuple(tokenizer.eos_token_ids)
         self.last_stats: GenerationStats | None = None  # the last finished generation's
         self.resources: dict = {}  # as counted when the compute thread last finished a generation
+
+    @functools.cached_property
+    def xtc_special(self) -> tuple:
+        """What XTC sampling never drops, as mlx-lm's server has it: the newline's tokens and EOS."""
+        return tuple(self.tokenizer.encode("\n")) + tuple(self.tokenizer.eos_token_ids)
 
     def begin_batch(self) -> None:
         """A batch starts from nothing: what the last one left in the staged machinery goes

@@ -102,6 +102,9 @@ class SamplingParams:
     # speculative decoding by prompt lookup (edge0.drafts): at most this many tokens drafted a step from the
     # prompt and the text so far, checked in one verify pass; 0: off; None: the engine's prompt_lookup
     prompt_lookup: int | None = None
+    # speculative decoding with the engine's draft model: at most this many tokens drafted a step; 0: off;
+    # None: the engine's num_draft_tokens
+    num_draft_tokens: int | None = None
 
     def __post_init__(self):
         _int("max_tokens", self.max_tokens, 1, MAX_TOKENS)
@@ -145,6 +148,10 @@ class SamplingParams:
             from edge0.drafts import MAX_DRAFT
 
             _int("prompt_lookup", self.prompt_lookup, 0, MAX_DRAFT)
+        if self.num_draft_tokens is not None:
+            from edge0.drafts import MAX_DRAFT
+
+            _int("num_draft_tokens", self.num_draft_tokens, 0, MAX_DRAFT)
         if self.response_format is not None:
             from edge0.constrain import parse_response_format
 

@@ -208,7 +208,7 @@ def _sampling(r: S.ChatRequest | S.CompletionRequest, defaults: Defaults) -> dic
         xtc_probability=r.xtc_probability, xtc_threshold=r.xtc_threshold,
         presence_context_size=r.presence_context_size, frequency_context_size=r.frequency_context_size,
         presence_penalty=r.presence_penalty or None, frequency_penalty=r.frequency_penalty or None,
-        prompt_lookup=r.prompt_lookup)
+        prompt_lookup=r.prompt_lookup, num_draft_tokens=r.num_draft_tokens)
     for name in [k for k, v in sampling.items() if v is None and k != "seed"]:
         del sampling[name]
     if r.response_format is not None:  # the shape now; the schema compiles with the tokenizer

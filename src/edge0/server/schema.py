@@ -94,6 +94,7 @@ class _Request(_Strict):
     xtc_probability: float | None = _number(0, 1)
     xtc_threshold: float | None = _number(0, 0.5)
     prompt_lookup: int | None = _integer(0, MAX_DRAFT)  # speculative decoding's drafts a step (edge0.drafts); 0: off
+    num_draft_tokens: int | None = _integer(0, MAX_DRAFT)  # the draft model's drafts a step (mlx-lm's); 0: off
     logit_bias: dict[str, Any] | None = None  # checked against the vocabulary: sampling.check_logit_bias
     response_format: dict[str, Any] | None = None  # compiled with the tokenizer: edge0.constrain
     stop: str | list[str] | None = Field(None, max_length=MAX_STOP)

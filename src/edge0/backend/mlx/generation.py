@@ -4,7 +4,8 @@ mlx-lm's tokenizer wrapper with its streaming detokenizer (``load_tokenizer``, i
 failures turned into ``TokenizerError``), mlx-lm's sampler and logits processors built from
 Edge0's sampling parameters (``row_sampling``), and the KV / state cache: making one
 (``make_cache``), its size in bytes (``cache_nbytes``) and trimming tokens off its end
-where its layers allow that (``cache_trimmable``, ``trim_cache``).
+where its layers allow that (``cache_trimmable``, ``trim_cache``); a draft model's greedy
+tokens (``draft_greedy``).
 """
 
 from __future__ import annotations
@@ -266,3 +267,19 @@ def copy_prefix(cache: list, n: int) -> list | None:
         new.keys, new.values, new.offset = c.keys[..., :n, :], c.values[..., :n, :], n
         out.append(new)
     return out
+
+
+def draft_greedy(model: nn.Module, cache: list, feed: list[int], first: int, n: int) -> list[int]:
+    """A draft model's greedy continuation on its own ``cache``: ``feed`` (the tokens before
+    ``first`` its cache has not seen) forwarded in chunks, then ``first`` and each token it
+    chooses (the argmax of its logits), ``n`` tokens chosen, as one graph evaluated once.
+    The cache ends holding ``feed``, ``first`` and the first ``n - 1`` chosen."""
+    for i in range(0, len(feed), 512):
+        model(mx.array([feed[i:i + 512]]), cache=cache)
+        mx.eval([c.state for c in cache])
+    y, out = mx.array([[first]]), []
+    for _ in range(n):
+        y = mx.argmax(model(y, cache=cache)[:, -1, :], axis=-1, keepdims=True)
+        out.append(y)
+    return mx.concatenate(out).reshape(-1).tolist() if out else []
+

@@ -30,6 +30,7 @@ from edge0.backend.mlx.generation import (
     cache_trimmable,
     check_start_cache,
     copy_prefix,
+    draft_greedy,
     load_cache_file,
     load_tokenizer,
     make_cache,
@@ -92,5 +93,5 @@ __all__ = [
     "kv_width", "rotary_dims", "split_projections", "switch_experts", "switch_layout", "switch_output_width", "token_embedding",
     "trim_cache", "value_and_grad", "copy_prefix", "batch_cache", "empty_batch_cache", "extend_batch_cache", "extract_batch_row",
     "filter_batch_cache", "is_plain_kv_cache", "row_sampling", "check_start_cache", "load_cache_file",
-    "rebuild_tokenizer", "tokenizer_parts",
+    "rebuild_tokenizer", "tokenizer_parts", "draft_greedy",
 ]
