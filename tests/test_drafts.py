@@ -109,6 +109,8 @@ def test_a_draft_model_s_cache_follows_the_sequence_through_what_the_passes_took
         taken = min(taken, len(proposal))
         d.accepted(len(proposal), taken)
         generated += proposal[:taken] + [7]  # the pass's own token after what it took
+    d.follow(prompt, generated)
+    assert d.propose() == d.propose()  # proposed again with nothing new (a pass that did not run): the same
 
 
 def test_drafting_pauses_where_its_passes_make_too_few_tokens_to_pay_for_themselves():

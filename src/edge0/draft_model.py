@@ -50,7 +50,6 @@ class DraftModel:
         self.step_time = self.draft_time = None
         self.unpaid = False
 
-
     def drafter(self, most: int) -> "ModelDrafter":
         """A sequence's drafter: at most ``most`` tokens a draft."""
         return ModelDrafter(self, most)
@@ -92,10 +91,11 @@ class ModelDrafter:
             return []
         if not self.tokens:
             return []
-        if self.cached > self.valid:
-            bnn.trim_cache(self.cache, self.cached - self.valid)
         n = len(self.tokens)
-        draft = bnn.draft_greedy(self.draft.model, self.cache, self.tokens[self.valid:n - 1], self.tokens[-1], self.k)
+        keep = min(self.valid, n - 1)  # the last token is the draft's first input: never in the cache before
+        if self.cached > keep:
+            bnn.trim_cache(self.cache, self.cached - keep)
+        draft = bnn.draft_greedy(self.draft.model, self.cache, self.tokens[keep:n - 1], self.tokens[-1], self.k)
         self.valid, self.cached, self.last = n, n + len(draft) - 1, (n, len(draft))
         return draft
 
