@@ -108,7 +108,7 @@ class EngineMetrics:
     decode_steps: int = 0  # decode forward passes so far (one per step, for every row of it)
     decode_tokens: int = 0  # tokens those steps generated, every row
     decode_expert_bytes: int = 0  # expert bytes read during those steps
-    verify_passes: int = 0  # of the decode steps, verify passes of drafted tokens (prompt lookup)
+    verify_passes: int = 0  # of the decode steps, verify passes of drafted tokens (speculative decoding)
     draft_tokens: int = 0  # tokens those passes checked
     accepted_tokens: int = 0  # and took (each pass also makes one token more)
     slot_bytes: int = 0  # bytes the staged layers' slots hold now (grown while a batch needs more)

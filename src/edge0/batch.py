@@ -355,7 +355,7 @@ class Batcher:
 
     def _draft(self, batch: Batch) -> list[int]:
         """The draft of the batch's step (empty: a step without one): where one row decodes
-        and it drafts (``Row.drafter``), what prompt lookup proposes, within the tokens it
+        and it drafts (``Row.drafter``), what its drafter proposes, within the tokens it
         has left to make (the pass makes one more than it took)."""
         if len(batch) != 1 or batch.rows[0].drafter is None:
             return []

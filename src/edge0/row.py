@@ -81,7 +81,7 @@ class Row:
     passed_over: int = 0  # iterations with prefill budget in which its prompt got none
     prompt_scores: list | None = None  # with params.prompt_logprobs: its prompt tokens' scores so far (prefill)
     arrival: int = field(default_factory=lambda: next(_ARRIVALS))  # the order rows were made in (edge0.prefill.order)
-    drafter: object = None  # its prompt lookup (edge0.drafts.PromptLookup): drafts its decode steps; None: none
+    drafter: object = None  # its drafter (edge0.drafts.PromptLookup, edge0.draft_model.ModelDrafter); None: none
 
     def __post_init__(self):
         if self.seed is None:

@@ -50,7 +50,7 @@ class GenerationStats:
     expert_cache: str | None = None  # the expert cache ("lfu, 512 MiB"), or None (off)
     decode_cache_hits: int = 0  # experts the cache served at decode (memory copies, not reads)
     decode_cache_bytes: int = 0  # their bytes (decode_expert_bytes counts what came from the disk)
-    # speculative decoding (prompt lookup): verify passes, the drafted tokens they checked and those they took
+    # speculative decoding (prompt lookup, a draft model): verify passes, the drafted tokens they checked and those they took
     verify_passes: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0

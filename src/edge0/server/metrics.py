@@ -90,8 +90,8 @@ class Metrics:
                [((), m.expert_cache_served_bytes)])
         metric("slot_bytes", "gauge", "Bytes the staged layers' expert slots hold now (they grow while a batch's "
                "union of experts needs more, within slot_budget_mb).", [((), m.slot_bytes)])
-        metric("over_slot_layers_total", "counter", "Staged layer-steps run exact because a batch's union of "
-               "experts did not fit the layer's slots.", [((), m.over_slot_layers)])
+        metric("over_slot_layers_total", "counter", "Staged layer-steps run exact, whole or in part, because a "
+               "batch's or a verify pass's union of experts did not fit the layer's slots.", [((), m.over_slot_layers)])
         metric("prompt_cache_bytes", "gauge", "Bytes held by the prompt cache.", [((), m.prompt_cache_bytes)])
         metric("prompt_cache_hits_total", "counter", "Prompts that reused a cached KV prefix.", [((), m.prompt_cache_hits)])
         metric("prefill_passes_total", "counter", "Prompt forward passes (a chunk of one prompt, or short prompts "
@@ -118,7 +118,7 @@ def _decode_metrics(metric, m: EngineMetrics) -> None:
     metric("decode_tokens_total", "counter", "Tokens the decode steps generated, every generation.",
            [((), m.decode_tokens)])
     metric("verify_passes_total", "counter", "Of the decode passes, verify passes of drafted tokens "
-           "(speculative decoding by prompt lookup).", [((), m.verify_passes)])
+           "(speculative decoding: prompt lookup's or a draft model's drafts).", [((), m.verify_passes)])
     metric("draft_tokens_total", "counter", "Drafted tokens the verify passes checked.", [((), m.draft_tokens)])
     metric("draft_tokens_accepted_total", "counter", "Drafted tokens the verify passes took.",
            [((), m.accepted_tokens)])
