@@ -131,8 +131,9 @@ def test_a_draft_model_s_drafting_pauses_where_a_token_costs_more_with_drafts_th
         misses, pause, step_time, draft_time, unpaid = 0, 0, None, None, False
 
     d = Timed()
-    drafts.pace(d, 0.012, 2, drafted=True)  # 6 ms a token with a draft, no step timed yet
-    assert d.pause == 0 and d.draft_time == pytest.approx(0.006) and not d.unpaid
+    drafts.pace(d, 0.012, 2, drafted=True)  # 6 ms a token with a draft, no step timed yet: the next one a step
+    assert d.pause == 1 and d.draft_time == pytest.approx(0.006) and not d.unpaid
+    d.pause = 0
     for _ in range(3):
         drafts.pace(d, 0.010, 1, drafted=False)  # steps: 10 ms a token
     drafts.pace(d, 0.014, 2, drafted=True)  # 7 ms: the running mean 0.7 * 6 + 0.3 * 7 = 6.3 ms, it pays
@@ -158,3 +159,28 @@ def test_a_draft_model_that_did_not_pay_starts_its_next_generations_paused():
     assert draft.drafter(3).pause == drafts.MAX_BACKOFF  # what the first learnt, the next knows
     drafts.pace(first, 0.008, 2, drafted=True)  # a draft that paid: no longer marked
     assert not draft.unpaid and draft.drafter(3).pause == 0
+
+
+def test_a_batch_size_s_drafting_pauses_where_its_passes_cost_more_a_token_than_its_steps():
+    """``BatchPace``: a batch of one is never paused by it; a batch size's first pass is
+    followed by timed steps (the first after a pass not counted: it plans its reads when it
+    starts); a pass costing more a token than those steps pauses that size alone."""
+    p = drafts.BatchPace()
+    assert p.allows(1) and p.allows(3)
+    p.record(1, 9.0, 1, drafted=True)
+    assert p.allows(1)
+    p.record(3, 0.012, 6, drafted=True)  # 2 ms a token with drafts, no step of 3 rows timed yet
+    assert not p.allows(3) and p.allows(2)
+    p.record(3, 0.090, 3, drafted=False)  # the step after a pass: 30 ms a token, not counted
+    for _ in range(drafts.PROBE_STEPS - 1):
+        assert not p.allows(3)
+        p.record(3, 0.009, 3, drafted=False)  # steps: 3 ms a token
+    assert p.allows(3)
+    p.record(3, 0.015, 6, drafted=True)  # 0.7 * 2 + 0.3 * 2.5 = 2.15 ms: it pays
+    assert p.allows(3)
+    p.record(3, 0.060, 6, drafted=True)  # 0.7 * 2.15 + 0.3 * 10 = 4.5 ms: it does not
+    assert not p.allows(3) and p.allows(2)
+    for _ in range(drafts.MAX_BACKOFF):
+        assert not p.allows(3)
+        p.record(3, 0.009, 3, drafted=False)
+    assert p.allows(3)

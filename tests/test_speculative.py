@@ -103,22 +103,127 @@ def test_the_length_bound_and_stop_strings_end_it_where_they_end_decoding_withou
         assert drafted[-1].stats.generated_tokens == len(plain)
 
 
+FREE = "The history of the city began"  # text the demo does not repeat: few drafts
+
+
 @pytest.mark.parametrize("heads", ["off", "auto"])
-def test_rows_sharing_steps_decode_without_drafts_and_give_their_tokens(heads):
-    async def together(e):
-        async def one(p):
-            events = [ev async for ev in e.generate(p, max_tokens=24)]
-            return [ev.token for ev in events], events[-1].stats.verify_passes
-        return await asyncio.gather(*(one(p) for p in REPEATS))
+def test_rows_with_and_without_drafts_share_steps_and_give_their_tokens(heads, monkeypatch):
+    """Rows drafting different lengths and a row without drafts in one batch (every pass
+    shared here, as where passes cost less than steps): each row's tokens and
+    log-probabilities are those decoding without drafts gives, the drafting rows' drafts
+    were taken, and each row's cache, trimmed apart, holds its own sequence (the prompt
+    cache continues each prompt as before)."""
+    from edge0.drafts import BatchPace
+
+    monkeypatch.setattr(BatchPace, "allows", lambda self, rows: True)
+    lookup = [4, 0, 2]
+
+    async def together(e, prompts, drafts, n=24):
+        async def one(p, k):
+            events = [ev async for ev in e.generate(p, max_tokens=n, prompt_lookup=k, logprobs=True)]
+            return [ev.token for ev in events], [ev.logprob for ev in events], events[-1].stats
+        return await asyncio.gather(*(one(p, k) for p, k in zip(prompts, drafts)))
 
     with Engine(DEMO, EngineConfig(prerouter=heads, log_level="error")) as e:
-        plain = asyncio.run(together(e))
-    with Engine(DEMO, EngineConfig(prerouter=heads, prompt_lookup=4, log_level="error")) as e:
-        drafted = asyncio.run(together(e))
+        prompts = [e.tokenizer.encode(p) for p in REPEATS + [FREE]]
+        plain = asyncio.run(together(e, prompts, [0, 0, 0]))
+        more = [p + t for p, (t, _, _) in zip(prompts, plain)]
+        plain_more = asyncio.run(together(e, more, [0, 0, 0], 8))
+    with Engine(DEMO, EngineConfig(prerouter=heads, prompt_cache_mb=64, log_level="error")) as e:
+        mixed = asyncio.run(together(e, prompts, lookup))
         m = e.metrics()
-    assert [t for t, _ in drafted] == [t for t, _ in plain]
-    assert m.decode_steps < 0.75 * m.decode_tokens  # they shared steps ...
-    assert sum(v for _, v in drafted) < m.decode_steps  # ... and those steps drafted nothing
+        # each sequence continued from the cache its row left: what it holds is that row's own
+        again = asyncio.run(together(e, more, lookup, 8))
+    for (a, la, _), (b, lb, _) in zip(plain, mixed):
+        assert a == b
+        assert la == pytest.approx(lb, abs=1e-4)
+    assert [t for t, _, _ in again] == [t for t, _, _ in plain_more]
+    assert all(s.cached_tokens >= len(p) for p, (_, _, s) in zip(prompts, again))
+    stats = [s for _, _, s in mixed]
+    assert stats[0].verify_passes > 0 and stats[0].accepted_tokens > 0 and stats[1].verify_passes == 0
+    assert m.decode_steps < 0.75 * m.decode_tokens  # they shared steps, some of them verify passes
+    assert 0 < m.verify_passes < m.decode_steps and m.accepted_tokens == sum(s.accepted_tokens for s in stats)
+
+
+def test_a_row_whose_sampler_fails_in_a_shared_pass_fails_alone(monkeypatch):
+    """A row whose sampling raises inside a verify pass it shares: its generation ends
+    with that error; the other rows go on with their tokens."""
+    import edge0.decoding
+
+    sample, verify, shared = edge0.decoding._sample, edge0.decoding.Decoder.verify, []
+
+    def failing(row, logits, ahead=()):
+        if row.max_tokens == 23 and ahead and shared and shared[-1] > 1:  # a drafted position of a shared pass
+            raise RuntimeError("the sampler of the row of 23 tokens")
+        return sample(row, logits, ahead)
+
+    def passes(self, batch, drafts):
+        shared.append(sum(map(bool, drafts)))
+        return verify(self, batch, drafts)
+
+    async def together(e):
+        async def one(p, n):
+            try:
+                return [ev.token async for ev in e.generate(p, max_tokens=n, prompt_lookup=4)]
+            except RuntimeError as err:
+                return str(err)
+        return await asyncio.gather(*(one(p, n) for p, n in zip(REPEATS + [FREE], [24, 23, 24])))
+
+    with Engine(DEMO, EngineConfig(prerouter="off", log_level="error")) as e:
+        plain = asyncio.run(together(e))
+        monkeypatch.setattr(edge0.decoding, "_sample", failing)
+        monkeypatch.setattr(edge0.decoding.Decoder, "verify", passes)
+        monkeypatch.setattr(edge0.decoding.BatchPace, "allows", lambda self, rows: True)  # (shared passes go on)
+        got = asyncio.run(together(e))
+        m = e.metrics()
+    assert got[1] == "the sampler of the row of 23 tokens"
+    assert got[0] == plain[0] and got[2] == plain[2] and m.verify_passes > 0
+
+
+@pytest.mark.parametrize("costly", [False, True])
+def test_rows_sharing_steps_stop_drafting_where_a_pass_costs_more_a_token_than_a_step(costly, monkeypatch):
+    """The batch loop's clock (a fake: each reading a second later, a step one more, a
+    verify pass 0.5 more, a hundred where ``costly``): passes of several rows that cost
+    less than steps go on (every row's tokens come as fast as without drafts); passes that
+    cost more stop after three timed steps (the row without drafts would be slowed)."""
+    from types import SimpleNamespace
+
+    import edge0.batch
+    from edge0.decoding import Decoder
+
+    clock, sizes = [0.0], []
+
+    def reading():
+        clock[0] += 1.0
+        return clock[0]
+
+    verify, step = Decoder.verify, Decoder.step
+
+    def costed(self, batch, drafts):
+        sizes.append(len(batch))
+        clock[0] += 100.0 if costly else 0.5
+        return verify(self, batch, drafts)
+
+    def stepped(self, batch):
+        clock[0] += 1.0
+        return step(self, batch)
+
+    monkeypatch.setattr(edge0.batch, "time", SimpleNamespace(perf_counter=reading))
+    monkeypatch.setattr(Decoder, "verify", costed)
+    monkeypatch.setattr(Decoder, "step", stepped)
+
+    async def together(e):
+        async def one(p, k):
+            return [ev async for ev in e.generate(p, max_tokens=40, prompt_lookup=k)][-1].stats
+        return await asyncio.gather(*(one(p, k) for p, k in zip(REPEATS + [FREE], [4, 4, 0])))
+
+    with Engine(DEMO, EngineConfig(prerouter="off", log_level="error")) as e:
+        asyncio.run(together(e))
+    shared = [n for n in sizes if n > 1]
+    if costly:
+        assert 0 < len(shared) <= 2 * 2  # a pass, three timed steps and one more pass a batch size
+    else:
+        assert len(shared) > 8
 
 
 def test_prompt_lookup_runs_with_the_demo_s_heads_and_bad_values_are_named():
@@ -216,6 +321,78 @@ def test_a_head_s_predictions_of_a_pass_s_positions_are_the_step_s_flushes(flush
         assert e._worker.call(check, e) == 12 * 7
 
 
+def test_a_batch_cache_s_rows_trimmed_apart_hold_their_own_tokens_and_no_padding_all_share():
+    """After a pass, each row of a batch cache keeps what it took: its tokens end where the
+    batch's do, its padding masks what it dropped, and padding every row has is cut off."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache
+
+    from edge0.backend import nn as bnn
+
+    def valid(c, r):  # row r's cached keys, oldest first, as plain values
+        return c.keys[r, 0, c.left_padding.tolist()[r]:c._idx, 0].tolist()
+
+    c = BatchKVCache([0, 0])
+    first = mx.arange(12, dtype=mx.float32).reshape(2, 1, 6, 1)
+    c.update_and_fetch(first, first)
+    bnn.trim_rows([c], [1, 3])  # row 0 took 5 of its 6, row 1 3
+    assert c._idx == 5 and c.left_padding.tolist() == [0, 2] and c.offset.tolist() == [5, 3]
+    assert valid(c, 0) == [0, 1, 2, 3, 4] and valid(c, 1) == [6, 7, 8]
+    more = mx.array([[20, 21], [30, 31]], dtype=mx.float32).reshape(2, 1, 2, 1)
+    c.update_and_fetch(more, more)
+    bnn.trim_rows([c], [2, 0])  # row 0 dropped both: every row is padded by 2 at the front, cut off
+    assert c._idx == 5 and c.left_padding.tolist() == [0, 0] and c.offset.tolist() == [5, 5]
+    assert valid(c, 0) == [0, 1, 2, 3, 4] and valid(c, 1) == [6, 7, 8, 30, 31]
+    mask = c.make_mask(1, return_array=True)
+    assert mask.shape[-1] == 6  # the next token sees the five and itself, nothing padded
+
+
+@pytest.mark.parametrize("routing", ["select", "replace"])
+def test_a_pass_of_several_rows_routes_each_as_that_row_alone_and_pads_as_its_last_position(routing):
+    """A verify pass of two rows, one with a shorter draft: each row's positions route as a
+    pass of that row alone routes them (to float32 rounding), and the shorter row's pad
+    positions route as its last own position (no expert staged for them alone)."""
+    import numpy as np
+
+    from edge0.backend import core as B
+    from edge0.exec.plan import DraftedRouting
+    from edge0.prerouter.runtime import Observed
+
+    def routes(e):
+        planner, rng = e.streaming.stager.planner, np.random.default_rng(1)
+        heads = planner.prerouter.heads
+        x = B.array(rng.standard_normal((2, 3, heads.hidden)).astype(np.float32))
+        inds = B.array(np.stack([[rng.permutation(heads.experts)[:heads.k] for _ in range(3)]
+                                 for _ in range(2)]).astype(np.int32))
+        before = Observed({o: (x[:, 0], inds[:, 0]) for o in heads.owners},
+                          {o: inds[:, 1] for o in heads.owners})
+        tokens = [[5, 9, 11], [7, 8, 8]]
+
+        def made(rows, lengths):
+            state = before if rows == [0, 1] else before.select(rows)
+            first = planner.flush(B.array([[tokens[r][0]] for r in rows], dtype=B.int32), state)
+            drafted = DraftedRouting(planner, state, [tokens[r] for r in rows], first, lengths)
+            for o in heads.owners:
+                drafted.observe(o, x[B.array(rows)].reshape(-1, heads.hidden),
+                                inds[B.array(rows)].reshape(-1, heads.k), decode=True)
+            return {c: (np.array(r.logits).reshape(len(rows), 3, -1),
+                        None if r.staged is None else np.array(r.staged).reshape(len(rows), 3, -1))
+                    for c, r in drafted.routes.items()}
+        return made([0, 1], [3, 2]), made([0], None), made([1], [2])
+
+    with Engine(DEMO, EngineConfig(routing=routing, log_level="error")) as e:
+        both, first, second = e._worker.call(routes, e)
+    assert both
+    for c, (z, staged) in both.items():
+        np.testing.assert_allclose(z[0], first[c][0][0], rtol=1e-5, atol=1e-4 * np.abs(z).max())
+        np.testing.assert_allclose(z[1], second[c][0][0], rtol=1e-5, atol=1e-4 * np.abs(z).max())
+        assert np.array_equal(z[1, 2], z[1, 1]) and not np.array_equal(z[1, 1], z[1, 0])
+        assert (staged is None) == (routing == "replace")
+        if staged is not None:
+            assert np.array_equal(staged[1, 2], staged[1, 1])
+            assert np.array_equal(staged[0], first[c][1][0])
+
+
 def test_over_slots_a_verify_pass_reads_what_its_slots_miss_once_and_throws_no_read_away():
     """Staged with heads over slots that never grow (slot_budget_mb 0): each staged layer of
     a verify pass reads what its slots miss of the union of its positions' experts once
@@ -298,6 +475,43 @@ def test_a_draft_model_gives_the_tokens_decoding_without_it_gives(draft, heads, 
         assert taken < 0.2 and sum(s.verify_passes for s in stats) < 0.5 * sum(s.generated_tokens for s in stats)
 
 
+@pytest.mark.parametrize("costly", [False, True])
+def test_the_batch_loop_times_a_draft_model_s_tokens_and_pauses_it_where_they_cost_more(costly, monkeypatch):
+    """The batch loop's clock (a fake here: each reading a second later; a draft costing 1.5
+    more, a hundred where ``costly``): drafts the model takes every time pay for themselves
+    (up to four tokens for 2.5 seconds, against a second a step) and drafting goes on; drafts that cost more a token than a step pause drafting after
+    one timed step, for this generation and the next."""
+    from types import SimpleNamespace
+
+    import edge0.batch
+    from edge0.draft_model import ModelDrafter
+
+    clock = [0.0]
+
+    def reading():
+        clock[0] += 1.0
+        return clock[0]
+
+    propose = ModelDrafter.propose
+
+    def costed(self):
+        draft = propose(self)
+        clock[0] += (100.0 if costly else 1.5) * bool(draft)
+        return draft
+
+    monkeypatch.setattr(edge0.batch, "time", SimpleNamespace(perf_counter=reading))
+    monkeypatch.setattr(ModelDrafter, "propose", costed)
+    with Engine(DEMO, EngineConfig(draft_model=str(DEMO), num_draft_tokens=3, prerouter="off",
+                                   log_level="error")) as e:
+        first = [ev for ev in e.stream(REPEATS[0], max_tokens=40)][-1].stats
+        second = [ev for ev in e.stream(REPEATS[1], max_tokens=40)][-1].stats
+        unpaid = e._rt.draft.unpaid
+    if costly:
+        assert unpaid and first.verify_passes == 2 and second.verify_passes == 0
+    else:
+        assert not unpaid and first.verify_passes > 5 and second.verify_passes > 5
+
+
 def test_a_request_s_num_draft_tokens_and_what_a_draft_model_refuses(dense_draft, tmp_path):
     with Engine(DEMO, EngineConfig(draft_model=str(DEMO), log_level="error")) as e:
         on = list(e.stream(REPEATS[0], max_tokens=24, num_draft_tokens=2))
@@ -334,7 +548,8 @@ def test_the_server_and_edge0_generate_draft_with_a_draft_model(capsys):
                  for extra in ({"num_draft_tokens": 0}, {}, {"num_draft_tokens": 2})]
         assert texts[0] == texts[1] == texts[2] and texts[0]
         m = state.engine.metrics()
-        assert m.last_generation.verify_passes > 0 and m.accepted_tokens > 0
+        assert m.verify_passes > 0 and m.accepted_tokens > 0  # (the demo drafting for itself costs more than
+        # it saves: timed, it pauses, and the later requests start paused)
         assert f"edge0_draft_tokens_accepted_total {m.accepted_tokens}" in httpx.get(url + "/metrics").text
     outs = []
     for flags in ([], ["--draft-model", str(DEMO), "--num-draft-tokens", "2"]):

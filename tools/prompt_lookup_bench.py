@@ -6,15 +6,18 @@ with --out, writes the figures as JSON. The engines' settings are the defaults (
 its heads, select routing, its adapter) but for the flags given.
 
     python tools/prompt_lookup_bench.py [--model DIR] [--rounds 9] [--max-tokens 128] [--lookup 4]
-        [--prerouter auto] [--expert-source auto] [--slot-budget-mb MB] [--out FILE]
+        [--prerouter auto] [--expert-source auto] [--slot-budget-mb MB] [--together] [--out FILE]
 
 ``--draft-model DIR`` (with ``--num-draft-tokens N``): the drafting engine drafts with that
-model instead of by prompt lookup.
+model instead of by prompt lookup. ``--together``: the three texts at once, sharing the
+batch's steps (the repeating ones drafting, the free one without drafts: its request's
+prompt_lookup 0), each engine's tokens a second over the three (their prefills included).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import statistics
 import time
@@ -42,6 +45,53 @@ def run(engine: Engine, prompt: str, max_tokens: int, sampling: dict) -> tuple[l
     return [e.token for e in events], (len(events) - 1) / (time.perf_counter() - first), events[-1].stats
 
 
+def together(engine: Engine, max_tokens: int) -> tuple[list[list[int]], float, list]:
+    """The three texts at once on ``engine``: their tokens, the tokens a second over all
+    three, and their stats (the free text, the sampled one, never drafts)."""
+    async def one(prompt: str, sampling: dict):
+        extra = {"prompt_lookup": 0, "num_draft_tokens": 0} if sampling else {}
+        t0 = time.perf_counter()
+        events = [ev async for ev in engine.generate(prompt, max_tokens=max_tokens, **sampling, **extra)]
+        events[-1].stats.seconds = time.perf_counter() - t0
+        return [e.token for e in events], events[-1].stats
+
+    async def run_all():
+        return await asyncio.gather(*(one(p, s) for p, s in CASES.values()))
+
+    t0 = time.perf_counter()
+    out = asyncio.run(run_all())
+    wall = time.perf_counter() - t0
+    return [t for t, _ in out], sum(len(t) for t, _ in out) / wall, [s for _, s in out]
+
+
+def _together(engines: dict, args) -> dict:
+    """The three texts at once on each engine, alternated round by round: a row of the
+    table (tokens a second over the three; the drafts' counts over the repeating ones)."""
+    for e in engines.values():  # warm-up
+        together(e, 8)
+    tps, tokens, read, stats = {k: [] for k in engines}, {}, {k: [] for k in engines}, None
+    seconds = {k: [] for k in engines}  # each text's time to its last token
+    for r in range(args.rounds):
+        for name in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
+            toks, rate, s = together(engines[name], args.max_tokens)
+            tps[name].append(rate)
+            seconds[name].append([x.seconds for x in s])
+            read[name].append(sum(x.decode_expert_bytes for x in s) / max(1, sum(x.generated_tokens for x in s)))
+            tokens[name] = toks
+            if name == "lookup":
+                stats = s
+    off, on = statistics.median(tps["off"]), statistics.median(tps["lookup"])
+    total = lambda field: sum(getattr(x, field) for x in stats)  # noqa: E731
+    return {"case": "all three at once (the free one without drafts)", "off_tps": off, "lookup_tps": on,
+            "speedup": on / off, "same_tokens": tokens["off"] == tokens["lookup"],
+            "off_bytes_per_token": statistics.median(read["off"]),
+            "lookup_bytes_per_token": statistics.median(read["lookup"]),
+            "verify_passes": total("verify_passes"), "draft_tokens": total("draft_tokens"),
+            "accepted_tokens": total("accepted_tokens"), "generated_tokens": total("generated_tokens"),
+            "seconds": {name: [statistics.median(v[i] for v in times) for i in range(len(CASES))]
+                        for name, times in seconds.items()}}
+
+
 def _mib(n: float) -> str:
     return f"{n / 2**20:.2f}"
 
@@ -61,6 +111,7 @@ def main() -> None:
     ap.add_argument("--slot-budget-mb", type=int, default=None, help="the engines' slot_budget_mb (0: slots never grow)")
     ap.add_argument("--draft-model", default=None, help="draft with this model instead of by prompt lookup")
     ap.add_argument("--num-draft-tokens", type=int, default=3)
+    ap.add_argument("--together", action="store_true", help="the three texts at once, sharing steps")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.model is None:
@@ -75,7 +126,9 @@ def main() -> None:
                "lookup": Engine(args.model, EngineConfig(**base, **drafting))}
     rows = []
     try:
-        for case, (prompt, sampling) in CASES.items():
+        if args.together:
+            rows.append(_together(engines, args))
+        for case, (prompt, sampling) in ({} if args.together else CASES).items():
             for e in engines.values():  # warm-up
                 run(e, prompt, 8, sampling)
             tps = {k: [] for k in engines}
@@ -110,6 +163,10 @@ def main() -> None:
               f"{_mib(r['off_bytes_per_token'])} / {_mib(r['lookup_bytes_per_token'])} "
               f"({_ratio(r['lookup_bytes_per_token'], r['off_bytes_per_token'])}) | "
               f"{'yes' if r['same_tokens'] else 'NO'} |")
+    for r in rows:
+        if "seconds" in r:
+            print("each text's seconds to its last token, without / with:", "; ".join(
+                f"{case.split(':')[0]} {a:.2f} / {b:.2f}" for case, a, b in zip(CASES, *r["seconds"].values())))
     if args.out:
         with open(args.out, "w") as f:
             named = {"model": Path(args.model).name,

@@ -339,29 +339,37 @@ class Batcher:
         return self.host.coord.unseen(self.host.streaming, row)
 
     def _decode_step(self) -> None:
-        batch = self.batch
-        row = batch.rows[0] if len(batch) == 1 else None
+        batch, n = self.batch, len(self.batch)
+        row = batch.rows[0] if n == 1 else None
         timed = row is not None and row.drafter is not None and row.drafter.timed
-        made, t0 = len(row.generated) if timed else 0, time.perf_counter()
-        draft = self._draft(batch)
-        done = self.decoder.verify(batch, draft) if draft else self.decoder.step(batch)
-        if timed:  # a draft model's drafts cost time to make: what a token costs with them (drafts.pace)
-            pace(row.drafter, time.perf_counter() - t0, len(row.generated) - made, bool(draft))
+        drafting = any(r.drafter is not None for r in batch.rows)
+        made, t0 = [len(r.generated) for r in batch.rows], time.perf_counter()
+        drafts = self._drafts(batch) if drafting and self.decoder.pace.allows(n) else []
+        done = self.decoder.verify(batch, drafts) if any(drafts) else self.decoder.step(batch)
+        seconds = time.perf_counter() - t0
+        made = [len(r.generated) - m for r, m in zip(batch.rows, made) if r not in done]
+        if timed and made:  # a draft model's drafts cost time to make: what a token costs with them (drafts.pace)
+            pace(row.drafter, seconds, made[0], any(drafts))
+        if drafting and made:  # rows sharing steps: the slowest row's (drafts.BatchPace)
+            self.decoder.pace.record(n, seconds, min(made), any(drafts))
         rows = batch.rows
         if rows and rows[0].kv_quant:  # (it runs alone) as mlx-lm quantizes after each step
             bnn.quantize_kv(batch.cache, self.host.config)
         if done:
             self.leave(done)
 
-    def _draft(self, batch: Batch) -> list[int]:
-        """The draft of the batch's step (empty: a step without one): where one row decodes
-        and it drafts (``Row.drafter``), what its drafter proposes, within the tokens it
-        has left to make (the pass makes one more than it took)."""
-        if len(batch) != 1 or batch.rows[0].drafter is None:
-            return []
-        row = batch.rows[0]
-        row.drafter.follow(row.ids, row.generated)  # the prompt, then what was generated
-        return row.drafter.propose()[:max(0, row.max_tokens - len(row.generated) - 1)]
+    def _drafts(self, batch: Batch) -> list[list[int]]:
+        """Each row's draft for the batch's step (all empty: a step without one): what the
+        drafter of a row that drafts (``Row.drafter``) proposes, within the tokens it has
+        left to make (the pass makes one more than it took)."""
+        out = []
+        for row in batch.rows:
+            if row.drafter is None:
+                out.append([])
+                continue
+            row.drafter.follow(row.ids, row.generated)  # the prompt, then what was generated
+            out.append(row.drafter.propose()[:max(0, row.max_tokens - len(row.generated) - 1)])
+        return out
 
     def leave(self, gone: list[Row]) -> None:
         """Take ``gone`` out of the batch: their caches to the prompt cache, the batch's

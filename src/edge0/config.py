@@ -261,11 +261,11 @@ class EngineConfig:
         "prompt and the text so far (what followed the last place the sequence's last tokens occurred) and one "
         "forward pass verifies them: the tokens are those decoding without drafts gives (greedy and sampled, "
         "the same random stream). How many it drafts adapts to what was taken; text that does not repeat pays "
-        "no pass. A generation decoding alone in the batch drafts; one sharing its steps with others, with a "
-        "response_format or grammar, a rotating or quantized KV cache, or a routing recording decodes without "
-        "drafts. With prerouter heads, each drafted position is routed as a step there would route it (the heads "
-        "predict it inside the pass) and the pass's staged layers compute on the exact path. A request's "
-        "prompt_lookup overrides it. 0: off.",
+        "no pass. Rows sharing a batch's steps draft each their own (one pass verifies them all, a shorter draft "
+        "padded); a generation with a response_format or grammar, a rotating or quantized KV cache, or a routing "
+        "recording decodes without drafts. With prerouter heads, each drafted position is routed as a step there "
+        "would route it (the heads predict it inside the pass); over slots each staged layer reads the union of "
+        "its positions' experts once. A request's prompt_lookup overrides it. 0: off.",
         lo=0, hi=MAX_DRAFT, why=f"0 (off) or the most tokens a step drafts, 1 to {MAX_DRAFT}")
     draft_model: str | None = setting(
         None,

@@ -20,6 +20,7 @@ import copy
 
 from edge0.backend import core as B
 from edge0.backend import nn as bnn
+from edge0.drafts import BatchPace
 from edge0.errors import ExpertReadError
 from edge0.exec.plan import DraftedRouting, PrerouterPlanner
 from edge0.prerouter.runtime import Observed, Observing
@@ -104,6 +105,7 @@ class Decoder:
         self.verify_passes = 0  # of them, verify passes of drafted tokens (speculative decoding)
         self.drafted = 0  # tokens those passes checked
         self.accepted = 0  # and took
+        self.pace = BatchPace()  # whether rows sharing steps draft (the batch loop times them)
 
     def typed(self, error: BaseException) -> BaseException:
         """``error`` as the coordinator names it (under a pipeline, a failed transfer is a
@@ -141,65 +143,84 @@ class Decoder:
         logits = model.forward(inputs, cache=cache, decode=True, adapters=[r.adapter for r in rows], heads=sink)
         return logits, (sink.after() if sink is not None else None)
 
-    def verify(self, batch: Batch, draft: list[int]) -> list:
-        """A verify pass of ``batch``'s one row: its last token and the ``draft`` forwarded in
-        one pass (the decode step's path over those positions: each MoE layer the union of
-        their experts once), each position's token sampled as a decode step would sample it
-        there (the same processors' history, the same draw of the row's random stream), the
-        tokens handed out up to the first that differs from the draft, and that one; the
-        cache trimmed to what was handed out. Returns the row if it ended."""
-        (row,) = batch.rows
-        bytes0, n = self.host.reader.stats.bytes, len(draft)
+    def verify(self, batch: Batch, drafts: list[list[int]]) -> list:
+        """A verify pass of ``batch``'s rows: each row's last token and its draft (``drafts``,
+        one per row, some empty) forwarded in one pass (the decode step's path over those
+        positions: each MoE layer the union of their experts once; a row with a shorter
+        draft padded with its last token, those positions routed as its last own one where
+        the heads route), each position's token sampled as a decode step would sample it
+        there (the same processors' history, the same draw of the row's random stream), each
+        row's tokens handed out up to the first that differs from its draft, and that one;
+        the cache trimmed, row by row, to what was handed out. Returns the rows that ended."""
+        rows = list(batch.rows)
+        bytes0, width = self.host.reader.stats.bytes, 1 + max(len(d) for d in drafts)
         try:
-            tokens = [row.next] + draft
-            routing = self._drafted(batch.heads, tokens)
+            tokens = [[r.next] + d + [(d or [r.next])[-1]] * (width - 1 - len(d)) for r, d in zip(rows, drafts)]
+            routing = self._drafted(batch.heads, tokens, [1 + len(d) for d in drafts])
             if routing is False:  # the heads cannot plan the step's own position yet
                 return self.step(batch)
-            logits = self.host.step_model.forward(B.array([tokens], dtype=B.int32), cache=batch.cache, decode=True,
-                                                  adapters=[row.adapter], heads=routing,
+            logits = self.host.step_model.forward(B.array(tokens, dtype=B.int32), cache=batch.cache, decode=True,
+                                                  adapters=[r.adapter for r in rows], heads=routing,
                                                   routes=routing.routes if routing is not None else None)
-            sampled = [_sample(row, logits[:, j, :], draft[:j]) for j in range(n + 1)]
-            tokens = B.to_host(B.concat([t.reshape(-1).astype(B.int32) for t, _ in sampled])).tolist()
-        except BaseException as e:  # the pass itself, or the row's processors or sampler: the row fails
-            return self.failed([row], e)
-        taken = 0
-        while taken < n and tokens[taken] == draft[taken]:
-            taken += 1
-        row.drafter.accepted(n, taken)
-        self.steps += 1
-        stats = row.events.stats
-        stats.verify_passes, stats.draft_tokens = stats.verify_passes + 1, stats.draft_tokens + n
-        self.verify_passes, self.drafted = self.verify_passes + 1, self.drafted + n
-        handed, ended = 0, False
-        for token, (_, lp) in zip(tokens[:taken + 1], sampled):
-            if handed:  # a draft the pass took, handed out
-                stats.accepted_tokens, self.accepted = stats.accepted_tokens + 1, self.accepted + 1
-            handed += 1
-            if self._hand(row, token, lp):
-                ended = True
-                break
-        bnn.trim_cache(batch.cache, n + 1 - handed)
+            sampled = [_sample_draft(r, logits[i:i + 1], d) for i, (r, d) in enumerate(zip(rows, drafts))]
+            live = [t.reshape(-1).astype(B.int32) for s in sampled for t, _ in s]
+            flat = B.to_host(B.concat(live)).tolist() if live else []
+        except BaseException as e:  # the pass itself: every row of it fails
+            return self.failed(rows, e)
+        self.steps, self.verify_passes = self.steps + 1, self.verify_passes + 1
+        done, handed, at = [], [], 0
+        for row, draft, row_sampled in zip(rows, drafts, sampled):
+            got, at = flat[at:at + len(row_sampled)], at + len(row_sampled)
+            n, ended = self._take(row, draft, got, row_sampled) if row.error is None else (0, True)
+            handed.append(n)
+            if ended:
+                done.append(row)
+        bnn.trim_rows(batch.cache, [width - n for n in handed])
         if routing is not None:
             batch.observed(routing.taken(handed))
         self.decode_bytes += self.host.reader.stats.bytes - bytes0
-        return [row] if ended else []
+        return done
 
-    def _drafted(self, before: Observed | None, tokens: list[int]):
-        """A verify pass's routing by the heads over ``tokens`` (``DraftedRouting``): None
-        without heads (every layer routes on its own gate); False where the heads cannot
-        plan the pass's first position (they have not seen every owner), as a step could
-        not: that step runs without drafts."""
+    def _take(self, row, draft: list[int], tokens: list[int], sampled: list) -> tuple[int, bool]:
+        """After a verify pass: ``row``'s ``tokens`` (sampled at each position of its
+        ``draft``, and one more; their log-probabilities in ``sampled``) handed out up to the
+        first that differs from the draft, and that one. Returns (how many were handed out,
+        whether the row ended)."""
+        n = len(draft)
+        taken = 0
+        while taken < n and tokens[taken] == draft[taken]:
+            taken += 1
+        if n:
+            row.drafter.accepted(n, taken)
+            stats = row.events.stats
+            stats.verify_passes, stats.draft_tokens = stats.verify_passes + 1, stats.draft_tokens + n
+            self.drafted += n
+        handed = 0
+        for token, (_, lp) in zip(tokens[:taken + 1], sampled):
+            if handed:  # a draft the pass took, handed out
+                row.events.stats.accepted_tokens += 1
+                self.accepted += 1
+            handed += 1
+            if self._hand(row, token, lp):
+                return handed, True
+        return handed, False
+
+    def _drafted(self, before: Observed | None, tokens: list[list[int]], lengths: list[int]):
+        """A verify pass's routing by the heads over ``tokens`` (a row per sequence, its own
+        positions ``lengths``; ``DraftedRouting``): None without heads (every layer routes on
+        its own gate); False where the heads cannot plan the pass's first position (they have
+        not seen every owner), as a step could not: that step runs without drafts."""
         streaming = self.host.streaming
         if streaming.prerouter is None:
             return None
         planner = getattr(streaming.stager, "planner", None)
         if not isinstance(planner, PrerouterPlanner):  # the heads observe; no staged layer routes by them
-            return DraftedRouting(None, before or Observed(), tokens, None)
-        first = planner.flush(B.array([tokens[:1]], dtype=B.int32), before)
+            return DraftedRouting(None, before or Observed(), tokens, None, lengths)
+        first = planner.flush(B.array([t[:1] for t in tokens], dtype=B.int32), before)
         if first is None:
             return False
         streaming.stager.begin_verify()
-        return DraftedRouting(planner, before, tokens, first)
+        return DraftedRouting(planner, before, tokens, first, lengths)
 
     def _hand(self, row, token: int, lp) -> bool:
         """``token`` (sampled for ``row``, its log-probabilities ``lp``) to the row's consumer;
@@ -259,7 +280,8 @@ class Decoder:
                 done.append(row)
         if extra:
             stager = host.streaming.stager
-            if done or _drafts_next(rows):  # (a verify pass routes its own positions: the plan would read for nothing)
+            if done or (_drafts_next(rows) and self.pace.allows(len(rows))):  # (a verify pass routes its own
+                # positions: the plan would read for nothing)
                 stager.drop_ahead()
             else:
                 stager.take_ahead(flat[len(live):])
@@ -267,13 +289,25 @@ class Decoder:
 
 
 def _drafts_next(rows: list) -> bool:
-    """Whether the next pass of ``rows`` is a verify pass (one row, whose drafter will
-    propose a draft, with tokens left to make)."""
-    if len(rows) != 1 or rows[0].drafter is None:
-        return False
-    row = rows[0]
-    row.drafter.follow(row.ids, row.generated)
-    return row.drafter.ready() and row.max_tokens - len(row.generated) > 1
+    """Whether the next pass of ``rows`` is a verify pass (a row whose drafter will propose
+    a draft, with tokens left to make)."""
+    for row in rows:
+        if row.drafter is not None:
+            row.drafter.follow(row.ids, row.generated)
+            if row.drafter.ready() and row.max_tokens - len(row.generated) > 1:
+                return True
+    return False
+
+
+def _sample_draft(row, logits, draft: list[int]) -> list:
+    """``row``'s tokens and log-probabilities (``_sample``) at each position of its ``draft``
+    and one more, from its row of a verify pass's ``logits`` [1, positions, vocab]; none
+    where its processors or sampler fail (the row fails: ``row.error``)."""
+    try:
+        return [_sample(row, logits[:, j, :], draft[:j]) for j in range(len(draft) + 1)]
+    except BaseException as e:  # this row's processors or sampler: this row fails
+        row.error = e
+        return []
 
 
 def _sample(row, logits, ahead: list[int] = ()):

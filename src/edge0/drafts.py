@@ -29,6 +29,7 @@ MAX_DRAFT = 16  # the most tokens a verify pass may check (a pass is that many p
 BACKOFF_AFTER = 3  # verify passes in a row that took no draft before drafting pauses
 BACKOFF_STEPS = 8  # decode steps drafting pauses for the first time (doubling, at most MAX_BACKOFF)
 MAX_BACKOFF = 256
+PROBE_STEPS = 3  # steps a batch size's first verify pass is followed by, timed (``BatchPace``)
 
 
 def check(max_draft: int, ngram_max: int, ngram_min: int = 2) -> None:
@@ -80,7 +81,8 @@ def pace(d, seconds: float, tokens: int, drafted: bool) -> None:
     and the verify pass; without, a step. Each kind's time a token is kept as a running mean
     (the draft model's, over its generations); where drafting's exceeds a step's, the draft
     model is marked as not paying (``d.unpaid``) and drafting pauses for ``MAX_BACKOFF``
-    steps, as a generation that starts then does: a draft model whose drafts are taken too
+    steps, as a generation that starts then does (before any step was timed, drafting
+    pauses for one, timed): a draft model whose drafts are taken too
     rarely for what it and the passes cost stops drafting. (Prompt lookup's drafts cost
     nothing to make: its pauses follow what the passes make, ``adapt``.)"""
     if tokens <= 0 or seconds <= 0:
@@ -90,9 +92,53 @@ def pace(d, seconds: float, tokens: int, drafted: bool) -> None:
         d.step_time = now if d.step_time is None else (1 - PACE) * d.step_time + PACE * now
         return
     d.draft_time = now if d.draft_time is None else (1 - PACE) * d.draft_time + PACE * now
-    d.unpaid = d.step_time is not None and d.draft_time > d.step_time
+    if d.step_time is None:  # nothing to weigh it against yet: the next iteration a step, timed
+        d.pause = max(d.pause, 1)
+        return
+    d.unpaid = d.draft_time > d.step_time
     if d.unpaid:
         d.pause, d.misses, d.draft_time = MAX_BACKOFF, 0, None
+
+
+class BatchPace:
+    """Whether rows sharing a batch's steps draft: a verify pass of several rows pads the
+    shorter drafts and stages every row's positions, so it costs more than the step it
+    replaces, and a row whose draft is short or none makes its tokens slower than that step
+    would. Drafting there must not slow any row down: the batch loop times each iteration
+    of a batch of two rows or more (``record``), and for each batch size keeps the running
+    means of the time a token of its slowest row takes (the fewest tokens a row made) with
+    drafts and without (a step's only where the step before was one too: the first after a
+    pass plans its reads when it starts). Where drafting's is the higher, drafting pauses
+    for ``MAX_BACKOFF`` steps of that size, then is timed again; before steps of that size
+    were timed, it pauses for ``PROBE_STEPS``. A row decoding alone is paced by its
+    drafter (``adapt``, and ``pace`` for a draft model)."""
+
+    def __init__(self):
+        # batch size -> [a step's time a token, a pass's, steps left paused, whether its last was a pass]
+        self._sizes: dict[int, list] = {}
+
+    def allows(self, rows: int) -> bool:
+        """Whether a batch of ``rows`` rows may draft now."""
+        return rows < 2 or rows not in self._sizes or self._sizes[rows][2] == 0
+
+    def record(self, rows: int, seconds: float, tokens: int, drafted: bool) -> None:
+        """An iteration of a batch of ``rows`` rows took ``seconds``, with a verify pass
+        (``drafted``) or a step, its slowest row making ``tokens`` tokens."""
+        if rows < 2 or tokens <= 0 or seconds <= 0:
+            return
+        now = seconds / tokens
+        size = self._sizes.setdefault(rows, [None, None, 0, False])
+        mean = lambda old: now if old is None else (1 - PACE) * old + PACE * now  # noqa: E731
+        after_pass, size[3] = size[3], drafted
+        if not drafted:
+            size[0] = size[0] if after_pass else mean(size[0])
+            size[2] = max(0, size[2] - 1)
+            return
+        size[1] = mean(size[1])
+        if size[0] is None:  # nothing to weigh it against yet: steps, timed
+            size[2] = max(size[2], PROBE_STEPS)
+        elif size[1] > size[0]:
+            size[1], size[2] = None, MAX_BACKOFF
 
 
 def adapt(d, drafted: int, taken: int) -> None:

@@ -162,13 +162,15 @@ class PrerouterPlanner:
 
 
 class DraftedRouting(Observing):
-    """What a verify pass of one sequence observes, and the staged layers' routes it makes:
-    the pass's positions are ``tokens`` (the step's token, then the draft). Position 0 routes
-    on the step's own flush (``first``: consumer -> (indices, logits), from ``before``, what
-    the heads observed before the pass). Position j routes on what the consumer's head makes
-    of its owner's observation at position j - 1, in this same pass: the owner runs before
-    its consumer, so each consumer's route is made when its owner's observation arrives and
-    put in ``routes``, which the pass's ``Step`` holds. Each position is predicted from the
+    """What a verify pass observes, and the staged layers' routes it makes: the pass's rows
+    are sequences, each row's positions ``tokens[r]`` (its step's token, then its draft; all
+    rows as long: ``lengths[r]`` are the row's own, the rest pad positions, routed as its
+    last own one, so they stage no expert of their own). Position 0 routes on the step's own
+    flush (``first``: consumer -> (indices, logits) [R, ..], from ``before``, what the heads
+    observed before the pass). Position j routes on what the consumer's head makes of its
+    owner's observation at position j - 1, in this same pass: the owner runs before its
+    consumer, so each consumer's route is made when its owner's observation arrives and put
+    in ``routes``, which the pass's ``Step`` holds. Each position is predicted from the
     inputs a decode step there would have had (the owner's experts one position earlier,
     the token's embedding), the drafted positions together by the head's share of the
     flush's products (``Prerouter.predict``): every position routes as decoding the drafted
@@ -176,12 +178,18 @@ class DraftedRouting(Observing):
     rows, as the pass's every other product. ``planner`` None: the heads only observe (no
     staged layer is routed by them)."""
 
-    def __init__(self, planner: PrerouterPlanner | None, before: Observed, tokens: list[int], first: dict | None):
+    def __init__(self, planner: PrerouterPlanner | None, before: Observed, tokens: list[list[int]],
+                 first: dict | None, lengths: list[int] | None = None):
         super().__init__(before)
         self.planner, self.first, self.routes = planner, first, {}
+        self.rows, self.width = len(tokens), len(tokens[0])
+        lengths = lengths or [self.width] * self.rows
+        # each position's own position: a pad position's is its row's last own one
+        self._own = None if min(lengths) == self.width else B.array(
+            [[min(j, n - 1) for j in range(self.width)] for n in lengths], dtype=B.int32)
         self._tok = None
-        if planner is not None and planner.prerouter.heads.token_dim:
-            self._tok = planner.embed(B.array(tokens[1:], dtype=B.int32).reshape(-1, 1))
+        if planner is not None and planner.prerouter.heads.token_dim and self.width > 1:
+            self._tok = planner.embed(B.array([t[1:] for t in tokens], dtype=B.int32).reshape(-1, 1))
 
     def observe(self, layer: int, x, inds, decode: bool | None = None) -> None:
         super().observe(layer, x, inds, decode)
@@ -191,25 +199,39 @@ class DraftedRouting(Observing):
         consumer = pre.heads.consumer.get(layer)
         if consumer is None or consumer not in self.planner.layers:
             return
+        r, p = self.rows, self.width
         xs, ks = self._last[layer]
+        xs, ks = xs.reshape(r, p, -1), ks.reshape(r, p, -1)
         prev = self._prev.get(layer)
-        if prev is None:
-            prev = B.full(ks[:1].shape, -1, B.int32)
-        n = ks.shape[0] - 1  # positions 1..n, each from the owner at the position before
-        z = pre.predict(layer, xs[:n], ks[:n], B.concat([prev, ks[:n - 1]]), self._tok)
+        prev = B.full((r, 1, ks.shape[-1]), -1, B.int32) if prev is None else prev.reshape(r, 1, -1)
         first_i, first_z = self.first[consumer]
-        logits, staged = B.concat([first_z, z]), None
-        if self.planner.routing == "select":  # (a block's routing code routes each row on its own)
-            inds = B.concat([first_i, self.planner.route(consumer, z, pre.width)])
-            staged = B.one_hot_k(inds, logits.shape[-1], B.int32) > 0
+        logits, inds_ = first_z.reshape(r, 1, -1), first_i.reshape(r, 1, -1)
+        if p > 1:  # positions 1..p-1, each from the owner at the position before
+            flat = lambda a: a[:, :p - 1].reshape(r * (p - 1), -1)  # noqa: E731
+            z = pre.predict(layer, flat(xs), flat(ks), flat(B.concat([prev, ks[:, :p - 2]], axis=1)), self._tok)
+            logits = B.concat([logits, z.reshape(r, p - 1, -1)], axis=1)
+            if self.planner.routing == "select":  # (a block's routing code routes each row on its own)
+                inds_ = B.concat([inds_, self.planner.route(consumer, z, pre.width).reshape(r, p - 1, -1)], axis=1)
+        if self._own is not None:
+            logits = B.take_along_axis(logits, self._own[..., None], axis=1)
+            inds_ = B.take_along_axis(inds_, self._own[..., None], axis=1)
+        logits, staged = logits.reshape(r * p, -1), None
+        if self.planner.routing == "select":
+            staged = B.one_hot_k(inds_.reshape(r * p, -1), logits.shape[-1], B.int32) > 0
         self.routes[consumer] = LayerRoute(self.planner.routing, logits, staged)
 
-    def taken(self, n: int) -> Observed:
-        """What the heads observed once the pass's first ``n`` positions are the sequence's
-        (the rest were not taken): as ``n`` decode steps would have left it."""
-        after = self.after()
-        last = {o: (x[n - 1:n], i[n - 1:n]) for o, (x, i) in after.last.items()}
-        prev = {o: (after.last[o][1][n - 2:n - 1] if n >= 2 else after.prev.get(o)) for o in after.last}
+    def taken(self, n: list[int]) -> Observed:
+        """What the heads observed once each row's first ``n[r]`` positions are its
+        sequence's (the rest were not taken): as those decode steps would have left it."""
+        after, r, p = self.after(), self.rows, self.width
+        at = B.array([c - 1 for c in n], dtype=B.int32).reshape(r, 1, 1)
+        last, prev = {}, {}
+        for o, (x, i) in after.last.items():
+            x, i = x.reshape(r, p, -1), i.reshape(r, p, -1)
+            before = after.prev.get(o)
+            before = B.full((r, 1, i.shape[-1]), -1, B.int32) if before is None else before.reshape(r, 1, -1)
+            last[o] = (B.take_along_axis(x, at, axis=1)[:, 0], B.take_along_axis(i, at, axis=1)[:, 0])
+            prev[o] = B.take_along_axis(B.concat([before, i], axis=1), at, axis=1)[:, 0]  # (position n - 1: before's)
         return Observed(last, prev)
 
 

@@ -253,6 +253,31 @@ def trim_cache(cache: list, n: int) -> bool:
     return trim_prompt_cache(cache, n) == n
 
 
+def trim_rows(cache: list, drop: list[int]) -> None:
+    """Drop the last ``drop[r]`` tokens of each row ``r`` of a cache (a verify pass's
+    positions a row did not take): a sequence's own cache (one row) trimmed; a batch
+    cache's rows trimmed by the fewest, and each row that drops more moved right by the
+    difference, its left padding grown by as much (mlx-lm's ``prepare(right_padding=)`` /
+    ``finalize``: its keys keep their positions, the padding is masked), then the padding
+    every row has cut off the front."""
+    from mlx_lm.models.cache import BatchKVCache
+
+    least = min(drop)
+    trim_cache(cache, least)
+    extra = [d - least for d in drop]
+    if not any(extra):
+        return
+    for c in cache:
+        if not isinstance(c, BatchKVCache):
+            raise TypeError(f"rows of a {type(c).__name__} cannot be trimmed apart")
+        c.prepare(right_padding=extra)
+        c.finalize()
+        keys, values, offset, padding, end = c.state
+        common = min(padding.tolist())
+        if common:
+            c.state = keys[..., common:, :], values[..., common:, :], offset, padding - common, end - common
+
+
 def copy_prefix(cache: list, n: int) -> list | None:
     """A new prompt cache holding the first ``n`` tokens of ``cache``, which is left as it
     is; None when a layer's cache is not a plain KV cache (only those are copied)."""

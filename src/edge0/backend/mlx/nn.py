@@ -37,6 +37,7 @@ from edge0.backend.mlx.generation import (
     rebuild_tokenizer,
     tokenizer_parts,
     trim_cache,
+    trim_rows,
 )
 from edge0.backend.mlx.models import (
     arg_annotations,
@@ -93,5 +94,5 @@ __all__ = [
     "kv_width", "rotary_dims", "split_projections", "switch_experts", "switch_layout", "switch_output_width", "token_embedding",
     "trim_cache", "value_and_grad", "copy_prefix", "batch_cache", "empty_batch_cache", "extend_batch_cache", "extract_batch_row",
     "filter_batch_cache", "is_plain_kv_cache", "row_sampling", "check_start_cache", "load_cache_file",
-    "rebuild_tokenizer", "tokenizer_parts", "draft_greedy",
+    "rebuild_tokenizer", "tokenizer_parts", "draft_greedy", "trim_rows",
 ]
