@@ -241,17 +241,20 @@ def test_prompt_lookup_runs_with_the_demo_s_heads_and_bad_values_are_named():
 
 
 @pytest.mark.parametrize("heads", ["off", "auto"])
-def test_the_server_takes_prompt_lookup_per_request(heads):
+def test_the_server_takes_prompt_lookup_per_request(heads, monkeypatch):
+    from concurrent.futures import ThreadPoolExecutor
+
     import httpx
     import openai
 
+    from edge0.drafts import BatchPace
     from tests.test_server import client, serving
 
     with serving(DEMO, EngineConfig(prerouter=heads, log_level="error")) as (url, state):
         c = client(url)
-        texts = [c.completions.create(model="tiny", prompt=REPEATS[0], max_tokens=30, temperature=0,
-                                      extra_body=extra).choices[0].text
-                 for extra in ({}, {"prompt_lookup": 4})]
+        complete = lambda p, extra: c.completions.create(  # noqa: E731
+            model="tiny", prompt=p, max_tokens=30, temperature=0, extra_body=extra).choices[0].text
+        texts = [complete(REPEATS[0], extra) for extra in ({}, {"prompt_lookup": 4})]
         assert texts[0] == texts[1] and texts[0]
         m = state.engine.metrics()
         assert m.last_generation.verify_passes > 0 and m.accepted_tokens == m.last_generation.accepted_tokens > 0
@@ -261,6 +264,13 @@ def test_the_server_takes_prompt_lookup_per_request(heads):
         assert f"edge0_draft_tokens_accepted_total {m.accepted_tokens}" in metrics
         with pytest.raises(openai.BadRequestError, match="prompt_lookup"):
             c.completions.create(model="tiny", prompt="x", max_tokens=2, extra_body={"prompt_lookup": 17})
+        # requests with and without drafts at once, their passes shared: each its own text
+        plain = [complete(p, {}) for p in REPEATS + [FREE]]
+        monkeypatch.setattr(BatchPace, "allows", lambda self, rows: True)
+        passes = state.engine.metrics().verify_passes
+        with ThreadPoolExecutor(3) as pool:
+            both = list(pool.map(complete, REPEATS + [FREE], [{"prompt_lookup": 4}, {}, {"prompt_lookup": 2}]))
+        assert both == plain and state.engine.metrics().verify_passes > passes
 
 
 @pytest.mark.parametrize("heads", ["off", "auto"])
