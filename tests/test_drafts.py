@@ -8,7 +8,7 @@ from edge0.errors import ConfigError
 
 
 def _lookup(seq, **kw) -> PromptLookup:
-    d = PromptLookup(kw.pop("max_draft", 4), **{"ngram_min": 1, **kw})
+    d = PromptLookup(kw.pop("max_draft", 4), **{"ngram_min": 1, "trusted": True, **kw})
     d.extend(seq)
     return d
 
@@ -64,15 +64,30 @@ def test_drafting_pauses_after_passes_that_took_nothing_and_the_pause_doubles():
 
 
 def test_one_repeated_token_drafts_nothing_by_default():
-    d = PromptLookup(4)
+    d = PromptLookup(4, trusted=True)
     d.extend([5, 1, 2, 3, 9, 1])
     assert d.propose() == []  # "1" alone occurred before; "9 1" did not
     d.extend([2])
     assert d.propose() == [3, 9, 1, 2]
 
 
+def test_until_a_pass_took_a_draft_only_the_longest_runs_draft():
+    """Text that does not repeat recurs in short runs by chance: until a pass took one of
+    its drafts, a sequence drafts on matches of ``ngram_max`` tokens only."""
+    d = PromptLookup(4)  # 3 tokens, then 2
+    d.extend([5, 1, 2, 3, 9, 1, 2])
+    assert not d.ready() and d.propose() == []  # "1 2" occurred before, "9 1 2" did not
+    d.extend([3])
+    assert d.ready() and d.propose() == [9, 1, 2, 3]  # "1 2 3" did
+    d.accepted(4, 0)
+    d.extend([7, 1, 2])
+    assert d.propose() == []
+    d.accepted(1, 1)  # a pass took a draft: "1 2" drafts now
+    assert d.ready() and d.propose() == [3, 7]
+
+
 def test_a_long_sequence_is_indexed_as_it_grows():
-    d = PromptLookup(3)  # the defaults: 3 tokens, then 2
+    d = PromptLookup(3, trusted=True)  # the defaults: 3 tokens, then 2
     seq = list(range(1000)) * 3
     d.extend(seq)
     d.extend([10, 11])

@@ -46,11 +46,12 @@ def _run(config: dict, prompts, **sampling) -> list[tuple[list[int], object, lis
         return out
 
 
-# every sampling on the paths the README shows (the demo's default among them); the heads'
-# other flushes and sources, and the heads merely observing, on fewer
-CASES = ([(path, sampling) for path in ("exact", "hot", "whole_layer", "staged_heads") for sampling in SAMPLING]
-         + [(path, sampling) for path in ("staged_heads_replace_numpy", "staged_heads_mlx_slots")
-            for sampling in ("greedy", "sampled")] + [("exact_heads_observing", "greedy")])
+# every sampling on the exact path and the demo's default, greedy and sampled on the README's other
+# paths; the heads' other flushes and sources, and the heads merely observing, on one each
+CASES = ([(path, sampling) for path in ("exact", "staged_heads") for sampling in SAMPLING]
+         + [(path, sampling) for path in ("hot", "whole_layer") for sampling in ("greedy", "sampled")]
+         + [("staged_heads_replace_numpy", "greedy"), ("staged_heads_mlx_slots", "sampled"),
+            ("exact_heads_observing", "greedy")])
 
 
 @pytest.mark.parametrize("path, sampling", CASES)
@@ -264,6 +265,8 @@ def test_the_server_takes_prompt_lookup_per_request(heads, monkeypatch):
         assert f"edge0_draft_tokens_accepted_total {m.accepted_tokens}" in metrics
         with pytest.raises(openai.BadRequestError, match="prompt_lookup"):
             c.completions.create(model="tiny", prompt="x", max_tokens=2, extra_body={"prompt_lookup": 17})
+        if heads == "off":
+            return
         # requests with and without drafts at once, their passes shared: each its own text
         plain = [complete(p, {}) for p in REPEATS + [FREE]]
         monkeypatch.setattr(BatchPace, "allows", lambda self, rows: True)
@@ -522,21 +525,22 @@ def test_the_batch_loop_times_a_draft_model_s_tokens_and_pauses_it_where_they_co
         assert not unpaid and first.verify_passes > 5 and second.verify_passes > 5
 
 
-@pytest.mark.parametrize("drafting", [dict(prompt_lookup=4), dict(draft_model=str(DEMO), num_draft_tokens=3)])
-def test_sampled_tokens_keep_their_distribution_over_many_draws(drafting):
-    """Sampled at temperature 1 with 48 seeds: the tokens drafting gives are distributed as
-    those without drafts (each draw, its seed's tokens), with drafts taken and refused."""
+def test_sampled_tokens_keep_their_distribution_over_many_draws():
+    """Sampled at temperature 1 with 32 seeds: the tokens prompt lookup's drafts give are
+    distributed as those without drafts (each draw, its seed's tokens), with drafts taken
+    and refused. (A draft model's sampled tokens: the draft model's test above.)"""
+    drafting = dict(prompt_lookup=4)
     from collections import Counter
 
     def draws(config):
         with Engine(DEMO, EngineConfig(prerouter="off", log_level="error", **config)) as e:
-            out = [[ev.token for ev in e.stream(REPEATS[1], max_tokens=8, temp=1.0, seed=seed)] for seed in range(48)]
+            out = [[ev.token for ev in e.stream(REPEATS[1], max_tokens=6, temp=1.0, seed=seed)] for seed in range(32)]
             return out, e.metrics()
 
     plain, _ = draws({})
     drafted, m = draws(drafting)
     at = lambda d, j: d[j] if j < len(d) else None  # noqa: E731  (a draw may end early)
-    for j in range(8):  # each position's tokens over the draws
+    for j in range(6):  # each position's tokens over the draws
         assert Counter(at(d, j) for d in drafted) == Counter(at(p, j) for p in plain)
     assert drafted == plain
     assert 0 < m.accepted_tokens < m.draft_tokens  # drafts were taken and refused

@@ -6,7 +6,8 @@ with --out, writes the figures as JSON. The engines' settings are the defaults (
 its heads, select routing, its adapter) but for the flags given.
 
     python tools/prompt_lookup_bench.py [--model DIR] [--rounds 9] [--max-tokens 128] [--lookup 4]
-        [--prerouter auto] [--expert-source auto] [--slot-budget-mb MB] [--together] [--out FILE]
+        [--prerouter auto] [--expert-source auto] [--slot-budget-mb MB] [--together] [--case free]
+        [--out FILE]
 
 ``--draft-model DIR`` (with ``--num-draft-tokens N``): the drafting engine drafts with that
 model instead of by prompt lookup. ``--together``: the three texts at once, sharing the
@@ -112,6 +113,7 @@ def main() -> None:
     ap.add_argument("--draft-model", default=None, help="draft with this model instead of by prompt lookup")
     ap.add_argument("--num-draft-tokens", type=int, default=3)
     ap.add_argument("--together", action="store_true", help="the three texts at once, sharing steps")
+    ap.add_argument("--case", default=None, help="only the texts whose name starts with this (repeating, free)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.model is None:
@@ -129,6 +131,8 @@ def main() -> None:
         if args.together:
             rows.append(_together(engines, args))
         for case, (prompt, sampling) in ({} if args.together else CASES).items():
+            if args.case and not case.startswith(args.case):
+                continue
             for e in engines.values():  # warm-up
                 run(e, prompt, 8, sampling)
             tps = {k: [] for k in engines}

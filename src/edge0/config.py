@@ -282,7 +282,8 @@ class EngineConfig:
     prompt_lookup_ngram: int = setting(
         3,
         "Prompt lookup: the longest run of the sequence's last tokens it looks for (it tries this many, then "
-        "fewer, down to two: one repeated token alone drafts mostly what is not taken).",
+        "fewer, down to two: one repeated token alone drafts mostly what is not taken; until a pass took a "
+        "draft, only runs of this many draft).",
         lo=2, hi=8, why="an integer from 2 to 8")
     expert_source: str = setting(
         "auto",

@@ -6,7 +6,8 @@ a draft model (mlx-lm's ``--draft-model``: a small model's greedy continuation).
 single repeated token proposes mostly what is not taken), where each n-gram of the
 sequence last ended, updated as tokens are appended (a few dictionary writes a token), so
 a lookup costs the same after a prompt of 100,000 tokens as after one of 10. The longest
-n that matches wins; a match proposes what followed it, at most ``k`` tokens.
+n that matches wins; a match proposes what followed it, at most ``k`` tokens. Until a pass
+took one of a sequence's drafts, only matches of ``ngram_max`` tokens draft.
 
 How many it proposes adapts to what the verify passes accepted: after a pass that took
 every draft, one more (up to ``max_draft``); after one that took ``a`` of them, ``a + 1``.
@@ -174,6 +175,7 @@ class PromptLookup:
     pause: int = 0  # decode steps left without drafting
     backoff: int = BACKOFF_STEPS
     made: float = MADE_AT_START  # the verify passes' running mean of tokens made (``adapt``)
+    trusted: bool = False  # a pass took one of its drafts: shorter matches than ngram_max may draft
     _ends: dict = field(default_factory=dict)  # (n-gram) -> the position after its latest occurrence
 
     def __post_init__(self):
@@ -203,7 +205,12 @@ class PromptLookup:
         """Whether ``propose`` would propose a draft now (nothing changes)."""
         seq = self.tokens
         return self.pause == 0 and any(tuple(seq[len(seq) - n:]) in self._ends
-                                       for n in range(self.ngram_min, min(self.ngram_max, len(seq)) + 1))
+                                       for n in range(self._shortest(), min(self.ngram_max, len(seq)) + 1))
+
+    def _shortest(self) -> int:
+        """The shortest match that drafts: ``ngram_max`` until a pass took a draft (in text
+        that does not repeat, short runs recur by chance and their drafts are refused)."""
+        return self.ngram_min if self.trusted else self.ngram_max
 
     def propose(self) -> list[int]:
         """The draft for the next step (empty: decode without one)."""
@@ -211,7 +218,7 @@ class PromptLookup:
             self.pause -= 1
             return []
         seq = self.tokens
-        for n in range(min(self.ngram_max, len(seq)), self.ngram_min - 1, -1):
+        for n in range(min(self.ngram_max, len(seq)), self._shortest() - 1, -1):
             at = self._ends.get(tuple(seq[len(seq) - n:]))
             if at is not None:
                 return seq[at:at + self.k]
@@ -219,4 +226,5 @@ class PromptLookup:
 
     def accepted(self, drafted: int, taken: int) -> None:
         """After a verify pass of ``drafted`` tokens that took ``taken`` of them."""
+        self.trusted = self.trusted or taken > 0
         adapt(self, drafted, taken)
