@@ -7,7 +7,7 @@ its heads, select routing, its adapter) but for the flags given.
 
     python tools/prompt_lookup_bench.py [--model DIR] [--rounds 9] [--max-tokens 128] [--lookup 4]
         [--prerouter auto] [--expert-source auto] [--slot-budget-mb MB] [--together] [--case free]
-        [--out FILE]
+        [--ngram 3] [--out FILE]
 
 ``--draft-model DIR`` (with ``--num-draft-tokens N``): the drafting engine drafts with that
 model instead of by prompt lookup. ``--together``: the three texts at once, sharing the
@@ -106,7 +106,9 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="checkpoint (default: the demo model)")
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--lookup", type=int, default=4, help="prompt_lookup: the most tokens a step drafts")
+    ap.add_argument("--lookup", type=int, default=4,
+                    help="prompt_lookup: the most tokens a step drafts (0: none, two engines alike, a control)")
+    ap.add_argument("--ngram", type=int, default=3, help="the drafting engine's prompt_lookup_ngram")
     ap.add_argument("--prerouter", default="auto", help="the engines' prerouter setting")
     ap.add_argument("--expert-source", default="auto", help="the engines' expert_source (slots: the reads counted)")
     ap.add_argument("--slot-budget-mb", type=int, default=None, help="the engines' slot_budget_mb (0: slots never grow)")
@@ -123,7 +125,7 @@ def main() -> None:
     base = dict(prerouter=args.prerouter, expert_source=args.expert_source, slot_budget_mb=args.slot_budget_mb,
                 log_level="error")
     drafting = (dict(draft_model=args.draft_model, num_draft_tokens=args.num_draft_tokens) if args.draft_model
-                else dict(prompt_lookup=args.lookup))
+                else dict(prompt_lookup=args.lookup, prompt_lookup_ngram=args.ngram))
     engines = {"off": Engine(args.model, EngineConfig(**base)),
                "lookup": Engine(args.model, EngineConfig(**base, **drafting))}
     rows = []
