@@ -146,7 +146,8 @@ def test_rows_with_and_without_drafts_share_steps_and_give_their_tokens(heads, m
     assert 0 < m.verify_passes < m.decode_steps and m.accepted_tokens == sum(s.accepted_tokens for s in stats)
 
 
-def test_a_row_whose_sampler_fails_in_a_shared_pass_fails_alone(monkeypatch):
+@pytest.mark.parametrize("heads", ["off", "auto"])
+def test_a_row_whose_sampler_fails_in_a_shared_pass_fails_alone(heads, monkeypatch):
     """A row whose sampling raises inside a verify pass it shares: its generation ends
     with that error; the other rows go on with their tokens."""
     import edge0.decoding
@@ -170,7 +171,7 @@ def test_a_row_whose_sampler_fails_in_a_shared_pass_fails_alone(monkeypatch):
                 return str(err)
         return await asyncio.gather(*(one(p, n) for p, n in zip(REPEATS + [FREE], [24, 23, 24])))
 
-    with Engine(DEMO, EngineConfig(prerouter="off", log_level="error")) as e:
+    with Engine(DEMO, EngineConfig(prerouter=heads, log_level="error")) as e:
         plain = asyncio.run(together(e))
         monkeypatch.setattr(edge0.decoding, "_sample", failing)
         monkeypatch.setattr(edge0.decoding.Decoder, "verify", passes)

@@ -224,7 +224,7 @@ class DraftedRouting(Observing):
         """What the heads observed once each row's first ``n[r]`` positions are its
         sequence's (the rest were not taken): as those decode steps would have left it."""
         after, r, p = self.after(), self.rows, self.width
-        at = B.array([c - 1 for c in n], dtype=B.int32).reshape(r, 1, 1)
+        at = B.array([max(c, 1) - 1 for c in n], dtype=B.int32).reshape(r, 1, 1)  # (0: a failed row, leaving)
         last, prev = {}, {}
         for o, (x, i) in after.last.items():
             x, i = x.reshape(r, p, -1), i.reshape(r, p, -1)
