@@ -207,15 +207,15 @@ def test_train_heads_says_when_the_adapter_beside_is_superseded(tmp_path):
 
     d = tmp_path / "demo"
     shutil.copytree(PACKAGED_DEMO, d)
-    r = run_cli("train", "heads", "--model", str(d), "--data", "model", "--tokens", "600", "--heldout-tokens", "150",
-                "--steps", "4", "--no-progress")
+    r = run_cli("train", "heads", "--model", str(d), "--data", "model", "--tokens", "160", "--heldout-tokens", "40",
+                "--steps", "2", "--no-progress")
     assert r.returncode == 0, r.stderr[-2000:]
     assert f"note: {d / 'adapter'} was trained under the heads these replace" in r.stderr + r.stdout
     refused = run_cli("generate", "--model", str(d), "--max-tokens", "2")
     assert refused.returncode != 0 and "trained under other prerouter heads" in refused.stderr
     assert run_cli("generate", "--model", str(d), "--max-tokens", "2", "--adapter", "off").returncode == 0
-    aside = run_cli("train", "heads", "--model", str(d), "--data", "model", "--tokens", "600", "--heldout-tokens",
-                    "150", "--steps", "4", "--no-progress", "--out", str(tmp_path / "h.safetensors"),
+    aside = run_cli("train", "heads", "--model", str(d), "--data", "model", "--tokens", "160", "--heldout-tokens",
+                    "40", "--steps", "2", "--no-progress", "--out", str(tmp_path / "h.safetensors"),
                     "--routing", "select", "--stage-extra", "2", "--over-memory", "select:0")
     assert aside.returncode == 0 and "note:" not in aside.stderr + aside.stdout  # nothing beside it changed
     from edge0.model.safetensors_header import read_header

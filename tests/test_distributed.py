@@ -322,7 +322,7 @@ HYBRID = {"qwen3_5_moe": "linear attention beside full attention, a vision-langu
           "granitemoe": "an 8-bit head quantized apart from the rest"}
 
 
-@pytest.mark.parametrize("family", [f if f in ("qwen3_5_moe", "jamba") else pytest.param(f, marks=pytest.mark.slow)
+@pytest.mark.parametrize("family", [f if f == "qwen3_5_moe" else pytest.param(f, marks=pytest.mark.slow)
                                     for f in sorted(HYBRID)])  # (the slow ones: the suite's time on two cores)
 def test_models_with_other_caches_and_layouts_run_under_two_ranks(tiny_model_factory, tmp_path, family):
     """Each rank's stand-ins for the other's layers keep the caches the model makes for them
@@ -517,7 +517,7 @@ def test_pipeline_layers_alone_is_refused(piped):
         Engine(piped[0], EngineConfig(prerouter="off", pipeline_layers="0-1,2-3"))
 
 
-@pytest.mark.parametrize("micro", [1, 2])
+@pytest.mark.parametrize("micro", [pytest.param(1, marks=pytest.mark.slow), 2])  # (1 slow: the suite's time on two cores)
 def test_serve_under_two_ranks_answers_the_openai_client_and_a_client_that_leaves_frees_both(piped, micro):
     """Rank 0 answers HTTP and hands each generation to rank 1, which computes its layers of
     every token; a client that leaves mid-stream ends the generation on both ranks (the next

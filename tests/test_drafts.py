@@ -199,3 +199,24 @@ def test_a_batch_size_s_drafting_pauses_where_its_passes_cost_more_a_token_than_
         assert not p.allows(3)
         p.record(3, 0.009, 3, drafted=False)
     assert p.allows(3)
+
+
+def test_the_bench_on_one_engine_drafts_in_one_arm_only(tmp_path):
+    """tools/prompt_lookup_bench.py --same-engine (docs/BENCHMARKS.md's free-text figures):
+    one engine runs both arms, the one without drafts asking for none by its requests; both
+    make the same tokens, and each round's rates are kept."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import prompt_lookup_bench
+
+    out = tmp_path / "r.json"
+    prompt_lookup_bench.main(["--same-engine", "--case", "repeating: lines", "--rounds", "2", "--max-tokens", "16",
+                              "--out", str(out)])
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["same_tokens"] and row["off_verify_passes"] == 0 and row["verify_passes"] > 0, row
+    assert len(row["rates"]["off"]) == len(row["rates"]["lookup"]) == 2
+    lo, hi = row["paired_mean_ci95"]
+    assert lo <= row["paired_mean"] <= hi

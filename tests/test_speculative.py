@@ -242,8 +242,8 @@ def test_prompt_lookup_runs_with_the_demo_s_heads_and_bad_values_are_named():
             EngineConfig(**{field: bad})
 
 
-@pytest.mark.parametrize("heads", ["off", "auto"])
-def test_the_server_takes_prompt_lookup_per_request(heads, monkeypatch):
+def test_the_server_takes_prompt_lookup_per_request(monkeypatch):
+    """With the demo's heads (the engine's tokens with and without them: the tests above)."""
     from concurrent.futures import ThreadPoolExecutor
 
     import httpx
@@ -252,7 +252,7 @@ def test_the_server_takes_prompt_lookup_per_request(heads, monkeypatch):
     from edge0.drafts import BatchPace
     from tests.test_server import client, serving
 
-    with serving(DEMO, EngineConfig(prerouter=heads, log_level="error")) as (url, state):
+    with serving(DEMO, EngineConfig(log_level="error")) as (url, state):
         c = client(url)
         complete = lambda p, extra: c.completions.create(  # noqa: E731
             model="tiny", prompt=p, max_tokens=30, temperature=0, extra_body=extra).choices[0].text
@@ -266,8 +266,6 @@ def test_the_server_takes_prompt_lookup_per_request(heads, monkeypatch):
         assert f"edge0_draft_tokens_accepted_total {m.accepted_tokens}" in metrics
         with pytest.raises(openai.BadRequestError, match="prompt_lookup"):
             c.completions.create(model="tiny", prompt="x", max_tokens=2, extra_body={"prompt_lookup": 17})
-        if heads == "off":
-            return
         # requests with and without drafts at once, their passes shared: each its own text
         plain = [complete(p, {}) for p in REPEATS + [FREE]]
         monkeypatch.setattr(BatchPace, "allows", lambda self, rows: True)
